@@ -1,0 +1,171 @@
+"""The task graph: the contract between the compiler and the runtime.
+
+Plain dataclasses, serialisable to JSON, identical on every rank (SPMD: a
+rank's shard index is bound only at run time).
+
+Buffers are named ``<state>[<unit>]`` with an optional ``@<tier>`` suffix for
+a staging copy away from the state's home tier, e.g. ``param_shard[3]``,
+``param_full[3]``, ``grad_shard[3]@host``, ``optim[3]``, ``act[4]``.
+The graph covers one optimizer step (all micro-batches); the runtime runs
+it once per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+# Tiers, nearest the compute first.
+TIERS = ("device", "host", "nvme")
+
+# Lanes per device. Within a lane ops run in graph order; across lanes only
+# dependencies order them.
+LANES = ("compute", "comm", "h2d", "d2h", "nvme", "host")
+
+# Buffer kinds. ``state`` says which model state a buffer is part of (for the
+# planner's split of memory into parameters, gradients and optimizer), or
+# None for working buffers.
+BUFFER_KINDS = {
+    "param_shard": "parameters",   # this rank's shard of a unit's parameters (compute dtype)
+    "param_full": "parameters",    # a unit's gathered parameters (model state at stages 0-2, working at 3)
+    "grad_full": "gradients",      # a unit's full gradient (model state at stages 0-1, working at 2-3)
+    "grad_shard": "gradients",     # this rank's reduced gradient shard
+    "optim": "optimizer",          # fp32 master shard (mixed precision) and moments
+    "act": None,                   # a unit's saved input (and autograd's saved tensors unless recomputed)
+    "act_grad": None,              # gradient w.r.t. a unit's input
+    "norm": None,                  # the global gradient norm / overflow flag (a scalar)
+    "loss": None,                  # the step's loss (a scalar)
+}
+
+# Op kinds and the lane each runs on by default.
+OP_LANES = {
+    "compute.forward": "compute",
+    "compute.backward": "compute",
+    "compute.recompute": "compute",
+    "compute.norm": "compute",
+    "compute.step": "compute",      # lane "host" when the step runs on the host
+    "comm.all_gather": "comm",
+    "comm.reduce_scatter": "comm",
+    "comm.all_reduce": "comm",
+    "copy.h2d": "h2d",
+    "copy.d2h": "d2h",
+    "nvme.read": "nvme",
+    "nvme.write": "nvme",
+    "mem.free": "compute",          # frees are bookkeeping; lane chosen by the lowering
+}
+
+COLLECTIVE_KINDS = ("comm.all_gather", "comm.reduce_scatter", "comm.all_reduce")
+
+
+def buffer_name(kind: str, unit: int | None = None, tier: str | None = None) -> str:
+    """``param_full[3]``, ``grad_shard[3]@host``, ``norm``."""
+    name = kind if unit is None else f"{kind}[{unit}]"
+    return name if tier is None else f"{name}@{tier}"
+
+
+def parse_buffer_name(name: str) -> tuple[str, int | None, str | None]:
+    """Inverse of :func:`buffer_name`."""
+    base, _, tier = name.partition("@")
+    if "[" in base:
+        kind, _, rest = base.partition("[")
+        return kind, int(rest.rstrip("]")), tier or None
+    return base, None, tier or None
+
+
+@dataclass
+class Buffer:
+    name: str                 # unique in the graph, see buffer_name()
+    kind: str                 # one of BUFFER_KINDS
+    unit: int | None
+    tier: str                 # one of TIERS
+    bytes: int                # bytes this buffer holds on one rank when live
+    persistent: bool = False  # model state: live for the whole step, never freed
+    dtype: str = "fp32"       # "fp32", "bf16", "fp16"
+
+    @property
+    def state(self) -> str | None:
+        """parameters / gradients / optimizer for model states, else None."""
+        return BUFFER_KINDS[self.kind] if self.persistent else None
+
+
+@dataclass
+class Op:
+    id: int                   # position in issue order (graph order)
+    kind: str                 # one of OP_LANES
+    lane: str                 # one of LANES
+    unit: int | None
+    reads: list[str] = field(default_factory=list)
+    writes: list[str] = field(default_factory=list)
+    bytes: int = 0            # bytes moved (comm: per rank sent+received payload; copy/nvme: bytes)
+    flops: float = 0.0        # compute ops
+    deps: list[int] = field(default_factory=list)  # op ids, derived from reads/writes
+    micro: int = 0            # micro-batch index (gradient accumulation)
+    phase: str = ""           # "forward", "backward", "step"
+    part: int = 0             # bucket part of a unit's flat buffer (collectives split by bucket size)
+    parts: int = 1
+    accumulate: bool = False  # reduce_scatter / backward: add into the destination instead of overwrite
+    span: tuple[int, int] | None = None  # (line, column) of the .zs statement that emitted it
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVE_KINDS
+
+
+@dataclass
+class UnitInfo:
+    """What the runtime and planner need to know of one unit."""
+    index: int
+    name: str                 # "embedding", "block.3", "head"
+    numel: int                # parameters owned by this unit
+    padded_numel: int         # numel padded so every part splits evenly over ranks
+    shard_numel: int          # padded_numel // ranks
+    parts: int = 1            # bucket parts (see zdsl.layout)
+    uses: list[int] = field(default_factory=list)   # other units whose parameters it reads (tied weights)
+    recompute: bool = False
+    persistent: bool = False  # stays gathered for the whole step (persistence threshold)
+    act_bytes: int = 0        # activation bytes saved per micro-batch (without recompute)
+    input_bytes: int = 0      # bytes of the unit's input per micro-batch
+    fwd_flops: float = 0.0    # per micro-batch
+
+
+@dataclass
+class TaskGraph:
+    """One optimizer step of a schedule, for one (any) rank."""
+    schedule: str
+    ranks: int
+    stage: int
+    precision: str
+    accumulate: int
+    units: list[UnitInfo]
+    buffers: dict[str, Buffer]
+    ops: list[Op]
+    config: dict = field(default_factory=dict)  # the checked schedule as plain JSON (train, optimizer, offload, ...)
+
+    # -- serialisation -------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "TaskGraph":
+        raw = json.loads(text)
+        raw["units"] = [UnitInfo(**u) for u in raw["units"]]
+        raw["buffers"] = {k: Buffer(**b) for k, b in raw["buffers"].items()}
+        ops = []
+        for o in raw["ops"]:
+            if o.get("span") is not None:
+                o["span"] = tuple(o["span"])
+            ops.append(Op(**o))
+        raw["ops"] = ops
+        return cls(**raw)
+
+    def digest(self) -> str:
+        """Hash the ranks exchange before the first step: equal graphs, equal digests."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    # -- queries ---------------------------------------------------------------
+    def lane_ops(self, lane: str) -> list[Op]:
+        return [op for op in self.ops if op.lane == lane]
+
+    def collectives(self) -> list[Op]:
+        return [op for op in self.ops if op.is_collective]

@@ -1,0 +1,165 @@
+"""The checked schedule: typed, defaults filled, names resolved.
+
+The checker (``zdsl.check``) builds a :class:`Schedule` from the AST; the
+lowering (``zdsl.lower``) turns it into pipelines and a task graph; the
+runtime reads ``TaskGraph.config`` (``Schedule.to_config()``) for the
+training settings. Every field that came from the source keeps the
+:class:`Span` of its statement so later stages can point at it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+STATES = ("optimizer", "gradients", "parameters")   # ZeRO's order
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("cpu", "cuda", "auto")
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a statement or token is in a .zs file (1-based line and column)."""
+    file: str
+    line: int
+    column: int
+    end_column: int | None = None
+
+
+@dataclass
+class ModelSpec:
+    kind: str                              # "gpt" or "user"
+    args: dict = field(default_factory=dict)
+    factory: str | None = None             # "path/to/file.py:build" or "pkg.module:build" for kind "user"
+
+
+@dataclass
+class DataSpec:
+    kind: str                              # "corpus" or "synthetic"
+    source: str | None = None              # corpus: "stdlib" or a path
+    args: dict = field(default_factory=dict)   # context=..., vocab=...
+
+
+@dataclass
+class TrainSpec:
+    steps: int = 10
+    batch: int = 8                         # sequences per rank per micro-batch
+    accumulate: int = 1                    # micro-batches per optimizer step
+    precision: str = "fp32"
+    seed: int = 0
+
+
+@dataclass
+class OptimizerSpec:
+    kind: str = "adamw"                    # "adamw", "adam", "sgd"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0                  # sgd
+    clip: float | None = None              # max global gradient norm
+
+
+@dataclass
+class Placement:
+    """Where one kind of state lives (``offload STATE -> TIER``)."""
+    tier: str = "device"                   # "device", "cpu" (host memory) or "nvme"
+    path: str | None = None                # nvme folder
+    pinned: bool = True                    # host buffers pinned where CUDA is present
+    ratio: float = 1.0                     # share of units offloaded (partial offload), from the last unit back
+    block_bytes: int = 1 << 20             # nvme I/O block size
+    queue_depth: int = 8                   # nvme concurrent requests
+
+
+@dataclass
+class MachineProfile:
+    """Rates the cost model uses. Bytes per second and flop per second."""
+    name: str = "cpu"
+    flops: float = 5e10                    # device matmul rate
+    host_flops: float = 5e10               # host rate (optimizer step on the host)
+    link_bandwidth: float = 2e9            # collective bus bandwidth per rank
+    link_latency: float = 5e-5             # per collective
+    pcie_bandwidth: float = 1e10           # host<->device copies
+    disk_read: float = 1.5e9
+    disk_write: float = 2e9
+    memory_bandwidth: float = 1e10         # elementwise work (optimizer step)
+
+
+@dataclass
+class CheckpointSpec:
+    every: int
+    dir: str
+    keep: int = 0                          # 0 keeps all
+
+
+# -- pipelines level -----------------------------------------------------------
+
+@dataclass
+class Ref:
+    """``parameters[u+2]``: a state and an offset from the template's unit."""
+    state: str                             # "parameters", "gradients", "optimizer", "activations"
+    offset: int = 0
+    absolute: int | None = None            # ``parameters[0]``: a fixed unit
+
+
+@dataclass
+class PipeStmt:
+    """One statement of a pipeline template.
+
+    verb: gather | scatter | reduce | read | write | copy | compute |
+          recompute | free | step
+    ref:  the buffer the verb acts on (compute/recompute/step: offset of the unit)
+    tier: ``read X from nvme`` -> "nvme"; ``copy X to host`` -> "host";
+          ``step u on cpu`` -> "cpu"
+    """
+    verb: str
+    ref: Ref
+    tier: str | None = None
+    span: Span | None = None
+
+
+@dataclass
+class Pipeline:
+    phase: str                             # "forward", "backward", "step"
+    var: str                               # the unit variable, e.g. "u"
+    body: list[PipeStmt] = field(default_factory=list)
+    span: Span | None = None
+
+
+@dataclass
+class Schedule:
+    name: str
+    description: str = ""
+    file: str = "<string>"
+    model: ModelSpec = field(default_factory=lambda: ModelSpec("gpt"))
+    data: DataSpec = field(default_factory=lambda: DataSpec("synthetic"))
+    train: TrainSpec = field(default_factory=TrainSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    ranks: int = 1
+    device: str = "auto"
+    stage: int = 0                         # 0..3: how many of STATES are sharded
+    placement: dict[str, Placement] = field(default_factory=dict)   # state -> where; missing = device
+    prefetch: int = 1                      # units ahead for parameter gathers (and nvme reads)
+    bucket_bytes: int = 0                  # max bytes per collective; 0 = one per unit
+    overlap: set[str] = field(default_factory=lambda: {"gather/forward", "gather/backward",
+                                                        "scatter/backward", "read/forward",
+                                                        "read/backward", "write/step"})
+    recompute: set[int] = field(default_factory=set)   # unit indices; resolved by the checker
+    persist_below: int = 0                 # units with fewer parameters stay gathered (stage 3)
+    memory: dict[str, int] = field(default_factory=dict)  # tier -> budget bytes
+    machine: MachineProfile = field(default_factory=MachineProfile)
+    checkpoint: CheckpointSpec | None = None
+    pipelines: dict[str, Pipeline] = field(default_factory=dict)    # written by hand, else lowered
+    spans: dict[str, Span] = field(default_factory=dict)   # statement keyword -> where it was set
+
+    def placed(self, state: str) -> Placement:
+        return self.placement.get(state, Placement())
+
+    def to_config(self) -> dict:
+        """Plain-JSON view for TaskGraph.config (what the runtime reads)."""
+        raw = dataclasses.asdict(self)
+        raw.pop("spans")
+        raw.pop("pipelines")
+        raw["overlap"] = sorted(self.overlap)
+        raw["recompute"] = sorted(self.recompute)
+        raw["optimizer"]["betas"] = list(self.optimizer.betas)
+        return raw
