@@ -1,0 +1,1 @@
+"""The grammar of .zs files, shipped as package data."""

@@ -1,0 +1,1 @@
+"""zdsl.runtime: the executor. The only part of zdsl that imports torch."""

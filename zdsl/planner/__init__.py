@@ -1,0 +1,1 @@
+"""Cost model and simulator: memory per tier, communication, predicted step time."""
