@@ -1,0 +1,108 @@
+"""Overlap figures on hand-made graphs whose answers are worked out by hand."""
+import time
+
+import pytest
+
+from zdsl.ir import Op, TaskGraph
+from zdsl.overlap import analyze, summarize, times_from_trace
+
+
+def graph_of(ops):
+    return TaskGraph(schedule="t", ranks=2, stage=3, precision="fp32", accumulate=1,
+                     units=[], buffers={}, ops=ops)
+
+
+def op(i, kind, lane, unit=None, deps=()):
+    return Op(id=i, kind=kind, lane=lane, unit=unit, deps=list(deps))
+
+
+# Two gathers feed two forwards; a reduce-scatter waits on the second forward
+# after a 0.5 s gap; a third forward needs nothing; a free has no time.
+#
+#   comm    |ag0|ag1|       ..|--rs--|
+#   compute     |-fwd0-|-fwd1-|fwd2|
+#           0   1   2   3   4   5  5.5  7
+GRAPH = graph_of([
+    op(0, "comm.all_gather", "comm", 0),
+    op(1, "compute.forward", "compute", 0, deps=[0]),
+    op(2, "comm.all_gather", "comm", 1),
+    op(3, "compute.forward", "compute", 1, deps=[2]),
+    op(4, "comm.reduce_scatter", "comm", 1, deps=[3]),
+    op(5, "compute.forward", "compute", 2),
+    op(6, "mem.free", "compute", 0, deps=[1]),
+])
+TIMES = {0: (0.0, 1.0), 1: (1.0, 3.0), 2: (1.0, 2.0), 3: (3.0, 5.0),
+         4: (5.5, 7.0), 5: (5.0, 6.0)}
+
+
+def test_known_answer():
+    r = analyze(GRAPH, TIMES, rank=0)
+    assert r.step_time == pytest.approx(7.0)
+    assert r.lane_busy == pytest.approx({"comm": 3.5, "compute": 5.0})
+    assert r.lane_share["compute"] == pytest.approx(5.0 / 7.0)
+    assert r.busiest_lane == "compute"
+    assert r.dep_chain == pytest.approx(4.5)          # ag1 -> fwd1 -> rs
+    assert r.critical_length == pytest.approx(6.5)    # ag0 -> fwd0 -> fwd1 -> rs (lane order)
+    assert r.critical_path == [0, 1, 3, 4]
+    assert r.critical_by_kind == pytest.approx(
+        {"comm.all_gather": 1.0, "compute.forward": 4.0, "comm.reduce_scatter": 1.5})
+    assert r.lower_bound == pytest.approx(5.0)        # the compute lane
+    assert r.efficiency == pytest.approx(5.0 / 7.0)
+    text = r.format(GRAPH)
+    assert "efficiency 0.71" in text and "set by lane compute" in text
+    assert "comm.all_gather[0] -> compute.forward[0]" in text
+    m = r.to_metrics()
+    assert m["critical_path_ops"] == 4 and m["overlap_efficiency"] == pytest.approx(5 / 7)
+
+
+def test_dependency_chain_bounds_a_serial_graph():
+    # A chain alternating lanes: nothing can overlap, the chain is the bound.
+    g = graph_of([op(i, "comm.all_gather" if i % 2 == 0 else "compute.forward",
+                     "comm" if i % 2 == 0 else "compute", i, deps=[i - 1] if i else [])
+                  for i in range(4)])
+    times = [(float(i), float(i + 1)) for i in range(4)]          # list form
+    r = analyze(g, times, step_time=5.0)                           # 1 s lost outside ops
+    assert r.dep_chain == pytest.approx(4.0)
+    assert r.lower_bound == pytest.approx(4.0)
+    assert r.efficiency == pytest.approx(0.8)
+    assert "dependency chain" in r.format()
+
+
+def test_summary_takes_the_slowest_rank():
+    r0 = analyze(GRAPH, TIMES, rank=0)
+    r1 = analyze(GRAPH, {k: (s, e * 1.1) for k, (s, e) in TIMES.items()}, rank=1)
+    s = summarize([r0, r1])
+    assert s["slowest_rank"] == 1 and s["ranks"] == 2
+    assert s["overlap_efficiency"] == pytest.approx(max(r0.lower_bound, r1.lower_bound) / r1.step_time)
+
+
+def test_times_from_trace_picks_rank_and_last_step():
+    ev = [{"ph": "X", "name": "fwd", "pid": 0, "tid": 1, "ts": 1000.0 + 1e6 * s, "dur": 500.0,
+           "args": {"op": 1, "step": s}} for s in range(3)]
+    ev.append({"ph": "X", "name": "ag", "pid": 0, "tid": 2, "ts": 2e6 + 500.0, "dur": 250.0,
+               "args": {"op": 0, "step": 2}})
+    ev.append({"ph": "X", "name": "ag", "pid": 1, "tid": 2, "ts": 0.0, "dur": 9.0, "args": {"op": 0}})
+    t = times_from_trace({"traceEvents": ev}, rank=0)
+    assert t[0] == pytest.approx((0.0, 0.00025)) and t[1] == pytest.approx((0.0005, 0.001))
+    assert times_from_trace(ev, rank=0, step=0) == {1: pytest.approx((0.0, 0.0005))}
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="ends before it starts"):
+        analyze(GRAPH, {0: (1.0, 0.0)})
+    cyclic = graph_of([op(0, "compute.forward", "compute", deps=[1]),
+                       op(1, "comm.all_gather", "comm", deps=[0])])
+    with pytest.raises(ValueError, match="cycle"):
+        analyze(cyclic, {})
+
+
+def test_fifty_thousand_ops_is_fast():
+    n = 50_000
+    lanes = ("compute", "comm", "h2d", "nvme")
+    g = graph_of([op(i, "compute.forward", lanes[i % 4], deps=[i - 1, i - 3] if i >= 3 else [])
+                  for i in range(n)])
+    times = [(i * 1e-3, i * 1e-3 + 2e-3) for i in range(n)]
+    t0 = time.perf_counter()
+    r = analyze(g, times)
+    assert time.perf_counter() - t0 < 2.0
+    assert r.ops == n and 0 < r.efficiency <= 1.0
