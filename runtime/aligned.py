@@ -1,0 +1,108 @@
+"""4 KiB-aligned host memory: the only memory the NVMe tier does I/O from.
+
+Why: ``O_DIRECT`` reads and writes bypass the page cache, and the kernel then
+demands that the user buffer, the file offset and the length are all
+multiples of the device's logical block size (512 B or 4 KiB). Aligning to
+4 KiB satisfies every device. Where CUDA is present the memory is also
+*pinned* (page-locked), so host<->device copies of the same bytes run at
+full PCIe speed and can be asynchronous; without CUDA, pinning is impossible
+and unnecessary, so an anonymous ``mmap`` (page aligned by construction)
+is used.
+
+Two things live here:
+
+- :func:`aligned_empty`: one aligned uint8 tensor, e.g. a host buffer that
+  the runtime later swaps; the swapper then writes straight from it
+  (zero copy).
+- :class:`AlignedPool`: a fixed set of equal aligned staging buffers,
+  handed out and returned by worker threads. A fixed pool bounds the NVMe
+  tier's host memory to ``count * block_bytes`` whatever the I/O volume.
+"""
+
+from __future__ import annotations
+
+import mmap
+import queue
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+ALIGN = 4096
+
+
+def round_up(nbytes: int, align: int = ALIGN) -> int:
+    """Smallest multiple of ``align`` that is >= ``nbytes``."""
+    return (nbytes + align - 1) // align * align
+
+
+def pin_default() -> bool:
+    """Pin host memory exactly where a CUDA device can use it."""
+    return torch.cuda.is_available()
+
+
+def aligned_empty(nbytes: int, *, pin: bool | None = None) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` whose first byte is 4 KiB aligned.
+
+    The storage behind it is rounded up to a whole number of 4 KiB pages, so
+    the tensor may be viewed as any dtype and sliced at 4 KiB offsets while
+    staying aligned. Contents are undefined when pinned, zero otherwise.
+    """
+    if nbytes < 0:
+        raise ValueError(f"aligned_empty: nbytes must be >= 0, got {nbytes}")
+    padded = max(round_up(nbytes), ALIGN)
+    if pin_default() if pin is None else pin:
+        raw = torch.empty(padded + ALIGN, dtype=torch.uint8, pin_memory=True)
+        start = (-raw.data_ptr()) % ALIGN
+        return raw[start : start + nbytes]
+    # An anonymous private mapping is page aligned; the tensor keeps the
+    # mmap object alive, and the pages return to the OS when both go.
+    region = mmap.mmap(-1, padded, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
+
+
+def is_aligned(tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is a CPU tensor whose data starts on a 4 KiB boundary."""
+    return tensor.device.type == "cpu" and tensor.data_ptr() % ALIGN == 0
+
+
+class AlignedPool:
+    """``count`` staging buffers of ``block_bytes`` each, from one aligned allocation.
+
+    Thread safe: ``acquire`` blocks until a buffer is free. The swapper
+    never lets more than ``queue_depth`` requests run at once, so a pool of
+    ``queue_depth`` buffers never makes a request wait for memory.
+    """
+
+    def __init__(self, block_bytes: int, count: int, *, pin: bool | None = None):
+        if block_bytes <= 0 or block_bytes % ALIGN:
+            raise ValueError(f"AlignedPool: block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
+        if count <= 0:
+            raise ValueError(f"AlignedPool: count must be positive, got {count}")
+        self.block_bytes = block_bytes
+        self.count = count
+        self.pinned = pin_default() if pin is None else pin
+        self._memory = aligned_empty(block_bytes * count, pin=self.pinned)
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        for i in range(count):
+            self._free.put(self._memory[i * block_bytes : (i + 1) * block_bytes])
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the pool holds (for memory accounting)."""
+        return self.block_bytes * self.count
+
+    def acquire(self) -> torch.Tensor:
+        return self._free.get()
+
+    def release(self, buffer: torch.Tensor) -> None:
+        self._free.put(buffer)
+
+    @contextmanager
+    def buffer(self) -> Iterator[torch.Tensor]:
+        """``with pool.buffer() as buf:`` borrow one staging buffer."""
+        buf = self._free.get()
+        try:
+            yield buf
+        finally:
+            self._free.put(buf)

@@ -1,0 +1,540 @@
+"""The NVMe tier: named tensors swapped to files with direct, verified, parallel I/O.
+
+Why each choice (ZeRO-Infinity's recipe, made safe):
+
+- One file per buffer name, opened with ``O_DIRECT``: the page cache would
+  double the host memory used and evict what training needs; direct I/O
+  streams at the device's speed. Where a filesystem refuses ``O_DIRECT``
+  (tmpfs), buffered I/O is used and a warning is logged once.
+- A transfer is cut into ``block_bytes`` requests issued concurrently, at
+  most ``queue_depth`` at a time (a ``trio.CapacityLimiter`` for the async
+  API, a thread pool of that size for the sync one): an NVMe device needs
+  several requests in flight to reach its bandwidth.
+- All I/O uses 4 KiB-aligned memory: the caller's tensor itself when it is
+  an aligned CPU tensor (zero copy; see :func:`runtime.aligned.aligned_empty`),
+  else a staging buffer from a fixed :class:`~runtime.aligned.AlignedPool`
+  (pinned where CUDA is present), so host memory for I/O is bounded.
+- Nothing is lost silently: every byte is written (short writes are
+  continued), a CRC32 per block is kept in memory and checked on read, a
+  full disk is reported with the path, the bytes needed and the bytes free
+  (checked before a file is first sized, and on ``ENOSPC``); every failure
+  is a :class:`SwapError` naming the file and block.
+- Each run owns a subfolder ``run-<pid>-<token>`` (mode 0700) holding a lock
+  file with its pid, locked with ``flock`` for the run's lifetime. A run
+  killed without cleanup leaves its folder behind; the next Swapper on the
+  same folder sees the lock is no longer held (its pid is dead), removes the
+  folder and logs it. ``close()`` (also via ``with``, and at interpreter
+  exit) removes the run folder.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+import socket
+import threading
+import weakref
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import structlog
+import torch
+import trio
+
+from .aligned import ALIGN, AlignedPool, is_aligned, round_up
+
+log = structlog.get_logger("zdsl.runtime.swap")
+
+LOCK_NAME = "owner.lock"
+RUN_PREFIX = "run-"
+
+
+class SwapError(RuntimeError):
+    """An NVMe swap operation failed; the message names the file and the cause."""
+
+
+# ----------------------------------------------------------------------------
+# run folder: creation, ownership lock, stale-run cleanup
+# ----------------------------------------------------------------------------
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _read_owner(lock_path: Path) -> tuple[int, str] | None:
+    try:
+        pid_text, host = lock_path.read_text().split()[:2]
+        return int(pid_text), host
+    except (OSError, ValueError):
+        return None
+
+
+def _owner_is_dead(lock_path: Path, pid: int) -> bool:
+    """A run is dead if nobody holds its lock (the kernel drops it when the
+    process dies, whatever the pid is reused for). Where ``flock`` is not
+    supported, fall back to asking whether the pid is alive."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return not _pid_alive(pid)
+    finally:
+        os.close(fd)  # also releases the lock we may have taken
+    return True
+
+
+def remove_stale_runs(folder: Path) -> list[Path]:
+    """Delete run folders under ``folder`` left by dead runs on this host; return them."""
+    removed = []
+    host = socket.gethostname()
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for run in entries:
+        if not run.name.startswith(RUN_PREFIX) or not run.is_dir():
+            continue
+        owner = _read_owner(run / LOCK_NAME)
+        if owner is None:
+            continue  # not ours to judge: no readable lock file
+        pid, owner_host = owner
+        if owner_host != host or not _owner_is_dead(run / LOCK_NAME, pid):
+            continue
+        size = sum(f.stat().st_size for f in run.iterdir() if f.is_file())
+        shutil.rmtree(run, ignore_errors=True)
+        log.warning("swap.stale_run_removed", path=str(run), dead_pid=pid, bytes=size)
+        removed.append(run)
+    return removed
+
+
+def _create_run_folder(folder: Path) -> tuple[Path, int]:
+    """Make ``folder/run-<pid>-<token>`` (0700) holding a locked lock file.
+
+    Built under a hidden name and renamed, so another process scanning for
+    stale runs never sees a run folder without its held lock.
+    """
+    token = secrets.token_hex(4)
+    staging = folder / f".creating-{os.getpid()}-{token}"
+    staging.mkdir(mode=0o700)
+    os.chmod(staging, 0o700)
+    lock_fd = os.open(staging / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass  # no flock here: staleness falls back to the pid check
+    os.write(lock_fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    run = folder / f"{RUN_PREFIX}{os.getpid()}-{token}"
+    os.rename(staging, run)
+    return run, lock_fd
+
+
+@dataclass
+class _SwapFile:
+    """One buffer's file: how it is opened, how large it is, and its block checksums."""
+
+    path: Path
+    fd: int
+    direct: bool
+    nbytes: int = 0  # logical size of the tensor last written
+    file_bytes: int = 0  # size reserved on disk (padded to 4 KiB)
+    crcs: list[int | None] = field(default_factory=list)
+    complete: bool = False  # False from the start of a write until all its blocks are on disk
+
+
+class _RunState:
+    """What cleanup needs, kept apart from the Swapper so a finalizer can hold it."""
+
+    def __init__(self, run_dir: Path, lock_fd: int):
+        self.run_dir = run_dir
+        self.lock_fd = lock_fd
+        self.files: dict[str, _SwapFile] = {}
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for f in self.files.values():
+            try:
+                os.close(f.fd)
+            except OSError:
+                pass
+        self.files.clear()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        try:
+            os.close(self.lock_fd)
+        except OSError:
+            pass
+
+
+# ----------------------------------------------------------------------------
+# the swapper
+# ----------------------------------------------------------------------------
+
+
+def _byte_view(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise SwapError(f"swap {what}: tensor must be contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()})")
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+class Swapper:
+    """Swap named tensors to files under ``folder``.
+
+    ``await write(name, tensor)`` / ``await read(name, out)`` run in trio;
+    ``write_sync`` / ``read_sync`` do the same from plain threads. A name
+    may be rewritten with a tensor of another size (its file is resized).
+    ``verify=False`` skips the per-block CRC (measured: CRC32 runs at about
+    4 GB/s per core, more than the disk, so it is on by default).
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        block_bytes: int = 1 << 20,
+        queue_depth: int = 8,
+        *,
+        verify: bool = True,
+        pin: bool | None = None,
+    ):
+        if block_bytes <= 0 or block_bytes % ALIGN:
+            raise SwapError(f"swap: block size must be a positive multiple of {ALIGN} bytes, got {block_bytes}")
+        if queue_depth <= 0:
+            raise SwapError(f"swap: queue depth must be positive, got {queue_depth}")
+        self.folder = Path(folder).absolute()
+        self.block_bytes = block_bytes
+        self.queue_depth = queue_depth
+        self.verify = verify
+        try:
+            if not self.folder.exists():
+                self.folder.mkdir(mode=0o700, parents=True)
+                os.chmod(self.folder, 0o700)
+            remove_stale_runs(self.folder)
+            run_dir, lock_fd = _create_run_folder(self.folder)
+        except OSError as e:
+            raise SwapError(f"swap folder {self.folder}: cannot create it: {e.strerror or e}") from e
+        self._state = _RunState(run_dir, lock_fd)
+        self._finalizer = weakref.finalize(self, _RunState.close, self._state)
+        self.pool = AlignedPool(block_bytes, queue_depth, pin=pin)
+        self._limiter = trio.CapacityLimiter(queue_depth)
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+        self._warned_buffered = False
+        self.bytes_written = 0
+        self.bytes_read = 0
+        log.debug("swap.open", run_dir=str(run_dir), block_bytes=block_bytes, queue_depth=queue_depth)
+
+    # -- lifetime -------------------------------------------------------------
+
+    @property
+    def run_dir(self) -> Path:
+        return self._state.run_dir
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    def close(self) -> None:
+        """Close every file and remove the run folder. Idempotent."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._finalizer()
+
+    def __enter__(self) -> "Swapper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- files ----------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return list(self._state.files)
+
+    def nbytes(self, name: str) -> int:
+        """Logical bytes of the tensor last written under ``name``."""
+        return self._file(name, "nbytes").nbytes
+
+    def path(self, name: str) -> Path:
+        return self._file(name, "path").path
+
+    def direct(self, name: str) -> bool:
+        """Whether ``name``'s file does direct I/O (False where O_DIRECT was refused)."""
+        return self._file(name, "direct").direct
+
+    def _file(self, name: str, what: str) -> _SwapFile:
+        if self._state.closed:
+            raise SwapError(f"swap {what} {name!r}: the swapper is closed")
+        try:
+            return self._state.files[name]
+        except KeyError:
+            raise SwapError(f"swap {what} {name!r}: nothing was written under this name in {self.run_dir}") from None
+
+    def _open(self, name: str) -> _SwapFile:
+        if self._state.closed:
+            raise SwapError(f"swap write {name!r}: the swapper is closed")
+        f = self._state.files.get(name)
+        if f is not None:
+            return f
+        safe = "".join(c if c.isalnum() or c in "._-@[]" else "_" for c in name)
+        path = self.run_dir / f"{safe}-{len(self._state.files)}.swap"
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        try:
+            fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise SwapError(f"swap file {path}: cannot open: {e.strerror}") from e
+            fd, direct = os.open(path, flags, 0o600), False
+            if not self._warned_buffered:
+                self._warned_buffered = True
+                log.warning("swap.buffered_io", path=str(path), reason="O_DIRECT refused by this filesystem")
+        f = _SwapFile(path, fd, direct)
+        self._state.files[name] = f
+        return f
+
+    def _size(self, f: _SwapFile, nbytes: int) -> None:
+        """Give ``f`` room for ``nbytes``: preflight free space, then reserve it on disk."""
+        file_bytes = round_up(nbytes)
+        if file_bytes > f.file_bytes:
+            grow = file_bytes - f.file_bytes
+            free = _free_bytes(self.run_dir)
+            if grow > free:
+                raise SwapError(
+                    f"swap file {f.path}: disk full: needs {grow} more bytes "
+                    f"({file_bytes} in all), {free} bytes free on {self.folder}"
+                )
+            try:
+                os.posix_fallocate(f.fd, f.file_bytes, grow)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise SwapError(
+                        f"swap file {f.path}: disk full: needs {grow} more bytes, "
+                        f"{_free_bytes(self.run_dir)} bytes free on {self.folder}"
+                    ) from e
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise SwapError(f"swap file {f.path}: cannot size to {file_bytes} bytes: {e.strerror}") from e
+        elif file_bytes < f.file_bytes:
+            os.ftruncate(f.fd, file_bytes)
+        f.file_bytes = file_bytes
+        f.nbytes = nbytes
+        f.crcs = [None] * ((nbytes + self.block_bytes - 1) // self.block_bytes)
+        f.complete = False
+
+    def reserve(self, sizes: Mapping[str, int]) -> None:
+        """Size the files for ``sizes`` (name -> bytes) now, so a disk too small
+        for all of them fails before training starts, not in the middle."""
+        total = sum(round_up(n) - (self._state.files[k].file_bytes if k in self._state.files else 0) for k, n in sizes.items())
+        free = _free_bytes(self.run_dir)
+        if total > free:
+            raise SwapError(f"swap folder {self.folder}: disk full: needs {total} bytes, {free} bytes free")
+        for name, n in sizes.items():
+            f = self._open(name)
+            if f.nbytes != n or not f.crcs:
+                self._size(f, n)
+
+    def discard(self, name: str) -> None:
+        """Forget ``name`` and delete its file."""
+        f = self._state.files.pop(name, None)
+        if f is not None:
+            os.close(f.fd)
+            f.path.unlink(missing_ok=True)
+
+    # -- per-block work (runs in worker threads) ----------------------------------
+
+    def _write_block(self, f: _SwapFile, src: torch.Tensor, index: int) -> None:
+        off = index * self.block_bytes
+        n = min(self.block_bytes, f.nbytes - off)
+        padded = round_up(n)
+        try:
+            if n == padded and is_aligned(src):
+                view = memoryview(src[off : off + n].numpy())
+                if self.verify:
+                    f.crcs[index] = zlib.crc32(view)
+                self._pwrite_all(f, view, off, index)
+                return
+            with self.pool.buffer() as stage:
+                _copy(stage[:n], src[off : off + n])
+                if padded != n:
+                    stage[n:padded].zero_()
+                view = memoryview(stage[:padded].numpy())
+                if self.verify:
+                    f.crcs[index] = zlib.crc32(view)
+                self._pwrite_all(f, view, off, index)
+        except SwapError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported with file and block
+            raise SwapError(f"swap file {f.path}: writing block {index} failed: {e}") from e
+
+    def _pwrite_all(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
+        while len(view):
+            try:
+                done = os.pwritev(f.fd, [view], off)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise SwapError(
+                        f"swap file {f.path}: disk full writing block {index}: needs {len(view)} more bytes "
+                        f"({f.file_bytes} for the file), {_free_bytes(self.run_dir)} bytes free on {self.folder}"
+                    ) from e
+                raise SwapError(f"swap file {f.path}: writing block {index} at offset {off} failed: {e.strerror}") from e
+            if done <= 0:
+                raise SwapError(f"swap file {f.path}: writing block {index} at offset {off} wrote nothing")
+            view = view[done:]
+            off += done
+
+    def _read_block(self, f: _SwapFile, dst: torch.Tensor, index: int) -> None:
+        off = index * self.block_bytes
+        n = min(self.block_bytes, f.nbytes - off)
+        padded = round_up(n)
+        try:
+            if n == padded and is_aligned(dst):
+                view = memoryview(dst[off : off + n].numpy())
+                self._pread_all(f, view, off, index)
+                self._check(f, view, index)
+                return
+            with self.pool.buffer() as stage:
+                view = memoryview(stage[:padded].numpy())
+                self._pread_all(f, view, off, index)
+                self._check(f, view, index)
+                _copy(dst[off : off + n], stage[:n])
+        except SwapError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise SwapError(f"swap file {f.path}: reading block {index} failed: {e}") from e
+
+    def _pread_all(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
+        while len(view):
+            try:
+                done = os.preadv(f.fd, [view], off)
+            except OSError as e:
+                raise SwapError(f"swap file {f.path}: reading block {index} at offset {off} failed: {e.strerror}") from e
+            if done <= 0:
+                raise SwapError(f"swap file {f.path}: block {index} is truncated (end of file at offset {off})")
+            view = view[done:]
+            off += done
+
+    def _check(self, f: _SwapFile, view: memoryview, index: int) -> None:
+        if not self.verify:
+            return
+        expected = f.crcs[index]
+        if expected is None:
+            raise SwapError(f"swap file {f.path}: block {index} has no checksum (its write did not complete)")
+        got = zlib.crc32(view)
+        if got != expected:
+            raise SwapError(
+                f"swap file {f.path}: checksum mismatch in block {index} "
+                f"(bytes {index * self.block_bytes}..{index * self.block_bytes + len(view)}): "
+                f"stored crc32 {expected:08x}, read {got:08x}; the data on disk is corrupt"
+            )
+
+    # -- transfers --------------------------------------------------------------
+
+    def _plan_write(self, name: str, tensor: torch.Tensor) -> tuple[_SwapFile, torch.Tensor, int]:
+        src = _byte_view(tensor, f"write {name!r}")
+        f = self._open(name)
+        self._size(f, src.numel())
+        return f, src, len(f.crcs)
+
+    def _plan_read(self, name: str, out: torch.Tensor) -> tuple[_SwapFile, torch.Tensor, int]:
+        f = self._file(name, "read")
+        if not f.complete:
+            raise SwapError(f"swap read {name!r}: its last write did not complete ({f.path})")
+        dst = _byte_view(out, f"read {name!r}")
+        if dst.numel() != f.nbytes:
+            raise SwapError(
+                f"swap read {name!r}: the output has {dst.numel()} bytes but {f.nbytes} were written ({f.path})"
+            )
+        return f, dst, len(f.crcs)
+
+    async def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write ``tensor``'s bytes to ``name``'s file; returns when all are on disk."""
+        f, src, blocks = self._plan_write(name, tensor)
+        await self._run_blocks(self._write_block, f, src, blocks)
+        f.complete = True
+        self.bytes_written += f.nbytes
+
+    async def read(self, name: str, out: torch.Tensor) -> None:
+        """Fill ``out`` with the bytes last written under ``name``, checking every block."""
+        f, dst, blocks = self._plan_read(name, out)
+        await self._run_blocks(self._read_block, f, dst, blocks)
+        self.bytes_read += f.nbytes
+
+    def write_sync(self, name: str, tensor: torch.Tensor) -> None:
+        """:meth:`write` for callers outside trio (e.g. already in a worker thread)."""
+        f, src, blocks = self._plan_write(name, tensor)
+        self._run_blocks_sync(self._write_block, f, src, blocks)
+        f.complete = True
+        self.bytes_written += f.nbytes
+
+    def read_sync(self, name: str, out: torch.Tensor) -> None:
+        """:meth:`read` for callers outside trio."""
+        f, dst, blocks = self._plan_read(name, out)
+        self._run_blocks_sync(self._read_block, f, dst, blocks)
+        self.bytes_read += f.nbytes
+
+    async def _run_blocks(self, work: Callable, f: _SwapFile, data: torch.Tensor, blocks: int) -> None:
+        errors: list[BaseException] = []
+
+        async def one(index: int) -> None:
+            try:
+                await trio.to_thread.run_sync(work, f, data, index, limiter=self._limiter)
+            except SwapError as e:
+                errors.append(e)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for index in range(blocks):
+                nursery.start_soon(one, index)
+        if errors:
+            raise errors[0]
+
+    def _run_blocks_sync(self, work: Callable, f: _SwapFile, data: torch.Tensor, blocks: int) -> None:
+        if blocks == 1:
+            work(f, data, 0)
+            return
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.queue_depth, thread_name_prefix="zdsl-swap")
+        futures = [self._executor.submit(work, f, data, i) for i in range(blocks)]
+        first: BaseException | None = None
+        for fut in futures:  # wait for all: no block may still use a buffer after we return
+            e = fut.exception()
+            if e is not None and first is None:
+                first = e
+        if first is not None:
+            raise first
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Byte copy between a staging buffer and a tensor (CPU or device).
+
+    CPU-to-CPU goes through numpy: a plain memcpy that releases the GIL and
+    does not fan out to torch's intra-op thread pool from inside I/O threads.
+    """
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        dst.numpy()[...] = src.numpy()
+    else:
+        dst.copy_(src)
