@@ -36,6 +36,8 @@ BUFFER_KINDS = {
     "act_grad": None,              # gradient w.r.t. a unit's input
     "norm": None,                  # the global gradient norm / overflow flag (a scalar)
     "loss": None,                  # the step's loss (a scalar)
+    "act_inner": None,             # a unit's saved tensors re-materialised by recompute
+    "token": None,                 # zero-byte ordering token (an `overlap` policy that forbids overlap)
 }
 
 # Op kinds and the lane each runs on by default.

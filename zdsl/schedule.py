@@ -12,6 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 STATES = ("optimizer", "gradients", "parameters")   # ZeRO's order
+OVERLAP_VERBS = ("gather", "scatter", "reduce", "read", "write", "copy")
+PHASES = ("forward", "backward", "step")
+ALL_OVERLAPS = frozenset(f"{v}/{p}" for v in OVERLAP_VERBS for p in PHASES)
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -140,9 +143,7 @@ class Schedule:
     placement: dict[str, Placement] = field(default_factory=dict)   # state -> where; missing = device
     prefetch: int = 1                      # units ahead for parameter gathers (and nvme reads)
     bucket_bytes: int = 0                  # max bytes per collective; 0 = one per unit
-    overlap: set[str] = field(default_factory=lambda: {"gather/forward", "gather/backward",
-                                                        "scatter/backward", "read/forward",
-                                                        "read/backward", "write/step"})
+    overlap: set[str] = field(default_factory=lambda: set(ALL_OVERLAPS))  # "verb/phase" pairs that may overlap compute
     recompute: set[int] = field(default_factory=set)   # unit indices; resolved by the checker
     persist_below: int = 0                 # units with fewer parameters stay gathered (stage 3)
     memory: dict[str, int] = field(default_factory=dict)  # tier -> budget bytes
