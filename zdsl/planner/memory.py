@@ -1,0 +1,176 @@
+"""Memory per rank per tier: model states (parameters, gradients, optimizer) and working buffers.
+
+Model states are the graph's persistent buffers: live the whole step, summed
+by the state they belong to and the tier they live on. Their totals are what
+the ZeRO paper's formulas predict (2Ψ + 2Ψ + 12Ψ at stage 0 ... 16Ψ/N at stage
+3 for mixed-precision Adam), up to the padding of each unit's shard.
+
+Working buffers (gathered units at stage 3, activations, gradients before
+they are reduced, staging copies) live from the first op that writes them
+until the ``mem.free`` that releases them (or the end of the step). Their peak
+depends on *when* ops run, so it is measured on the simulated timeline: this
+is where prefetch depth shows up as memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from zdsl.ir import TIERS, TaskGraph
+
+STATES = ("parameters", "gradients", "optimizer")
+
+
+@dataclass
+class Interval:
+    """One allocation of a working buffer: from the op that writes it to the op that frees it."""
+    buffer: str
+    tier: str
+    bytes: int
+    alloc: int                  # graph position of the allocating op
+    free: int | None            # graph position of the mem.free, None = held to the end of the step
+
+
+def model_states(graph: TaskGraph) -> dict[str, dict[str, int]]:
+    """tier -> {parameters, gradients, optimizer} -> bytes held by persistent buffers."""
+    out = {tier: dict.fromkeys(STATES, 0) for tier in TIERS}
+    for buf in graph.buffers.values():
+        if buf.persistent and buf.state:
+            out.setdefault(buf.tier, dict.fromkeys(STATES, 0))[buf.state] += buf.bytes
+    return out
+
+
+def working_intervals(graph: TaskGraph) -> list[Interval]:
+    """Allocations of non-persistent buffers, walking ops in graph order.
+
+    A write to a buffer that is not live allocates it; ``mem.free`` releases
+    every buffer it names. Per buffer, graph order is the order the ops run
+    in (the derived deps enforce it), so this needs no timing.
+    """
+    live: dict[str, Interval] = {}
+    done: list[Interval] = []
+    buffers = graph.buffers
+    for i, op in enumerate(graph.ops):
+        if op.kind == "mem.free":
+            for name in (*op.reads, *op.writes):
+                iv = live.pop(name, None)
+                if iv is not None:
+                    iv.free = i
+                    done.append(iv)
+            continue
+        for name in op.writes:
+            buf = buffers.get(name)
+            if buf is None or buf.persistent or name in live:
+                continue
+            live[name] = Interval(name, buf.tier, buf.bytes, i, None)
+    done.extend(live.values())
+    return done
+
+
+@dataclass
+class TierTimeline:
+    times: np.ndarray           # seconds, sorted
+    working: np.ndarray         # working bytes live just after each time
+    model_states: int           # constant over the step
+
+    @property
+    def working_peak(self) -> int:
+        return int(self.working.max()) if len(self.working) else 0
+
+    @property
+    def peak(self) -> int:
+        return self.model_states + self.working_peak
+
+    @property
+    def peak_time(self) -> float:
+        return float(self.times[int(self.working.argmax())]) if len(self.working) else 0.0
+
+
+@dataclass
+class MemoryTimeline:
+    tiers: dict[str, TierTimeline]
+    states: dict[str, dict[str, int]]           # tier -> state -> bytes (model states)
+    intervals: list[Interval] = field(default_factory=list)
+    alloc_time: np.ndarray | None = None
+    free_time: np.ndarray | None = None
+
+    def peak(self, tier: str) -> int:
+        tl = self.tiers.get(tier)
+        return tl.peak if tl else sum(self.states.get(tier, {}).values())
+
+    def live_at_peak(self, tier: str) -> list[Interval]:
+        """Working buffers held on ``tier`` when its peak is reached, largest first."""
+        tl = self.tiers.get(tier)
+        if tl is None or not self.intervals:
+            return []
+        t = tl.peak_time
+        live = [iv for iv, a, f in zip(self.intervals, self.alloc_time, self.free_time)
+                if iv.tier == tier and a <= t < f]
+        return sorted(live, key=lambda iv: -iv.bytes)
+
+    def to_json(self) -> dict:
+        """tier -> {model_states: {parameters, gradients, optimizer}, working, peak}."""
+        out = {}
+        for tier in TIERS:
+            states = self.states.get(tier, dict.fromkeys(STATES, 0))
+            tl = self.tiers.get(tier)
+            working = tl.working_peak if tl else 0
+            out[tier] = {"model_states": dict(states), "working": working,
+                         "peak": sum(states.values()) + working}
+        return out
+
+
+def memory_timeline(graph: TaskGraph, start: np.ndarray, end: np.ndarray) -> MemoryTimeline:
+    """Bytes live per tier over the simulated step (``start``/``end`` per op position)."""
+    states = model_states(graph)
+    intervals = working_intervals(graph)
+    step_end = float(end.max()) if len(end) else 0.0
+    alloc_t = np.array([start[iv.alloc] for iv in intervals], dtype=np.float64)
+    free_t = np.array([end[iv.free] if iv.free is not None else np.inf for iv in intervals],
+                      dtype=np.float64)
+    sizes = np.array([iv.bytes for iv in intervals], dtype=np.int64)
+    tiers_of = np.array([iv.tier for iv in intervals]) if intervals else np.array([], dtype=str)
+    tiers = {}
+    for tier in sorted(set(TIERS) | set(states)):
+        mask = tiers_of == tier if intervals else np.zeros(0, dtype=bool)
+        a, f, b = alloc_t[mask], free_t[mask], sizes[mask]
+        freed = np.isfinite(f)
+        times = np.concatenate([[0.0], a, f[freed]])
+        deltas = np.concatenate([[0], b, -b[freed]])
+        # frees before allocations at the same instant: a released buffer can be reused at once
+        kinds = np.concatenate([[0], np.ones(len(a)), np.zeros(int(freed.sum()))])
+        order = np.lexsort((kinds, times))
+        working = np.cumsum(deltas[order])
+        tiers[tier] = TierTimeline(times=np.minimum(times[order], step_end), working=working,
+                                   model_states=sum(states.get(tier, {}).values()))
+    return MemoryTimeline(tiers=tiers, states=states, intervals=intervals,
+                          alloc_time=alloc_t, free_time=free_t)
+
+
+def optimizer_bytes_per_param(kind: str, precision: str, momentum: float = 0.0) -> int:
+    """K in the ZeRO paper: bytes of optimizer state per parameter.
+
+    Adam/AdamW keep two fp32 moments (8); SGD with momentum one (4); plain SGD
+    none. Mixed precision adds the fp32 master copy (4).
+    """
+    if kind in ("adam", "adamw"):
+        k = 8
+    elif kind == "sgd":
+        k = 4 if momentum else 0
+    else:
+        raise ValueError(f"unknown optimizer {kind!r}")
+    return k + (4 if precision in ("bf16", "fp16") else 0)
+
+
+def zero_model_states(parameters: int, ranks: int, stage: int, precision: str,
+                      optimizer: str = "adamw", momentum: float = 0.0) -> dict[str, float]:
+    """The ZeRO paper's model-state bytes per rank, split by state (before padding)."""
+    k_p = 4 if precision == "fp32" else 2
+    k_o = optimizer_bytes_per_param(optimizer, precision, momentum)
+    psi, n = parameters, ranks
+    return {
+        "parameters": k_p * psi / (n if stage >= 3 else 1),
+        "gradients": k_p * psi / (n if stage >= 2 else 1),
+        "optimizer": k_o * psi / (n if stage >= 1 else 1),
+    }
