@@ -1,0 +1,138 @@
+"""Consolidating a sharded checkpoint into one plain safetensors state dict.
+
+The result loads with plain torch and safetensors, without zdsl and
+without the ranks that wrote it::
+
+    model.load_state_dict(safetensors.torch.load_file("model.safetensors"), strict=True)
+
+Keys are the model's state-dict names: the unit's module prefix from the
+index (``embedding``, ``blocks.0``, ``head``) and the parameter's name
+within the unit. The header is known from the index before any data is
+read, so the file is written unit by unit: host memory holds one unit's
+full buffer and one saved shard at a time, whatever the model's size.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from .index import INDEX_NAME, CheckpointError, shard_key
+from .reader import full_unit, latest_complete, open_files, read_index
+from .stformat import build_header, byte_view, dtype_code, write_stream
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve(path) -> Path:
+    """A checkpoint folder from either itself or a root of ``step-*`` folders (the newest complete)."""
+    path = Path(path)
+    if (path / INDEX_NAME).exists():
+        return path
+    found = latest_complete(path, verify=False)
+    if found is None:
+        raise CheckpointError(f"{path}: no complete checkpoint here (no {INDEX_NAME}, no complete step-* folder)")
+    return found
+
+
+def _out_dtype(dtype, unit_dtype: str) -> torch.dtype:
+    if dtype is None:
+        return getattr(torch, unit_dtype)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return EXPORT_DTYPES[dtype]
+    except KeyError:
+        raise CheckpointError(f"export dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}") from None
+
+
+def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[str]:
+    """Write checkpoint ``ckpt_path``'s parameters to ``out_file`` (atomically); returns the keys written.
+
+    ``dtype``: ``fp32``, ``bf16``, ``fp16``, a torch dtype, or None for the
+    model's own parameter dtype recorded in the index.
+    """
+    ckpt = resolve(ckpt_path)
+    index = read_index(ckpt)
+    rec0 = index.file_for_rank(0)
+    plan = []           # per unit: list of (key, shape, dtype, offset in the unit's flat buffer)
+    specs = []
+    for i, unit in enumerate(index.units):
+        if shard_key(i, "param") not in rec0.tensors:
+            raise CheckpointError(f"{ckpt / rec0.name}: holds no parameters for unit {i} ({shard_key(i, 'param')})")
+        out_dtype = _out_dtype(dtype, unit.dtype)
+        entries, off = [], 0
+        for (name, shape), key in zip(unit.params, unit.state_dict_keys()):
+            n = 1
+            for s in shape:
+                n *= s
+            keys = [key] + [a for a, src in index.aliases.items() if src == key]
+            for k in keys:
+                entries.append((k, shape, out_dtype, off, n))
+                specs.append((k, dtype_code(out_dtype), tuple(shape)))
+            off += n
+        plan.append(entries)
+    known = {k for k, _, _ in specs}
+    dangling = [a for a, src in index.aliases.items() if src not in known]
+    if dangling:
+        raise CheckpointError(f"{ckpt / INDEX_NAME}: aliases {dangling} point at no parameter")
+    header, _ = build_header(specs, {"format": "pt", "zdsl_step": str(index.step)})
+
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
+    files = open_files(ckpt, index)
+
+    def tensors():
+        for i, entries in enumerate(plan):
+            flat = full_unit(files, index, i, "param", verify)
+            cast = {}
+            for key, shape, out_dtype, off, n in entries:
+                if out_dtype not in cast:
+                    cast[out_dtype] = flat if flat.dtype == out_dtype else flat.to(out_dtype)
+                yield byte_view(cast[out_dtype][off:off + n])
+            del flat, cast
+
+    from concurrent.futures import ThreadPoolExecutor
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="ckpt-export") as pool:
+                write_stream(fd, header, tensors(), pool)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, out_file)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{out_file}: write failed: {e.strerror or e}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        for f in files.values():
+            f.close()
+    return [k for k, _, _ in specs]
+
+
+def main(argv=None) -> int:
+    """``python -m zdsl.runtime.checkpoint.export DIR -o model.safetensors [--dtype bf16]``."""
+    ap = argparse.ArgumentParser(prog="zdsl export", description="consolidate a checkpoint into one safetensors file")
+    ap.add_argument("checkpoint", help="a step-* folder, or a checkpoint root (the newest complete one is used)")
+    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="fp32")
+    args = ap.parse_args(argv)
+    try:
+        keys = export(args.checkpoint, args.output, args.dtype)
+    except CheckpointError as e:
+        print(f"zdsl export: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(keys)} tensors to {args.output} ({os.path.getsize(args.output)} bytes, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

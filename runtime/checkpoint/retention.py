@@ -1,0 +1,61 @@
+"""Keeping the last N checkpoints.
+
+Older checkpoints are deleted only once a newer one is complete, so a save
+that dies half-way never costs the checkpoint a resume would fall back to.
+Incomplete folders older than the newest complete checkpoint (left by a
+killed save) are deleted too; newer incomplete ones may still be being
+written and are left alone. A folder is first renamed out of the
+``step-*`` namespace, then removed, so a deletion interrupted half-way
+never looks like a checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from .index import CheckpointError
+from .reader import check_checkpoint, list_checkpoints
+
+
+def apply_retention(root, keep: int, *, verify: bool = False) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root``; returns what was deleted.
+
+    Completeness is checked cheaply (index, sizes, headers) unless ``verify``.
+    """
+    if keep < 1:
+        raise CheckpointError(f"keep {keep}: at least one checkpoint must be kept")
+    found = list_checkpoints(root)
+    complete = []
+    for step, path in found:
+        try:
+            check_checkpoint(path, full=verify)
+            complete.append(step)
+        except CheckpointError:
+            pass
+    if not complete:
+        return []
+    kept = set(complete[-keep:])
+    newest = complete[-1]
+    doomed = [p for step, p in found if step not in kept and step < newest]
+    deleted = []
+    for p in doomed:
+        trash = p.with_name(f".deleting-{p.name}-{os.getpid()}")
+        os.replace(p, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        deleted.append(p)
+    return deleted
+
+
+def remove_incomplete(root) -> list[Path]:
+    """Delete every incomplete ``step-*`` folder (call on one rank at start, before any save)."""
+    deleted = []
+    for _, p in list_checkpoints(root):
+        try:
+            check_checkpoint(p, full=False)
+        except CheckpointError:
+            trash = p.with_name(f".deleting-{p.name}-{os.getpid()}")
+            os.replace(p, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            deleted.append(p)
+    return deleted
