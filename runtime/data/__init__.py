@@ -1,1 +1,82 @@
-"""Built-in data sources."""
+"""Built-in data sources: ``corpus("stdlib")``, ``corpus("PATH")`` and ``synthetic(...)``.
+
+:func:`make_batch` is the only entry point the runtime and the DDP reference
+use. A batch is a pure function of (seed, step, micro-batch, global sample
+index): sample ``i`` of rank ``r`` at a micro-batch is global sample
+``r * batch + i``, so any run that splits the same global batch the same way
+(zdsl at any stage, DDP, FSDP2) sees the same tokens, and nothing depends on
+the order in which ranks or threads ask.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .corpus import CorpusError, corpus_tokens
+from .synthetic import synthetic_tokens
+
+_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """A counter-based hash: the same inputs give the same stream everywhere."""
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
+        return x ^ (x >> np.uint64(31))
+
+
+def sample_keys(seed: int, step: int, micro: int, first: int, count: int) -> np.ndarray:
+    """One 64-bit key per global sample ``first .. first+count-1`` of a micro-batch."""
+    key = np.uint64(seed & 0xFFFFFFFF)
+    for part in (step, micro):
+        key = _splitmix64(np.array([key ^ np.uint64(part & 0xFFFFFFFFFFFF)], dtype=np.uint64))[0]
+    samples = np.arange(first, first + count, dtype=np.uint64)
+    return _splitmix64(samples ^ key)
+
+
+def _arg(spec, name: str) -> int:
+    value = spec.args.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"data {spec.kind}(...) needs {name}=<positive integer>, got {value!r}")
+    return value
+
+
+def vocab_size(spec) -> int:
+    """Token ids the data can produce (the model's vocab must be at least this)."""
+    return 256 if spec.kind == "corpus" else _arg(spec, "vocab")
+
+
+def make_batch(spec, seed: int, step: int, micro: int, rank: int, ranks: int, batch: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(idx, targets)``, int64 tensors of shape ``(batch, context)`` on the CPU.
+
+    ``targets`` is ``idx`` shifted by one token. ``ranks`` only checks ``rank``:
+    the tokens depend on the global sample index ``rank * batch + i``.
+    """
+    if not 0 <= rank < ranks:
+        raise ValueError(f"rank {rank} is outside 0..{ranks - 1}")
+    context = _arg(spec, "context")
+    keys = sample_keys(seed, step, micro, rank * batch, batch)
+    if spec.kind == "corpus":
+        tokens = corpus_tokens(spec.source or "stdlib")
+        span = tokens.numel() - context - 1
+        if span <= 0:
+            raise CorpusError(f"corpus {spec.source!r} holds {tokens.numel()} bytes; "
+                              f"context={context} needs at least {context + 2}")
+        starts = torch.from_numpy((keys % np.uint64(span)).astype(np.int64))
+        rows = tokens[starts[:, None] + torch.arange(context + 1)].long()
+    elif spec.kind == "synthetic":
+        rows = synthetic_tokens(keys, vocab_size(spec), context + 1)
+    else:
+        raise ValueError(f"unknown data source {spec.kind!r} (expected corpus or synthetic)")
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def make_batches(spec, seed: int, step: int, micro: int, rank: int, batch: int, ranks: int | None = None):
+    """Alias of :func:`make_batch` with ``ranks`` last (the brief's spelling)."""
+    return make_batch(spec, seed, step, micro, rank, ranks if ranks is not None else rank + 1, batch)
+
+
+__all__ = ["make_batch", "make_batches", "vocab_size", "sample_keys", "CorpusError"]
