@@ -1,0 +1,94 @@
+"""``zdsl run FILE``: compile, then launch the ranks (or be one of them).
+
+Without ``RANK`` in the environment this process is the launcher: it
+compiles the schedule once to reject a bad one before any rank starts, then
+starts one process per rank (``runtime/launch.py``). With ``RANK`` set (by
+that launcher, torchrun, or any launcher that sets ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``) it runs one rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zdsl run", description="Train with a schedule.")
+    p.add_argument("file", help="the .zs schedule")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a train or policy value (repeatable)")
+    p.add_argument("--metrics", metavar="OUT.jsonl", help="one JSON line per step")
+    p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the measured ops (Perfetto)")
+    p.add_argument("--timeline", metavar="OUT.svg", help="picture of one measured step")
+    p.add_argument("--export", metavar="OUT.safetensors", help="final full fp32 state dict")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="seconds a collective may wait for a peer before the run fails (default 120)")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from zdsl.compile import CompileError, compile_file, parse_overrides
+    except ImportError as exc:  # pragma: no cover - packaging error
+        print(f"zdsl: internal error: {exc}", file=sys.stderr)
+        return 3
+    try:
+        overrides = parse_overrides(args.overrides)
+        compiled = compile_file(args.file, overrides)
+    except CompileError as exc:
+        print(exc.rendered, file=sys.stderr)
+        return exc.exit_code
+    for warning in compiled.warnings:
+        print(warning, file=sys.stderr)
+    if "RANK" not in os.environ:
+        from .launch import launch_local
+        child = ["run", *(argv if argv is not None else sys.argv[2:])]
+        return launch_local(child, compiled.graph.ranks)
+    return run_one_rank(compiled, args)
+
+
+def run_one_rank(compiled, args) -> int:
+    from .progress import Reporter
+    from .train import LaunchError, RunOptions, train_rank
+
+    rank = int(os.environ["RANK"])
+    configure_rank_logging(rank)
+    options = RunOptions(metrics=args.metrics, trace=args.trace, timeline=args.timeline, export=args.export,
+                         progress=not args.quiet, timeout_s=args.timeout)
+    steps = compiled.schedule.train.steps
+    reporter = Reporter(compiled.schedule.name, steps, args.metrics, show=not args.quiet) if rank == 0 else None
+    try:
+        train_rank(compiled.graph, compiled.schedule, compiled.units, options, reporter)
+    except LaunchError as exc:
+        return fail(rank, str(exc))
+    except Exception as exc:  # every failure names the rank; the op when an op failed
+        text = str(exc) if str(exc).startswith(f"rank {rank}") else f"rank {rank}: {type(exc).__name__}: {exc}"
+        if os.environ.get("ZDSL_DEBUG"):
+            traceback.print_exc()
+        return fail(rank, text)
+    finally:
+        if reporter is not None:
+            reporter.close()
+    return 0
+
+
+def fail(rank: int, text: str) -> int:
+    path = os.environ.get("ZDSL_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+    else:
+        print(f"zdsl: error: {text}", file=sys.stderr)
+    return 1
+
+
+def configure_rank_logging(rank: int) -> None:
+    try:
+        from zdsl.cli import configure_logging
+    except ImportError:
+        return
+    configure_logging(rank=rank)

@@ -1,0 +1,148 @@
+"""The executor: one trio task per lane, each op awaiting its dependencies.
+
+One nursery per step. A lane takes its ops in graph order; an op waits for
+the completion of every op it depends on, then launches:
+
+* compute ops run in a worker thread (``trio.to_thread``), one lane one
+  thread at a time, so the event loop stays free to issue collectives and
+  I/O, which then really overlap with compute;
+* collectives are issued with ``async_op=True``; the lane moves on to its
+  next op at once and a watcher task marks the op done when the work
+  completes (waiting in a thread, so the loop never blocks);
+* copies and NVMe transfers run in their lane's worker thread;
+* frees are bookkeeping and run on the loop.
+
+A failing op cancels the step's nursery; the error names the rank, the op
+and the unit. On CUDA each lane's thread issues its kernels on the lane's
+own stream (see ``runtime/device.py``); completion is observed through the
+stream's event, so the host waits only where a host-side op needs a result.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from zdsl.ir import Op, TaskGraph
+
+
+class OpError(RuntimeError):
+    """An op failed on a rank: names the rank, the op and the unit."""
+
+    def __init__(self, rank: int, op: Op, cause: BaseException):
+        where = f"unit {op.unit}" if op.unit is not None else "all units"
+        part = f" part {op.part}/{op.parts}" if op.parts > 1 else ""
+        super().__init__(
+            f"rank {rank}: op #{op.id} {op.kind}{part} ({op.phase}, {where}, micro-batch {op.micro}) "
+            f"failed: {type(cause).__name__}: {cause}")
+        self.rank, self.op, self.cause = rank, op, cause
+
+
+@dataclass
+class OpTiming:
+    """Host-side start and end of one op, seconds since the step began."""
+    op: int
+    start: float
+    end: float
+
+
+@dataclass
+class StepRecord:
+    seconds: float
+    timings: list[OpTiming] = field(default_factory=list)
+    overhead_s: float = 0.0     # the executor's own time (dispatch, waiting excluded)
+
+
+class Executor:
+    """Runs a :class:`TaskGraph` step after step against a rank's state.
+
+    ``state`` provides ``run_compute(op)``, ``start_collective(op)`` (a handle
+    with ``wait()`` and ``is_completed()``), ``run_copy(op)``, ``run_nvme(op)``
+    and ``free(op)``; see ``runtime/state.py``.
+    """
+
+    def __init__(self, graph: TaskGraph, state, rank: int, record: bool = True):
+        self.graph = graph
+        self.state = state
+        self.rank = rank
+        self.record = record
+        self.lanes: dict[str, list[Op]] = {}
+        for op in graph.ops:
+            self.lanes.setdefault(op.lane, []).append(op)
+        # one worker thread per lane (a lane is sequential by definition)
+        self.limiters = {lane: trio.CapacityLimiter(1) for lane in self.lanes}
+        self.wait_limiter = trio.CapacityLimiter(64)
+
+    async def run_step(self) -> StepRecord:
+        n = len(self.graph.ops)
+        self.done = [trio.Event() for _ in range(n)]
+        self.starts = [0.0] * n
+        self.ends = [0.0] * n
+        self.overhead = 0.0
+        self.t0 = time.perf_counter()
+        try:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                for lane, ops in self.lanes.items():
+                    nursery.start_soon(self.run_lane, lane, ops)
+        except BaseExceptionGroup as group:
+            raise first_op_error(group) from None
+        seconds = time.perf_counter() - self.t0
+        timings = [OpTiming(i, self.starts[i], self.ends[i]) for i in range(n)] if self.record else []
+        return StepRecord(seconds, timings, self.overhead)
+
+    async def run_lane(self, lane: str, ops: list[Op]) -> None:
+        done, state = self.done, self.state
+        limiter = self.limiters[lane]
+        for op in ops:
+            for d in op.deps:
+                if not done[d].is_set():
+                    await done[d].wait()
+            tick = time.perf_counter()
+            self.starts[op.id] = tick - self.t0
+            try:
+                kind = op.kind
+                if kind.startswith("compute."):
+                    await trio.to_thread.run_sync(state.run_compute, op, limiter=limiter)
+                elif kind.startswith("comm."):
+                    handle = state.start_collective(op)
+                    self.nursery.start_soon(self.watch, op, handle)
+                    self.overhead += time.perf_counter() - tick
+                    continue
+                elif kind.startswith("copy."):
+                    await trio.to_thread.run_sync(state.run_copy, op, limiter=limiter)
+                elif kind.startswith("nvme."):
+                    await trio.to_thread.run_sync(state.run_nvme, op, limiter=limiter)
+                elif kind == "mem.free":
+                    state.free(op)
+                else:
+                    raise ValueError(f"unknown op kind {kind!r}")
+            except OpError:
+                raise
+            except Exception as exc:  # name the rank, the op and the unit
+                raise OpError(self.rank, op, exc) from exc
+            self.finish(op)
+
+    async def watch(self, op: Op, handle) -> None:
+        """Mark a collective done when its work completes."""
+        try:
+            if handle is not None and not handle.is_completed():
+                await trio.to_thread.run_sync(handle.wait, limiter=self.wait_limiter,
+                                              abandon_on_cancel=True)
+        except Exception as exc:
+            raise OpError(self.rank, op, exc) from exc
+        self.finish(op)
+
+    def finish(self, op: Op) -> None:
+        self.ends[op.id] = time.perf_counter() - self.t0
+        self.done[op.id].set()
+
+
+def first_op_error(group: BaseExceptionGroup) -> BaseException:
+    """The OpError inside a (nested) exception group, else the first exception."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return first_op_error(exc)
+        return exc
+    return group

@@ -1,0 +1,185 @@
+"""One rank's training loop: join the group, agree on the graph, run the steps.
+
+The launcher (``runtime/launch.py``) starts one process per rank with
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, as
+torchrun does; each process compiles the same schedule, so before the first
+step the ranks exchange a hash of their graphs and stop, all of them, if
+any differ.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import trio
+
+from zdsl.ir import TaskGraph
+
+from .executor import Executor, StepRecord
+
+
+class LaunchError(RuntimeError):
+    """The ranks cannot start together (wrong world size, differing graphs)."""
+
+
+@dataclass
+class RunOptions:
+    metrics: str | None = None          # JSONL, one line per step (rank 0 writes)
+    trace: str | None = None            # Chrome trace of the measured ops
+    timeline: str | None = None         # SVG of one measured step
+    export: str | None = None           # safetensors of the final full fp32 state dict
+    progress: bool = True
+    timeout_s: float = 120.0            # a collective that waits longer fails (a dead peer)
+    trace_steps: int = 3                # how many steps (the last ones) go into the trace
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    step_s: float
+    tokens_per_s: float
+    skipped: bool
+    grad_norm: float | None
+    peak_bytes: dict = field(default_factory=dict)   # rank -> tier -> bytes
+
+
+def env_rank() -> tuple[int, int]:
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise LaunchError(f"{key} is not set; start ranks with `zdsl run` or torchrun")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def pick_device(choice: str, rank: int) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise LaunchError("the schedule asks for `ranks N on cuda` but no CUDA device is visible")
+        local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def init_group(rank: int, world: int, device: torch.device, timeout_s: float) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = dict(backend=backend, rank=rank, world_size=world,
+                  timeout=datetime.timedelta(seconds=timeout_s))
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+
+
+def agree_on_graph(graph: TaskGraph, rank: int, world: int, device: torch.device) -> None:
+    """Every rank must run the same graph; say which ranks differ if not."""
+    digest = bytes.fromhex(graph.digest())
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=device)
+    every = torch.empty(world * len(digest), dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(every, mine) if not hasattr(dist, "all_gather_single") else \
+        dist.all_gather_single(every, mine)
+    rows = every.view(world, -1).cpu()
+    groups: dict[bytes, list[int]] = {}
+    for r in range(world):
+        groups.setdefault(bytes(rows[r].tolist()), []).append(r)
+    if len(groups) > 1:
+        desc = "; ".join(f"ranks {v} have graph {k.hex()[:12]}" for k, v in groups.items())
+        raise LaunchError(f"the ranks compiled different task graphs ({desc}); "
+                          "run the same schedule file and --set overrides on every rank")
+
+
+def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=None) -> list[StepMetrics]:
+    """Train on this rank; returns the per-step metrics (complete on rank 0)."""
+    from .models.protocol import build_model
+    from .data import make_batch
+    from .state import RankState
+
+    rank, world = env_rank()
+    if world != graph.ranks:
+        raise LaunchError(f"the schedule was compiled for {graph.ranks} ranks but {world} were launched; "
+                          f"launch {graph.ranks} ranks or set `ranks {world}` (--set ranks={world})")
+    cfg = graph.config
+    device = pick_device(cfg.get("device", "auto"), rank)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    init_group(rank, world, device, options.timeout_s)
+    try:
+        agree_on_graph(graph, rank, world, device)
+        model = build_model(schedule.model, seed=cfg["train"]["seed"])
+        state = RankState(graph, model, rank=rank, world=world, device=device, group=None)
+        executor = Executor(graph, state, rank, record=bool(options.trace or options.timeline))
+        return trio.run(_loop, graph, schedule, state, executor, rank, world, device, options, reporter,
+                        make_batch)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+async def _loop(graph, schedule, state, executor, rank, world, device, options, reporter, make_batch):
+    cfg = graph.config
+    train = cfg["train"]
+    steps, acc, batch = train["steps"], train["accumulate"], train["batch"]
+    context = schedule_context(schedule)
+    records: list[tuple[int, StepRecord]] = []
+    history: list[StepMetrics] = []
+    for step in range(steps):
+        batches = [make_batch(schedule.data, train["seed"], step, m, rank, world, batch) for m in range(acc)]
+        batches = [(x.to(device), y.to(device)) for x, y in batches]
+        state.step_begin(step, batches)
+        record = await executor.run_step()
+        result = state.step_end()
+        if options.trace or options.timeline:
+            records.append((step, record))
+            records = records[-options.trace_steps:]
+        metrics = gather_metrics(step, record, result, state, world, device, tokens=batch * acc * context)
+        history.append(metrics)
+        if rank == 0 and reporter is not None:
+            reporter.step(metrics)
+    if options.export:
+        state.export(options.export) if hasattr(state, "export") else None
+    if options.trace or options.timeline:
+        from .tracing import write_measured_trace
+        write_measured_trace(graph, records, rank, world, options, state)
+    return history
+
+
+def schedule_context(schedule) -> int:
+    args = dict(schedule.data.args)
+    if "context" in args:
+        return int(args["context"])
+    return int(schedule.model.args.get("context", 64))
+
+
+TIERS = ("device", "host", "nvme")
+
+
+def gather_metrics(step, record: StepRecord, result: dict, state, world, device, tokens) -> StepMetrics:
+    """Loss averaged over ranks and every rank's peak bytes per tier (one small all-gather)."""
+    report = state.memory_report()
+    peaks = report.get("peak", report)
+    row = [float(result["loss"]), record.seconds] + [float(peaks.get(t, 0)) for t in TIERS]
+    mine = torch.tensor(row, dtype=torch.float64, device=device)
+    every = torch.empty(world * len(row), dtype=torch.float64, device=device)
+    if hasattr(dist, "all_gather_single"):
+        dist.all_gather_single(every, mine)
+    else:
+        dist.all_gather_into_tensor(every, mine)
+    table = every.view(world, -1).cpu().tolist()
+    loss = sum(r[0] for r in table) / world
+    step_s = max(r[1] for r in table)
+    peak = {r: {t: int(table[r][2 + i]) for i, t in enumerate(TIERS)} for r in range(world)}
+    return StepMetrics(step=step, loss=loss, step_s=step_s, tokens_per_s=tokens * world / step_s,
+                       skipped=bool(result.get("skipped", False)), grad_norm=result.get("grad_norm"),
+                       peak_bytes=peak)
+
+
+def metrics_line(m: StepMetrics) -> str:
+    return json.dumps({"step": m.step, "loss": m.loss, "step_s": m.step_s, "tokens_per_s": m.tokens_per_s,
+                       "skipped": m.skipped, "grad_norm": m.grad_norm,
+                       "peak_bytes": {str(r): v for r, v in m.peak_bytes.items()}})
+
+
