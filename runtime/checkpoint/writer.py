@@ -99,6 +99,8 @@ def write_rank_shards(root, step: int, rank: int, ranks: int, shards: dict[str, 
     done = step_dir / done_name(rank, ranks)
     if done.exists():
         done.unlink()                     # a stale marker from a killed attempt at this step
+    for stale in step_dir.glob(f".{name}.tmp-*"):
+        stale.unlink(missing_ok=True)     # a partial file from a killed attempt (only this rank writes it)
     final = step_dir / name
     tmp = step_dir / f".{name}.tmp-{os.getpid()}"
     meta = {"format": "pt", "zdsl_step": str(step), "zdsl_rank": str(rank), "zdsl_ranks": str(ranks)}

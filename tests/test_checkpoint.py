@@ -1,0 +1,275 @@
+"""Checkpoint storage: round trip, re-cut across rank counts, export, damage, retention, SIGKILL."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from zdsl.layout import flat_layout
+from zdsl.runtime.checkpoint import (CheckpointError, apply_retention, check_checkpoint, checkpoint_path,
+                                     export, inspect, latest_complete, list_checkpoints, load_for_rank,
+                                     owned_shard, read_index, unit_metas, write_index, write_rank_shards)
+from zdsl.units import gpt_units
+
+CFG = dict(layers=2, width=32, heads=2, vocab=64, context=16)
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def layouts_for(units, ranks, bucket=0):
+    return [flat_layout(u.numel, ranks, bucket) for u in units]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """GPT-shaped units and full flat fp32 state per (unit, kind), deterministic."""
+    units = gpt_units(**CFG)
+    g = torch.Generator().manual_seed(0)
+    full = {(i, k): torch.randn(u.numel, generator=g) for i, u in enumerate(units) for k in KINDS}
+    return units, full
+
+
+def save(root, step, units, full, ranks, bucket=0, tag="t", rng=True, threads=True):
+    """Write a checkpoint of ``full`` as ``ranks`` ranks would (one thread per rank), then the index."""
+    layouts = layouts_for(units, ranks, bucket)
+
+    def rank_shards(r):
+        shards = {f"u{i}.{k}": owned_shard(full[i, k], layouts[i], r) for i in range(len(units)) for k in KINDS}
+        if rng:
+            shards["rng.cpu"] = torch.full((16,), r, dtype=torch.uint8)
+        return shards
+
+    records = [None] * ranks
+
+    def work(r):
+        records[r] = write_rank_shards(root, step, r, ranks, rank_shards(r), tag=tag)
+
+    if threads:
+        ts = [threading.Thread(target=work, args=(r,)) for r in range(1, ranks)]
+        for t in ts:
+            t.start()
+        work(0)
+        # Rank 0 knows only its own record; the others' come from their done markers.
+        path = write_index(root, step, {"units": unit_metas(units, layouts), "schedule_hash": "abc",
+                                        "data_position": {"step": step, "sample": 8 * step},
+                                        "loss_scaler": {"scale": 1024.0, "growth_tracker": 3}},
+                           records[:1], tag=tag, timeout_s=10)
+        for t in ts:
+            t.join()
+    else:
+        for r in range(ranks):
+            work(r)
+        path = write_index(root, step, {"units": unit_metas(units, layouts)}, records, tag=tag)
+    return path, layouts
+
+
+def full_from_shards(shards_by_rank, layouts, units, kind):
+    """Reassemble full tensors from every rank's shards (strip padding)."""
+    out = {}
+    for i, lay in enumerate(layouts):
+        buf = torch.zeros(lay.padded_numel)
+        for r, shards in enumerate(shards_by_rank):
+            for p, (b, e) in enumerate(lay.owned_full_ranges(r)):
+                sb, se = lay.shard_range(p)
+                buf[b:e] = shards[f"u{i}.{kind}"][sb:se]
+        out[i] = buf[:units[i].numel]
+    return out
+
+
+def test_round_trip_same_ranks(tmp_path, model):
+    units, full = model
+    path, layouts = save(tmp_path, 5, units, full, 2, bucket=1000)
+    assert path == checkpoint_path(tmp_path, 5) and path.name == "step-000005"
+    index = read_index(path)
+    assert (index.step, index.ranks, index.schedule_hash) == (5, 2, "abc")
+    assert index.data_position == {"step": 5, "sample": 40} and index.loss_scaler["scale"] == 1024.0
+    assert [u.prefix for u in index.units] == ["embedding", "blocks.0", "blocks.1", "head"]
+    assert any(u.parts > 1 for u in index.units)
+    for r in range(2):
+        got = load_for_rank(path, r, 2, layouts)
+        for i, lay in enumerate(layouts):
+            for k in KINDS:
+                assert torch.equal(got[f"u{i}.{k}"], owned_shard(full[i, k], lay, r))
+        assert torch.equal(got["rng.cpu"], torch.full((16,), r, dtype=torch.uint8))
+    # Plain safetensors: the reference reader opens our streamed files.
+    with safe_open(str(path / "rank-00001-of-00002.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("u1.param"), owned_shard(full[1, "param"], layouts[1], 1))
+    assert latest_complete(tmp_path) == path
+
+
+def test_recut_2_to_4_to_1(tmp_path, model):
+    units, full = model
+    save(tmp_path / "a", 1, units, full, 2, bucket=700)
+    lay4 = layouts_for(units, 4, bucket=2000)
+    loaded4 = [load_for_rank(checkpoint_path(tmp_path / "a", 1), r, 4, lay4) for r in range(4)]
+    for k in KINDS:
+        got = full_from_shards(loaded4, lay4, units, k)
+        for i in range(len(units)):
+            assert torch.equal(got[i], full[i, k])
+    assert "rng.cpu" in loaded4[1] and "rng.cpu" not in loaded4[3]   # rank 3 did not exist in the 2-rank run
+
+    # Save as the 4-rank run would (from its loaded shards), then load on one rank.
+    records = [write_rank_shards(tmp_path / "b", 2, r, 4, loaded4[r]) for r in range(4)]
+    write_index(tmp_path / "b", 2, {"units": unit_metas(units, lay4)}, records)
+    lay1 = layouts_for(units, 1)
+    one = load_for_rank(checkpoint_path(tmp_path / "b", 2), 0, 1, lay1)
+    for i, lay in enumerate(lay1):
+        for k in KINDS:
+            assert torch.equal(one[f"u{i}.{k}"][:units[i].numel], full[i, k])
+            assert not one[f"u{i}.{k}"][units[i].numel:].any()      # new padding is zero
+
+
+def expected_gpt_keys(units):
+    prefix = {"embedding": "embedding", "head": "head"}
+    return [f"{prefix.get(u.name, u.name.replace('block.', 'blocks.'))}.{n}" for u in units for n, _ in u.params]
+
+
+def test_export_loads_into_gpt(tmp_path, model):
+    units, full = model
+    path, _ = save(tmp_path, 3, units, full, 2, bucket=500)
+    out = tmp_path / "model.safetensors"
+    keys = export(tmp_path, out, "fp32")          # a root: the newest complete checkpoint is used
+    sd = load_file(str(out))
+    assert keys == expected_gpt_keys(units) and sorted(sd) == sorted(keys)
+    for i, u in enumerate(units):
+        off = 0
+        for n, shape in u.params:
+            numel = torch.Size(shape).numel()
+            key = expected_gpt_keys([u])[u.params.index((n, shape))]
+            assert sd[key].shape == torch.Size(shape) and sd[key].dtype == torch.float32
+            assert torch.equal(sd[key].reshape(-1), full[i, "param"][off:off + numel])
+            off += numel
+    gpt_mod = pytest.importorskip("zdsl.runtime.models.gpt")
+    gpt = gpt_mod.GPT(**CFG)
+    gpt.load_state_dict(sd, strict=True)
+    assert torch.equal(gpt.embedding.wte.weight.reshape(-1), full[0, "param"][:CFG["vocab"] * CFG["width"]])
+
+    out16 = tmp_path / "model-bf16.safetensors"
+    export(path, out16, "bf16")
+    sd16 = load_file(str(out16))
+    assert all(t.dtype == torch.bfloat16 for t in sd16.values())
+    assert torch.equal(sd16["head.ln_f.weight"], sd["head.ln_f.weight"].to(torch.bfloat16))
+
+
+def _damage_cases(path):
+    f1 = path / "rank-00001-of-00002.safetensors"
+    return {
+        "missing index": (lambda: (path / "index.json").unlink(), "index.json"),
+        "truncated index": (lambda: (path / "index.json").write_bytes((path / "index.json").read_bytes()[:100]),
+                            "index.json"),
+        "altered index": (lambda: (path / "index.json").write_text(
+            (path / "index.json").read_text().replace('"numel": ', '"numel": 1', 1)),
+            "index.json"),
+        "missing shard": (lambda: f1.unlink(), f1.name),
+        "truncated shard": (lambda: os.truncate(f1, f1.stat().st_size - 10), f1.name),
+        "altered shard": (lambda: _flip_byte(f1, f1.stat().st_size - 5), f1.name),
+    }
+
+
+def _flip_byte(path, pos):
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("case", ["missing index", "truncated index", "altered index", "missing shard",
+                                  "truncated shard", "altered shard"])
+def test_damage_refused_and_fallback(tmp_path, model, case):
+    units, full = model
+    good, layouts = save(tmp_path, 1, units, full, 2, threads=False)
+    bad, _ = save(tmp_path, 2, units, full, 2, threads=False)
+    damage, culprit = _damage_cases(bad)[case]
+    damage()
+    with pytest.raises(CheckpointError, match=culprit.replace(".", r"\.")):
+        check_checkpoint(bad)
+    with pytest.raises(CheckpointError, match=culprit.replace(".", r"\.")):
+        load_for_rank(bad, 1, 2, layouts)
+    messages = []
+    assert latest_complete(tmp_path, report=messages.append) == good
+    assert culprit in messages[0] and "step-000002" in messages[0]
+    assert "falling back to checkpoint step-000001" in messages[-1]
+    table = inspect(tmp_path, verify=True)
+    assert "step-000002  unusable" in table and culprit in table and "step-000001  complete" in table
+
+
+def test_write_index_waits_for_all_ranks_and_ignores_stale_markers(tmp_path, model):
+    units, full = model
+    lay = layouts_for(units, 2)
+    shards = {f"u{i}.param": owned_shard(full[i, "param"], lay[i], 1) for i in range(len(units))}
+    write_rank_shards(tmp_path, 7, 1, 2, shards, tag="old-attempt")
+    rec0 = write_rank_shards(tmp_path, 7, 0, 2, shards, tag="new")
+    with pytest.raises(CheckpointError, match="rank-00001-of-00002.done"):
+        write_index(tmp_path, 7, {"units": unit_metas(units, lay)}, [rec0], tag="new", timeout_s=0.2)
+    assert latest_complete(tmp_path, report=lambda m: None) is None
+
+
+def test_retention_keeps_last_complete(tmp_path, model):
+    units, full = model
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step, units, full, 1, threads=False)
+    # A killed save at step 5 (no index) must not count as one of the kept.
+    write_rank_shards(tmp_path, 5, 0, 1, {"u0.param": owned_shard(full[0, "param"], layouts_for(units, 1)[0], 0)})
+    deleted = apply_retention(tmp_path, keep=2)
+    assert [p.name for p in deleted] == ["step-000001", "step-000002"]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 4, 5]
+    assert latest_complete(tmp_path, report=lambda m: None) == checkpoint_path(tmp_path, 4)
+    with pytest.raises(CheckpointError):
+        apply_retention(tmp_path, keep=0)
+
+
+CHILD = textwrap.dedent("""
+    import sys, time, torch
+    from zdsl.layout import flat_layout
+    from zdsl.runtime.checkpoint import owned_shard, unit_metas, write_index, write_rank_shards
+    from zdsl.units import UnitSpec
+    root, n = sys.argv[1], int(sys.argv[2])
+    units = [UnitSpec("big", [("w", (n,))])]
+    lay = [flat_layout(n, 2)]
+    data = torch.ones(n)
+    def save(step):
+        recs = [write_rank_shards(root, step, r, 2, {"u0.param": owned_shard(data * step, lay[0], r)}) for r in range(2)]
+        if step == 2:
+            time.sleep(60)        # killed before the index if the kill missed the writes
+        write_index(root, step, {"units": unit_metas(units, lay)}, recs)
+    save(1)
+    print("saved", flush=True)
+    save(2)
+""")
+
+
+def test_sigkill_mid_write_keeps_previous(tmp_path):
+    n = 64 << 20                                   # 256 MiB of fp32 per save, 128 MiB per rank file
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(n)], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"saved"
+        step2 = checkpoint_path(tmp_path, 2)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            tmps = list(step2.glob(".rank-*.tmp-*")) if step2.exists() else []
+            if tmps and tmps[0].stat().st_size > 0:
+                break
+            time.sleep(0.001)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert list(step2.glob(".rank-*.tmp-*")), "the kill did not land mid-write"
+    messages = []
+    found = latest_complete(tmp_path, report=messages.append)
+    assert found == checkpoint_path(tmp_path, 1)
+    assert "step-000002 refused" in messages[0] and "index.json" in messages[0]
+    lay = [flat_layout(n, 1)]
+    got = load_for_rank(found, 0, 1, lay)
+    assert got["u0.param"].numel() == n and bool((got["u0.param"] == 1).all())
