@@ -1,0 +1,188 @@
+"""The harness every peer job of ``benchmarks/vs_peers.py`` shares.
+
+Why one harness: the comparison is only fair when every system trains the
+same model from the same init on the same batches with the same optimizer,
+and is timed and measured the same way. The peers (``ddp_peer``,
+``fsdp2_peer``, ``deepspeed_peer``) differ only in how they wrap the model
+and take a step; everything else lives here.
+
+A peer job is one process per rank, started by ``torchrun`` with
+``--config CONFIG.json --out DIR``. Each rank writes ``DIR/rank{r}.json``:
+its step times, its losses, its peak RSS (``VmHWM``), the RSS it had before
+building the model, and (on CUDA) torch's peak allocated bytes.
+
+This module imports torch only inside the functions that run in a rank, so
+the orchestrator can import :class:`BenchConfig` without paying for torch.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class BenchConfig:
+    """What every peer trains: model, data, optimizer, and how many steps."""
+    layers: int = 6
+    width: int = 512
+    heads: int = 8
+    vocab: int = 256
+    context: int = 256
+    batch: int = 1                      # sequences per rank per step
+    steps: int = 8                      # measured steps
+    warmup: int = 2                     # steps run first and left out of the timing
+    seed: int = 0                       # model init and data
+    data: str = "synthetic"             # "synthetic" or "stdlib" (zdsl's built-in corpus)
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    extra: dict = field(default_factory=dict)   # per-peer knobs (e.g. the DeepSpeed stage)
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+    def model_kwargs(self) -> dict:
+        return dict(layers=self.layers, width=self.width, heads=self.heads,
+                    vocab=self.vocab, context=self.context)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "BenchConfig":
+        raw = json.loads(text)
+        raw["betas"] = tuple(raw["betas"])
+        return cls(**raw)
+
+
+# -- what a rank measures -------------------------------------------------------
+
+def _proc_status_bytes(key: str) -> int | None:
+    """A ``kB`` line of /proc/self/status in bytes (VmHWM = peak RSS, VmRSS = now)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's RSS high-water mark; getrusage where /proc is missing."""
+    hwm = _proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
+    import resource
+    scale = 1 if sys.platform == "darwin" else 1024    # macOS reports bytes, Linux KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def rss_bytes() -> int:
+    return _proc_status_bytes("VmRSS") or 0
+
+
+# -- model and data: the same for every peer --------------------------------------
+
+def build_model(cfg: BenchConfig):
+    """zdsl's built-in GPT with the init every peer shares (seeded, on CPU, fp32)."""
+    import torch
+    from zdsl.runtime.models.gpt import GPT
+    torch.manual_seed(cfg.seed)
+    return GPT(**cfg.model_kwargs())
+
+
+def data_spec(cfg: BenchConfig):
+    """The ``data`` statement zdsl sees for this config (also written into the .zs)."""
+    from zdsl.schedule import DataSpec
+    if cfg.data == "stdlib":
+        return DataSpec("corpus", source="stdlib", args=dict(context=cfg.context))
+    return DataSpec("synthetic", args=dict(vocab=cfg.vocab, context=cfg.context))
+
+
+def data_statement(cfg: BenchConfig) -> str:
+    """The same data as .zs source text."""
+    if cfg.data == "stdlib":
+        return f'corpus("stdlib", context={cfg.context})'
+    return f"synthetic(vocab={cfg.vocab}, context={cfg.context})"
+
+
+def batch_for(cfg: BenchConfig, spec, step: int, rank: int):
+    """(tokens, targets) that ``rank`` trains on at ``step``: zdsl's own data source."""
+    from zdsl.runtime.data import make_batches
+    return make_batches(spec, cfg.seed, step, 0, rank, cfg.batch)
+
+
+def adamw(cfg: BenchConfig, params):
+    import torch
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay)
+
+
+# -- the job a peer runs ----------------------------------------------------------
+
+def _parse_job_args(argv=None) -> tuple[BenchConfig, Path]:
+    parser = argparse.ArgumentParser(description="one peer job of benchmarks/vs_peers.py")
+    parser.add_argument("--config", required=True, help="BenchConfig as JSON file")
+    parser.add_argument("--out", required=True, help="folder for rank{r}.json")
+    args = parser.parse_args(argv)
+    return BenchConfig.from_json(Path(args.config).read_text()), Path(args.out)
+
+
+def run_peer(name: str, setup, backend: str = "gloo", argv=None) -> None:
+    """Run one peer on this rank: build, train, time, measure, write the result.
+
+    ``setup(cfg, rank, world)`` returns ``(step, info)``: ``step(tokens,
+    targets)`` does forward, backward and the optimizer step and returns
+    the (detached) loss; ``info`` is a dict reported beside the numbers.
+    Ranks meet at a barrier before every step so a step's time is the
+    system's, not the wait for a slower rank's previous step.
+    """
+    import torch
+    import torch.distributed as dist
+
+    cfg, out = _parse_job_args(argv)
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base_rss = rss_bytes()
+
+    spec = data_spec(cfg)
+    step, info = setup(cfg, rank, world)
+    times, losses = [], []
+    for i in range(cfg.total_steps):
+        tokens, targets = batch_for(cfg, spec, i, rank)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = step(tokens, targets)
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    dist.barrier()
+
+    result = dict(peer=name, rank=rank, world=world, step_s=times, loss=losses,
+                  warmup=cfg.warmup, peak_rss=peak_rss_bytes(), base_rss=base_rss,
+                  cuda_peak=(torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None),
+                  torch=torch.__version__, info=info)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def job_env() -> dict:
+    """Environment for a peer job: one intra-op thread, CPU DeepSpeed, repo importable."""
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["DS_ACCELERATOR"] = env.get("DS_ACCELERATOR", "cpu")
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env

@@ -1,0 +1,51 @@
+"""torch FSDP2: ``fully_shard`` on every block, then on the root (ZeRO-3 in torch).
+
+Each block is its own all-gather / reduce-scatter group, as the FSDP2 docs
+recommend; the root group holds the embedding, the final norm and the head,
+so the tied ``wte.weight`` lives in one group. Runs on CPU over gloo. Where
+this torch's FSDP2 refuses plain CPU parameters, it falls back to
+``CPUOffloadPolicy`` (parameters and optimizer state on the host; on a CPU-only
+machine the same memory), and the result says which one ran.
+"""
+from __future__ import annotations
+
+from benchmarks.peers import adamw, build_model, run_peer
+
+
+def _shard(model, mesh, offload: bool):
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kwargs = dict(mesh=mesh)
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    units = model.units()
+    for block in units[1:-1]:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def setup(cfg, rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        model, policy = _shard(build_model(cfg), mesh, offload=False), "none"
+    except (RuntimeError, ValueError, AssertionError) as plain_cpu_refused:
+        model, policy = _shard(build_model(cfg), mesh, offload=True), \
+            f"CPUOffloadPolicy (plain CPU refused: {plain_cpu_refused})"
+    optimizer = adamw(cfg, model.parameters())
+
+    def step(tokens, targets):
+        loss = model(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, dict(wrapper="fully_shard per block + root", offload=policy,
+                      optimizer="torch.optim.AdamW")
+
+
+if __name__ == "__main__":
+    run_peer("fsdp2", setup)
