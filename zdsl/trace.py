@@ -3,7 +3,8 @@
 One format for both, so a prediction and a measurement open side by side:
 one process (pid) per rank, one thread (tid) per lane, a complete event
 ("X") per op, flow arrows ("s"/"f") for dependencies that cross lanes, and
-counter events ("C") for the bytes held per tier. Times are microseconds.
+counter events ("C") named ``memory.<tier>`` for the bytes held per tier
+(``args.bytes``, split into ``model_states`` and ``working``). Times are microseconds.
 The runtime records :class:`TraceSpan` and :class:`TraceCounter` and calls
 :func:`chrome_trace`; the planner calls :func:`predicted_trace`.
 """
@@ -32,9 +33,9 @@ class TraceSpan:
 @dataclass
 class TraceCounter:
     rank: int
-    name: str                           # e.g. "memory device"
+    name: str                           # "memory.<tier>" for bytes held on a tier
     time_s: float
-    values: dict[str, float]            # series name -> value (e.g. {"bytes": 1234})
+    values: dict[str, float]            # series -> value; memory counters carry "bytes" (the total)
 
 
 def lane_tid(lane: str) -> int:
@@ -105,8 +106,9 @@ def predicted_trace(graph: TaskGraph, sim, ranks: int | None = None) -> dict:
             if not tl.model_states and not tl.working.any():
                 continue
             for t, w in zip(tl.times.tolist(), tl.working.tolist()):
-                counters.append(TraceCounter(r, f"memory {tier}", t,
-                                             {"model_states": tl.model_states, "working": int(w)}))
+                counters.append(TraceCounter(r, f"memory.{tier}", t,
+                                             {"bytes": tl.model_states + int(w),
+                                              "model_states": tl.model_states, "working": int(w)}))
     deps = {op.id: list(op.deps) for op in graph.ops}
     return chrome_trace(spans, deps, counters,
                         {"source": "zdsl plan (predicted)", "schedule": graph.schedule,

@@ -294,7 +294,7 @@ class Checker:
                     f"prefetch fewer units ahead (now {self.schedule.prefetch}), or offload parameters",
                     cause)
         if tier == "device" and working >= model and top in ("act", "act_inner", "act_grad"):
-            span = self.stmt_span("recompute", "train")
+            span = self.stmt_span("recompute", "train", "prefetch", "memory")
             return span, "recompute more units (recompute blocks) or lower the batch", cause
         # model states (or unattributed working memory): the placement of the biggest state here
         states = sim_mem.states.get(tier, {})
@@ -302,11 +302,11 @@ class Checker:
             if states[state] and (span := self.stmt_span(f"offload.{state}")):
                 other = "nvme" if tier == "host" else "cpu"
                 return span, f"offload {state} -> {other}, or raise the {tier} budget", cause
-        span = self.stmt_span("prefetch", "zero", "shard", "memory") if tier == "device" else \
-            self.stmt_span("memory")
-        hint = ("shard more state (zero 3) or offload optimizer -> cpu" if tier == "device"
-                else f"move state off {tier}, or raise the {tier} budget")
-        return span, hint, cause
+        if tier == "device":
+            span = self.stmt_span("zero", "shard", "prefetch", "memory", "model", "schedule")
+            return span, "shard more state (zero 3) or offload optimizer -> cpu", cause
+        span = self.stmt_span("memory", "model", "schedule")
+        return span, f"move state off {tier}, or raise the {tier} budget", cause
 
     def run(self, sim: Simulation | None) -> Simulation | None:
         if not self.check_structure():

@@ -1,0 +1,358 @@
+"""The ``zdsl`` command: check, plan, and the runtime's subcommands.
+
+``check`` and ``plan`` are the compiler (no torch, fast); ``run``, ``export``,
+``inspect``, ``calibrate`` and ``tune`` live in the runtime and are imported
+only when asked for, so a machine without torch can still check and plan.
+
+Exit status: 0 fine (warnings allowed), 1 invalid schedule, 2 usage error,
+3 a bug in zdsl (reported as ``zdsl: internal error: ...``, never a
+traceback unless ``ZDSL_DEBUG=1``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+# subcommand -> module whose main(argv: list[str]) -> int implements it
+DELEGATED = {
+    "run": "zdsl.runtime.cli_run",
+    "export": "zdsl.runtime.cli_export",
+    "inspect": "zdsl.runtime.cli_inspect",
+    "calibrate": "zdsl.runtime.cli_calibrate",
+    "tune": "zdsl.runtime.cli_tune",
+}
+DELEGATED_HELP = {
+    "run": "train with a schedule (one process per rank)",
+    "export": "write a checkpoint as a plain state dict (safetensors)",
+    "inspect": "show what a checkpoint holds",
+    "calibrate": "measure this machine and write a `machine` profile",
+    "tune": "try prefetch/bucket/... variants, predicted then measured",
+}
+
+_logging_configured = False
+
+
+def configure_logging(rank: int | None = None, level: str = "warning") -> None:
+    """Configure structlog once per process (again only to bind a rank); events go to stderr."""
+    global _logging_configured
+    import logging
+
+    import structlog
+    lvl = logging.getLevelName(level.upper()) if isinstance(level, str) else int(level)
+    if not isinstance(lvl, int):
+        lvl = logging.WARNING
+    if not _logging_configured or rank is not None:
+        structlog.configure(
+            processors=[
+                structlog.contextvars.merge_contextvars,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=True),
+                structlog.dev.ConsoleRenderer(colors=False),
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(lvl),
+            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+            cache_logger_on_first_use=False,
+        )
+        _logging_configured = True
+    if rank is not None:
+        structlog.contextvars.bind_contextvars(rank=rank)
+
+
+# -- compiling one file ------------------------------------------------------------
+
+@dataclass
+class Compiled:
+    """A schedule carried as far through the compiler as it would go."""
+    path: str
+    diagnostics: list = field(default_factory=list)
+    schedule: object = None
+    units: list | None = None
+    graph: object = None
+    sim: object = None
+    usage_error: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not any(d.severity == "error" for d in self.diagnostics)
+
+
+def memo_units_for():
+    """units_for with a cache, so a user model is built on the meta device once per command."""
+    from zdsl.models import units_for
+    cache: dict[str, list] = {}
+
+    def cached(spec):
+        key = repr(spec)
+        if key not in cache:
+            cache[key] = units_for(spec)
+        return cache[key]
+    return cached
+
+
+def compile_schedule_fn():
+    """``compile_schedule`` (schedule, units -> TaskGraph), wherever the lowering keeps it."""
+    import zdsl.lower as lower
+    fn = getattr(lower, "compile_schedule", None)
+    if fn is None:
+        from zdsl.instantiate import compile_schedule as fn
+    return fn
+
+
+def compile_file(path: str, overrides: dict[str, str] | None, units_for=None) -> Compiled:
+    """Load, check, lower, instantiate and verify one .zs file; collect every diagnostic."""
+    from zdsl.check import load_schedule
+    from zdsl.errors import Diagnostic, UsageError, ZsError
+    from zdsl.instantiate import LoweringError
+    from zdsl.models import ModelSizingError
+    from zdsl.verify import findings, to_diagnostic
+
+    units_for = units_for or memo_units_for()
+    out = Compiled(path)
+    try:
+        schedule, diags = load_schedule(path, overrides, units_for)
+    except UsageError as exc:
+        out.diagnostics, out.usage_error = exc.diagnostics, True
+        return out
+    except ZsError as exc:
+        out.diagnostics = exc.diagnostics
+        return out
+    out.schedule = schedule
+    out.diagnostics = list(diags)
+    if not out.ok:
+        return out
+    model_span = schedule.spans.get("model")
+    try:
+        out.units = units_for(schedule.model)
+    except ModelSizingError as exc:
+        out.diagnostics.append(Diagnostic("error", model_span, str(exc)))
+        return out
+    except Exception as exc:                  # a user's model factory that fails to build
+        out.diagnostics.append(Diagnostic("error", model_span, f"cannot size the model: "
+                                          f"{type(exc).__name__}: {exc}"))
+        return out
+    try:
+        out.graph = compile_schedule_fn()(schedule, out.units)
+    except LoweringError as exc:
+        out.diagnostics.append(Diagnostic("error", exc.span, str(exc), exc.hint))
+        return out
+    except ZsError as exc:
+        out.diagnostics.extend(exc.diagnostics)
+        return out
+    found, out.sim = findings(out.graph, schedule)
+    out.diagnostics.extend(to_diagnostic(f) for f in found)
+    return out
+
+
+def report(compiled: Compiled) -> None:
+    """Print a file's diagnostics (errors and warnings) to stderr, positioned."""
+    from zdsl.errors import render
+    try:
+        source = Path(compiled.path).read_bytes().decode("utf-8", errors="replace")
+    except OSError:
+        source = None
+    for d in compiled.diagnostics:
+        print(render(d, source if d.span is None or d.span.file == compiled.path else None), file=sys.stderr)
+
+
+def status_of(compiled: Compiled) -> int:
+    if compiled.usage_error:
+        return EXIT_USAGE
+    return EXIT_OK if compiled.ok else EXIT_INVALID
+
+
+# -- subcommands -------------------------------------------------------------------
+
+def parse_sets(items: list[str] | None, parser: argparse.ArgumentParser) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            parser.error(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def cmd_check(args, parser) -> int:
+    overrides = parse_sets(args.set, parser)
+    units_for = memo_units_for()
+    worst = EXIT_OK
+    for path in args.files:
+        compiled = compile_file(path, overrides, units_for)
+        report(compiled)
+        status = status_of(compiled)
+        if status == EXIT_OK:
+            g = compiled.graph
+            warnings = sum(d.severity == "warning" for d in compiled.diagnostics)
+            print(f"{path}: ok ({len(g.units)} units, {sum(u.numel for u in g.units):,} parameters, "
+                  f"{len(g.ops):,} ops{f', {warnings} warning(s)' if warnings else ''})")
+        worst = max(worst, status)
+    return worst
+
+
+def cmd_plan(args, parser) -> int:
+    overrides = parse_sets(args.set, parser)
+    units_for = memo_units_for()
+    if args.lowered:
+        return print_lowered(args.file, overrides, units_for)
+    compiled = compile_file(args.file, overrides, units_for)
+    report(compiled)
+    if compiled.sim is None:                 # did not get as far as a simulated step
+        return status_of(compiled)
+    from zdsl.planner.report import build_plan, render_plan
+    plan = build_plan(compiled.graph, compiled.schedule, compiled.sim)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        sys.stdout.write(render_plan(plan, color=sys.stdout.isatty()))
+    if args.trace:
+        from zdsl.trace import predicted_trace, write_trace
+        write_trace(args.trace, predicted_trace(compiled.graph, compiled.sim))
+        print(f"wrote predicted trace {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+    if args.timeline:
+        from zdsl.timeline import render_timeline
+        from zdsl.trace import predicted_trace
+        render_timeline(predicted_trace(compiled.graph, compiled.sim), args.timeline,
+                        title=f"{compiled.graph.schedule}: predicted step")
+        print(f"wrote predicted timeline {args.timeline}", file=sys.stderr)
+    return status_of(compiled)
+
+
+def print_lowered(path: str, overrides, units_for) -> int:
+    """The pipelines a policy file expands to, as valid .zs."""
+    from zdsl.check import load_schedule
+    from zdsl.errors import UsageError, ZsError
+    from zdsl.lower import lower_policies
+    from zdsl.printer import print_schedule
+    compiled = Compiled(path)
+    try:
+        schedule, diags = load_schedule(path, overrides, units_for)
+    except UsageError as exc:
+        compiled.diagnostics, compiled.usage_error = exc.diagnostics, True
+    except ZsError as exc:
+        compiled.diagnostics = exc.diagnostics
+    else:
+        compiled.diagnostics = list(diags)
+        if compiled.ok:
+            pipelines = lower_policies(schedule, units_for(schedule.model))
+            sys.stdout.write(print_schedule(schedule, pipelines))
+    report(compiled)
+    return status_of(compiled)
+
+
+def cmd_delegated(name: str, argv: list[str]) -> int:
+    module_name = DELEGATED[name]
+    try:
+        module = importlib.import_module(module_name)
+        entry = module.main
+    except ImportError as exc:
+        missing = getattr(exc, "name", None)
+        if missing == "torch":
+            print(f"zdsl: `zdsl {name}` needs PyTorch, which is not installed here "
+                  f"(pip install torch)", file=sys.stderr)
+        else:
+            print(f"zdsl: `zdsl {name}` is not available yet ({module_name}: {exc})", file=sys.stderr)
+        return EXIT_USAGE
+    except AttributeError:
+        print(f"zdsl: `zdsl {name}` is not available yet ({module_name} has no main)", file=sys.stderr)
+        return EXIT_USAGE
+    result = entry(argv)
+    return int(result or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zdsl", description="ZeRO sharding and offload driven by .zs schedules.",
+        epilog="exit status: 0 ok, 1 invalid schedule, 2 usage error, 3 internal error")
+    parser.add_argument("--log-level", default=os.environ.get("ZDSL_LOG", "warning"),
+                        choices=["debug", "info", "warning", "error"], help="structlog level (stderr)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    check = sub.add_parser("check", help="check schedules: positioned errors and warnings")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    add_set(check)
+
+    plan = sub.add_parser("plan", help="memory, communication and predicted step time of a schedule")
+    plan.add_argument("file", metavar="FILE")
+    plan.add_argument("--json", action="store_true", help="machine-readable plan on stdout")
+    plan.add_argument("--trace", metavar="OUT.json", help="write the predicted step as a Chrome trace")
+    plan.add_argument("--timeline", metavar="OUT.svg", help="draw the predicted step as an SVG timeline")
+    plan.add_argument("--lowered", action="store_true", help="print the pipelines the policies expand to (.zs)")
+    add_set(plan)
+
+    for name, module in DELEGATED.items():
+        sub.add_parser(name, help=DELEGATED_HELP[name], add_help=False)
+    return parser
+
+
+def add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a train or policy value (repeatable), e.g. --set prefetch=2")
+
+
+def split_delegated(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """Global options, a delegated subcommand and its own arguments (passed through untouched)."""
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--log-level":
+            i += 2
+            continue
+        if tok.startswith("-"):
+            i += 1
+            continue
+        if tok in DELEGATED:
+            return argv[:i], tok, argv[i + 1:]
+        break
+    return argv, None, []
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("zdsl: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:                  # `zdsl plan x.zs | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_OK
+    except SystemExit:
+        raise
+    except Exception as exc:                 # a bug in zdsl, never the user's fault
+        if os.environ.get("ZDSL_DEBUG"):
+            raise
+        print(f"zdsl: internal error: {type(exc).__name__}: {exc}\n"
+              f"(this is a bug in zdsl; ZDSL_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _main(argv: list[str]) -> int:
+    parser = build_parser()
+    head, delegated, rest = split_delegated(argv)
+    if delegated is not None:
+        args = parser.parse_args(head + [delegated])
+        configure_logging(level=args.log_level)
+        return cmd_delegated(delegated, rest)
+    args = parser.parse_args(argv)
+    configure_logging(level=args.log_level)
+    if args.command == "check":
+        return cmd_check(args, parser)
+    if args.command == "plan":
+        return cmd_plan(args, parser)
+    parser.error(f"unknown command {args.command!r}")
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""What ``zdsl plan`` shows: one :class:`Plan` per schedule, as a table or as JSON.
+
+The plan gathers the planner's three answers (memory per tier, communication
+per step, the simulated step) with the ZeRO paper's formula beside the model
+states, so a user can check the compiler against the numbers they know.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+from zdsl.ir import LANES, TIERS, TaskGraph
+from zdsl.planner.comm import CommPlan, comm_plan, zero_comm_elements
+from zdsl.planner.memory import STATES, zero_model_states
+from zdsl.planner.simulate import Simulation, simulate
+from zdsl.schedule import Schedule
+
+TIER_ALIASES = {"cpu": "host"}
+
+
+@dataclass
+class Plan:
+    graph: TaskGraph
+    schedule: Schedule
+    sim: Simulation
+    comm: CommPlan
+
+    @property
+    def parameters(self) -> int:
+        return sum(u.numel for u in self.graph.units)
+
+    @property
+    def budgets(self) -> dict[str, int]:
+        return {TIER_ALIASES.get(t, t): b for t, b in (self.schedule.memory or {}).items()}
+
+    def zero_formula(self) -> dict[str, float]:
+        o = self.schedule.optimizer
+        return zero_model_states(self.parameters, self.graph.ranks, self.graph.stage, self.graph.precision,
+                                 o.kind, o.momentum)
+
+    def critical_by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for i in self.sim.critical_path:
+            kind = self.graph.ops[i].kind
+            out[kind] = out.get(kind, 0.0) + float(self.sim.duration[i])
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def to_json(self) -> dict:
+        g, sim = self.graph, self.sim
+        memory = sim.memory.to_json()
+        for tier, budget in self.budgets.items():
+            memory.setdefault(tier, {"model_states": dict.fromkeys(STATES, 0), "working": 0, "peak": 0})
+            memory[tier]["budget"] = budget
+        return {
+            "schedule": g.schedule,
+            "file": self.schedule.file,
+            "ranks": g.ranks,
+            "stage": g.stage,
+            "precision": g.precision,
+            "accumulate": g.accumulate,
+            "parameters": self.parameters,
+            "units": len(g.units),
+            "ops": len(g.ops),
+            "memory": memory,
+            "zero_formula": {"model_states": self.zero_formula(),
+                             "comm_elements_per_step": zero_comm_elements(self.parameters, g.stage)},
+            "comm_bytes_per_step": self.comm.payload_bytes,
+            "comm": self.comm.to_json(),
+            "predicted_step_s": sim.step_s,
+            "lower_bound_s": sim.bound_s,
+            "overlap_efficiency": sim.overlap_efficiency,
+            "lanes": {lane: {"busy_s": busy, "share": busy / sim.step_s if sim.step_s else 0.0}
+                      for lane, busy in sim.lane_busy.items()},
+            "critical_path": {"ops": len(sim.critical_path), "by_kind_s": self.critical_by_kind()},
+        }
+
+
+def build_plan(graph: TaskGraph, schedule: Schedule, sim: Simulation | None = None) -> Plan:
+    sim = sim if sim is not None else simulate(graph, schedule.machine)
+    return Plan(graph=graph, schedule=schedule, sim=sim, comm=comm_plan(graph))
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def fmt_s(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s"
+
+
+def render_plan(plan: Plan, width: int = 100, color: bool = False) -> str:
+    """The readable report: summary, memory per tier, communication, lanes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    g, sim = plan.graph, plan.sim
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=color, color_system="standard" if color else None,
+                      highlight=False)
+    o = plan.schedule.optimizer
+    console.print(f"[bold]{g.schedule}[/bold]  {plan.schedule.file}")
+    console.print(f"{len(g.units)} units, Ψ = {plan.parameters:,} parameters ({fmt_count(plan.parameters)}), "
+                  f"{g.ranks} ranks, ZeRO stage {g.stage}, {g.precision}, {o.kind}, "
+                  f"accumulate {g.accumulate}, {len(g.ops):,} ops")
+
+    mem = Table(title="memory per rank", title_justify="left")
+    for col in ("tier", "parameters", "gradients", "optimizer", "model states", "working", "peak", "budget"):
+        mem.add_column(col, justify="left" if col == "tier" else "right")
+    budgets = plan.budgets
+    for tier in TIERS:
+        row = sim.memory.to_json()[tier]
+        ms = row["model_states"]
+        if not row["peak"] and tier not in budgets:
+            continue
+        budget = budgets.get(tier)
+        over = budget is not None and row["peak"] > budget
+        peak = fmt_bytes(row["peak"])
+        mem.add_row(tier, fmt_bytes(ms["parameters"]), fmt_bytes(ms["gradients"]), fmt_bytes(ms["optimizer"]),
+                    fmt_bytes(sum(ms.values())), fmt_bytes(row["working"]),
+                    f"[red]{peak}[/red]" if over else peak, fmt_bytes(budget) if budget is not None else "-")
+    formula = plan.zero_formula()
+    mem.add_row("ZeRO formula", *(fmt_bytes(formula[s]) for s in STATES), fmt_bytes(sum(formula.values())),
+                "", "", "", style="dim")
+    console.print(mem)
+
+    c = plan.comm
+    comm = Table(title="communication per step per rank", title_justify="left")
+    for col in ("collective", "payload", "on the wire (×(N-1)/N)"):
+        comm.add_column(col, justify="left" if col == "collective" else "right")
+    for kind, nbytes in c.by_kind.items():
+        if nbytes:
+            comm.add_row(kind.split(".", 1)[1], fmt_bytes(nbytes), fmt_bytes(nbytes * c.bus_factor))
+    comm.add_row("total", fmt_bytes(c.payload_bytes), fmt_bytes(c.wire_bytes), style="bold")
+    elems = zero_comm_elements(plan.parameters, g.stage)
+    comm.add_row(f"ZeRO formula ({'3' if g.stage == 3 else '2'}Ψ)",
+                 fmt_bytes(elems * (4 if g.precision == "fp32" else 2)), "", style="dim")
+    console.print(comm)
+
+    lanes = Table(title=f"predicted step {fmt_s(sim.step_s)} (lower bound {fmt_s(sim.bound_s)}, "
+                        f"overlap efficiency {sim.overlap_efficiency:.2f})", title_justify="left")
+    for col in ("lane", "busy", "share", ""):
+        lanes.add_column(col, justify="left" if col in ("lane", "") else "right")
+    for lane in LANES:
+        if lane in sim.lane_busy:
+            busy = sim.lane_busy[lane]
+            share = busy / sim.step_s if sim.step_s else 0.0
+            lanes.add_row(lane, fmt_s(busy), f"{share:.0%}", "█" * round(20 * min(share, 1.0)))
+    console.print(lanes)
+    kinds = ", ".join(f"{k.split('.', 1)[1]} {fmt_s(v)}" for k, v in plan.critical_by_kind().items() if v > 0)
+    console.print(f"critical path: {len(sim.critical_path)} ops ({kinds})")
+    return buf.getvalue()
