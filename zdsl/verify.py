@@ -155,7 +155,7 @@ class Checker:
         freed_by: dict[str, int] = {}
         reported: set[str] = set()
         for name, buf in graph.buffers.items():
-            if buf.persistent:
+            if buf.persistent or buf.kind == "token":     # model state, or an ordering token
                 last_write[name] = None
                 readers[name] = []
 
@@ -271,6 +271,9 @@ class Checker:
                 self.warn(f"the {tier} memory budget of {size(budget)} is never reached: "
                           f"this schedule places nothing on {tier}", self.stmt_span("memory"))
 
+    def budget_of(self, tier: str) -> int:
+        return {TIER_ALIASES.get(t, t): b for t, b in (self.schedule.memory or {}).items()}.get(tier, 0)
+
     def budget_where(self) -> str:
         span = self.stmt_span("memory")
         return f" (set at line {span.line})" if span else ""
@@ -289,10 +292,13 @@ class Checker:
             units = sorted({iv.buffer for iv in live if iv.buffer.startswith(top)})
             shown = ", ".join(units[:4]) + (", ..." if len(units) > 4 else "")
             cause = f"; at the peak it holds mostly {STATE_WORDS.get(top, top)} ({shown})"
-        if tier == "device" and working >= model and top == "param_full" and self.stmt_span("prefetch"):
+        gathered = sorted((iv.bytes for iv in live if iv.buffer.startswith("param_full")), reverse=True)
+        relief = sum(gathered[1:])      # what prefetching less could give back: all but the unit computing
+        excess = model + working - self.budget_of(tier)
+        if gathered and relief >= excess and self.stmt_span("prefetch"):
             return (self.stmt_span("prefetch"),
-                    f"prefetch fewer units ahead (now {self.schedule.prefetch}), or offload parameters",
-                    cause)
+                    f"prefetch fewer units ahead (now {self.schedule.prefetch}): the units gathered "
+                    f"ahead hold {size(relief)} at the peak", cause)
         if tier == "device" and working >= model and top in ("act", "act_inner", "act_grad"):
             span = self.stmt_span("recompute", "train", "prefetch", "memory")
             return span, "recompute more units (recompute blocks) or lower the batch", cause
