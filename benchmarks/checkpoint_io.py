@@ -1,0 +1,171 @@
+"""Checkpoint save and load throughput against the disk's direct-I/O bandwidth.
+
+    python benchmarks/checkpoint_io.py --gb 2 --ranks 2 --dir /tmp/zdsl-ckpt-bench
+
+Measures, in one run and on one folder: the disk's direct-I/O write and
+read bandwidth (fio if installed, else dd with oflag/iflag=direct, the
+same byte count as the checkpoint), then a checkpoint save of that many
+bytes of fp32 shards (``ranks`` writers at once, as the ranks of a run
+would, then the index) and its load (every rank's shards, same layout,
+page cache dropped for the files first), and a load re-cut to twice the
+rank count. Prints each throughput and its ratio to the disk's (target
+>= 0.7), and one JSON line for scripts. Also times the checksum
+candidates (CRC-32 per tensor was chosen over SHA-256 per file).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from zdsl.layout import flat_layout
+from zdsl.runtime.checkpoint import (checkpoint_path, load_for_rank, owned_shard, unit_metas, write_index,
+                                     write_rank_shards)
+from zdsl.units import UnitSpec
+
+GB = 1e9
+
+
+def drop_cache(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_bandwidth(folder: Path, nbytes: int) -> tuple[float, float, str]:
+    """(write GB/s, read GB/s, tool) with direct I/O on ``folder``'s filesystem."""
+    path = folder / "direct-io.bench"
+    block = 64 << 20
+    count = max(1, nbytes // block)
+    try:
+        if shutil.which("fio"):
+            def fio(rw):
+                out = subprocess.run(["fio", "--name=bw", f"--filename={path}", f"--rw={rw}", "--bs=64M",
+                                      f"--size={count * block}", "--direct=1", "--ioengine=psync",
+                                      "--output-format=json"], capture_output=True, text=True, check=True)
+                job = json.loads(out.stdout)["jobs"][0]["write" if rw == "write" else "read"]
+                return job["bw_bytes"] / GB
+            return fio("write"), fio("read"), "fio"
+
+        def dd(args):
+            t = time.perf_counter()
+            subprocess.run(["dd", *args, "bs=64M", f"count={count}"], capture_output=True, check=True)
+            return count * block / (time.perf_counter() - t) / GB
+        w = dd(["if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"])
+        r = dd([f"if={path}", "of=/dev/null", "iflag=direct"])
+        return w, r, "dd"
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def checksum_speed(nbytes: int = 256 << 20) -> dict[str, float]:
+    data = torch.empty(nbytes // 4).uniform_().view(torch.uint8).numpy()
+    out = {}
+    for name, fn in (("crc32", zlib.crc32), ("sha256", lambda b: hashlib.sha256(b).digest())):
+        t = time.perf_counter()
+        fn(memoryview(data))
+        out[name] = nbytes / (time.perf_counter() - t) / GB
+    return out
+
+
+def run_parallel(fn, ranks: int) -> float:
+    """Wall seconds of ``fn(rank)`` run for every rank at once (threads stand in for rank processes)."""
+    errors = []
+
+    def work(r):
+        try:
+            fn(r)
+        except BaseException as e:      # surfaced below
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(ranks)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/tmp/zdsl-ckpt-bench")
+    ap.add_argument("--gb", type=float, default=2.0, help="checkpoint size in GB (all ranks together)")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--units", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=2, help="best of N for each measurement")
+    args = ap.parse_args(argv)
+
+    root = Path(args.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    total = int(args.gb * GB)
+    kinds = ("param", "exp_avg", "exp_avg_sq")
+    numel = total // 4 // len(kinds) // args.units
+    units = [UnitSpec(f"u{i}", [("w", (numel,))]) for i in range(args.units)]
+    layouts = [flat_layout(numel, args.ranks, 256 << 20) for _ in units]
+    print(f"checkpoint: {args.units} units x {len(kinds)} kinds x {numel * 4 / 1e6:.0f} MB, {args.ranks} ranks, "
+          f"{total / GB:.2f} GB, in {root}", flush=True)
+    shards = [{f"u{i}.{k}": owned_shard(torch.empty(numel).uniform_(), layouts[i], r)
+               for i in range(args.units) for k in kinds} for r in range(args.ranks)]
+    nbytes = sum(t.numel() * 4 for s in shards for t in s.values())
+
+    dw, dr, tool = disk_bandwidth(root, nbytes)
+    print(f"disk direct I/O ({tool}): write {dw:.2f} GB/s, read {dr:.2f} GB/s", flush=True)
+
+    save_s, load_s, recut_s = [], [], []
+    for rep in range(args.repeat):
+        step = rep + 1
+        records = [None] * args.ranks
+
+        def save(r):
+            records[r] = write_rank_shards(root, step, r, args.ranks, shards[r], tag=str(step))
+        t = time.perf_counter()
+        run_parallel(save, args.ranks)
+        write_index(root, step, {"units": unit_metas(units, layouts)}, records, tag=str(step))
+        save_s.append(time.perf_counter() - t)
+
+        path = checkpoint_path(root, step)
+        drop_cache(path.glob("rank-*.safetensors"))
+        load_s.append(run_parallel(lambda r: load_for_rank(path, r, args.ranks, layouts), args.ranks))
+
+        drop_cache(path.glob("rank-*.safetensors"))
+        new = [flat_layout(numel, 2 * args.ranks, 200 << 20) for _ in units]
+        recut_s.append(run_parallel(lambda r: load_for_rank(path, r, 2 * args.ranks, new), 2 * args.ranks))
+        if rep + 1 < args.repeat:
+            shutil.rmtree(path)
+
+    save_bw, load_bw, recut_bw = (nbytes / min(s) / GB for s in (save_s, load_s, recut_s))
+    sums = checksum_speed()
+    result = {"bytes": nbytes, "ranks": args.ranks, "disk_tool": tool,
+              "disk_write_gbs": round(dw, 3), "disk_read_gbs": round(dr, 3),
+              "save_gbs": round(save_bw, 3), "load_gbs": round(load_bw, 3), "recut_load_gbs": round(recut_bw, 3),
+              "save_ratio": round(save_bw / dw, 3), "load_ratio": round(load_bw / dr, 3),
+              "recut_ratio": round(recut_bw / dr, 3),
+              "crc32_gbs": round(sums["crc32"], 2), "sha256_gbs": round(sums["sha256"], 2)}
+    print(f"save   {save_bw:.2f} GB/s = {save_bw / dw:.2f} x direct write  (target >= 0.7)")
+    print(f"load   {load_bw:.2f} GB/s = {load_bw / dr:.2f} x direct read   (target >= 0.7)")
+    print(f"re-cut {recut_bw:.2f} GB/s = {recut_bw / dr:.2f} x direct read   ({args.ranks} -> {2 * args.ranks} ranks)")
+    print(f"checksums: crc32 {sums['crc32']:.2f} GB/s, sha256 {sums['sha256']:.2f} GB/s (one core)")
+    print(json.dumps(result))
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
