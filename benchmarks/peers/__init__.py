@@ -94,11 +94,13 @@ def rss_bytes() -> int:
 # -- model and data: the same for every peer --------------------------------------
 
 def build_model(cfg: BenchConfig):
-    """zdsl's built-in GPT with the init every peer shares (seeded, on CPU, fp32)."""
-    import torch
+    """zdsl's built-in GPT with the init every peer shares (seeded, on CPU, fp32).
+
+    The GPT seeds its own private generator, exactly as ``zdsl run`` builds it
+    from the schedule's ``seed``, so zdsl starts from the same numbers too.
+    """
     from zdsl.runtime.models.gpt import GPT
-    torch.manual_seed(cfg.seed)
-    return GPT(**cfg.model_kwargs())
+    return GPT(**cfg.model_kwargs(), seed=cfg.seed)
 
 
 def data_spec(cfg: BenchConfig):
@@ -116,10 +118,10 @@ def data_statement(cfg: BenchConfig) -> str:
     return f"synthetic(vocab={cfg.vocab}, context={cfg.context})"
 
 
-def batch_for(cfg: BenchConfig, spec, step: int, rank: int):
+def batch_for(cfg: BenchConfig, spec, step: int, rank: int, world: int):
     """(tokens, targets) that ``rank`` trains on at ``step``: zdsl's own data source."""
-    from zdsl.runtime.data import make_batches
-    return make_batches(spec, cfg.seed, step, 0, rank, cfg.batch)
+    from zdsl.runtime.data import make_batch
+    return make_batch(spec, cfg.seed, step, 0, rank, world, cfg.batch)
 
 
 def adamw(cfg: BenchConfig, params):
@@ -161,7 +163,7 @@ def run_peer(name: str, setup, backend: str = "gloo", argv=None) -> None:
     step, info = setup(cfg, rank, world)
     times, losses = [], []
     for i in range(cfg.total_steps):
-        tokens, targets = batch_for(cfg, spec, i, rank)
+        tokens, targets = batch_for(cfg, spec, i, rank, world)
         dist.barrier()
         start = time.perf_counter()
         loss = step(tokens, targets)

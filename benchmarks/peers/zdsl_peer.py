@@ -1,0 +1,131 @@
+"""zdsl at stage 1, 2 or 3, run through its own CLI: ``zdsl run FILE --set zero=N --metrics OUT``.
+
+The schedule is generated from the same :class:`BenchConfig` the torch
+peers use (model, data, seed, AdamW settings, batch per rank, ranks on cpu),
+so the only differences are the ones a user of the CLI gets. ``zdsl run``
+launches and waits for its own rank processes; this wrapper reads the
+per-step metrics zdsl writes (loss averaged over ranks, step seconds as the
+slowest rank's) and takes peak RSS from ``getrusage(RUSAGE_CHILDREN)``: the
+largest high-water mark of any process it waited for, which is the largest
+rank (the launcher itself imports no torch and stays small).
+
+It writes ``DIR/rank0.json`` in the harness's format with ``world`` = 1
+row that already holds the across-rank figures, plus zdsl's own accounted
+peak bytes per tier and rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.peers import BenchConfig, data_statement, job_env
+
+
+def schedule_text(cfg: BenchConfig, stage: int = 3) -> str:
+    """A .zs file training exactly what the torch peers train (fp32 AdamW, no clipping)."""
+    b1, b2 = cfg.betas
+    return "\n".join([
+        f'schedule vs_peers "benchmarks/vs_peers.py: the peers\' GPT at 2 ranks on gloo"',
+        f"model     gpt(layers={cfg.layers}, width={cfg.width}, heads={cfg.heads}, "
+        f"vocab={cfg.vocab}, context={cfg.context})",
+        f"data      {data_statement(cfg)}",
+        f"train     steps={cfg.total_steps}, batch={cfg.batch}, accumulate=1, precision=fp32, seed={cfg.seed}",
+        f"optimizer adamw(lr={cfg.lr!r}, betas=({b1!r}, {b2!r}), weight_decay={cfg.weight_decay!r}, "
+        f"eps={cfg.eps!r})",
+        "ranks     2 on cpu",
+        f"zero      {stage}",
+        "",
+    ])
+
+
+def zdsl_command() -> list[str]:
+    """How to call the CLI: the console script, else ``python -m zdsl.cli``."""
+    exe = shutil.which("zdsl")
+    return [exe] if exe else [sys.executable, "-m", "zdsl.cli"]
+
+
+def availability(cfg: BenchConfig, workdir: Path) -> str | None:
+    """None when ``zdsl run`` accepts this benchmark's schedule; else why not.
+
+    Checks the CLI has ``run`` with ``--metrics`` and that ``zdsl check``
+    accepts the generated schedule, so a missing piece shows as one line
+    ("unavailable: ...") instead of a failed job.
+    """
+    base = zdsl_command()
+    try:
+        helped = subprocess.run([*base, "run", "--help"], capture_output=True, text=True, timeout=120,
+                                env=job_env())
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`zdsl run --help` did not run: {exc}"
+    if helped.returncode != 0 or "--metrics" not in helped.stdout:
+        return "`zdsl run ... --metrics` is not available yet: " + _last_line(helped.stderr or helped.stdout)
+    workdir.mkdir(parents=True, exist_ok=True)
+    probe = workdir / "zdsl_probe.zs"
+    probe.write_text(schedule_text(cfg))
+    checked = subprocess.run([*base, "check", str(probe)], capture_output=True, text=True, timeout=120,
+                             env=job_env())
+    if checked.returncode != 0:
+        return "`zdsl check` rejects the benchmark schedule: " + _last_line(checked.stderr or checked.stdout)
+    return None
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(rows, key=lambda row: row["step"])
+
+
+def run_job(cfg: BenchConfig, stage: int, out: Path, timeout_s: float) -> int:
+    """Write the schedule, run ``zdsl run`` on it, convert its metrics; exit status."""
+    out.mkdir(parents=True, exist_ok=True)
+    schedule = out / "vs_peers.zs"
+    schedule.write_text(schedule_text(cfg, stage=3))
+    metrics = out / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    command = [*zdsl_command(), "run", str(schedule), "--set", f"zero={stage}",
+               "--metrics", str(metrics), "--quiet"]
+    print("$", " ".join(command), flush=True)
+    try:
+        done = subprocess.run(command, env=job_env(), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"zdsl run did not finish in {timeout_s:.0f} s", file=sys.stderr)
+        return 1
+    if done.returncode != 0:
+        print(f"zdsl run exited with {done.returncode}", file=sys.stderr)
+        return done.returncode
+    if not metrics.exists():
+        print(f"zdsl run wrote no metrics to {metrics}", file=sys.stderr)
+        return 1
+    rows = read_metrics(metrics)
+    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    result = dict(peer=f"zdsl{stage}", rank=0, world=1, step_s=[r["step_s"] for r in rows],
+                  loss=[r["loss"] for r in rows], warmup=cfg.warmup, peak_rss=peak_rss, base_rss=None,
+                  cuda_peak=None, zdsl_peak_bytes=rows[-1].get("peak_bytes") if rows else None,
+                  info=dict(wrapper=f"zdsl run --set zero={stage}", optimizer="zdsl AdamW (sharded)",
+                            rss="max over ranks (getrusage of the launcher's children)"))
+    (out / "rank0.json").write_text(json.dumps(result))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="one zdsl job of benchmarks/vs_peers.py")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--stage", type=int, required=True, choices=(0, 1, 2, 3))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--timeout", type=float, default=540.0)
+    args = parser.parse_args(argv)
+    cfg = BenchConfig.from_json(Path(args.config).read_text())
+    return run_job(cfg, args.stage, Path(args.out), args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""zdsl against its peers: the same GPT, the same steps, at 2 ranks on gloo.
+
+    python benchmarks/vs_peers.py                      # every peer, 8 measured steps, 2 repetitions
+    python benchmarks/vs_peers.py --peers ddp,fsdp2,zdsl3 --steps 8 --reps 3 --json out.json
+
+Peers: torch DDP, torch FSDP2 (``fully_shard`` per block, then the root),
+DeepSpeed ZeRO-3 and ZeRO-2 (``DS_ACCELERATOR=cpu``; optional, installed by
+``benchmarks/setup_peers.sh``), and zdsl stages 1, 2 and 3 through its own
+CLI (``zdsl run FILE --set zero=N --metrics OUT``). Each is its own 2-process
+job with the same init seed, the same batches (zdsl's data source), AdamW in
+fp32 and one intra-op thread per rank. Repetitions are interleaved
+(A B C A B C ...) so drift of a shared machine falls on every peer alike.
+
+Per peer it prints the median step time over the measured steps of every
+repetition (warm-up steps left out; a step's time is the slowest rank's),
+the peak RSS of the largest rank, both as a ratio to the baseline (zdsl
+stage 3 by default), the final loss, and the largest difference of the
+per-step loss from DDP's (they train the same thing, so it should be
+small: bitwise zero for none of them is promised, ~1e-5 is float noise).
+A peer that cannot run here (DeepSpeed not installed, zdsl's ``run`` not
+available) is a row that says why, never a made-up number.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.peers import BenchConfig, job_env  # noqa: E402
+from benchmarks.peers import zdsl_peer  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Peer:
+    key: str
+    label: str
+    module: str                     # benchmarks.peers.<module>, run under torchrun (or zdsl's CLI)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_zdsl(self) -> bool:
+        return self.module == "zdsl_peer"
+
+    @property
+    def is_deepspeed(self) -> bool:
+        return self.module == "deepspeed_peer"
+
+
+PEERS = {p.key: p for p in [
+    Peer("ddp", "torch DDP", "ddp_peer"),
+    Peer("fsdp2", "torch FSDP2", "fsdp2_peer"),
+    Peer("ds3", "DeepSpeed ZeRO-3", "deepspeed_peer", {"stage": 3}),
+    Peer("ds2", "DeepSpeed ZeRO-2", "deepspeed_peer", {"stage": 2}),
+    Peer("zdsl1", "zdsl stage 1", "zdsl_peer", {"stage": 1}),
+    Peer("zdsl2", "zdsl stage 2", "zdsl_peer", {"stage": 2}),
+    Peer("zdsl3", "zdsl stage 3", "zdsl_peer", {"stage": 3}),
+]}
+
+
+@dataclass
+class Outcome:
+    """What one peer gave over all repetitions."""
+    peer: Peer
+    unavailable: str | None = None
+    failed: str | None = None
+    step_s: list[float] = field(default_factory=list)    # measured steps, every repetition
+    peak_rss: list[int] = field(default_factory=list)    # one per repetition (largest rank)
+    loss: list[float] | None = None                      # per step (all steps), mean over ranks
+    info: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.unavailable and not self.failed and bool(self.step_s)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
+    def peak(self) -> int:
+        return max(self.peak_rss)
+
+
+# -- availability -----------------------------------------------------------------
+
+def deepspeed_missing() -> str | None:
+    """Why ``import deepspeed`` fails here (its own last line), or None."""
+    probe = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, text=True,
+                           env=job_env(), timeout=300)
+    if probe.returncode == 0:
+        return None
+    lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
+    why = lines[-1] if lines else f"exit {probe.returncode}"
+    return f"import deepspeed failed ({why}); install with benchmarks/setup_peers.sh"
+
+
+def check_availability(outcomes: dict[str, Outcome], cfg: BenchConfig, workdir: Path) -> None:
+    if any(o.peer.is_deepspeed for o in outcomes.values()):
+        why = deepspeed_missing()
+        for o in outcomes.values():
+            if o.peer.is_deepspeed:
+                o.unavailable = why
+    if any(o.peer.is_zdsl for o in outcomes.values()):
+        why = zdsl_peer.availability(cfg, workdir)
+        for o in outcomes.values():
+            if o.peer.is_zdsl:
+                o.unavailable = why
+
+
+# -- one job ----------------------------------------------------------------------
+
+def job_command(peer: Peer, config_path: Path, out: Path, timeout_s: float) -> list[str]:
+    if peer.is_zdsl:
+        return [sys.executable, "-m", "benchmarks.peers.zdsl_peer", "--config", str(config_path),
+                "--stage", str(peer.extra["stage"]), "--out", str(out), "--timeout", str(timeout_s)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "-m", f"benchmarks.peers.{peer.module}", "--config", str(config_path), "--out", str(out)]
+
+
+def run_job(peer: Peer, cfg: BenchConfig, workdir: Path, rep: int, timeout_s: float) -> list[dict] | str:
+    """Run one repetition of one peer; its per-rank results, or why it failed."""
+    out = workdir / f"{peer.key}.rep{rep}"
+    out.mkdir(parents=True, exist_ok=True)
+    job_cfg = BenchConfig.from_json(cfg.to_json())
+    job_cfg.extra = {**cfg.extra, **peer.extra}
+    config_path = out / "config.json"
+    config_path.write_text(job_cfg.to_json())
+    log = out / "job.log"
+    with open(log, "w") as sink:
+        try:
+            done = subprocess.run(job_command(peer, config_path, out, timeout_s), cwd=REPO, env=job_env(),
+                                  stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s + 30)
+            code = done.returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    ranks = sorted(out.glob("rank*.json"))
+    if code != 0 or not ranks:
+        ended = "timed out" if code is None else f"exited {code}"
+        return f"{ended}; see {log}: {_tail_reason(log)}"
+    return [json.loads(p.read_text()) for p in ranks]
+
+
+def _tail_reason(log: Path) -> str:
+    """The most telling line at the end of a job's log (an error line if there is one)."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines[-60:]):
+        if "Error" in line or "error:" in line:
+            return line[:300]
+    return lines[-1][:300] if lines else "(empty log)"
+
+
+def absorb(outcome: Outcome, ranks: list[dict]) -> None:
+    """Fold one repetition's per-rank results into the peer's outcome."""
+    warmup = ranks[0]["warmup"]
+    steps = len(ranks[0]["step_s"])
+    slowest = [max(r["step_s"][i] for r in ranks) for i in range(steps)]
+    outcome.step_s.extend(slowest[warmup:])
+    outcome.peak_rss.append(max(r["peak_rss"] for r in ranks))
+    loss = [statistics.fmean(r["loss"][i] for r in ranks) for i in range(steps)]
+    outcome.loss = outcome.loss or loss
+    outcome.info = {**ranks[0].get("info", {}), "zdsl_peak_bytes": ranks[0].get("zdsl_peak_bytes")} \
+        if ranks[0].get("zdsl_peak_bytes") else ranks[0].get("info", {})
+
+
+# -- the table --------------------------------------------------------------------
+
+def max_loss_diff(a: list[float] | None, b: list[float] | None) -> float | None:
+    if not a or not b or len(a) != len(b):
+        return None
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def summary(outcomes: dict[str, Outcome], baseline: str) -> list[dict]:
+    base = outcomes.get(baseline)
+    base = base if base and base.ok else None
+    ddp = outcomes.get("ddp")
+    ddp_loss = ddp.loss if ddp and ddp.ok else None
+    rows = []
+    for key, o in outcomes.items():
+        row = dict(peer=key, system=o.peer.label)
+        if not o.ok:
+            row["status"] = f"unavailable: {o.unavailable}" if o.unavailable else f"failed: {o.failed}"
+            rows.append(row)
+            continue
+        row.update(status="ok", median_step_s=o.median_s, steps_measured=len(o.step_s),
+                   peak_rss_mib=o.peak / 2**20, final_loss=o.loss[-1] if o.loss else None,
+                   loss_diff_vs_ddp=max_loss_diff(o.loss, ddp_loss), loss=o.loss, step_s=o.step_s,
+                   info=o.info)
+        if base:
+            row["time_ratio"] = o.median_s / base.median_s
+            row["memory_ratio"] = o.peak / base.peak
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict], baseline: str, out=sys.stdout) -> None:
+    head = ("system", "median step s", "peak RSS MiB", f"time / {baseline}", f"mem / {baseline}",
+            "final loss", "max |loss - DDP|")
+    body = []
+    notes = []
+    for r in rows:
+        if r["status"] != "ok":
+            notes.append(f"{r['system']}: {r['status']}")
+            body.append((r["system"], r["status"].split(":")[0], "", "", "", "", ""))
+            continue
+        body.append((r["system"], _fmt(r["median_step_s"], ".3f"), _fmt(r["peak_rss_mib"], ".0f"),
+                     _fmt(r.get("time_ratio"), ".2f"), _fmt(r.get("memory_ratio"), ".2f"),
+                     _fmt(r["final_loss"], ".4f"), _fmt(r["loss_diff_vs_ddp"], ".2e")))
+    widths = [max(len(str(line[i])) for line in [head, *body]) for i in range(len(head))]
+    for line in [head, tuple("-" * w for w in widths), *body]:
+        print("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                        for i, (c, w) in enumerate(zip(line, widths))), file=out)
+    for note in notes:
+        print("  " + note, file=out)
+    if not any(r["peer"] == baseline and r["status"] == "ok" for r in rows):
+        print(f"  ratios: n/a (the baseline {baseline} did not run; pick another with --baseline)", file=out)
+    for r in rows:
+        if r["status"] == "ok" and r.get("info", {}).get("optimizer"):
+            print(f"  {r['system']}: {r['info'].get('wrapper', '')}; optimizer {r['info']['optimizer']}",
+                  file=out)
+
+
+# -- command line -----------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="zdsl against torch DDP, FSDP2 and DeepSpeed: same GPT, 2 ranks, gloo.")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)} (default: all)")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per repetition (default 8)")
+    p.add_argument("--warmup", type=int, default=2, help="steps run first and not timed (default 2)")
+    p.add_argument("--reps", type=int, default=2, help="interleaved repetitions of every peer (default 2)")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank per step (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--data", choices=("synthetic", "stdlib"), default="synthetic",
+                   help="zdsl's synthetic(...) streams or corpus(\"stdlib\") (default synthetic)")
+    p.add_argument("--ds-optimizer", choices=("auto", "cpuadam", "torch"), default="auto",
+                   help="DeepSpeed's client optimizer: DeepSpeedCPUAdam if it builds (auto), or torch AdamW")
+    p.add_argument("--baseline", default="zdsl3", help="peer the ratios are taken against (default zdsl3)")
+    p.add_argument("--job-timeout", type=float, default=540.0, help="seconds one job may take (default 540)")
+    p.add_argument("--workdir", help="keep job folders (configs, logs, per-rank results) here")
+    p.add_argument("--json", metavar="OUT", help="write the table and every measurement as JSON")
+    args = p.parse_args(argv)
+    keys = [k.strip() for k in args.peers.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in PEERS]
+    if unknown or not keys:
+        p.error(f"unknown peer(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(PEERS)}")
+    if args.baseline not in PEERS:
+        p.error(f"--baseline {args.baseline!r} is not a peer; choose from {', '.join(PEERS)}")
+    for name in ("steps", "reps", "layers", "width", "heads", "vocab", "context", "batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be 0 or more")
+    if args.width % args.heads:
+        p.error(f"--width {args.width} is not divisible by --heads {args.heads}")
+    args.peer_keys = list(dict.fromkeys(keys))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from zdsl.units import gpt_parameter_count
+
+    cfg = BenchConfig(layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab,
+                      context=args.context, batch=args.batch, steps=args.steps, warmup=args.warmup,
+                      seed=args.seed, data=args.data, lr=args.lr, extra={"ds_optimizer": args.ds_optimizer})
+    params = gpt_parameter_count(**cfg.model_kwargs())
+    print(f"GPT layers={cfg.layers} width={cfg.width} heads={cfg.heads} vocab={cfg.vocab} "
+          f"context={cfg.context}: {params:,} parameters ({params / 1e6:.1f}M)")
+    print(f"2 ranks on gloo, batch {cfg.batch} per rank, AdamW fp32, {cfg.warmup} warm-up + {cfg.steps} "
+          f"measured steps, {args.reps} interleaved repetitions, data {cfg.data}", flush=True)
+
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vs_peers-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    outcomes = {k: Outcome(PEERS[k]) for k in args.peer_keys}
+    check_availability(outcomes, cfg, workdir)
+    for rep in range(args.reps):
+        for key, o in outcomes.items():
+            if o.unavailable or o.failed:
+                continue
+            started = time.monotonic()
+            got = run_job(o.peer, cfg, workdir, rep, args.job_timeout)
+            took = time.monotonic() - started
+            if isinstance(got, str):
+                o.failed = got
+                print(f"[rep {rep + 1}/{args.reps}] {key}: failed ({got})", file=sys.stderr, flush=True)
+                continue
+            absorb(o, got)
+            print(f"[rep {rep + 1}/{args.reps}] {key}: median so far {o.median_s:.3f} s, "
+                  f"peak RSS {o.peak / 2**20:.0f} MiB, job {took:.0f} s", file=sys.stderr, flush=True)
+
+    rows = summary(outcomes, args.baseline)
+    print()
+    print_table(rows, args.baseline)
+    print(f"(job folders: {workdir})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(parameters=params, config=json.loads(cfg.to_json()),
+                                                   reps=args.reps, baseline=args.baseline, rows=rows), indent=1))
+    return 0 if all(r["status"] == "ok" or r["status"].startswith("unavailable") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
