@@ -1,0 +1,598 @@
+"""Measure this machine for the planner's cost model: ``zdsl calibrate``.
+
+The planner (``zdsl.planner.simulate.op_duration``) prices every op with a
+handful of rates from :class:`zdsl.schedule.MachineProfile`. Its predictions
+are only as good as those rates, so each is measured here *the way the
+planner uses it*, under the conditions of a real run:
+
+* ``flops``: forward + backward of one GPT block of the model's size,
+  divided by the flops the compiler charges for it (3x the analytic forward
+  flops), i.e. the rate ``op.flops / flops`` needs. Plain ``torch.mm`` at
+  the block's shapes is reported beside it (the ceiling). fp32 on CPU,
+  bf16 on CUDA.
+* ``host_flops``: the same on the host CPU (the device rate on a CPU box).
+* ``memory_bw``: an AdamW step on a flat fp32 shard, counted as the planner
+  counts a ``compute.step`` (moments + parameter + gradient bytes).
+* ``link``/``latency``: ``all_gather`` and ``reduce_scatter`` of several
+  sizes between the ranks, fitted to ``latency + payload*(n-1)/n / link``.
+* ``pcie``: pinned host<->device copies on CUDA; a memory copy on CPU
+  (what a "copy to device" costs there).
+* ``disk_read``/``disk_write``: ``O_DIRECT`` positional I/O of 1 MiB
+  aligned blocks, several in flight, as the NVMe tier does it.
+
+All ranks measure at once (one process per rank, the runtime's thread
+count per rank), because that is how they contend for cores, memory and
+disk in a run; a rate is the slowest rank's. The output is a ``machine``
+statement that a schedule includes (``include "machine.zs"``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import mmap
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from zdsl.schedule import MachineProfile
+
+# MachineProfile field -> keyword in the .zs ``machine`` statement (the checker's table when present).
+try:
+    from zdsl.check import MACHINE_FIELDS as _KEY_TO_FIELD
+except ImportError:  # the front end is optional for measuring; these are its names
+    _KEY_TO_FIELD = {"flops": "flops", "host_flops": "host_flops", "link": "link_bandwidth",
+                     "latency": "link_latency", "pcie": "pcie_bandwidth", "disk_read": "disk_read",
+                     "disk_write": "disk_write", "memory_bw": "memory_bandwidth"}
+ZS_KEYS = {f: k for k, f in _KEY_TO_FIELD.items()}
+MiB = 1 << 20
+BLOCK = 1 * MiB          # NVMe block, the schedule default
+DEPTH = 8                # NVMe requests in flight, the schedule default
+
+
+class CalibrationError(RuntimeError):
+    """Calibration could not run or a measurement failed (said in words)."""
+
+
+@dataclass
+class Settings:
+    """What to measure and how long; ``quick`` trades precision for < 15 s."""
+    ranks: int = 2
+    backend: str = "auto"            # auto | gloo | nccl
+    disk_folder: str | None = None   # where the NVMe test files go (default: the temp folder)
+    quick: bool = False
+    width: int | None = None         # model shape the compute rate is measured at
+    heads: int | None = None
+    context: int | None = None
+    batch: int | None = None
+    timeout_s: float = 60.0
+
+    def budget(self, full: float, quick: float) -> float:
+        return quick if self.quick else full
+
+
+@dataclass
+class Calibration:
+    """The measured profile and how each number was obtained."""
+    profile: MachineProfile
+    details: dict = field(default_factory=dict)
+
+    def fields(self) -> dict:
+        """The MachineProfile fields, as the schedule dataclass names them."""
+        return asdict(self.profile)
+
+    def machine_statement(self) -> str:
+        p = self.profile
+        args = ", ".join(f"{ZS_KEYS[k]}={_num(getattr(p, k))}" for k in ZS_KEYS)
+        return f"machine {p.name}({args})"
+
+    def to_zs(self) -> str:
+        """The text of ``machine.zs``: comments saying how, then one statement."""
+        lines = [f"# {line}" for line in self.details.get("notes", [])]
+        return "\n".join(lines + [self.machine_statement()]) + "\n"
+
+
+def _num(v: float) -> str:
+    return f"{v:.3g}"
+
+
+# -- timing helpers --------------------------------------------------------------------------
+
+def _sync_for(device):
+    import torch
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _median_time(fn, sync, budget_s: float, min_reps: int = 3, max_reps: int = 1000) -> float:
+    """Median seconds of ``fn`` after one warm-up, repeated for about ``budget_s``."""
+    fn()
+    sync()
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < min_reps or (time.perf_counter() < deadline and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# -- the measurements (each runs on every rank at once) --------------------------------------
+
+def _model_shape(s: Settings, device) -> dict:
+    cuda = device.type == "cuda"
+    return {
+        "width": s.width or (768 if cuda else 128),
+        "heads": s.heads or (12 if cuda else 4),
+        "context": s.context or (1024 if cuda else 64),
+        "batch": s.batch or 8,
+    }
+
+
+def measure_compute(device, s: Settings, dtype) -> dict:
+    """Matmul ceiling at the block's shapes, and the block's forward+backward rate."""
+    import torch
+    from zdsl.units import gpt_units
+
+    shape = _model_shape(s, device)
+    d, tokens = shape["width"], shape["batch"] * shape["context"]
+    sync = _sync_for(device)
+    mats = [(torch.randn(tokens, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype),
+             torch.empty(tokens, n, device=device, dtype=dtype))
+            for k, n in ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d))]
+    mm_flops = sum(2.0 * tokens * a.shape[1] * b.shape[1] for a, b, _ in mats)
+    budget = s.budget(1.5, 0.4)
+    with torch.no_grad():   # preallocated outputs: the ceiling, without the allocator
+        t_mm = _median_time(lambda: [torch.mm(a, b, out=c) for a, b, c in mats], sync, budget)
+    out = {"mm_flops": mm_flops / t_mm, "shape": shape, "dtype": str(dtype).replace("torch.", "")}
+    try:
+        from .models.gpt import Block
+    except Exception as e:  # the model is optional here: fall back to the matmul rate
+        out["block_flops"] = None
+        out["block_note"] = f"GPT block unavailable ({type(e).__name__}); flops = matmul rate"
+        return out
+    torch.manual_seed(0)
+    block = Block(d, shape["heads"]).to(device=device, dtype=dtype)
+    x = torch.randn(shape["batch"], shape["context"], d, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn_like(x)
+
+    def fwd_bwd():
+        block(x).backward(g)
+    t_block = _median_time(fwd_bwd, sync, budget)
+    spec = gpt_units(1, d, shape["heads"], 256, shape["context"])[1]
+    charged = 3.0 * spec.fwd_flops_per_seq * shape["batch"]      # forward + 2x for backward
+    out["block_flops"] = charged / t_block
+    return out
+
+
+def measure_optimizer(device, s: Settings) -> dict:
+    """AdamW on a flat fp32 shard; bytes counted as the planner's compute.step does."""
+    import torch
+    n = (1 << 20) if s.quick else (4 << 20)
+    p = torch.nn.Parameter(torch.randn(n, device=device))
+    p.grad = torch.randn(n, device=device)
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, foreach=False)
+    t = _median_time(opt.step, _sync_for(device), s.budget(1.0, 0.3))
+    state_bytes = n * (8 + 2 * 4)          # two fp32 moments + fp32 parameter and gradient
+    return {"adam_bandwidth": state_bytes / t, "adam_numel": n}
+
+
+def measure_copy(device, s: Settings) -> dict:
+    """Host<->device copy rate (pinned) on CUDA; a plain memory copy on CPU."""
+    import torch
+    n = (16 if s.quick else 64) * MiB
+    budget = s.budget(0.8, 0.25)
+    if device.type != "cuda":
+        src = torch.empty(n, dtype=torch.uint8).fill_(1)
+        dst = torch.empty(n, dtype=torch.uint8)
+        t = _median_time(lambda: dst.copy_(src), lambda: None, budget)
+        return {"pcie": n / t, "copy_note": f"memcpy of {n // MiB} MiB (no device: copies are host memcpy)"}
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True).fill_(1)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    sync = _sync_for(device)
+    t_h2d = _median_time(lambda: dev.copy_(host, non_blocking=True), sync, budget)
+    t_d2h = _median_time(lambda: host.copy_(dev, non_blocking=True), sync, budget)
+    return {"pcie": 2 * n / (t_h2d + t_d2h), "h2d": n / t_h2d, "d2h": n / t_d2h,
+            "copy_note": f"pinned copies of {n // MiB} MiB"}
+
+
+def _collective_fns():
+    import torch.distributed as dist
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return gather, scatter
+
+
+def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fit ``t = latency + x / bandwidth`` to (x bytes, t seconds), minimising relative error.
+
+    Relative weights keep the small sizes (which carry the latency) from
+    being drowned by the large ones (which carry the bandwidth).
+    """
+    if len(points) < 2:
+        x, t = points[0]
+        return 0.0, x / t
+    w = [1.0 / (t * t) for _, t in points]
+    sw = sum(w)
+    mx = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
+    mt = sum(wi * t for wi, (_, t) in zip(w, points)) / sw
+    var = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points))
+    cov = sum(wi * (x - mx) * (t - mt) for wi, (x, t) in zip(w, points))
+    slope = cov / var if var > 0 else 0.0
+    if slope <= 0:                                   # noise: bandwidth from the largest size alone
+        x, t = max(points)
+        return min(t for _, t in points), x / t
+    latency = max(mt - slope * mx, 1e-6)
+    return latency, 1.0 / slope
+
+
+def measure_collectives(device, s: Settings, rank: int, world: int) -> dict:
+    """all_gather and reduce_scatter of several payloads; every rank runs the same loop."""
+    import torch
+    import torch.distributed as dist
+    gather, scatter = _collective_fns()
+    sync = _sync_for(device)
+    sizes = [64 << 10, 1 * MiB, 8 * MiB] if s.quick else [64 << 10, 512 << 10, 4 * MiB, 16 * MiB]
+    results: dict[str, list[tuple[float, float]]] = {"all_gather": [], "reduce_scatter": []}
+    for size in sizes:
+        numel = size // 4 // world * world
+        full = torch.zeros(numel, device=device)
+        shard = torch.ones(numel // world, device=device)
+        reps = max(3, min(20 if s.quick else 40, int((4 if s.quick else 16) * MiB / size)))
+        for name, call in (("all_gather", lambda: gather(full, shard)),
+                           ("reduce_scatter", lambda: scatter(shard, full))):
+            call()
+            sync()
+            dist.barrier()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                call()
+                sync()
+                times.append(time.perf_counter() - t0)
+            payload = numel * 4 * (world - 1) / world
+            results[name].append((payload, statistics.median(times)))
+    out = {}
+    for name, pts in results.items():
+        out[name] = fit_latency_bandwidth(pts)
+    out["link"] = fit_latency_bandwidth(results["all_gather"] + results["reduce_scatter"])
+    out["sizes"] = sizes
+    out["points"] = results
+    return out
+
+
+def _aligned(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def measure_disk(folder: str, s: Settings, rank: int) -> dict:
+    """O_DIRECT write then read of 1 MiB blocks, DEPTH in flight, capped in time."""
+    total = (32 if s.quick else 256) * MiB
+    cap = s.budget(3.0, 0.8)
+    path = os.path.join(folder, f".zdsl-calibrate-{os.getpid()}-{rank}.bin")
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | direct, 0o600)
+        except OSError:
+            direct = 0
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, total)        # swap files are reserved before use
+            except OSError as e:
+                raise CalibrationError(f"cannot reserve {total // MiB} MiB in {folder}: {e.strerror}") from None
+            src = _aligned(BLOCK)
+            src.write(os.urandom(4096) * (BLOCK // 4096))
+            bufs = [_aligned(BLOCK) for _ in range(DEPTH)]
+            blocks = total // BLOCK
+
+            def run(op) -> tuple[int, float]:
+                deadline = time.perf_counter() + cap
+                done = [0]
+
+                def worker(i: int) -> None:
+                    for b in range(i, blocks, DEPTH):
+                        if time.perf_counter() > deadline:
+                            return
+                        n = op(i, b)
+                        if n != BLOCK:
+                            raise CalibrationError(f"short {'read' if op is rd else 'write'} in {path}")
+                        done[0] += n
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(DEPTH) as pool:
+                    list(pool.map(worker, range(DEPTH)))
+                if op is wr:
+                    os.fsync(fd)
+                return done[0], time.perf_counter() - t0
+
+            def wr(i, b):
+                return os.pwritev(fd, [src], b * BLOCK)
+
+            def rd(i, b):
+                return os.preadv(fd, [bufs[i]], b * BLOCK)
+
+            try:
+                wrote, t_w = run(wr)
+                if not direct:   # without O_DIRECT, drop the cache so reads touch the disk
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                read, t_r = run(rd)
+            except OSError as e:
+                raise CalibrationError(f"disk test in {folder} failed: {e.strerror or e}") from None
+        finally:
+            os.close(fd)
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return {"disk_write": wrote / t_w, "disk_read": read / t_r, "direct": bool(direct),
+            "disk_bytes": (wrote, read)}
+
+
+# -- one rank ---------------------------------------------------------------------------------
+
+STEPS = ("compute", "optimizer", "copy", "collectives", "disk")
+
+
+def _device_for(rank: int, backend: str):
+    import torch
+    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, report) -> dict:
+    """Every measurement on one rank, in lock step with the others; returns this rank's numbers."""
+    import torch
+    import torch.distributed as dist
+
+    device = _device_for(rank, s.backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = max(1, (os.cpu_count() or 1) // world)
+    torch.set_num_threads(threads)        # what the runtime gives each rank
+    if world > 1:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=s.timeout_s))
+    try:
+        barrier = (lambda: dist.barrier()) if world > 1 else (lambda: None)
+        out: dict = {"threads": threads, "device": str(device)}
+        barrier()
+        report("compute")
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        out["compute"] = measure_compute(device, s, dtype)
+        if device.type == "cuda":
+            out["host_compute"] = measure_compute(torch.device("cpu"), s, torch.float32)
+        barrier()
+        report("optimizer")
+        out["optimizer"] = measure_optimizer(device, s)
+        barrier()
+        report("copy")
+        out["copy"] = measure_copy(device, s)
+        barrier()
+        report("collectives")
+        if world > 1:
+            out["collectives"] = measure_collectives(device if backend == "nccl" else torch.device("cpu"),
+                                                     s, rank, world)
+        barrier()
+        report("disk")
+        out["disk"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank)
+        if world > 1:
+            every: list = [None] * world
+            dist.all_gather_object(every, out)
+            return {"ranks": every}
+        return {"ranks": [out]}
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _child(rank: int, world: int, port: int, s: Settings, backend: str, errors) -> None:
+    """A spawned rank (1..world-1). Failures go back to rank 0 in words."""
+    try:
+        _run_rank(rank, world, port, s, backend, lambda step: None)
+    except BaseException as e:  # noqa: BLE001 - reported, then the process exits non-zero
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        errors.put(f"rank {rank} traceback:\n{traceback.format_exc()}")
+        sys.exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pick_backend(s: Settings) -> str:
+    import torch
+    if s.backend not in ("auto", "gloo", "nccl"):
+        raise CalibrationError(f"unknown backend {s.backend!r}: use gloo, nccl or auto")
+    if s.backend == "nccl" or (s.backend == "auto" and torch.cuda.is_available()
+                               and torch.cuda.device_count() >= s.ranks):
+        if not torch.cuda.is_available():
+            raise CalibrationError("backend nccl needs CUDA, and torch sees no CUDA device; use --backend gloo")
+        if torch.cuda.device_count() < s.ranks and s.ranks > 1:
+            raise CalibrationError(f"nccl needs one GPU per rank: {torch.cuda.device_count()} GPU(s) for "
+                                   f"{s.ranks} ranks; use --ranks {torch.cuda.device_count()} or --backend gloo")
+        return "nccl"
+    return "gloo"
+
+
+# -- putting it together ----------------------------------------------------------------------
+
+def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibration:
+    slow = lambda get: min(get(r) for r in raw)  # noqa: E731 - the slowest rank sets the pace
+    first = raw[0]
+    cuda = first["device"].startswith("cuda")
+    comp = first["compute"]
+    block = slow(lambda r: r["compute"]["block_flops"] or r["compute"]["mm_flops"])
+    mm = slow(lambda r: r["compute"]["mm_flops"])
+    host = slow(lambda r: (r.get("host_compute") or r["compute"])["block_flops"]
+                or (r.get("host_compute") or r["compute"])["mm_flops"])
+    adam = slow(lambda r: r["optimizer"]["adam_bandwidth"])
+    pcie = slow(lambda r: r["copy"]["pcie"])
+    d_read = slow(lambda r: r["disk"]["disk_read"])
+    d_write = slow(lambda r: r["disk"]["disk_write"])
+    defaults = MachineProfile()
+    if world > 1:
+        latency, link = max(r["collectives"]["link"][0] for r in raw), slow(lambda r: r["collectives"]["link"][1])
+    else:
+        latency, link = defaults.link_latency, defaults.link_bandwidth
+    profile = MachineProfile(name="cuda" if cuda else "cpu", flops=block, host_flops=host,
+                             link_bandwidth=link, link_latency=latency, pcie_bandwidth=pcie,
+                             disk_read=d_read, disk_write=d_write, memory_bandwidth=adam)
+    import torch
+    shape = comp["shape"]
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    notes = [
+        f"machine profile measured by `zdsl calibrate{' --quick' if s.quick else ''}` "
+        f"on {platform.node() or 'this machine'}, {when}",
+        f"torch {torch.__version__}, {world} rank(s) measuring at once on {first['device']}, "
+        f"{first['threads']} thread(s) per rank, backend {backend}; each rate is the slowest rank's",
+        f"flops: GPT block forward+backward (width {shape['width']}, heads {shape['heads']}, "
+        f"context {shape['context']}, batch {shape['batch']}, {comp['dtype']}) at {_num(block)} flop/s; "
+        f"torch.mm at the block's shapes {_num(mm)} flop/s"
+        + (f" ({comp['block_note']})" if comp.get("block_note") else ""),
+        f"memory_bw: AdamW step on {first['optimizer']['adam_numel']} fp32 elements, "
+        f"16 bytes per element (moments, parameter, gradient)",
+        f"pcie: {first['copy']['copy_note']}"
+        + (f"; h2d {_num(first['copy']['h2d'])} B/s, d2h {_num(first['copy']['d2h'])} B/s" if cuda else ""),
+    ]
+    if world > 1:
+        c = first["collectives"]
+        notes.append(f"link, latency: all_gather + reduce_scatter of "
+                     f"{', '.join(_size(b) for b in c['sizes'])} fitted to latency + payload*(n-1)/n / link; "
+                     f"all_gather alone {_num(c['all_gather'][1])} B/s, {_num(c['all_gather'][0])} s; "
+                     f"reduce_scatter alone {_num(c['reduce_scatter'][1])} B/s, {_num(c['reduce_scatter'][0])} s")
+    else:
+        notes.append("link, latency: defaults (one rank: no collectives to measure)")
+    disk = first["disk"]
+    notes.append(f"disk: {'O_DIRECT' if disk['direct'] else 'buffered (O_DIRECT unsupported here)'} "
+                 f"{BLOCK // MiB} MiB blocks, {DEPTH} in flight, {_size(disk['disk_bytes'][0])} written and "
+                 f"{_size(disk['disk_bytes'][1])} read per rank in {s.disk_folder or tempfile.gettempdir()}")
+    details = {"notes": notes, "ranks": raw, "backend": backend, "mm_flops": mm, "block_flops": block}
+    return Calibration(profile, details)
+
+
+def _size(n: int) -> str:
+    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n >> 10} KiB"
+
+
+def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = None, quick: bool = False,
+              progress: bool = True, **shape) -> Calibration:
+    """Measure this machine with ``ranks`` processes; returns the profile and how it was measured.
+
+    ``shape`` (width, heads, context, batch) sets the model size the compute
+    rate is measured at (default: the built-in GPT of the CPU examples, or
+    GPT-2 small on CUDA). ``disk_folder`` should be where NVMe swap files go.
+    """
+    import multiprocessing as mp
+
+    import torch
+
+    s = Settings(ranks=ranks, backend=backend, disk_folder=disk_folder, quick=quick, **shape)
+    if ranks < 1:
+        raise CalibrationError("ranks must be at least 1")
+    if disk_folder is not None and not os.path.isdir(disk_folder):
+        raise CalibrationError(f"disk folder {disk_folder} does not exist")
+    chosen = _pick_backend(s)
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    children = [ctx.Process(target=_child, args=(r, ranks, port, s, chosen, errors), daemon=True)
+                for r in range(1, ranks)]
+    threads_before = torch.get_num_threads()
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    console = Console(stderr=True)
+    bar = Progress(SpinnerColumn(), TextColumn("calibrating [bold]{task.description}"), BarColumn(),
+                   TimeElapsedColumn(), console=console, transient=True, disable=not progress)
+    labels = {"compute": "compute (matmul, GPT block)", "optimizer": "memory (AdamW step)",
+              "copy": "host-device copies", "collectives": f"collectives ({chosen}, {ranks} ranks)",
+              "disk": "disk (O_DIRECT)"}
+    try:
+        with bar:
+            task = bar.add_task("starting ranks", total=len(STEPS) + 1)
+
+            def report(step: str) -> None:
+                bar.update(task, description=labels[step], advance=1)
+            for p in children:
+                p.start()
+            try:
+                result = _run_rank(0, ranks, port, s, chosen, report)
+            except Exception as e:
+                cause = _child_errors(errors)
+                if isinstance(e, CalibrationError) and not cause:
+                    raise
+                raise CalibrationError(f"rank 0: {type(e).__name__}: {e}" + (f"\n{cause}" if cause else "")) from None
+            bar.update(task, description="done", advance=1)
+        for p in children:
+            p.join(timeout=s.timeout_s)
+            if p.exitcode not in (0, None):
+                raise CalibrationError(f"a rank failed after measuring:\n{_child_errors(errors)}")
+    finally:
+        torch.set_num_threads(threads_before)
+        for p in children:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return _summarise(result["ranks"], s, chosen, ranks)
+
+
+def _child_errors(errors) -> str:
+    lines = []
+    try:
+        while True:
+            lines.append(errors.get(timeout=0.5))
+    except Exception:
+        pass
+    return "\n".join(line for line in lines if "traceback" not in line.split("\n", 1)[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``zdsl calibrate [--out machine.zs] [--quick]``; exit 0 on success, 2 on a stated failure."""
+    ap = argparse.ArgumentParser(prog="zdsl calibrate",
+                                 description="Measure this machine and write a `machine` profile for schedules.")
+    ap.add_argument("--out", help="file to write (default: print the profile)")
+    ap.add_argument("--quick", action="store_true", help="shorter, noisier measurements (< 15 s)")
+    ap.add_argument("--ranks", type=int, default=2, help="processes measuring at once (default 2)")
+    ap.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    ap.add_argument("--disk", dest="disk_folder", default=None,
+                    help="folder for the disk test: where NVMe offload will swap (default: temp folder)")
+    for name in ("width", "heads", "context", "batch"):
+        ap.add_argument(f"--{name}", type=int, default=None, help=f"model {name} the compute rate is measured at")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+    shape = {k: getattr(a, k) for k in ("width", "heads", "context", "batch") if getattr(a, k) is not None}
+    start = time.perf_counter()
+    try:
+        cal = calibrate(a.backend, a.ranks, a.disk_folder, a.quick, progress=not a.no_progress, **shape)
+    except CalibrationError as e:
+        print(f"error: calibration failed: {e}", file=sys.stderr)
+        return 2
+    text = cal.to_zs()
+    if a.out:
+        try:
+            with open(a.out, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            print(f"error: cannot write {a.out}: {e.strerror}", file=sys.stderr)
+            return 2
+        print(f"{cal.machine_statement()}\nwrote {a.out} in {time.perf_counter() - start:.1f} s; "
+              f"use it with: include \"{a.out}\"", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
