@@ -71,12 +71,33 @@ def availability(cfg: BenchConfig, workdir: Path) -> str | None:
                              env=job_env())
     if checked.returncode != 0:
         return "`zdsl check` rejects the benchmark schedule: " + _last_line(checked.stderr or checked.stdout)
+    return _smoke_run(base, cfg, workdir)
+
+
+def _smoke_run(base: list[str], cfg: BenchConfig, workdir: Path) -> str | None:
+    """One step of a tiny copy of the schedule at stage 3: does ``zdsl run`` train at all?"""
+    tiny = BenchConfig.from_json(cfg.to_json())
+    tiny.layers, tiny.width, tiny.heads, tiny.context, tiny.steps, tiny.warmup = 1, 32, 2, 16, 1, 0
+    schedule = workdir / "zdsl_smoke.zs"
+    schedule.write_text(schedule_text(tiny))
+    metrics = workdir / "zdsl_smoke.jsonl"
+    try:
+        ran = subprocess.run([*base, "run", str(schedule), "--metrics", str(metrics), "--quiet"],
+                             capture_output=True, text=True, timeout=180, env=job_env())
+    except subprocess.TimeoutExpired:
+        return "`zdsl run` did not finish a 1-step smoke run of a tiny model in 180 s"
+    if ran.returncode != 0:
+        return "`zdsl run` failed a 1-step smoke run: " + _last_line(ran.stderr or ran.stdout)
+    if not metrics.exists() or not metrics.read_text().strip():
+        return "`zdsl run --metrics` wrote no metrics in a 1-step smoke run"
     return None
 
 
 def _last_line(text: str) -> str:
-    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "(no output)"
+    """The line that says why: the last ``error:`` line, else the last line."""
+    lines = [line.strip() for line in (text or "").strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["(no output)"])[-1]
 
 
 def read_metrics(path: Path) -> list[dict]:
