@@ -107,7 +107,11 @@ def test_round_trip_same_ranks(tmp_path, model):
     assert latest_complete(tmp_path) == path
 
 
-def test_recut_2_to_4_to_1(tmp_path, model):
+@pytest.mark.parametrize("crc_block", [None, 100])
+def test_recut_2_to_4_to_1(tmp_path, model, monkeypatch, crc_block):
+    """Exact re-cut; with 100-byte checksum blocks the slices start and end mid-block."""
+    if crc_block:
+        monkeypatch.setattr("zdsl.runtime.checkpoint.stformat.CRC_BLOCK", crc_block)
     units, full = model
     save(tmp_path / "a", 1, units, full, 2, bucket=700)
     lay4 = layouts_for(units, 4, bucket=2000)
@@ -172,7 +176,7 @@ def _damage_cases(path):
             "index.json"),
         "missing shard": (lambda: f1.unlink(), f1.name),
         "truncated shard": (lambda: os.truncate(f1, f1.stat().st_size - 10), f1.name),
-        "altered shard": (lambda: _flip_byte(f1, f1.stat().st_size - 5), f1.name),
+        "altered shard": (lambda: _flip_byte(f1, f1.stat().st_size // 2), f1.name),
     }
 
 
@@ -186,7 +190,8 @@ def _flip_byte(path, pos):
 
 @pytest.mark.parametrize("case", ["missing index", "truncated index", "altered index", "missing shard",
                                   "truncated shard", "altered shard"])
-def test_damage_refused_and_fallback(tmp_path, model, case):
+def test_damage_refused_and_fallback(tmp_path, model, case, monkeypatch):
+    monkeypatch.setattr("zdsl.runtime.checkpoint.stformat.CRC_BLOCK", 4096)   # several blocks per tensor
     units, full = model
     good, layouts = save(tmp_path, 1, units, full, 2, threads=False)
     bad, _ = save(tmp_path, 2, units, full, 2, threads=False)
@@ -196,6 +201,9 @@ def test_damage_refused_and_fallback(tmp_path, model, case):
         check_checkpoint(bad)
     with pytest.raises(CheckpointError, match=culprit.replace(".", r"\.")):
         load_for_rank(bad, 1, 2, layouts)
+    with pytest.raises(CheckpointError, match=culprit.replace(".", r"\.")):   # partial reads check too
+        for r in range(4):
+            load_for_rank(bad, r, 4, layouts_for(units, 4, bucket=3000))
     messages = []
     assert latest_complete(tmp_path, report=messages.append) == good
     assert culprit in messages[0] and "step-000002" in messages[0]
@@ -250,7 +258,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_sigkill_mid_write_keeps_previous(tmp_path):
-    n = 64 << 20                                   # 256 MiB of fp32 per save, 128 MiB per rank file
+    n = 32 << 20                                   # 128 MiB of fp32 per save, 64 MiB per rank file
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(n)], stdout=subprocess.PIPE)
     try:
         assert child.stdout.readline().strip() == b"saved"

@@ -22,7 +22,7 @@ import torch
 from zdsl.layout import FlatLayout
 
 from .index import (INDEX_NAME, STEP_RE, CheckpointError, Index, parse_shard_key, shard_key)
-from .stformat import CHUNK_BYTES, ShardFile
+from .stformat import CRC_BLOCK, ShardFile, byte_view, torch_dtype
 
 log = logging.getLogger("zdsl.checkpoint")
 
@@ -81,7 +81,7 @@ def check_checkpoint(ckpt_path, *, full: bool = True) -> Index:
     files = open_files(ckpt_path, index)
     try:
         if full:
-            scratch = bytearray(CHUNK_BYTES)
+            scratch = bytearray(CRC_BLOCK)
             for rec in index.files:
                 f = files[rec.rank]
                 if set(f.entries) != set(rec.tensors):
@@ -146,8 +146,9 @@ def recut(files: dict[int, ShardFile], index: Index, unit: int, kind: str, new: 
     entry0 = recs[0].tensors[key]
     if old == new and new_rank in files:
         return files[new_rank].read(key, recs[new_rank].tensors.get(key) if verify else None)
-    from .stformat import torch_dtype
     out = torch.zeros(new.shard_numel, dtype=torch_dtype(entry0.dtype, key))
+    item = out.element_size()
+    dest = byte_view(out)
     for r0 in range(old.ranks):
         pieces = list(_overlaps(old, r0, new, new_rank, meta.numel))
         if not pieces:
@@ -155,12 +156,12 @@ def recut(files: dict[int, ShardFile], index: Index, unit: int, kind: str, new: 
         entry = recs[r0].tensors.get(key)
         if entry is None:
             raise CheckpointError(f"{files[r0].path}: tensor {key!r} missing")
-        src = files[r0].read(key, entry if verify else None)
-        if src.dtype != out.dtype:
-            raise CheckpointError(f"{files[r0].path}: tensor {key!r} is {src.dtype}, rank 0 saved {out.dtype}")
+        if entry.dtype != entry0.dtype:
+            raise CheckpointError(f"{files[r0].path}: tensor {key!r} is {entry.dtype}, rank 0 saved {entry0.dtype}")
+        # Only the bytes the new shard needs are read (and the checksum blocks around them).
         for s0, s1, n in pieces:
-            out[s1:s1 + n].copy_(src[s0:s0 + n])
-        del src
+            files[r0].read_range(key, entry if verify else None, s0 * item, (s0 + n) * item,
+                                 dest[s1 * item:(s1 + n) * item])
     return out
 
 
