@@ -1,0 +1,783 @@
+"""One rank's training state, and the meaning of every op of the task graph.
+
+:class:`RankState` owns every buffer the compiled graph names (parameters,
+gradients, optimizer state, activations, staging copies on the host and on
+NVMe) and executes single ops on them. It does not decide order: the trio
+executor (``runtime/executor.py``) runs ops when their dependencies are done,
+and a plain loop over ``graph.ops`` is also a valid execution (graph order
+respects every dependency). Entry points, by op kind:
+
+* ``run_compute(op)``: ``compute.forward|backward|recompute|norm|step``;
+  synchronous (the executor calls it in a worker thread).
+* ``start_collective(op) -> handle``: ``comm.*``, issued with
+  ``async_op=True``; the handle's ``is_completed()`` or ``wait()`` finishes
+  the op (whichever the caller uses; both are safe to call).
+* ``run_copy(op)``: ``copy.h2d|d2h``; ``run_nvme(op)``: ``nvme.read|write``.
+* ``free(op)``: ``mem.free``.
+* ``run_op(op)``: any op, synchronously (sequential drivers and tests).
+* ``step_begin(step, batches)`` / ``step_end() -> dict`` around each step.
+
+Semantics (the IR's, made concrete):
+
+* Units run one at a time. Forward keeps a unit's input (detached, so
+  autograd stops at the unit boundary) and its output; backward runs
+  autograd for that one unit with the gradient of its output and leaves the
+  gradient of its input in ``act_grad[u]``. A recomputed unit's forward runs
+  without autograd and keeps only its input and output; ``compute.recompute``
+  re-runs it with autograd (``act_inner[u]``).
+* Backward accumulates into ``grad_full`` (zero when allocated; the
+  persistent ones of stages 0-1 are zeroed by ``step_begin``). Gradients are
+  averaged as DDP does: multiplied by 1/world just before they are reduced
+  (done by the last backward that writes them, so the comm lane only
+  communicates), then summed. The loss of a micro-batch is divided by
+  ``accumulate`` inside the graph, as the DDP reference does.
+* A tied parameter's gradient from its user (the head) reaches the owner's
+  ``grad_full``; when that buffer already holds gradient (accumulation), the
+  contribution waits for the owner's backward and both are added together,
+  which is the order autograd uses on the whole model (so DDP's bits).
+* ``compute.norm`` writes the global gradient norm: at stage 0 exactly as
+  ``clip_grad_norm_`` computes it; when an all-reduce of ``norm`` follows,
+  this rank's sum of squares (the step takes the square root).
+* ``compute.step`` updates the parameters it writes from the gradient and
+  optimizer buffers it reads (see ``runtime/optim.py``), after unscaling
+  (fp16) and clipping; an fp16 overflow skips every unit's update.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from zdsl.ir import Buffer, Op, TaskGraph, parse_buffer_name
+
+from . import collectives
+from .flat import FlatParam, alloc_storage, free_storage, layout_of
+from .memory import MemoryMeter
+from .optim import UnitOptimizer, clip_coefficient, state_names
+from .precision import LossScaler, compute_dtype, overflowed
+
+FLAT_KINDS = ("param_full", "param_shard", "grad_full", "grad_shard", "optim")
+ACT_KINDS = ("act", "act_inner", "act_grad")
+
+
+class StateError(RuntimeError):
+    """An op that cannot run on this rank's state; the message names rank, op and cause."""
+
+
+@dataclass
+class ActRecord:
+    """What a unit keeps between its forward and its backward."""
+    input: torch.Tensor | None          # the unit's input (detached; requires grad when floating)
+    output: torch.Tensor | None         # its output (the scaled loss for the last unit)
+    micro: int
+    nbytes: int = 0
+    targets: torch.Tensor | None = None
+
+
+@dataclass
+class Slot:
+    """One buffer of the graph on this rank."""
+    buf: Buffer
+    tensor: torch.Tensor | None = None  # flat buffers, act_grad, norm, loss
+    record: ActRecord | None = None     # act, act_inner
+    live: bool = False
+    clean: bool = True                  # grad_full: still all zeros since allocation
+
+
+@dataclass
+class _StepPlan:
+    overflow: bool = False
+    coef: torch.Tensor | None = None
+    inv_scale: float = 1.0
+    grad_norm: float | None = None
+
+
+class _Collective:
+    """A collective in flight: ``is_completed()``/``wait()`` finish it exactly once."""
+
+    def __init__(self, work, finish=None):
+        self.work, self._finish = work, finish
+        self._lock = threading.Lock()
+        self._done = False
+
+    def _complete(self) -> None:
+        with self._lock:
+            if not self._done:
+                self._done = True
+                if self._finish is not None:
+                    self._finish()
+
+    def is_completed(self) -> bool:
+        if self.work is not None and not self.work.is_completed():
+            return False
+        self._complete()
+        return True
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        self._complete()
+        return True
+
+
+def _normalize_tied(model: nn.Module, units: list[nn.Module]) -> dict[int, list[tuple[int, int]]]:
+    """``model.tied`` -> {user unit: [(owner unit, index of the parameter in the owner)]}."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for (user, owner), names in dict(getattr(model, "tied", {}) or {}).items():
+        owned = [n for n, _ in units[owner].named_parameters()]
+        for name in ([names] if isinstance(names, str) else list(names)):
+            out.setdefault(user, []).append((owner, owned.index(name)))
+    return out
+
+
+class RankState:
+    """All buffers of one rank and the execution of single ops on them.
+
+    ``model`` must already hold the initial parameters (built with the run's
+    seed); its parameters are re-pointed into zdsl's flat buffers, so the
+    caller must not use it for anything else afterwards.
+    """
+
+    def __init__(self, graph: TaskGraph, model: nn.Module, rank: int, world: int,
+                 device: torch.device | str = "cpu", group=None, swapper=None):
+        if graph.ranks != world:
+            raise StateError(f"rank {rank}: the graph was compiled for {graph.ranks} ranks, "
+                             f"this run has {world}")
+        self.graph, self.rank, self.world, self.group = graph, rank, world, group
+        self.device = torch.device(device)
+        self.host = torch.device("cpu")
+        self.config = graph.config or {}
+        self.opt_config = dict(self.config.get("optimizer") or {})
+        self.clip = self.opt_config.get("clip")
+        self.dtype = compute_dtype(graph.precision)
+        self.mixed = graph.precision != "fp32"
+        self.stage = graph.stage
+        self.accumulate = graph.accumulate
+        self.scaler = LossScaler(enabled=graph.precision == "fp16")
+        self.meter = MemoryMeter()
+        self._swapper = swapper
+        self._lock = threading.Lock()
+
+        self.modules = list(model.units())
+        if len(self.modules) != len(graph.units):
+            raise StateError(f"rank {rank}: the model has {len(self.modules)} units, the compiled graph "
+                             f"{len(graph.units)}")
+        self.tied = _normalize_tied(model, self.modules)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.param_names = [[names.get(id(p), f"units.{u}.{n}") for n, p in m.named_parameters()]
+                            for u, m in enumerate(self.modules)]
+        for user, uses in self.tied.items():
+            for owner, _ in uses:
+                if owner not in graph.units[user].uses:
+                    raise StateError(f"rank {rank}: unit {user} reads a parameter of unit {owner} (tied), "
+                                     f"but the graph does not list that use")
+        grad_dtypes = {}
+        for b in graph.buffers.values():
+            if b.kind in ("grad_full", "grad_shard") and b.unit is not None:
+                grad_dtypes[b.unit] = compute_dtype(b.dtype)
+        self.flats: list[FlatParam] = []
+        for info, module in zip(graph.units, self.modules):
+            lay = layout_of(info.numel, info.padded_numel, info.parts, world)
+            try:
+                self.flats.append(FlatParam(module, lay, rank, self.dtype,
+                                            grad_dtypes.get(info.index, self.dtype), self.device))
+            except ValueError as exc:
+                raise StateError(f"rank {rank}: unit {info.index} ({info.name}): {exc}") from None
+        self.last = len(self.modules) - 1
+
+        # One optimizer per unit, over the shard (the whole unit at stage 0).
+        self.optims: list[UnitOptimizer] = []
+        for u, fp in enumerate(self.flats):
+            lay = fp.layout
+            ranges = ([lay.full_range(p) for p in range(lay.parts)] if self.stage == 0
+                      else [lay.shard_range(p) for p in range(lay.parts)])
+            self.optims.append(UnitOptimizer(self.opt_config, ranges, master=self._has_master(u)))
+
+        self.slots: dict[str, Slot] = {name: Slot(b) for name, b in graph.buffers.items() if b.kind != "token"}
+        self._norm_reduced = any(op.kind == "comm.all_reduce" and "norm" in op.writes for op in graph.ops)
+        self._prescale_after, self._prescale_at_comm = self._plan_prescale()
+        self._pending_tied: dict[tuple[int, int], torch.Tensor] = {}
+        self._init_persistent()
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.losses: list[torch.Tensor] = []
+        self._plan: _StepPlan | None = None
+        self.step_index = 0
+
+    # ------------------------------------------------------------------ setup
+    def _has_master(self, u: int) -> bool:
+        """Whether ``optim[u]`` holds an fp32 master copy (mixed precision, or a step away
+        from the parameters): read from the compiled buffer's size, as the planner sized it."""
+        ob = next((b for b in self.graph.buffers.values() if b.kind == "optim" and b.unit == u), None)
+        lay = self.flats[u].layout
+        numel = lay.padded_numel if self.stage == 0 else lay.shard_numel
+        if ob is None or numel == 0:
+            return self.mixed
+        moments = len(state_names(self.opt_config.get("kind", "adamw"), self.opt_config.get("momentum", 0.0)))
+        return ob.bytes >= (moments + 1) * numel * 4
+
+    def _plan_prescale(self) -> tuple[dict[int, list[int]], set[int]]:
+        """Where each gradient's 1/world factor is applied: after the last backward that
+        writes ``grad_full[u]`` before a collective reduces it, else in the collective."""
+        after: dict[int, list[int]] = {}
+        at_comm: set[int] = set()
+        if self.world == 1:
+            return after, at_comm
+        writer: dict[str, int] = {}       # grad_full name -> last backward since its last reduction
+        in_comm: dict[str, bool] = {}     # grad_full name -> this reduction scales in the collective
+        for op in self.graph.ops:
+            if op.kind == "compute.backward":
+                for w in op.writes:
+                    if w.startswith("grad_full["):
+                        writer[w] = op.id
+            elif op.kind in ("comm.reduce_scatter", "comm.all_reduce") and op.reads \
+                    and op.reads[0].startswith("grad_full["):
+                name = op.reads[0]
+                if op.part == 0:
+                    w = writer.pop(name, None)
+                    in_comm[name] = w is None
+                    if w is not None:
+                        after.setdefault(w, []).append(parse_buffer_name(name)[1])
+                if in_comm.get(name, True):
+                    at_comm.add(op.id)
+        return after, at_comm
+
+    def _tensor_device(self, tier: str) -> torch.device:
+        return self.device if tier == "device" else self.host
+
+    def _numel(self, buf: Buffer) -> int:
+        lay = self.flats[buf.unit].layout
+        if buf.kind in ("param_full", "grad_full"):
+            return lay.padded_numel
+        if buf.kind in ("param_shard", "grad_shard"):
+            return lay.shard_numel
+        return self.optims[buf.unit].flat_numel   # optim
+
+    def _dtype(self, buf: Buffer) -> torch.dtype:
+        if buf.kind == "optim" or buf.kind in ("norm", "loss"):
+            return torch.float32
+        if buf.kind in ("grad_full", "grad_shard"):
+            return self.flats[buf.unit].grad.dtype
+        return self.dtype
+
+    def _category(self, buf: Buffer) -> str:
+        return buf.state if buf.persistent and buf.state else "working"
+
+    def _initial(self, buf: Buffer) -> torch.Tensor:
+        """A persistent buffer's contents at step 0 (CPU tensor)."""
+        u = buf.unit
+        if buf.kind == "param_full":
+            return self.flats[u].initial.to(self.dtype)
+        if buf.kind == "param_shard":
+            return self.flats[u].shard_of(self.flats[u].initial).to(self.dtype)
+        if buf.kind in ("grad_full", "grad_shard"):
+            return torch.zeros(self._numel(buf), dtype=self._dtype(buf))
+        if buf.kind == "optim":
+            fp = self.flats[u]
+            master = fp.initial if self.stage == 0 else fp.shard_of(fp.initial)
+            return self.optims[u].initial_flat(master if self.optims[u].master else None)
+        return torch.zeros((), dtype=torch.float32)   # norm, loss
+
+    def _init_persistent(self) -> None:
+        for name, slot in self.slots.items():
+            buf = slot.buf
+            if not buf.persistent:
+                continue
+            if buf.kind in ACT_KINDS:
+                raise StateError(f"rank {self.rank}: activations cannot be persistent ({name})")
+            value = self._initial(buf)
+            if buf.tier == "nvme":
+                self.swapper.write_sync(name, value)
+                slot.live = True
+                self.meter.hold(name, "nvme", buf.kind, self._category(buf), value.numel() * value.element_size())
+                continue
+            t = self._alloc(slot)
+            t.copy_(value)
+
+    @property
+    def swapper(self):
+        """The NVMe swapper (``runtime/swap.py``), opened on first use from the schedule's placement."""
+        if self._swapper is None:
+            places = [p for p in (self.config.get("placement") or {}).values() if p.get("tier") == "nvme"]
+            if not places or not places[0].get("path"):
+                raise StateError(f"rank {self.rank}: the graph uses nvme but no nvme folder is configured")
+            try:
+                from .swap import Swapper
+            except ImportError as exc:
+                raise StateError(f"rank {self.rank}: the nvme tier is unavailable: {exc}") from None
+            p = places[0]
+            import os
+            folder = os.path.join(p["path"], f"rank{self.rank}")
+            self._swapper = Swapper(folder, p.get("block_bytes", 1 << 20), p.get("queue_depth", 8))
+        return self._swapper
+
+    # ------------------------------------------------------------ buffers
+    def _slot(self, name: str, op: Op | None = None) -> Slot:
+        try:
+            return self.slots[name]
+        except KeyError:
+            raise self._error(op, f"buffer {name} is not in the graph") from None
+
+    def _error(self, op: Op | None, cause: str) -> StateError:
+        where = f"op {op.id} {op.kind}" + (f" unit {op.unit}" if op.unit is not None else "") \
+            + (f" micro {op.micro}" if op.micro else "") if op is not None else "setup"
+        return StateError(f"rank {self.rank}: {where}: {cause}")
+
+    def _alloc(self, slot: Slot) -> torch.Tensor:
+        """Give a flat/scalar buffer memory (zeros for gradients and scalars)."""
+        buf = slot.buf
+        if buf.tier == "nvme":
+            raise StateError(f"rank {self.rank}: {buf.name} lives on nvme; only nvme.read/write touch it")
+        dev = self._tensor_device(buf.tier)
+        if buf.kind in ("norm", "loss"):
+            t = torch.zeros((), dtype=torch.float32, device=dev)
+        elif buf.kind == "param_full" and buf.tier == "device":
+            t = self.flats[buf.unit].full
+            alloc_storage(t)
+        elif buf.kind == "grad_full" and buf.tier == "device":
+            t = self.flats[buf.unit].grad
+            alloc_storage(t)
+            t.zero_()
+        else:
+            pin = dev.type == "cpu" and self.device.type == "cuda"
+            t = torch.empty(self._numel(buf), dtype=self._dtype(buf), device=dev, pin_memory=pin)
+            if buf.kind in ("grad_full", "grad_shard"):
+                t.zero_()
+        slot.tensor, slot.live, slot.clean = t, True, True
+        self.meter.hold(buf.name, buf.tier, buf.kind, self._category(buf), t.numel() * t.element_size())
+        return t
+
+    def _release(self, slot: Slot) -> None:
+        buf = slot.buf
+        if buf.kind in ("param_full", "grad_full") and buf.tier == "device" and slot.tensor is not None:
+            free_storage(slot.tensor)   # keep the tensor object: autograd's views see the next gather
+        else:
+            slot.tensor = None
+        slot.record = None
+        slot.live = False
+        self.meter.release(buf.name)
+
+    def _read(self, name: str, op: Op) -> Slot:
+        slot = self._slot(name, op)
+        if not slot.live:
+            raise self._error(op, f"reads {name}, which holds no data now (never produced, or freed)")
+        return slot
+
+    def _write(self, name: str, op: Op) -> torch.Tensor:
+        """The tensor an op writes, allocated if the buffer is not live."""
+        slot = self._slot(name, op)
+        return slot.tensor if slot.live else self._alloc(slot)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The live tensor of a flat or scalar buffer (tests, checkpoints)."""
+        slot = self.slots[name]
+        if not slot.live or slot.tensor is None:
+            raise StateError(f"rank {self.rank}: {name} holds no data now")
+        return slot.tensor
+
+    # ------------------------------------------------------------ step frame
+    def step_begin(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Start a step: one ``(idx, targets)`` per micro-batch for this rank."""
+        if len(batches) != self.accumulate:
+            raise StateError(f"rank {self.rank}: step {step} got {len(batches)} micro-batches, "
+                             f"the graph accumulates {self.accumulate}")
+        self.step_index = step
+        self.batches = [(i.to(self.device, non_blocking=True), t.to(self.device, non_blocking=True))
+                        for i, t in batches]
+        self.losses = []
+        self._plan = None
+        self._pending_tied.clear()
+        for slot in self.slots.values():
+            if slot.buf.kind == "grad_full" and slot.buf.persistent and slot.live:
+                slot.tensor.zero_()
+                slot.clean = True
+
+    def step_end(self) -> dict:
+        """Finish a step: ``loss`` (this rank's mean over micro-batches), ``skipped``
+        (fp16 overflow), ``grad_norm`` (when computed), ``loss_scale``."""
+        plan = self._plan or _StepPlan()
+        if self.scaler.enabled:
+            self.scaler.update(plan.overflow)
+        loss = float(torch.stack(self.losses).mean()) if self.losses else float("nan")
+        self.batches = []
+        return dict(loss=loss, skipped=plan.overflow, grad_norm=plan.grad_norm,
+                    loss_scale=self.scaler.scale if self.scaler.enabled else None)
+
+    def _home(self, kind: str, u: int) -> Slot | None:
+        for tier in (None, "host", "nvme"):
+            slot = self.slots.get(f"{kind}[{u}]" + (f"@{tier}" if tier else ""))
+            if slot is not None and slot.buf.persistent:
+                return slot
+        return None
+
+    def _truth(self, u: int) -> tuple[torch.Tensor, bool]:
+        """Unit ``u``'s current fp32 parameters: (tensor, is_shard), from their home."""
+        opt = self.optims[u]
+        slot = self._home("optim", u) if opt.master else \
+            (self._home("param_full", u) or self._home("param_shard", u))
+        if slot is None:
+            raise StateError(f"rank {self.rank}: no persistent home for unit {u}'s parameters")
+        if slot.buf.tier == "nvme":
+            t = torch.empty(self._numel(slot.buf), dtype=self._dtype(slot.buf))
+            self.swapper.read_sync(slot.buf.name, t)
+        else:
+            t = slot.tensor
+        if opt.master:
+            t = t[:opt.numel]
+            return t.float().to(self.device), self.stage > 0
+        return t.float().to(self.device), slot.buf.kind == "param_shard"
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The full fp32 parameters by the model's own names (every rank must call it:
+        sharded units are all-gathered). Call between steps."""
+        out: dict[str, torch.Tensor] = {}
+        for u, fp in enumerate(self.flats):
+            t, is_shard = self._truth(u)
+            if is_shard:
+                full = torch.empty(fp.layout.padded_numel, dtype=torch.float32, device=self.device)
+                for part in range(fp.layout.parts):
+                    fp.gather(part, full, t.contiguous(), self.group, async_op=False)
+                t = full
+            for name, p, off in zip(self.param_names[u], fp.params, fp.offsets):
+                out[name] = t[off:off + p.numel()].view(p.shape).detach().cpu().clone()
+        return out
+
+    def memory_report(self) -> dict:
+        return self.meter.report()
+
+    def live_working(self) -> list[str]:
+        """Working buffers still held (after a step: none, unless the graph leaks)."""
+        return sorted(n for n, s in self.slots.items() if s.live and not s.buf.persistent)
+
+    # ------------------------------------------------------------ dispatch
+    def run_op(self, op: Op) -> None:
+        """Run any op to completion (sequential execution)."""
+        kind = op.kind
+        if kind.startswith("compute."):
+            self.run_compute(op)
+        elif kind.startswith("comm."):
+            self.start_collective(op).wait()
+        elif kind.startswith("copy."):
+            self.run_copy(op)
+        elif kind.startswith("nvme."):
+            self.run_nvme(op)
+        elif kind == "mem.free":
+            self.free(op)
+        else:
+            raise self._error(op, f"unknown op kind {kind!r}")
+
+    def run_compute(self, op: Op) -> None:
+        fn = {"compute.forward": self._forward, "compute.backward": self._backward,
+              "compute.recompute": self._recompute, "compute.norm": self._norm,
+              "compute.step": self._step}.get(op.kind)
+        if fn is None:
+            raise self._error(op, "not a compute op")
+        fn(op)
+
+    # ------------------------------------------------------------ compute
+    def _unit_input(self, op: Op) -> torch.Tensor:
+        u = op.unit
+        if u == 0:
+            if op.micro >= len(self.batches):
+                raise self._error(op, "no batch for this micro-batch (step_begin not called?)")
+            return self.batches[op.micro][0]
+        rec = self._read(f"act[{u - 1}]", op).record
+        return rec.output
+
+    def _param_storages(self) -> set[int]:
+        return {fp.full.untyped_storage().data_ptr() for fp in self.flats
+                if fp.full.untyped_storage().nbytes()}
+
+    def _run_unit(self, u: int, x: torch.Tensor, micro: int, grad: bool) -> tuple[torch.Tensor, int]:
+        """Run unit ``u`` on ``x``; returns the output and the bytes autograd saved."""
+        module = self.modules[u]
+        skip = self._param_storages() | {x.untyped_storage().data_ptr()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr not in skip:
+                seen[ptr] = s.nbytes()
+            return t
+
+        with torch.set_grad_enabled(grad), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if u == self.last:
+                loss = module(x, self.batches[micro][1])
+                self.losses.append(loss.detach().float())
+                out = loss / self.accumulate if self.accumulate > 1 else loss
+            else:
+                out = module(x)
+        optr = out.untyped_storage().data_ptr()
+        if optr not in seen:
+            seen[optr] = out.untyped_storage().nbytes()
+        return out, sum(seen.values())
+
+    def _forward(self, op: Op) -> None:
+        u = op.unit
+        for name in op.reads:
+            if name != "token":
+                self._read(name, op)
+        x = self._unit_input(op)
+        recompute = self.graph.units[u].recompute
+        x_in = x.detach()
+        if x_in.is_floating_point() and not recompute:
+            x_in.requires_grad_(True)
+        out, nbytes = self._run_unit(u, x_in, op.micro, grad=not recompute)
+        if u == 0:
+            nbytes += x.numel() * x.element_size()
+        if recompute:
+            nbytes = out.numel() * out.element_size() + (x.numel() * x.element_size() if u == 0 else 0)
+        slot = self._slot(f"act[{u}]", op)
+        if slot.live:
+            self.meter.release(slot.buf.name)
+        slot.record, slot.live = ActRecord(x_in, out, op.micro, nbytes), True
+        self.meter.hold(slot.buf.name, slot.buf.tier, "act", "working", nbytes)
+        if u == self.last and "loss" in self.slots:
+            self._write("loss", op).copy_(self.losses[-1])
+
+    def _recompute(self, op: Op) -> None:
+        u = op.unit
+        rec = self._read(f"act[{u}]", op).record
+        x_in = rec.input.detach()
+        if x_in.is_floating_point():
+            x_in.requires_grad_(True)
+        losses = list(self.losses)
+        out, nbytes = self._run_unit(u, x_in, op.micro, grad=True)
+        self.losses = losses        # the loss was recorded by the forward
+        slot = self._slot(f"act_inner[{u}]", op)
+        slot.record, slot.live = ActRecord(x_in, out, op.micro, nbytes), True
+        self.meter.hold(slot.buf.name, slot.buf.tier, "act_inner", "working", nbytes)
+
+    def _grad_slot(self, u: int, op: Op) -> Slot:
+        name = f"grad_full[{u}]"
+        slot = self._slot(name, op)
+        if not slot.live:
+            self._alloc(slot)
+        return slot
+
+    def _backward(self, op: Op) -> None:
+        u = op.unit
+        for name in op.reads:
+            if name != "token" and not name.startswith("grad_full["):
+                self._read(name, op)
+        rec = self._slot(f"act_inner[{u}]" if self.graph.units[u].recompute else f"act[{u}]", op).record
+        if u < self.last:
+            grad_out = self._read(f"act_grad[{u + 1}]", op).tensor
+        else:
+            grad_out = (torch.tensor(self.scaler.scale, dtype=rec.output.dtype, device=rec.output.device)
+                        if self.scaler.enabled else None)
+        fp = self.flats[u]
+        tied = self.tied.get(u, [])
+        wants_input = rec.input is not None and rec.input.requires_grad
+        inputs = ([rec.input] if wants_input else []) + fp.params + \
+            [self.flats[o].params[i] for o, i in tied]
+        grads = torch.autograd.grad(rec.output, inputs, grad_outputs=grad_out, allow_unused=True)
+        if wants_input:
+            g_in, grads = grads[0], grads[1:]
+            if u > 0:
+                slot = self._slot(f"act_grad[{u}]", op)
+                slot.tensor, slot.live = g_in, True
+                self.meter.hold(slot.buf.name, slot.buf.tier, "act_grad", "working",
+                                g_in.numel() * g_in.element_size())
+        own, from_users = grads[:len(fp.params)], grads[len(fp.params):]
+        with torch.no_grad():
+            gslot = self._grad_slot(u, op)
+            views = fp.grad_views
+            for i, g in enumerate(own):
+                pending = self._pending_tied.pop((u, i), None)
+                if g is None and pending is None:
+                    continue
+                total = pending if g is None else (g if pending is None else pending + g)
+                views[i].add_(total)
+            gslot.clean = False
+            for (owner, i), g in zip(tied, from_users):
+                if g is None:
+                    continue
+                oslot = self._grad_slot(owner, op)
+                if oslot.clean:
+                    self.flats[owner].grad_views[i].add_(g)
+                    oslot.clean = False
+                else:   # the owner's backward adds it together with its own part (autograd's order)
+                    prev = self._pending_tied.get((owner, i))
+                    self._pending_tied[(owner, i)] = g if prev is None else prev + g
+            for unit in self._prescale_after.get(op.id, ()):
+                self.flats[unit].grad.mul_(1.0 / self.world)
+
+    def _norm(self, op: Op) -> None:
+        grads = [self._read(n, op).tensor for n in op.reads if n != "token"]
+        with torch.no_grad():
+            if not self._norm_reduced and not self.mixed and self.stage == 0:
+                # exactly clip_grad_norm_'s total norm over the parameters' gradients
+                views = [v for fp in self.flats for v in fp.grad_views]
+                value = _total_norm(views)
+            else:
+                sq = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2 for g in grads]
+                value = torch.stack(sq).sum() if sq else torch.zeros((), dtype=torch.float32)
+                if not self._norm_reduced:
+                    value = value.sqrt()
+            self._write("norm", op).copy_(value)
+
+    def _finish_norm(self) -> _StepPlan:
+        """Overflow, clip coefficient and unscale factor, once per step (all step ops share it)."""
+        with self._lock:
+            if self._plan is not None:
+                return self._plan
+            plan = _StepPlan(inv_scale=1.0 / self.scaler.scale)
+            slot = self.slots.get("norm")
+            if slot is not None and slot.live and (self.clip is not None or self.scaler.enabled):
+                total = slot.tensor.sqrt() if self._norm_reduced else slot.tensor.clone()
+                plan.overflow = self.scaler.enabled and overflowed(total)
+                total = total / self.scaler.scale if self.scaler.enabled else total
+                plan.grad_norm = float(total)
+                if self.clip is not None and not plan.overflow:
+                    plan.coef = clip_coefficient(total, float(self.clip))
+            self._plan = plan
+            return plan
+
+    def _step(self, op: Op) -> None:
+        u = op.unit
+        fp, opt = self.flats[u], self.optims[u]
+        kinds = {parse_buffer_name(n)[0]: n for n in op.reads if n != "token"}
+        wkinds = {parse_buffer_name(n)[0]: n for n in op.writes if n != "token"}
+        grad_name = kinds.get("grad_shard") or kinds.get("grad_full")
+        optim_name = kinds.get("optim") or wkinds.get("optim")
+        dest_name = wkinds.get("param_shard") or wkinds.get("param_full")
+        if grad_name is None or optim_name is None or dest_name is None:
+            raise self._error(op, "a step reads a gradient and optimizer buffer and writes parameters")
+        plan = self._finish_norm()
+        grad = self._read(grad_name, op).tensor
+        optflat = self._read(optim_name, op).tensor
+        dest_slot = self._slot(dest_name, op)
+        fresh = not dest_slot.live
+        dest = self._write(dest_name, op)
+        dest_kind = dest_slot.buf.kind
+        lay = fp.layout
+        full_parts = [slice(*lay.full_range(p)) for p in range(lay.parts)]
+        shard_parts = [slice(*lay.shard_range(p)) for p in range(lay.parts)]
+        d_parts = full_parts if dest_kind == "param_full" else shard_parts
+        g_parts = full_parts if parse_buffer_name(grad_name)[0] == "grad_full" else shard_parts
+        with torch.no_grad():
+            if fresh and not opt.master:
+                # stages 1-2: the shard to update comes from the gathered parameters
+                src = self._read(kinds.get("param_full") or f"param_full[{u}]", op).tensor
+                for d, s in zip(d_parts, fp.owned(src)):
+                    dest[d].copy_(s)
+            masters = opt.master_parts(optflat) if opt.master else None
+            if plan.overflow:
+                if masters is not None:
+                    for d, m in zip(d_parts, masters):
+                        dest[d].copy_(m)
+                return
+            if opt.master:
+                g32 = [grad[s].float() for s in g_parts]
+                params = masters
+            else:
+                g32 = [grad[s] for s in g_parts]
+                params = [dest[d] for d in d_parts]
+            for g in g32:
+                if plan.inv_scale != 1.0:
+                    g.mul_(plan.inv_scale)
+                if plan.coef is not None:
+                    g.mul_(plan.coef)
+            opt.step(optflat, params, g32)
+            if masters is not None:
+                for d, m in zip(d_parts, masters):
+                    dest[d].copy_(m)
+
+    # ------------------------------------------------------------ collectives
+    def start_collective(self, op: Op) -> _Collective:
+        g = self.group
+        if op.kind == "comm.all_reduce":
+            name = op.writes[0] if op.writes else op.reads[0]
+            slot = self._read(name, op)
+            if slot.buf.kind == "norm":
+                return _Collective(collectives.all_reduce(slot.tensor, group=g, async_op=True))
+            t = slot.tensor
+            if slot.buf.kind != "grad_full":
+                raise self._error(op, f"all-reduce of {name} is not defined")
+            a, b = self.flats[op.unit].layout.full_range(op.part)
+            if op.id in self._prescale_at_comm:
+                t[a:b].mul_(1.0 / self.world)
+            return _Collective(collectives.all_reduce(t[a:b], group=g, async_op=True))
+        src_name = next(n for n in op.reads if n != "token")
+        dst_name = next(n for n in op.writes if n != "token")
+        src = self._read(src_name, op).tensor
+        fp = self.flats[op.unit]
+        if op.kind == "comm.all_gather":
+            dst = self._write(dst_name, op)
+            return _Collective(fp.gather(op.part, dst, src, g, async_op=True))
+        if op.kind == "comm.reduce_scatter":
+            if op.id in self._prescale_at_comm:
+                a, b = fp.layout.full_range(op.part)
+                src[a:b].mul_(1.0 / self.world)
+            dst = self._write(dst_name, op)
+            if not op.accumulate:
+                return _Collective(fp.reduce_scatter(op.part, dst, src, g, async_op=True))
+            c, d = fp.layout.shard_range(op.part)
+            tmp = torch.empty(d - c, dtype=dst.dtype, device=dst.device)
+            work = collectives.reduce_scatter(tmp, src[slice(*fp.layout.full_range(op.part))],
+                                              group=g, async_op=True)
+            return _Collective(work, lambda: dst[c:d].add_(tmp))
+        raise self._error(op, "not a collective")
+
+    # ------------------------------------------------------------ copies, nvme, free
+    def run_copy(self, op: Op) -> None:
+        src_name = next(n for n in op.reads if n != "token")
+        dst_name = next(n for n in op.writes if n != "token")
+        src_slot = self._read(src_name, op)
+        if src_slot.buf.kind in ("act", "act_inner"):
+            self._move_activation(op, src_slot, self._slot(dst_name, op))
+            return
+        dst = self._write(dst_name, op)
+        with torch.no_grad():
+            if op.accumulate:
+                dst.add_(src_slot.tensor.to(dst.device, non_blocking=False))
+            else:
+                dst.copy_(src_slot.tensor, non_blocking=False)
+
+    def _move_activation(self, op: Op, src: Slot, dst: Slot) -> None:
+        """Activation offload. On a CPU device the device and the host are the same memory,
+        so the move is bookkeeping; on an accelerator it is not supported yet."""
+        if self.device.type != "cpu":
+            raise self._error(op, "activation offload is not supported on accelerators by this runtime")
+        dst.record, dst.live = src.record, True
+        self.meter.hold(dst.buf.name, dst.buf.tier, dst.buf.kind, "working", src.record.nbytes)
+
+    def run_nvme(self, op: Op) -> None:
+        src_name = next(n for n in op.reads if n != "token")
+        dst_name = next(n for n in op.writes if n != "token")
+        if op.kind == "nvme.read":
+            on_disk = self._read(src_name, op)
+            dst = self._write(dst_name, op)
+            self.swapper.read_sync(on_disk.buf.name, dst)
+        elif op.kind == "nvme.write":
+            src = self._read(src_name, op).tensor
+            self.swapper.write_sync(dst_name, src)
+            slot = self._slot(dst_name, op)
+            slot.live = True
+            self.meter.hold(dst_name, "nvme", slot.buf.kind, self._category(slot.buf),
+                            src.numel() * src.element_size())
+        else:
+            raise self._error(op, "not an nvme op")
+
+    def free(self, op: Op) -> None:
+        for name in dict.fromkeys(op.writes + op.reads):
+            if name == "token":
+                continue
+            slot = self._slot(name, op)
+            if slot.buf.persistent:
+                raise self._error(op, f"frees {name}, which is model state (persistent)")
+            if slot.live:
+                self._release(slot)
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``clip_grad_norm_``'s total 2-norm, by the same calls (so the same bits)."""
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is not None:
+        return get_total_norm(grads, 2.0)
+    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)

@@ -1,0 +1,95 @@
+"""Plain data-parallel training (torch DDP) of the built-in GPT: the reference.
+
+The same model (``GPT(..., seed=seed)``), the same batches
+(``zdsl.runtime.data.make_batch``), the same torch optimizer
+(``zdsl.runtime.optim.make_torch_optimizer``), clipping with
+``clip_grad_norm_``, gradient accumulation with ``no_sync`` and the loss
+divided by ``accumulate``. zdsl must reproduce its parameters (bitwise where
+the reduction order is the same). Also :func:`spawn`, which runs a function
+on N gloo ranks in fresh processes and returns each rank's result.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zdsl.runtime.data import make_batch
+from zdsl.runtime.models.gpt import GPT
+from zdsl.runtime.optim import make_torch_optimizer
+
+
+def ddp_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumulate: int,
+              optimizer: dict, rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Train with DDP inside an initialised process group; returns (final fp32 params, losses)."""
+    model = GPT(**model_kw, seed=seed)
+    ddp = DDP(model)
+    opt = make_torch_optimizer(model.parameters(), optimizer)
+    clip = optimizer.get("clip")
+    losses = []
+    for step in range(steps):
+        step_losses = []
+        for micro in range(accumulate):
+            idx, targets = make_batch(data, seed, step, micro, rank, world, batch)
+            sync = contextlib.nullcontext() if micro == accumulate - 1 else ddp.no_sync()
+            with sync:
+                loss = ddp(idx, targets)
+                (loss / accumulate if accumulate > 1 else loss).backward()
+            step_losses.append(loss.detach())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(torch.stack(step_losses).mean()))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args: tuple, outdir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    path = os.path.join(outdir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        torch.save({"ok": result}, path)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, path)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args):
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; a list of the results by rank.
+
+    ``fn`` must be importable (a module-level function)."""
+    with tempfile.TemporaryDirectory() as outdir:
+        try:
+            mp.start_processes(_entry, args=(world, free_port(), fn, args, outdir), nprocs=world,
+                               start_method="spawn", join=True)
+        except Exception:
+            pass   # the rank's own traceback is reported below
+        results = []
+        for rank in range(world):
+            path = os.path.join(outdir, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} died without a result")
+            got = torch.load(path, weights_only=False)
+            if "error" in got:
+                raise RuntimeError(f"rank {rank} failed:\n{got['error']}")
+            results.append(got["ok"])
+        return results
