@@ -185,6 +185,8 @@ class Checker:
                              'built-in: gpt(...); your own: "file.py:build"(...)')
                 return
             self.s.model = ModelSpec("gpt", self._gpt_args(call))
+            if sum(d.is_error for d in self.r.diagnostics) > self._errors_before_model:
+                return
         else:
             factory = self._factory(call.callee)
             if factory is None:
@@ -610,7 +612,7 @@ class Checker:
         if "machine" not in by_key and s.device == "cuda":
             s.machine = MachineProfile(**vars(CUDA_PROFILE))
         model = s.model
-        if model.kind == "gpt":
+        if model.kind == "gpt" and self.units is not None:
             data = s.data
             ctx, vocab = model.args.get("context"), model.args.get("vocab")
             data.args.setdefault("context", ctx)

@@ -98,6 +98,8 @@ def parse_text(text: str, file: str = "<string>") -> ast.Program:
     """Parse ``text``; raise ZsError with one positioned diagnostic on a syntax error."""
     if len(text) > MAX_SOURCE_BYTES:
         raise ZsError([error(Span(file, 1, 1), "schedule text is too long")])
+    if text.startswith("\ufeff"):
+        text = text[1:]   # a byte-order mark is not content
     try:
         tree = parser().parse(text)
     except UnexpectedInput as exc:

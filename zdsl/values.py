@@ -111,12 +111,12 @@ class Reader:
 
     def _in_range(self, value, what, number: int, lo, hi):
         if lo is not None and number < lo or hi is not None and number > hi:
-            if hi is None:
-                bound = f"at least {lo}"
-            elif lo is None:
-                bound = f"at most {hi}"
-            else:
+            if lo is not None and hi is not None and hi - lo < 16:
                 bound = f"between {lo} and {hi}"
+            elif lo is not None and number < lo:
+                bound = f"at least {lo}"
+            else:
+                bound = f"at most {hi}"
             self.error(value.span, f"{what} must be {bound}, not {value.text}")
             return None
         return number
