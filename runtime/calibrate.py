@@ -149,7 +149,7 @@ def measure_compute(device, s: Settings, dtype) -> dict:
              torch.empty(tokens, n, device=device, dtype=dtype))
             for k, n in ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d))]
     mm_flops = sum(2.0 * tokens * a.shape[1] * b.shape[1] for a, b, _ in mats)
-    budget = s.budget(1.5, 0.4)
+    budget = s.budget(1.5, 0.3)
     with torch.no_grad():   # preallocated outputs: the ceiling, without the allocator
         t_mm = _median_time(lambda: [torch.mm(a, b, out=c) for a, b, c in mats], sync, budget)
     out = {"mm_flops": mm_flops / t_mm, "shape": shape, "dtype": str(dtype).replace("torch.", "")}
@@ -174,15 +174,29 @@ def measure_compute(device, s: Settings, dtype) -> dict:
 
 
 def measure_optimizer(device, s: Settings) -> dict:
-    """AdamW on a flat fp32 shard; bytes counted as the planner's compute.step does."""
+    """An AdamW step on a flat fp32 shard; bytes counted as the planner's compute.step does.
+
+    The step is ATen's own single-tensor AdamW (what ``torch.optim.AdamW(foreach=False)``
+    runs, kernel for kernel), written out so calibration does not pay torch.optim's
+    first-use import (seconds) for a number that takes milliseconds.
+    """
     import torch
     n = (1 << 20) if s.quick else (4 << 20)
-    p = torch.nn.Parameter(torch.randn(n, device=device))
-    p.grad = torch.randn(n, device=device)
-    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, foreach=False)
-    t = _median_time(opt.step, _sync_for(device), s.budget(1.0, 0.3))
+    p, g = torch.randn(n, device=device), torch.randn(n, device=device)
+    m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    lr, wd, b1, b2, eps, t = 1e-3, 0.1, 0.9, 0.95, 1e-8, 1
+
+    def step():
+        p.mul_(1 - lr * wd)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        denom = (v.sqrt() / (bc2 ** 0.5)).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / bc1)
+    with torch.no_grad():
+        sec = _median_time(step, _sync_for(device), s.budget(1.0, 0.25))
     state_bytes = n * (8 + 2 * 4)          # two fp32 moments + fp32 parameter and gradient
-    return {"adam_bandwidth": state_bytes / t, "adam_numel": n}
+    return {"adam_bandwidth": state_bytes / sec, "adam_numel": n}
 
 
 def measure_copy(device, s: Settings) -> dict:
@@ -364,28 +378,36 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=s.timeout_s))
     try:
-        barrier = (lambda: dist.barrier()) if world > 1 else (lambda: None)
-        out: dict = {"threads": threads, "device": str(device)}
-        barrier()
+        out: dict = {"threads": threads, "device": str(device), "seconds": {}}
+        clock = [time.perf_counter()]
+
+        def barrier(done: str | None = None) -> None:
+            if world > 1:
+                dist.barrier()
+            if done:
+                out["seconds"][done] = time.perf_counter() - clock[0]
+                clock[0] = time.perf_counter()
+        barrier("start")
         report("compute")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         out["compute"] = measure_compute(device, s, dtype)
         if device.type == "cuda":
             out["host_compute"] = measure_compute(torch.device("cpu"), s, torch.float32)
-        barrier()
+        barrier("compute")
         report("optimizer")
         out["optimizer"] = measure_optimizer(device, s)
-        barrier()
+        barrier("optimizer")
         report("copy")
         out["copy"] = measure_copy(device, s)
-        barrier()
+        barrier("copy")
         report("collectives")
         if world > 1:
             out["collectives"] = measure_collectives(device if backend == "nccl" else torch.device("cpu"),
                                                      s, rank, world)
-        barrier()
+        barrier("collectives")
         report("disk")
         out["disk"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank)
+        barrier("disk")
         if world > 1:
             every: list = [None] * world
             dist.all_gather_object(every, out)
@@ -396,10 +418,10 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
             dist.destroy_process_group()
 
 
-def _child(rank: int, world: int, port: int, s: Settings, backend: str, errors) -> None:
+def _child(rank: int, world: int, port: int, s: Settings, errors) -> None:
     """A spawned rank (1..world-1). Failures go back to rank 0 in words."""
     try:
-        _run_rank(rank, world, port, s, backend, lambda step: None)
+        _run_rank(rank, world, port, s, _pick_backend(s), lambda step: None)
     except BaseException as e:  # noqa: BLE001 - reported, then the process exits non-zero
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         errors.put(f"rank {rank} traceback:\n{traceback.format_exc()}")
@@ -414,8 +436,6 @@ def _free_port() -> int:
 
 def _pick_backend(s: Settings) -> str:
     import torch
-    if s.backend not in ("auto", "gloo", "nccl"):
-        raise CalibrationError(f"unknown backend {s.backend!r}: use gloo, nccl or auto")
     if s.backend == "nccl" or (s.backend == "auto" and torch.cuda.is_available()
                                and torch.cuda.device_count() >= s.ranks):
         if not torch.cuda.is_available():
@@ -497,36 +517,38 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
     """
     import multiprocessing as mp
 
-    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     s = Settings(ranks=ranks, backend=backend, disk_folder=disk_folder, quick=quick, **shape)
     if ranks < 1:
         raise CalibrationError("ranks must be at least 1")
+    if backend not in ("auto", "gloo", "nccl"):
+        raise CalibrationError(f"unknown backend {backend!r}: use gloo, nccl or auto")
     if disk_folder is not None and not os.path.isdir(disk_folder):
         raise CalibrationError(f"disk folder {disk_folder} does not exist")
-    chosen = _pick_backend(s)
     port = _free_port()
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    children = [ctx.Process(target=_child, args=(r, ranks, port, s, chosen, errors), daemon=True)
+    children = [ctx.Process(target=_child, args=(r, ranks, port, s, errors), daemon=True)
                 for r in range(1, ranks)]
-    threads_before = torch.get_num_threads()
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    console = Console(stderr=True)
     bar = Progress(SpinnerColumn(), TextColumn("calibrating [bold]{task.description}"), BarColumn(),
-                   TimeElapsedColumn(), console=console, transient=True, disable=not progress)
-    labels = {"compute": "compute (matmul, GPT block)", "optimizer": "memory (AdamW step)",
-              "copy": "host-device copies", "collectives": f"collectives ({chosen}, {ranks} ranks)",
-              "disk": "disk (O_DIRECT)"}
+                   TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=not progress)
+    threads_before = None
     try:
         with bar:
             task = bar.add_task("starting ranks", total=len(STEPS) + 1)
+            for p in children:       # first, so they import torch while this process does
+                p.start()
+            import torch
+            threads_before = torch.get_num_threads()
+            chosen = _pick_backend(s)
+            labels = {"compute": "compute (matmul, GPT block)", "optimizer": "memory (AdamW step)",
+                      "copy": "host-device copies", "collectives": f"collectives ({chosen}, {ranks} ranks)",
+                      "disk": "disk (O_DIRECT)"}
 
             def report(step: str) -> None:
                 bar.update(task, description=labels[step], advance=1)
-            for p in children:
-                p.start()
             try:
                 result = _run_rank(0, ranks, port, s, chosen, report)
             except Exception as e:
@@ -540,7 +562,8 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
             if p.exitcode not in (0, None):
                 raise CalibrationError(f"a rank failed after measuring:\n{_child_errors(errors)}")
     finally:
-        torch.set_num_threads(threads_before)
+        if threads_before is not None:
+            torch.set_num_threads(threads_before)
         for p in children:
             if p.is_alive():
                 p.terminate()
