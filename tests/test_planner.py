@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import time
 
-import numpy as np
 import pytest
 
 from zdsl.cli import compile_schedule_fn
@@ -184,7 +183,7 @@ def test_predicted_trace_has_ranks_lanes_flows_and_counters(tmp_path):
     assert len(spans) == 2 * len(g.ops)
     rank0 = sorted((s for s in spans if s.rank == 0), key=lambda s: s.op)
     assert [s.op for s in rank0] == [op.id for op in g.ops]
-    assert np.allclose([s.end_s for s in rank0], sim.end)
+    assert [s.end_s for s in rank0] == pytest.approx(sim.end)
     assert max(c.values["bytes"] for c in cs if c.name == "memory.device") == sim.memory.tiers["device"].peak
 
 

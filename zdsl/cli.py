@@ -105,7 +105,8 @@ def compile_schedule_fn():
     return fn
 
 
-def compile_file(path: str, overrides: dict[str, str] | None, units_for=None) -> Compiled:
+def compile_file(path: str, overrides: dict[str, str] | None, units_for=None,
+                 simulate: bool = True) -> Compiled:
     """Load, check, lower, instantiate and verify one .zs file; collect every diagnostic."""
     from zdsl.check import load_schedule
     from zdsl.errors import Diagnostic, UsageError, ZsError
@@ -145,7 +146,7 @@ def compile_file(path: str, overrides: dict[str, str] | None, units_for=None) ->
     except ZsError as exc:
         out.diagnostics.extend(exc.diagnostics)
         return out
-    found, out.sim = findings(out.graph, schedule)
+    found, out.sim = findings(out.graph, schedule, want_sim=simulate)
     out.diagnostics.extend(to_diagnostic(f) for f in found)
     return out
 
@@ -184,7 +185,7 @@ def cmd_check(args, parser) -> int:
     units_for = memo_units_for()
     worst = EXIT_OK
     for path in args.files:
-        compiled = compile_file(path, overrides, units_for)
+        compiled = compile_file(path, overrides, units_for, simulate=False)
         report(compiled)
         status = status_of(compiled)
         if status == EXIT_OK:
@@ -345,7 +346,8 @@ def _main(argv: list[str]) -> int:
         configure_logging(level=args.log_level)
         return cmd_delegated(delegated, rest)
     args = parser.parse_args(argv)
-    configure_logging(level=args.log_level)
+    if args.log_level in ("debug", "info"):    # the compiler logs little; spare check/plan the import
+        configure_logging(level=args.log_level)
     if args.command == "check":
         return cmd_check(args, parser)
     if args.command == "plan":

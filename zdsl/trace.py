@@ -103,9 +103,9 @@ def predicted_trace(graph: TaskGraph, sim, ranks: int | None = None) -> dict:
                                    {"kind": op.kind, "unit": op.unit, "micro": op.micro,
                                     "part": op.part, "bytes": op.bytes, "flops": op.flops}))
         for tier, tl in sim.memory.tiers.items():
-            if not tl.model_states and not tl.working.any():
+            if not tl.model_states and not any(tl.working):
                 continue
-            for t, w in zip(tl.times.tolist(), tl.working.tolist()):
+            for t, w in zip(tl.times, tl.working):
                 counters.append(TraceCounter(r, f"memory.{tier}", t,
                                              {"bytes": tl.model_states + int(w),
                                               "model_states": tl.model_states, "working": int(w)}))

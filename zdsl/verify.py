@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from zdsl.errors import Diagnostic
 from zdsl.ir import LANES, OP_LANES, TaskGraph
-from zdsl.planner.simulate import CyclicGraphError, Simulation, predecessors, simulate, topological_order
+from zdsl.planner.simulate import CyclicGraphError, Simulation, index_graph, simulate
 from zdsl.schedule import Schedule, Span
 
 TIER_ALIASES = {"cpu": "host", "gpu": "device", "cuda": "device"}
@@ -103,8 +103,8 @@ class Checker:
         return ok
 
     def check_cycles(self) -> list[int] | None:
-        deps, lane_prev = predecessors(self.graph)
-        order = topological_order(deps, lane_prev)
+        self.index = index_graph(self.graph)
+        deps, lane_prev, order = self.index.deps, self.index.lane_prev, self.index.order
         if isinstance(order, int):
             cycle = cycle_through(order, deps, lane_prev)
             ops = self.graph.ops
@@ -119,33 +119,48 @@ class Checker:
         return order
 
     # -- happens-before ------------------------------------------------------------
-    def vector_clocks(self) -> None:
-        """clock[i][l] = last position on lane l known finished before op i starts (own lane: its own)."""
+    def lane_positions(self) -> None:
+        """Each op's lane (as a small int) and its position within that lane (graph order)."""
         ops = self.graph.ops
-        lanes = sorted({op.lane for op in ops})
-        lane_ix = {lane: k for k, lane in enumerate(lanes)}
-        self.lane_of = [lane_ix[op.lane] for op in ops]
+        lane_ix: dict[str, int] = {}
+        self.lane_of = [lane_ix.setdefault(op.lane, len(lane_ix)) for op in ops]
+        count = [0] * len(lane_ix)
         pos = [0] * len(ops)
-        count = [0] * len(lanes)
-        for i, op in enumerate(ops):          # lane position = rank within the lane, graph order
-            pos[i] = count[self.lane_of[i]]
-            count[self.lane_of[i]] += 1
+        for i, lane in enumerate(self.lane_of):
+            pos[i] = count[lane]
+            count[lane] += 1
         self.pos = pos
-        clocks: list[list[int] | None] = [None] * len(ops)
-        empty = [-1] * len(lanes)
-        for i in self.order:
-            p = self.lane_prev[i]
-            vc = list(clocks[p]) if p >= 0 else list(empty)
-            for d in self.deps[i]:
-                other = clocks[d]
-                vc = [a if a >= b else b for a, b in zip(vc, other)]
-            vc[self.lane_of[i]] = pos[i]
-            clocks[i] = vc
-        self.clocks = clocks
+        self.lanes = len(lane_ix)
+        self.clocks = None
+
+    def vector_clocks(self) -> list[list[int]]:
+        """clock[i][l] = last position on lane l surely finished before op i starts (own lane: its own).
+
+        Built only when a pair of ops is neither on one lane nor linked by a direct
+        dep (the compiler derives direct deps for every conflicting pair, so
+        usually never)."""
+        if self.clocks is None:
+            clocks: list[list[int] | None] = [None] * len(self.pos)
+            empty = [-1] * self.lanes
+            for i in self.order:
+                p = self.lane_prev[i]
+                vc = list(clocks[p]) if p >= 0 else list(empty)
+                for d in self.deps[i]:
+                    vc = [a if a >= b else b for a, b in zip(vc, clocks[d])]
+                vc[self.lane_of[i]] = self.pos[i]
+                clocks[i] = vc
+            self.clocks = clocks
+        return self.clocks
 
     def before(self, a: int, b: int) -> bool:
-        """Op a surely ends before op b starts, on every rank."""
-        return a != b and self.clocks[b][self.lane_of[a]] >= self.pos[a]
+        """Op a surely ends before op b starts, on every rank (lane order, then deps, transitively)."""
+        if a == b:
+            return False
+        if self.lane_of[a] == self.lane_of[b]:
+            return self.pos[a] < self.pos[b]
+        if a in self.deps[b]:
+            return True
+        return self.vector_clocks()[b][self.lane_of[a]] >= self.pos[a]
 
     # -- buffers --------------------------------------------------------------------
     def check_buffers(self) -> None:
@@ -264,18 +279,18 @@ class Checker:
                 span, hint, cause = self.blame(tier, model, working)
                 split = ", ".join(f"{k} {size(v)}" for k, v in states.items() if v)
                 self.error(f"peak {tier} memory {size(peak)} exceeds the budget of {size(budget)}"
-                           f"{self.budget_where()}: model states {size(model)}"
+                           f"{self.budget_where(tier)}: model states {size(model)}"
                            f"{' (' + split + ')' if split else ''}, working buffers {size(working)}"
                            f"{cause}", span, hint)
             elif peak == 0:
                 self.warn(f"the {tier} memory budget of {size(budget)} is never reached: "
-                          f"this schedule places nothing on {tier}", self.stmt_span("memory"))
+                          f"this schedule places nothing on {tier}", self.stmt_span(f"memory.{tier}", "memory"))
 
     def budget_of(self, tier: str) -> int:
         return {TIER_ALIASES.get(t, t): b for t, b in (self.schedule.memory or {}).items()}.get(tier, 0)
 
-    def budget_where(self) -> str:
-        span = self.stmt_span("memory")
+    def budget_where(self, tier: str) -> str:
+        span = self.stmt_span(f"memory.{tier}", "memory")
         return f" (set at line {span.line})" if span else ""
 
     def blame(self, tier: str, model: int, working: int) -> tuple[Span | None, str, str]:
@@ -314,20 +329,26 @@ class Checker:
         span = self.stmt_span("memory", "model", "schedule")
         return span, f"move state off {tier}, or raise the {tier} budget", cause
 
-    def run(self, sim: Simulation | None) -> Simulation | None:
+    def run(self, sim: Simulation | None, want_sim: bool = True) -> Simulation | None:
+        """All checks; simulates (for the memory budgets) when given no ``sim`` and
+        budgets are set or ``want_sim``. Returns the simulation, if any."""
+        self.want_sim = want_sim
         if not self.check_structure():
             return None
         if self.check_cycles() is None:
             return None
-        self.vector_clocks()
+        self.lane_positions()
         self.check_buffers()
         self.check_collectives()
         try:
-            self.sim = sim if sim is not None else simulate(self.graph, self.schedule.machine)
+            if sim is None and (self.schedule.memory or self.want_sim):
+                sim = simulate(self.graph, self.schedule.machine, self.index)
         except CyclicGraphError:            # already reported
             return None
-        self.check_memory(self.sim)
-        return self.sim
+        self.sim = sim
+        if sim is not None:
+            self.check_memory(sim)
+        return sim
 
 
 def cycle_through(i: int, deps: list[list[int]], lane_prev: list[int]) -> list[int]:
@@ -352,11 +373,12 @@ def cycle_through(i: int, deps: list[list[int]], lane_prev: list[int]) -> list[i
     return [i]
 
 
-def findings(graph: TaskGraph, schedule: Schedule, sim: Simulation | None = None
-             ) -> tuple[list[Finding], Simulation | None]:
-    """All findings and the simulation the memory check used (reusable by the planner)."""
+def findings(graph: TaskGraph, schedule: Schedule, sim: Simulation | None = None,
+             want_sim: bool = True) -> tuple[list[Finding], Simulation | None]:
+    """All findings and the simulation the memory check used (reusable by the planner);
+    ``want_sim=False`` skips simulating when no budget needs it (``zdsl check``)."""
     checker = Checker(graph, schedule)
-    sim = checker.run(sim)
+    sim = checker.run(sim, want_sim)
     return checker.findings, sim
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from zdsl.ir import TIERS, TaskGraph
 
 STATES = ("parameters", "gradients", "optimizer")
@@ -70,13 +68,13 @@ def working_intervals(graph: TaskGraph) -> list[Interval]:
 
 @dataclass
 class TierTimeline:
-    times: np.ndarray           # seconds, sorted
-    working: np.ndarray         # working bytes live just after each time
+    times: list[float]          # seconds, sorted
+    working: list[int]          # working bytes live just after each time
     model_states: int           # constant over the step
 
     @property
     def working_peak(self) -> int:
-        return int(self.working.max()) if len(self.working) else 0
+        return max(self.working, default=0)
 
     @property
     def peak(self) -> int:
@@ -84,7 +82,7 @@ class TierTimeline:
 
     @property
     def peak_time(self) -> float:
-        return float(self.times[int(self.working.argmax())]) if len(self.working) else 0.0
+        return self.times[self.working.index(self.working_peak)] if self.working else 0.0
 
 
 @dataclass
@@ -92,8 +90,8 @@ class MemoryTimeline:
     tiers: dict[str, TierTimeline]
     states: dict[str, dict[str, int]]           # tier -> state -> bytes (model states)
     intervals: list[Interval] = field(default_factory=list)
-    alloc_time: np.ndarray | None = None
-    free_time: np.ndarray | None = None
+    alloc_time: list[float] = field(default_factory=list)   # per interval
+    free_time: list[float] = field(default_factory=list)    # per interval (inf: held to the end)
 
     def peak(self, tier: str) -> int:
         tl = self.tiers.get(tier)
@@ -121,28 +119,30 @@ class MemoryTimeline:
         return out
 
 
-def memory_timeline(graph: TaskGraph, start: np.ndarray, end: np.ndarray) -> MemoryTimeline:
+def memory_timeline(graph: TaskGraph, start: list[float], end: list[float]) -> MemoryTimeline:
     """Bytes live per tier over the simulated step (``start``/``end`` per op position)."""
     states = model_states(graph)
     intervals = working_intervals(graph)
-    step_end = float(end.max()) if len(end) else 0.0
-    alloc_t = np.array([start[iv.alloc] for iv in intervals], dtype=np.float64)
-    free_t = np.array([end[iv.free] if iv.free is not None else np.inf for iv in intervals],
-                      dtype=np.float64)
-    sizes = np.array([iv.bytes for iv in intervals], dtype=np.int64)
-    tiers_of = np.array([iv.tier for iv in intervals]) if intervals else np.array([], dtype=str)
+    step_end = max(end, default=0.0)
+    inf = float("inf")
+    alloc_t = [start[iv.alloc] for iv in intervals]
+    free_t = [end[iv.free] if iv.free is not None else inf for iv in intervals]
+    events: dict[str, list[tuple[float, int, int]]] = {tier: [(0.0, 0, 0)] for tier in set(TIERS) | set(states)}
+    for iv, a, f in zip(intervals, alloc_t, free_t):
+        ev = events.setdefault(iv.tier, [(0.0, 0, 0)])
+        ev.append((a, 1, iv.bytes))
+        if f != inf:
+            # (time, 0) sorts before (time, 1): a buffer released at t can be reused at t
+            ev.append((f, 0, -iv.bytes))
     tiers = {}
-    for tier in sorted(set(TIERS) | set(states)):
-        mask = tiers_of == tier if intervals else np.zeros(0, dtype=bool)
-        a, f, b = alloc_t[mask], free_t[mask], sizes[mask]
-        freed = np.isfinite(f)
-        times = np.concatenate([[0.0], a, f[freed]])
-        deltas = np.concatenate([[0], b, -b[freed]])
-        # frees before allocations at the same instant: a released buffer can be reused at once
-        kinds = np.concatenate([[0], np.ones(len(a)), np.zeros(int(freed.sum()))])
-        order = np.lexsort((kinds, times))
-        working = np.cumsum(deltas[order])
-        tiers[tier] = TierTimeline(times=np.minimum(times[order], step_end), working=working,
+    for tier, ev in sorted(events.items()):
+        ev.sort()
+        times, working, live = [], [], 0
+        for t, _, delta in ev:
+            live += delta
+            times.append(min(t, step_end))
+            working.append(live)
+        tiers[tier] = TierTimeline(times=times, working=working,
                                    model_states=sum(states.get(tier, {}).values()))
     return MemoryTimeline(tiers=tiers, states=states, intervals=intervals,
                           alloc_time=alloc_t, free_time=free_t)
