@@ -303,8 +303,8 @@ def render_svg(trace, title: str | None = None, step: int | None = None) -> str:
         w(f'<text x="{x_of(t):.1f}" y="{TOP - 10}">{_fmt_ms(t, tick)}</text>')
         w(f'<text x="{x_of(t):.1f}" y="{lanes_bottom + 14:.1f}">{_fmt_ms(t, tick)}</text>')
     w('</g>')
-    w(f'<text x="{LEFT - 8}" y="{TOP - 10}" text-anchor="end" fill="#555555">ms</text>')
-    w(f'<text x="{LEFT - 8}" y="{lanes_bottom + 14:.1f}" text-anchor="end" fill="#555555">ms</text>')
+    w(f'<text x="{LEFT - 24}" y="{TOP - 10}" text-anchor="end" fill="#555555">ms</text>')
+    w(f'<text x="{LEFT - 24}" y="{lanes_bottom + 14:.1f}" text-anchor="end" fill="#555555">ms</text>')
 
     # Bars, then their labels on top (a label never hides under the next bar).
     labels = []
