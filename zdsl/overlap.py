@@ -81,24 +81,21 @@ class OverlapReport:
         for lane, busy in sorted(self.lane_busy.items(), key=lambda kv: -kv[1]):
             bar = "#" * round(20 * min(1.0, self.lane_share[lane]))
             lines.append(f"    {lane:<8}{ms(busy)}  {self.lane_share[lane]:6.1%}  {bar}")
-        lines.append(f"  dependency chain {ms(self.dep_chain)}; critical path (deps + lane order) "
-                     f"{ms(self.critical_length)}, {len(self.critical_path)} ops; "
-                     f"gaps {ms(max(0.0, self.step_time - self.critical_length)).strip()}")
-        kinds = sorted(self.critical_by_kind.items(), key=lambda kv: -kv[1])
+        lines.append(f"  dependency chain {ms(self.dep_chain).strip()}; critical path (deps + lane order) "
+                     f"{ms(self.critical_length).strip()} over {len(self.critical_path)} ops; "
+                     f"time between ops {ms(max(0.0, self.step_time - self.critical_length)).strip()}")
+        kinds = [(k, v) for k, v in sorted(self.critical_by_kind.items(), key=lambda kv: -kv[1]) if v > 0]
         if kinds:
             lines.append("  critical path by kind: " + ", ".join(
-                f"{k} {v * 1e3:.2f} ms" for k, v in kinds if v > 0))
+                f"{k} {v * 1e3:.2f} ms" for k, v in kinds[:6]) + (", ..." if len(kinds) > 6 else ""))
         if graph is not None and self.critical_path and show_path:
-            shown = self.critical_path if len(self.critical_path) <= show_path else (
-                self.critical_path[: show_path // 2] + [-1] + self.critical_path[-(show_path // 2):])
-            parts = []
-            for op_id in shown:
-                if op_id < 0:
-                    parts.append("...")
-                    continue
-                op = graph.ops[op_id]
-                parts.append(f"{op.kind}[{op.unit}]" if op.unit is not None else op.kind)
-            lines.append("  path: " + " -> ".join(parts))
+            by_id = {op.id: op for op in graph.ops}
+            steps = [by_id[i] for i in self.critical_path if by_id[i].kind != "mem.free"]
+            half = max(1, show_path // 2)
+            shown = steps if len(steps) <= show_path else steps[:half] + [None] + steps[-half:]
+            lines.append("  path: " + " -> ".join(
+                "..." if op is None else (f"{op.kind}[{op.unit}]" if op.unit is not None else op.kind)
+                for op in shown))
         lines.extend("  note: " + n for n in self.notes)
         return "\n".join(lines)
 
