@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from zdsl.layout import flat_layout
-from zdsl.runtime.checkpoint import (CheckpointError, apply_retention, check_checkpoint, checkpoint_path,
+from zdsl.runtime.checkpoint import (CheckpointError, LazyShard, apply_retention, check_checkpoint, checkpoint_path,
                                      export, inspect, latest_complete, list_checkpoints, load_for_rank,
                                      owned_shard, read_index, unit_metas, write_index, write_rank_shards)
 from zdsl.units import gpt_units
@@ -281,3 +281,36 @@ def test_sigkill_mid_write_keeps_previous(tmp_path):
     lay = [flat_layout(n, 1)]
     got = load_for_rank(found, 0, 1, lay)
     assert got["u0.param"].numel() == n and bool((got["u0.param"] == 1).all())
+
+
+def test_lazy_shards_fetched_one_at_a_time(tmp_path, model):
+    """State living off host (NVMe, device) is fetched right before it is written."""
+    units, full = model
+    lay = layouts_for(units, 1)
+    fetched = []
+
+    def fetch(i):
+        fetched.append(i)
+        return owned_shard(full[i, "exp_avg"], lay[i], 0)
+    shards = {f"u{i}.exp_avg": LazyShard((lay[i].shard_numel,), torch.float32, lambda i=i: fetch(i))
+              for i in range(len(units))}
+    shards.update({f"u{i}.param": owned_shard(full[i, "param"], lay[i], 0) for i in range(len(units))})
+    rec = write_rank_shards(tmp_path, 1, 0, 1, shards)
+    assert fetched == list(range(len(units)))
+    write_index(tmp_path, 1, {"units": unit_metas(units, lay)}, [rec])
+    got = load_for_rank(checkpoint_path(tmp_path, 1), 0, 1, lay, kinds=["exp_avg"])
+    assert sorted(got) == sorted(f"u{i}.exp_avg" for i in range(len(units)))
+    assert torch.equal(got["u2.exp_avg"][:units[2].numel], full[2, "exp_avg"])
+
+
+def test_cli_errors_name_the_file_without_traceback(tmp_path, model, capsys):
+    from zdsl.runtime.checkpoint.export import main as export_main
+    from zdsl.runtime.checkpoint.inspect import main as inspect_main
+    assert export_main([str(tmp_path / "nowhere"), "-o", str(tmp_path / "m.safetensors")]) == 1
+    assert "no complete checkpoint" in capsys.readouterr().err
+    units, full = model
+    path, _ = save(tmp_path, 4, units, full, 2, threads=False)
+    (path / "index.json").write_text("{")
+    assert inspect_main([str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "index.json" in err and "Traceback" not in err

@@ -9,11 +9,12 @@ from .index import (CheckpointError, FileRecord, Index, UnitMeta, checkpoint_pat
 from .inspect import inspect
 from .reader import (check_checkpoint, iter_rank_shards, latest_complete, list_checkpoints,
                      load_for_rank, read_index)
+from .stformat import LazyShard
 from .retention import apply_retention, remove_incomplete
 from .writer import owned_shard, unit_metas, write_index, write_rank_shards
 
 __all__ = [
-    "CheckpointError", "FileRecord", "Index", "UnitMeta", "apply_retention", "check_checkpoint",
+    "CheckpointError", "FileRecord", "Index", "LazyShard", "UnitMeta", "apply_retention", "check_checkpoint",
     "checkpoint_path", "default_prefix", "export", "inspect", "iter_rank_shards", "latest_complete",
     "list_checkpoints", "load_for_rank", "owned_shard", "parse_shard_key", "read_index",
     "remove_incomplete", "shard_key", "unit_metas", "write_index", "write_rank_shards",

@@ -82,6 +82,32 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
+@dataclass(frozen=True)
+class LazyShard:
+    """A tensor the writer fetches only when its turn comes (e.g. an optimizer shard living on NVMe).
+
+    ``fetch()`` must return a CPU tensor of ``shape`` and ``dtype``; it is
+    called once, right before the tensor is written, and dropped after, so a
+    rank's save holds one such tensor in host memory at a time.
+    """
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fetch: object        # Callable[[], torch.Tensor]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def _materialise(name: str, t) -> memoryview:
+    if isinstance(t, LazyShard):
+        got = t.fetch()
+        if tuple(got.shape) != tuple(t.shape) or got.dtype != t.dtype:
+            raise CheckpointError(f"shard {name}: fetched {got.dtype}{list(got.shape)}, "
+                                  f"declared {t.dtype}{list(t.shape)}")
+        t = got
+    return byte_view(t)
+
+
 def build_header(specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, list[tuple[int, int]]]:
     """Header bytes (length prefix included) and the data offsets of each spec (name, dtype code, shape)."""
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
@@ -125,8 +151,8 @@ def write_stream(fd: int, header: bytes, tensors, pool: ThreadPoolExecutor) -> l
     return crcs
 
 
-def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, int, dict[str, TensorEntry]]:
-    """Write ``tensors`` to ``path`` (not atomically; the caller renames), fsync it.
+def write_file(path: str, tensors: dict, metadata: dict[str, str]) -> tuple[int, int, dict[str, TensorEntry]]:
+    """Write ``tensors`` (torch.Tensor or LazyShard) to ``path`` (not atomically; the caller renames), fsync it.
 
     Returns (file bytes, CRC-32 of the header, entries by name).
     """
@@ -136,7 +162,7 @@ def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="ckpt-write") as pool:
-            crcs = write_stream(fd, header, (byte_view(tensors[n]) for n in names), pool)
+            crcs = write_stream(fd, header, (_materialise(n, tensors[n]) for n in names), pool)
         os.fsync(fd)
         size = os.fstat(fd).st_size
         if hasattr(os, "posix_fadvise"):

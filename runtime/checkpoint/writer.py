@@ -77,13 +77,16 @@ def unit_metas(specs, layouts: list[FlatLayout], prefixes: list[str] | None = No
             for i, (s, l) in enumerate(zip(specs, layouts))]
 
 
-def write_rank_shards(root, step: int, rank: int, ranks: int, shards: dict[str, torch.Tensor],
+def write_rank_shards(root, step: int, rank: int, ranks: int, shards: dict,
                       *, tag: str = "") -> FileRecord:
     """Write one rank's host tensors as ``ROOT/step-N/rank-R-of-W.safetensors`` and its done marker.
 
     ``shards``: ``u{i}.{kind}`` flat shards (this rank's owned slices, see
     zdsl.layout.FlatLayout.owned_full_ranges) and per-rank state such as
-    ``rng.cpu`` (uint8). Synchronous; run it in an I/O thread. Raises
+    ``rng.cpu`` (uint8). A value may be a :class:`LazyShard` (shape, dtype,
+    fetch) for state that lives on NVMe or the device: it is fetched right
+    before it is written, so host memory holds one at a time. Synchronous;
+    run it in an I/O thread. Raises
     CheckpointError when the step already has a complete checkpoint.
     """
     if not 0 <= rank < ranks:
@@ -93,7 +96,7 @@ def write_rank_shards(root, step: int, rank: int, ranks: int, shards: dict[str, 
     if (step_dir / INDEX_NAME).exists():
         raise CheckpointError(f"{step_dir}: already a complete checkpoint; refusing to overwrite it")
     for key, t in shards.items():
-        if parse_shard_key(key) is not None and t.dim() != 1:
+        if parse_shard_key(key) is not None and len(t.shape) != 1:
             raise CheckpointError(f"rank {rank}: shard {key} must be a flat 1-D tensor, got shape {tuple(t.shape)}")
     name = rank_file_name(rank, ranks)
     done = step_dir / done_name(rank, ranks)
