@@ -45,17 +45,25 @@ def grammar_text() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def parser(strict: bool | None = None) -> Lark:
+def parser(strict: bool | None = None, cache: bool = True) -> Lark:
     """The LALR parser. Strict mode (no conflicts, no terminal collisions) needs
-    the ``interegular`` package; without it the same grammar loads unchecked."""
+    the ``interegular`` package; without it the same grammar loads unchecked.
+    The built tables are cached in the temp folder (keyed by the grammar's
+    hash) so that ``zdsl check`` starts fast."""
     if strict is None:
         try:
             import interegular  # noqa: F401
             strict = True
         except ImportError:
             strict = False
-    return Lark(grammar_text(), parser="lalr", strict=strict, propagate_positions=True,
-                maybe_placeholders=True)
+    options = dict(parser="lalr", strict=strict, propagate_positions=True,
+                   maybe_placeholders=True)
+    if cache:
+        try:
+            return Lark(grammar_text(), cache=True, **options)
+        except Exception:   # noqa: BLE001 - an unusable cache only costs time
+            pass
+    return Lark(grammar_text(), **options)
 
 
 # -- bytes to text --------------------------------------------------------------
