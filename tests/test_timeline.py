@@ -106,3 +106,15 @@ def test_bad_traces_are_clear_errors(tmp_path, capsys):
     good.write_text(json.dumps(sample_trace()))
     assert main([str(good), str(tmp_path / "o.svg")]) == 0
     parse((tmp_path / "o.svg").read_text())
+
+
+def test_compare_draws_the_prediction_under_the_measurement():
+    measured = sample_trace()
+    predicted = sample_trace(steps=1)
+    predicted["metadata"] = {"source": "zdsl plan (predicted)"}
+    root = parse(render_svg(measured, compare=predicted))
+    lanes = [(t.get("data-source"), t.get("data-rank")) for t in root.iter(SVG + "text")
+             if t.get("class") == "lane"]
+    assert lanes == [("measured", "0")] * 4 + [("measured", "1")] * 4 + [("predicted", "0")] * 4
+    heads = [t.text for t in root.iter(SVG + "text") if (t.text or "").startswith(("measured ·", "predicted ·"))]
+    assert heads == ["measured · rank 0", "measured · rank 1", "predicted · rank 0"]

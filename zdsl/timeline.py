@@ -14,13 +14,14 @@ axis, a legend, and under the lanes a step curve of bytes held per tier.
 It is written as plain SVG text (no plotting library, no torch) so
 ``zdsl plan`` can draw a prediction without the runtime installed.
 
-``python -m zdsl.timeline TRACE.json OUT.svg [--step N] [--title T]``
+``python -m zdsl.timeline TRACE.json OUT.svg [--step N] [--title T] [--compare PREDICTED.json]``
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
@@ -225,10 +226,41 @@ def collect(trace, step: int | None = None):
     return bars, lanes, _memory_curves(events, t0, t1), t1 - t0, chosen
 
 
-def render_svg(trace, title: str | None = None, step: int | None = None) -> str:
-    """The SVG text for one step of ``trace`` (see the module docstring for the format)."""
-    bars, lanes, curves, span, chosen = collect(trace, step)
-    span = span or 1.0
+def _merge(sources: list[tuple[str, object, int | None]]):
+    """Several traces on one time axis; a group is (source index, rank)."""
+    bars, lanes, curves, spans, chosen = [], [], {}, [], []
+    for i, (_, trace, step) in enumerate(sources):
+        b, ln, cv, span, ch = collect(trace, step)
+        if i > 0:   # a compared trace (a prediction: SPMD, every rank alike) shows its first rank
+            first = min(r for r, _ in ln)
+            b = [bar for bar in b if bar.rank == first]
+            ln = [(r, lane) for r, lane in ln if r == first]
+            cv = {k: v for k, v in cv.items() if k[0] == first}
+        for bar in b:
+            bar.rank = (i, bar.rank)
+        bars += b
+        lanes += [((i, r), lane) for r, lane in ln]
+        curves.update({((i, r), tier): pts for (r, tier), pts in cv.items()})
+        spans.append(span)
+        chosen.append(ch)
+    return bars, lanes, curves, spans, chosen
+
+
+def render_svg(trace, title: str | None = None, step: int | None = None, compare=None,
+               labels: tuple[str, str] = ("measured", "predicted")) -> str:
+    """The SVG text for one step of ``trace`` (see the module docstring for the format).
+
+    ``compare``: a second trace (e.g. the planner's prediction) drawn under
+    the first on the same time axis, its groups labelled ``labels[1]``.
+    """
+    sources = [(labels[0], trace, step)] + ([(labels[1], compare, None)] if compare is not None else [])
+    bars, lanes, curves, spans, chosens = _merge(sources)
+    span = max(spans) or 1.0
+    chosen = chosens[0]
+
+    def group_label(group) -> str:
+        i, r = group
+        return f"{sources[i][0]} · rank {r}" if compare is not None else f"rank {r}"
     plot_w = WIDTH - LEFT - RIGHT
     x_of = lambda us: LEFT + plot_w * us / span  # noqa: E731
 
@@ -266,9 +298,13 @@ def render_svg(trace, title: str | None = None, step: int | None = None) -> str:
     heading = title or "zdsl timeline"
     w(f'<text x="{LEFT}" y="24" font-size="16" font-weight="bold" fill="#1a1a1a">{escape(heading)}</text>')
     ranks = sorted(rank_y)
-    sub = [f"step {chosen}" if chosen is not None else "one step",
-           f"{span / 1000:.2f} ms", f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''}",
-           f"{len(bars)} ops drawn (frees hidden)"]
+    n_ranks = len({r for _, r in ranks})
+    sub = [f"step {chosen}" if chosen is not None else "one step"]
+    if compare is not None:
+        sub += [f"{label} {sp / 1000:.2f} ms" for (label, _, _), sp in zip(sources, spans)]
+    else:
+        sub.append(f"{span / 1000:.2f} ms")
+    sub += [f"{n_ranks} rank{'s' if n_ranks != 1 else ''}", f"{len(bars)} ops drawn (frees hidden)"]
     w(f'<text x="{LEFT}" y="42" font-size="11" fill="#555555">{escape(" · ".join(sub))}</text>')
 
     # Rank headers and lane rows.
@@ -276,16 +312,18 @@ def render_svg(trace, title: str | None = None, step: int | None = None) -> str:
     for b in bars:
         by_lane.setdefault((b.rank, b.lane), []).append(b)
     for rank, ry in rank_y.items():
-        w(f'<text x="8" y="{ry + 14}" font-size="12" font-weight="bold" fill="#1a1a1a">rank {rank}</text>')
+        w(f'<text x="8" y="{ry + 14}" font-size="12" font-weight="bold" fill="#1a1a1a">'
+          f'{escape(group_label(rank))}</text>')
         w(f'<line x1="8" y1="{ry + RANK_HEAD - 2}" x2="{WIDTH - RIGHT}" y2="{ry + RANK_HEAD - 2}" '
           f'stroke="#bbbbbb" stroke-width="0.5"/>')
     for i, key in enumerate(lanes):
         ly = lane_y[key]
         if i % 2 == 0:
             w(f'<rect x="{LEFT}" y="{ly}" width="{plot_w}" height="{ROW}" fill="#f6f7f9"/>')
-        share = _busy(by_lane.get(key, [])) / span
+        share = _busy(by_lane.get(key, [])) / (spans[key[0][0]] or 1.0)
         w(f'<text x="20" y="{ly + ROW / 2 + 4:.1f}" font-size="11" fill="#1a1a1a" '
-          f'class="lane" data-rank="{key[0]}" data-lane="{escape(key[1])}">{escape(key[1])}</text>')
+          f'class="lane" data-source="{escape(sources[key[0][0]][0])}" data-rank="{key[0][1]}" '
+          f'data-lane="{escape(key[1])}">{escape(key[1])}</text>')
         w(f'<text x="{LEFT - 8}" y="{ly + ROW / 2 + 4:.1f}" text-anchor="end" fill="#777777">'
           f'{share:.0%} busy</text>')
 
@@ -360,9 +398,9 @@ def render_svg(trace, title: str | None = None, step: int | None = None) -> str:
                       f'fill-opacity="0.12" stroke="none"/>')
                 dash = "" if first else ' stroke-dasharray="5,3"'
                 rpeak = max(v for _, v in pts)
-                w(f'<path class="memory" data-tier="{escape(tier)}" data-rank="{rank}" d="{d}" '
-                  f'fill="none" stroke="{colours[tier]}" stroke-width="1.6"{dash}>'
-                  f'<title>{escape(f"rank {rank} {tier}: peak {_fmt_bytes(rpeak)}")}</title></path>')
+                w(f'<path class="memory" data-tier="{escape(tier)}" data-source="{escape(sources[rank[0]][0])}" '
+                  f'data-rank="{rank[1]}" d="{d}" fill="none" stroke="{colours[tier]}" stroke-width="1.6"{dash}>'
+                  f'<title>{escape(f"{group_label(rank)} {tier}: peak {_fmt_bytes(rpeak)}")}</title></path>')
 
     # Legend: op kinds, then memory tiers with their peaks.
     ly = legend_top
@@ -377,25 +415,36 @@ def render_svg(trace, title: str | None = None, step: int | None = None) -> str:
         yy = ly + 18 * legend_rows
         w(f'<text x="8" y="{yy}" font-size="11" fill="#555555">memory</text>')
         w(f'<line x1="{LEFT}" y1="{yy - 4}" x2="{LEFT + 22}" y2="{yy - 4}" stroke="#555555" stroke-width="1.6"/>')
-        w(f'<text x="{LEFT + 27}" y="{yy}" font-size="11" fill="#1a1a1a">rank {ranks[0]}</text>')
-        w(f'<line x1="{LEFT + 90}" y1="{yy - 4}" x2="{LEFT + 112}" y2="{yy - 4}" stroke="#555555" '
+        w(f'<text x="{LEFT + 27}" y="{yy}" font-size="11" fill="#1a1a1a">{escape(group_label(ranks[0]))}</text>')
+        other_x = LEFT + 40 + len(group_label(ranks[0])) * 6.4
+        w(f'<line x1="{other_x:.1f}" y1="{yy - 4}" x2="{other_x + 22:.1f}" y2="{yy - 4}" stroke="#555555" '
           f'stroke-width="1.6" stroke-dasharray="5,3"/>')
-        w(f'<text x="{LEFT + 117}" y="{yy}" font-size="11" fill="#1a1a1a">other ranks</text>')
+        w(f'<text x="{other_x + 27:.1f}" y="{yy}" font-size="11" fill="#1a1a1a">'
+          f'{"the others" if compare is not None else "other ranks"}</text>')
     w('</svg>')
     return "\n".join(out) + "\n"
 
 
-def render_timeline(events, out_path, title: str | None = None, step: int | None = None) -> str:
+def render_timeline(events, out_path, title: str | None = None, step: int | None = None,
+                    compare=None, labels: tuple[str, str] = ("measured", "predicted")) -> str:
     """Draw one step of a Chrome trace (dict or event list) into ``out_path`` as SVG.
 
     ``step`` picks the step when events carry ``args.step`` (default: the
-    last one, past warm-up). Returns the path written. Raises
-    :class:`TraceError` with a readable message for a trace it cannot draw.
+    last one, past warm-up). ``compare``: a second trace drawn under the
+    first on the same time axis (measured above, predicted below). Returns
+    the path written. Raises :class:`TraceError` with a readable message for
+    a trace it cannot draw.
     """
-    svg = render_svg(events, title=title, step=step)
+    svg = render_svg(events, title=title, step=step, compare=compare, labels=labels)
     with open(out_path, "w", encoding="utf-8") as f:
         f.write(svg)
     return str(out_path)
+
+
+def _source_label(trace, default: str) -> str:
+    """"measured" / "predicted" from the trace's metadata (``zdsl run`` / ``zdsl plan``)."""
+    source = str((trace.get("metadata") or {}).get("source", "")) if isinstance(trace, dict) else ""
+    return "predicted" if "predicted" in source else "measured" if "measured" in source else default
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,20 +454,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="SVG file to write")
     parser.add_argument("--step", type=int, default=None, help="which step (default: the last)")
     parser.add_argument("--title", default=None)
+    parser.add_argument("--compare", metavar="OTHER.json", default=None,
+                        help="a second trace (e.g. `zdsl plan --trace`) drawn below on the same time axis")
     args = parser.parse_args(argv)
+    traces = []
+    for path in [args.trace] + ([args.compare] if args.compare else []):
+        try:
+            with open(path, encoding="utf-8") as f:
+                traces.append(json.load(f))
+        except OSError as e:
+            print(f"error: cannot read {path}: {e.strerror}", file=sys.stderr)
+            return 2
+        except json.JSONDecodeError as e:
+            print(f"error: {path} is not JSON (line {e.lineno}, column {e.colno}: {e.msg})", file=sys.stderr)
+            return 2
+    labels = tuple(_source_label(t, d) for t, d in zip(traces, ("measured", "predicted"))) + ("",)
+    if labels[0] == labels[1]:
+        labels = (labels[0], f"{labels[1]} ({os.path.basename(args.compare)})")
     try:
-        with open(args.trace, encoding="utf-8") as f:
-            trace = json.load(f)
-    except OSError as e:
-        print(f"error: cannot read {args.trace}: {e.strerror}", file=sys.stderr)
-        return 2
-    except json.JSONDecodeError as e:
-        print(f"error: {args.trace} is not JSON (line {e.lineno}, column {e.colno}: {e.msg})", file=sys.stderr)
-        return 2
-    try:
-        path = render_timeline(trace, args.out, title=args.title, step=args.step)
+        path = render_timeline(traces[0], args.out, title=args.title, step=args.step,
+                               compare=traces[1] if args.compare else None, labels=labels[:2])
     except TraceError as e:
-        print(f"error: {args.trace}: {e}", file=sys.stderr)
+        print(f"error: {args.trace if not args.compare else 'the traces'}: {e}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"error: cannot write {args.out}: {e.strerror}", file=sys.stderr)
