@@ -116,5 +116,6 @@ def test_compare_draws_the_prediction_under_the_measurement():
     lanes = [(t.get("data-source"), t.get("data-rank")) for t in root.iter(SVG + "text")
              if t.get("class") == "lane"]
     assert lanes == [("measured", "0")] * 4 + [("measured", "1")] * 4 + [("predicted", "0")] * 4
-    heads = [t.text for t in root.iter(SVG + "text") if (t.text or "").startswith(("measured ·", "predicted ·"))]
+    heads = [t.text for t in root.iter(SVG + "text")
+             if t.get("font-size") == "12" and (t.text or "").startswith(("measured ·", "predicted ·"))]
     assert heads == ["measured · rank 0", "measured · rank 1", "predicted · rank 0"]
