@@ -19,6 +19,18 @@ from zdsl.ir import TIERS, TaskGraph
 
 STATES = ("parameters", "gradients", "optimizer")
 
+# What a working buffer is, for the breakdown of the working peak.
+WORKING_KINDS = {"param_full": "gathered_parameters", "act": "activations", "act_inner": "activations",
+                 "act_grad": "activations", "grad_full": "gradients", "grad_shard": "gradients"}
+
+
+def working_kind(name: str) -> str:
+    """gathered_parameters / activations / gradients, or staging (copies between tiers, shards in flight)."""
+    base, _, tier = name.partition("@")
+    if tier:
+        return "staging"
+    return WORKING_KINDS.get(base.split("[", 1)[0], "staging")
+
 
 @dataclass
 class Interval:
@@ -107,14 +119,23 @@ class MemoryTimeline:
                 if iv.tier == tier and a <= t < f]
         return sorted(live, key=lambda iv: -iv.bytes)
 
+    def working_at_peak(self, tier: str) -> dict[str, int]:
+        """The working peak of ``tier`` split into gathered parameters, activations, gradients, staging."""
+        out: dict[str, int] = {}
+        for iv in self.live_at_peak(tier):
+            kind = working_kind(iv.buffer)
+            out[kind] = out.get(kind, 0) + iv.bytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
     def to_json(self) -> dict:
-        """tier -> {model_states: {parameters, gradients, optimizer}, working, peak}."""
+        """tier -> {model_states: {parameters, gradients, optimizer}, working, working_at_peak, peak}."""
         out = {}
         for tier in TIERS:
             states = self.states.get(tier, dict.fromkeys(STATES, 0))
             tl = self.tiers.get(tier)
             working = tl.working_peak if tl else 0
             out[tier] = {"model_states": dict(states), "working": working,
+                         "working_at_peak": self.working_at_peak(tier) if working else {},
                          "peak": sum(states.values()) + working}
         return out
 

@@ -98,7 +98,7 @@ def fmt_s(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s"
 
 
-def render_plan(plan: Plan, width: int = 100, color: bool = False) -> str:
+def render_plan(plan: Plan, width: int = 110, color: bool = False) -> str:
     """The readable report: summary, memory per tier, communication, lanes."""
     from rich.console import Console
     from rich.table import Table
@@ -115,10 +115,11 @@ def render_plan(plan: Plan, width: int = 100, color: bool = False) -> str:
 
     mem = Table(title="memory per rank", title_justify="left")
     for col in ("tier", "parameters", "gradients", "optimizer", "model states", "working", "peak", "budget"):
-        mem.add_column(col, justify="left" if col == "tier" else "right")
+        mem.add_column(col, justify="left" if col == "tier" else "right", no_wrap=True)
     budgets = plan.budgets
+    memory = sim.memory.to_json()
     for tier in TIERS:
-        row = sim.memory.to_json()[tier]
+        row = memory[tier]
         ms = row["model_states"]
         if not row["peak"] and tier not in budgets:
             continue
@@ -132,6 +133,11 @@ def render_plan(plan: Plan, width: int = 100, color: bool = False) -> str:
     mem.add_row("ZeRO formula", *(fmt_bytes(formula[s]) for s in STATES), fmt_bytes(sum(formula.values())),
                 "", "", "", style="dim")
     console.print(mem)
+    for tier in TIERS:
+        split = memory[tier]["working_at_peak"]
+        if split:
+            console.print(f"  {tier} working at its peak: " +
+                          ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in split.items()))
 
     c = plan.comm
     comm = Table(title="communication per step per rank", title_justify="left")
@@ -146,8 +152,9 @@ def render_plan(plan: Plan, width: int = 100, color: bool = False) -> str:
                  fmt_bytes(elems * (4 if g.precision == "fp32" else 2)), "", style="dim")
     console.print(comm)
 
-    lanes = Table(title=f"predicted step {fmt_s(sim.step_s)} (lower bound {fmt_s(sim.bound_s)}, "
-                        f"overlap efficiency {sim.overlap_efficiency:.2f})", title_justify="left")
+    console.print(f"[bold]predicted step {fmt_s(sim.step_s)}[/bold] (lower bound {fmt_s(sim.bound_s)}, "
+                  f"overlap efficiency {sim.overlap_efficiency:.2f}) on machine {plan.schedule.machine.name!r}")
+    lanes = Table(title="lanes", title_justify="left")
     for col in ("lane", "busy", "share", ""):
         lanes.add_column(col, justify="left" if col in ("lane", "") else "right")
     for lane in LANES:
