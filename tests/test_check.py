@@ -1,8 +1,6 @@
 """Checker: one test per class of error, each asserting where it points and the hint."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from zdsl.check import check_text, load_schedule

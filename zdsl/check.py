@@ -117,7 +117,9 @@ class Checker:
         self.file = program.file
         name = re.sub(r"\W", "_", Path(program.file).stem) if not program.file.startswith("<") \
             else "schedule"
-        self.s = Schedule(name=name or "schedule", file=program.file)
+        if not name.isidentifier():
+            name = "_" + name
+        self.s = Schedule(name=name, file=program.file)
         self.s.overlap = set(ALL_OVERLAPS)
         by_key = self._index(statements)
         for keyword in STATEMENT_ORDER:
@@ -250,7 +252,7 @@ class Checker:
         except ZsError:
             raise
         except Exception as exc:   # noqa: BLE001 - a user's factory may raise anything
-            self.r.error(st.call.span, f"cannot size the model: {type(exc).__name__}: {exc}")
+            self.r.error(st.call.callee.span, f"cannot size the model: {type(exc).__name__}: {exc}")
             return
         if units is not None and not units:
             self.r.error(st.call.span, "the model has no units")
@@ -319,9 +321,7 @@ class Checker:
     def _optimizer(self, st: ast.CallStmt) -> None:
         self.span("optimizer", st.span)
         call = st.call
-        kind = self.r.choice(call.callee, "optimizer", tuple(OPTIMIZERS)) \
-            if isinstance(call.callee, ast.Name) else self.r.choice(call.callee, "optimizer",
-                                                                     tuple(OPTIMIZERS))
+        kind = self.r.choice(call.callee, "optimizer", tuple(OPTIMIZERS))
         if kind is None:
             return
         given = self.r.keywords(call.args, OPTIMIZERS[kind], f"{kind}()")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from . import ast
 from .errors import did_you_mean
-from .schedule import PHASES, Pipeline, PipeStmt, Ref
+from .schedule import Pipeline, PipeStmt, Ref
 
 UNIT_VERBS = ("compute", "recompute", "step")
 BUFFER_VERBS = ("gather", "scatter", "reduce", "read", "write", "copy", "free")

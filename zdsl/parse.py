@@ -206,13 +206,16 @@ def _syntax_error(exc: UnexpectedInput, text: str, file: str):
             if tok.type == "_NL":
                 span = Span(file, tok.line, tok.column, tok.column + 1)
         hint = None
+        starts = _starts_statement(accepted) and tok.type not in ("$END", "_NL")
         if tok.type in ("NAME", "NUMBER") or (tok.type not in ("$END", "_NL") and str(tok).isalpha()):
             hint = did_you_mean(str(tok), _keywords(accepted))
+        if hint is None and starts and str(tok) in _PIPELINE_VERBS:
+            hint = f"{tok} belongs inside a pipeline: forward unit u {{ ... }}"
+        if hint is None and starts:
+            hint = "a statement starts with one of: " + ", ".join(_STATEMENTS)
         if hint is None and expected:
             hint = "expected " + _join(expected)
-        message = f"unexpected {found}"
-        if _starts_statement(accepted) and tok.type not in ("$END", "_NL"):
-            message = f"unknown statement {found}"
+        message = f"unknown statement {found}" if starts else f"unexpected {found}"
         return error(span, message, hint=hint)
     if isinstance(exc, UnexpectedEOF):
         line, col = _end_position(text)
@@ -220,6 +223,12 @@ def _syntax_error(exc: UnexpectedInput, text: str, file: str):
                      hint="expected " + _join(_expected_words(exc.expected or ())))
     return error(Span(file, getattr(exc, "line", 1) or 1, getattr(exc, "column", 1) or 1),
                  f"syntax error: {exc}")
+
+
+_STATEMENTS = ("schedule", "model", "data", "train", "optimizer", "ranks", "zero", "shard",
+               "offload", "prefetch", "bucket", "overlap", "recompute", "persist", "memory",
+               "machine", "include", "checkpoint", "forward", "backward", "step")
+_PIPELINE_VERBS = ("gather", "scatter", "reduce", "read", "write", "copy", "compute", "free")
 
 
 def _starts_statement(accepted: set[str]) -> bool:

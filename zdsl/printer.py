@@ -13,8 +13,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from .schedule import (ALL_OVERLAPS, OVERLAP_VERBS, PHASES, STATES, MachineProfile,
-                       OptimizerSpec, Pipeline, Placement, PipeStmt, Ref, Schedule)
+from .schedule import (ALL_OVERLAPS, OVERLAP_VERBS, PHASES, STATES, OptimizerSpec,
+                       Pipeline, Placement, PipeStmt, Ref, Schedule)
 from .sizes import format_size
 
 _PREPOSITIONS = {"read": "from", "write": "to", "copy": "to", "step": "on"}
