@@ -42,11 +42,32 @@ class Finding:
     hint: str | None = None
 
 
+VERBS = {"compute.forward": "forward", "compute.backward": "backward", "compute.recompute": "recompute",
+         "compute.norm": "gradient norm", "compute.step": "optimizer step", "comm.all_gather": "all-gather",
+         "comm.reduce_scatter": "reduce-scatter", "comm.all_reduce": "all-reduce", "copy.h2d": "copy to device",
+         "copy.d2h": "copy to host", "nvme.read": "nvme read", "nvme.write": "nvme write", "mem.free": "free"}
+BUFFER_WORDS = {"param_full": "gathered parameters", "param_shard": "parameter shard",
+                "grad_full": "full gradients", "grad_shard": "gradient shard", "optim": "optimizer state",
+                "act": "activations", "act_inner": "recomputed activations", "act_grad": "activation gradients"}
+
+
 def describe(op) -> str:
-    """``compute.forward of unit 3 (op 17, lane compute)``."""
+    """``forward of unit 3 (op 17, lane compute)``: what a user's statement became."""
     unit = "" if op.unit is None else f" of unit {op.unit}"
     micro = f", micro-batch {op.micro}" if op.micro else ""
-    return f"{op.kind}{unit} (op {op.id}, lane {op.lane}{micro})"
+    return f"{VERBS.get(op.kind, op.kind)}{unit} (op {op.id}, lane {op.lane}{micro})"
+
+
+def plain(name: str) -> str:
+    """``param_full[1] (the gathered parameters of unit 1)``."""
+    base, _, tier = name.partition("@")
+    kind, _, rest = base.partition("[")
+    words = BUFFER_WORDS.get(kind)
+    if words is None:
+        return name
+    unit = f" of unit {rest.rstrip(']')}" if rest else ""
+    where = f" on {tier}" if tier else ""
+    return f"{name} (the {words}{unit}{where})"
 
 
 def size(n: float) -> str:
@@ -179,7 +200,7 @@ class Checker:
                 return
             reported.add(name)
             a, b = ops[first], ops[second]
-            self.error(f"{describe(b)} {what} {name}, but nothing orders it after {describe(a)}: "
+            self.error(f"{describe(b)} {what} {plain(name)}, but nothing orders it after {describe(a)}: "
                        f"they run on different lanes with no dependency between them, so on some "
                        f"steps or ranks they run the other way round", self.op_span(b),
                        "the lowering derives deps from reads and writes; a hand-written pipeline "
@@ -201,12 +222,12 @@ class Checker:
                                    self.op_span(op))
                         continue
                     if graph.buffers[name].persistent:
-                        self.error(f"{describe(op)} frees {name}, a model state that must live the "
+                        self.error(f"{describe(op)} frees {plain(name)}, a model state that must live the "
                                    f"whole step", self.op_span(op),
                                    "free only working buffers (gathered parameters, unreduced gradients)")
                         continue
                     if name in freed_by or name not in last_write:
-                        self.warn(f"{describe(op)} frees {name}, which is not held at this point "
+                        self.warn(f"{describe(op)} frees {plain(name)}, which is not held at this point "
                                   f"({'already freed' if name in freed_by else 'never produced'})",
                                   self.op_span(op))
                         continue
@@ -223,15 +244,15 @@ class Checker:
                 if name in freed_by and name not in last_write:
                     f = ops[freed_by[name]]
                     at = f" (line {f.span[0]})" if f.span else ""
-                    self.error(f"{describe(op)} uses {name} after it was freed by {describe(f)}{at}",
+                    self.error(f"{describe(op)} uses {plain(name)} after it was freed by {describe(f)}{at}",
                                self.op_span(op),
-                               f"move the `free` after the last use, or gather/copy {name} again first")
+                               "move the `free` after the buffer's last use, or gather/copy/read it again before this statement")
                     reported.add(name)
                     continue
                 if name not in last_write:
                     if name not in reported:
                         reported.add(name)
-                        self.error(f"{describe(op)} reads {name}, but no earlier op produces it",
+                        self.error(f"{describe(op)} reads {plain(name)}, but no earlier op produces it",
                                    self.op_span(op),
                                    "gather, copy or read it before this statement (index offsets are "
                                    "clipped at the model's ends)")
@@ -379,7 +400,26 @@ def findings(graph: TaskGraph, schedule: Schedule, sim: Simulation | None = None
     ``want_sim=False`` skips simulating when no budget needs it (``zdsl check``)."""
     checker = Checker(graph, schedule)
     sim = checker.run(sim, want_sim)
-    return checker.findings, sim
+    return merge_repeats(checker.findings), sim
+
+
+def merge_repeats(found: list[Finding]) -> list[Finding]:
+    """One finding per statement and kind of problem: a template statement is instantiated
+    for every unit, and its mistake should be reported once, not once per unit."""
+    first: dict[tuple, Finding] = {}
+    extra: dict[tuple, int] = {}
+    out = []
+    for f in found:
+        key = (f.severity, f.span, f.hint)
+        if f.span is not None and key in first:
+            extra[key] = extra.get(key, 0) + 1
+            continue
+        first[key] = f
+        out.append(f)
+    for key, n in extra.items():
+        f = first[key]
+        f.message += f" (and {n} more like it from this statement)"
+    return out
 
 
 def verify(graph: TaskGraph, schedule: Schedule, sim: Simulation | None = None) -> list[Diagnostic]:
