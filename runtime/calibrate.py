@@ -71,6 +71,8 @@ class Settings:
     heads: int | None = None
     context: int | None = None
     batch: int | None = None
+    block: int = BLOCK               # NVMe I/O size and requests in flight (the schedule's nvme(...))
+    depth: int = DEPTH
     timeout_s: float = 60.0
 
     def budget(self, full: float, quick: float) -> float:
@@ -130,10 +132,10 @@ def _median_time(fn, sync, budget_s: float, min_reps: int = 3, max_reps: int = 1
 def _model_shape(s: Settings, device) -> dict:
     cuda = device.type == "cuda"
     return {
-        "width": s.width or (768 if cuda else 128),
+        "width": s.width or (768 if cuda else 64),
         "heads": s.heads or (12 if cuda else 4),
-        "context": s.context or (1024 if cuda else 64),
-        "batch": s.batch or 8,
+        "context": s.context or (1024 if cuda else 32),
+        "batch": s.batch or (8 if cuda else 4),
     }
 
 
@@ -277,7 +279,10 @@ def measure_collectives(device, s: Settings, rank: int, world: int) -> dict:
     out = {}
     for name, pts in results.items():
         out[name] = fit_latency_bandwidth(pts)
-    out["link"] = fit_latency_bandwidth(results["all_gather"] + results["reduce_scatter"])
+    # One link for both kinds: mean latency and mean seconds per byte (a pooled fit
+    # can land outside both when the kinds differ in latency).
+    (la, ba), (lr, br) = out["all_gather"], out["reduce_scatter"]
+    out["link"] = ((la + lr) / 2, 2.0 / (1.0 / ba + 1.0 / br))
     out["sizes"] = sizes
     out["points"] = results
     return out
@@ -288,8 +293,9 @@ def _aligned(nbytes: int) -> mmap.mmap:
 
 
 def measure_disk(folder: str, s: Settings, rank: int) -> dict:
-    """O_DIRECT write then read of 1 MiB blocks, DEPTH in flight, capped in time."""
-    total = (32 if s.quick else 256) * MiB
+    """O_DIRECT write then read of ``block``-sized requests, ``depth`` in flight, capped in time."""
+    block, depth = s.block, s.depth
+    total = max((32 if s.quick else 256) * MiB // block, depth) * block
     cap = s.budget(3.0, 0.8)
     path = os.path.join(folder, f".zdsl-calibrate-{os.getpid()}-{rank}.bin")
     direct = getattr(os, "O_DIRECT", 0)
@@ -304,35 +310,35 @@ def measure_disk(folder: str, s: Settings, rank: int) -> dict:
                 os.posix_fallocate(fd, 0, total)        # swap files are reserved before use
             except OSError as e:
                 raise CalibrationError(f"cannot reserve {total // MiB} MiB in {folder}: {e.strerror}") from None
-            src = _aligned(BLOCK)
-            src.write(os.urandom(4096) * (BLOCK // 4096))
-            bufs = [_aligned(BLOCK) for _ in range(DEPTH)]
-            blocks = total // BLOCK
+            src = _aligned(block)
+            src.write(os.urandom(4096) * (block // 4096))
+            bufs = [_aligned(block) for _ in range(depth)]
+            blocks = total // block
 
             def run(op) -> tuple[int, float]:
                 deadline = time.perf_counter() + cap
                 done = [0]
 
                 def worker(i: int) -> None:
-                    for b in range(i, blocks, DEPTH):
+                    for b in range(i, blocks, depth):
                         if time.perf_counter() > deadline:
                             return
                         n = op(i, b)
-                        if n != BLOCK:
+                        if n != block:
                             raise CalibrationError(f"short {'read' if op is rd else 'write'} in {path}")
                         done[0] += n
                 t0 = time.perf_counter()
-                with ThreadPoolExecutor(DEPTH) as pool:
-                    list(pool.map(worker, range(DEPTH)))
+                with ThreadPoolExecutor(depth) as pool:
+                    list(pool.map(worker, range(depth)))
                 if op is wr:
                     os.fsync(fd)
                 return done[0], time.perf_counter() - t0
 
             def wr(i, b):
-                return os.pwritev(fd, [src], b * BLOCK)
+                return os.pwritev(fd, [src], b * block)
 
             def rd(i, b):
-                return os.preadv(fd, [bufs[i]], b * BLOCK)
+                return os.preadv(fd, [bufs[i]], b * block)
 
             try:
                 wrote, t_w = run(wr)
@@ -473,47 +479,51 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     import torch
     shape = comp["shape"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    us = lambda sec: f"{sec * 1e6:.0f} us"  # noqa: E731
     notes = [
         f"machine profile measured by `zdsl calibrate{' --quick' if s.quick else ''}` "
         f"on {platform.node() or 'this machine'}, {when}",
-        f"torch {torch.__version__}, {world} rank(s) measuring at once on {first['device']}, "
-        f"{first['threads']} thread(s) per rank, backend {backend}; each rate is the slowest rank's",
-        f"flops: GPT block forward+backward (width {shape['width']}, heads {shape['heads']}, "
-        f"context {shape['context']}, batch {shape['batch']}, {comp['dtype']}) at {_num(block)} flop/s; "
-        f"torch.mm at the block's shapes {_num(mm)} flop/s"
-        + (f" ({comp['block_note']})" if comp.get("block_note") else ""),
-        f"memory_bw: AdamW step on {first['optimizer']['adam_numel']} fp32 elements, "
-        f"16 bytes per element (moments, parameter, gradient)",
-        f"pcie: {first['copy']['copy_note']}"
+        f"torch {torch.__version__}, backend {backend}, {world} rank(s) measuring at once on {first['device']}, "
+        f"{first['threads']} thread(s) per rank; every rate is the slowest rank's",
+        f"  flops       GPT block forward+backward: width {shape['width']}, heads {shape['heads']}, "
+        f"context {shape['context']}, batch {shape['batch']}, {comp['dtype']}",
+        f"              (torch.mm alone at its shapes: {_num(mm)} flop/s"
+        + (f"; {comp['block_note']})" if comp.get("block_note") else ")"),
+        f"  memory_bw   AdamW step on {first['optimizer']['adam_numel']} fp32 elements, "
+        f"counted as 16 bytes each (moments, parameter, gradient)",
+        f"  pcie        {first['copy']['copy_note']}"
         + (f"; h2d {_num(first['copy']['h2d'])} B/s, d2h {_num(first['copy']['d2h'])} B/s" if cuda else ""),
     ]
     if world > 1:
         c = first["collectives"]
-        notes.append(f"link, latency: all_gather + reduce_scatter of "
-                     f"{', '.join(_size(b) for b in c['sizes'])} fitted to latency + payload*(n-1)/n / link; "
-                     f"all_gather alone {_num(c['all_gather'][1])} B/s, {_num(c['all_gather'][0])} s; "
-                     f"reduce_scatter alone {_num(c['reduce_scatter'][1])} B/s, {_num(c['reduce_scatter'][0])} s")
+        (la, ba), (lr, br) = c["all_gather"], c["reduce_scatter"]
+        notes += [f"  link        all_gather and reduce_scatter of {_size(c['sizes'][0])} to {_size(c['sizes'][-1])}, "
+                  f"fitted to latency + payload*(n-1)/n / link:",
+                  f"              all_gather {_num(ba)} B/s + {us(la)}, reduce_scatter {_num(br)} B/s + {us(lr)}, "
+                  f"averaged"]
     else:
-        notes.append("link, latency: defaults (one rank: no collectives to measure)")
+        notes.append("  link        default (one rank: no collectives to measure)")
     disk = first["disk"]
-    notes.append(f"disk: {'O_DIRECT' if disk['direct'] else 'buffered (O_DIRECT unsupported here)'} "
-                 f"{BLOCK // MiB} MiB blocks, {DEPTH} in flight, {_size(disk['disk_bytes'][0])} written and "
-                 f"{_size(disk['disk_bytes'][1])} read per rank in {s.disk_folder or tempfile.gettempdir()}")
+    notes.append(f"  disk        {'O_DIRECT' if disk['direct'] else 'buffered (no O_DIRECT here)'}, "
+                 f"{_size(s.block)} requests, {s.depth} in flight, {_size(disk['disk_bytes'][0])} written, "
+                 f"{_size(disk['disk_bytes'][1])} read per rank")
+    notes.append(f"              in {s.disk_folder or tempfile.gettempdir()}")
     details = {"notes": notes, "ranks": raw, "backend": backend, "mm_flops": mm, "block_flops": block}
     return Calibration(profile, details)
 
 
 def _size(n: int) -> str:
-    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n >> 10} KiB"
+    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n >> 10} KiB" if n >= 1024 else f"{n} B"
 
 
 def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = None, quick: bool = False,
               progress: bool = True, **shape) -> Calibration:
     """Measure this machine with ``ranks`` processes; returns the profile and how it was measured.
 
-    ``shape`` (width, heads, context, batch) sets the model size the compute
-    rate is measured at (default: the built-in GPT of the CPU examples, or
-    GPT-2 small on CUDA). ``disk_folder`` should be where NVMe swap files go.
+    ``shape`` sets the model size the compute rate is measured at (width,
+    heads, context, batch; default: the size of the CPU example programs, or
+    GPT-2 small on CUDA) and the NVMe request size and depth (block, depth).
+    ``disk_folder`` should be where NVMe swap files go.
     """
     import multiprocessing as mp
 
@@ -581,6 +591,35 @@ def _child_errors(errors) -> str:
     return "\n".join(line for line in lines if "traceback" not in line.split("\n", 1)[0])
 
 
+def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:
+    """(model shape and NVMe request settings, ranks, NVMe folder) of a schedule file."""
+    from zdsl.check import load_schedule
+    from zdsl.errors import ZsError
+    try:
+        schedule, _ = load_schedule(path)
+    except ZsError as e:
+        raise CalibrationError(f"{path}: {e}") from None
+    except OSError as e:
+        raise CalibrationError(f"cannot read {path}: {e.strerror}") from None
+    shape: dict = {}
+    if schedule.model.kind == "gpt":
+        from zdsl.units import GPT_DEFAULTS
+        args = {**GPT_DEFAULTS, **schedule.model.args}
+        shape.update(width=args["width"], heads=args["heads"], context=args["context"])
+    shape["batch"] = schedule.train.batch
+    folder = None
+    for placement in schedule.placement.values():
+        if placement.tier == "nvme":
+            shape.update(block=placement.block_bytes, depth=placement.queue_depth)
+            folder = placement.path
+    if folder and not os.path.isdir(folder):
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError:
+            folder = None
+    return shape, schedule.ranks, folder
+
+
 def main(argv: list[str] | None = None) -> int:
     """``zdsl calibrate [--out machine.zs] [--quick]``; exit 0 on success, 2 on a stated failure."""
     ap = argparse.ArgumentParser(prog="zdsl calibrate",
@@ -593,9 +632,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder for the disk test: where NVMe offload will swap (default: temp folder)")
     for name in ("width", "heads", "context", "batch"):
         ap.add_argument(f"--{name}", type=int, default=None, help=f"model {name} the compute rate is measured at")
+    ap.add_argument("--schedule", metavar="FILE.zs",
+                    help="measure at this schedule's model size, ranks and NVMe folder, block and depth")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    shape = {k: getattr(a, k) for k in ("width", "heads", "context", "batch") if getattr(a, k) is not None}
+    shape = {}
+    if a.schedule:
+        try:
+            shape, ranks, folder = shape_of_schedule(a.schedule)
+        except CalibrationError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        a.disk_folder = a.disk_folder or folder
+        if "--ranks" not in (argv if argv is not None else sys.argv[1:]):
+            a.ranks = ranks
+    shape.update({k: getattr(a, k) for k in ("width", "heads", "context", "batch") if getattr(a, k) is not None})
     start = time.perf_counter()
     try:
         cal = calibrate(a.backend, a.ranks, a.disk_folder, a.quick, progress=not a.no_progress, **shape)

@@ -104,5 +104,5 @@ def test_fifty_thousand_ops_is_fast():
     times = [(i * 1e-3, i * 1e-3 + 2e-3) for i in range(n)]
     t0 = time.perf_counter()
     r = analyze(g, times)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 5.0      # ~0.3 s on an idle core
     assert r.ops == n and 0 < r.efficiency <= 1.0
