@@ -131,3 +131,20 @@ def test_non_utf8(src, data):
 def test_unmutated_programs_check():
     for file, raw in SOURCES:
         check_text(decode_source(raw, file), file)
+
+
+@FUZZ
+@given(st.data())
+def test_overrides(data):
+    from zdsl.overrides import known_keys
+    file, raw = SOURCES[0]
+    key = data.draw(st.sampled_from(known_keys() + ["stpes", "offload.activations", "", "a.b.c"]))
+    value = data.draw(st.one_of(st.sampled_from(["0", "-1", "2", "1e999", "cpu", 'nvme("/tmp/x")',
+                                                 "64MiB", "(", "9" * 40, "fp16", "none"]),
+                                st.text(max_size=12)))
+    try:
+        check_text(decode_source(raw, file), file, overrides={key: value})
+    except ZsError as exc:
+        for d in exc.diagnostics:
+            assert not d.message.startswith("internal error"), d.message
+            render(d)

@@ -20,7 +20,7 @@ from typing import Callable
 from . import ast
 from .errors import (NOTE, Diagnostic, ZsError, attach_sources, did_you_mean, error,
                      note)
-from .include import expand_includes, resolve_relative
+from .include import expand_includes, path_exists, resolve_relative
 from .overrides import MACHINE_KEYS, apply_overrides
 from .parse import parse_text, read_source
 from .check_pipelines import check_pipeline, check_pipelines_complete
@@ -233,7 +233,7 @@ class Checker:
             return None
         if target.endswith(".py"):
             path = Path(resolve_relative(target, callee.span.file))
-            if not path.is_file():
+            if not path_exists(path, "file"):
                 self.r.error(callee.span, f"model file not found: {path}",
                              hint="a model file's path is relative to the schedule file")
                 return None
@@ -295,7 +295,7 @@ class Checker:
     def _corpus_path(self, source: str, span: Span) -> str | None:
         here = Path(resolve_relative(source, span.file))
         for candidate in (here, Path(source)):
-            if candidate.exists():
+            if path_exists(candidate):
                 return str(candidate.resolve())
         self.r.error(span, f"corpus not found: {source}",
                      hint='a path relative to the schedule file, or "stdlib"')

@@ -33,6 +33,15 @@ def _identity(file: str) -> str:
         return file
 
 
+def path_exists(path, kind: str = "any") -> bool:
+    """Whether ``path`` exists (``kind`` "file" for a regular file); odd paths are False, never raise."""
+    try:
+        p = Path(path)
+        return p.is_file() if kind == "file" else p.exists()
+    except (OSError, ValueError):
+        return False
+
+
 def resolve_relative(path: str, including_file: str) -> str:
     """``path`` as seen from the folder of ``including_file`` (absolute paths unchanged)."""
     p = Path(path)
@@ -55,7 +64,7 @@ def _expand(program: ast.Program, sources: dict[str, str], chain: list[str]) -> 
                                  hint="remove one of the includes")])
         if len(chain) >= MAX_DEPTH:
             raise ZsError([error(stmt.path.span, f"includes nested deeper than {MAX_DEPTH}")])
-        if "\x00" in path or not Path(path).is_file():
+        if not path_exists(path, "file"):
             raise ZsError([error(stmt.path.span, f"included file not found: {path}",
                                  hint="include paths are relative to the including file")])
         text = read_source(path, at=stmt.path.span)
