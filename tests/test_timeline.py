@@ -119,3 +119,15 @@ def test_compare_draws_the_prediction_under_the_measurement():
     heads = [t.text for t in root.iter(SVG + "text")
              if t.get("font-size") == "12" and (t.text or "").startswith(("measured ·", "predicted ·"))]
     assert heads == ["measured · rank 0", "measured · rank 1", "predicted · rank 0"]
+
+
+def test_critical_path_is_outlined():
+    trace = sample_trace(steps=1)
+    ops = [e["args"]["op"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 0][:3]
+    root = parse(render_svg(trace, critical=ops))
+    outlined = [r for r in root.iter(SVG + "rect")
+                if r.get("stroke") == "#111111" and r.find(SVG + "title") is not None]
+    assert len(outlined) == 3 * 2                                  # a set applies to every rank
+    root = parse(render_svg(trace, critical={1: ops}))
+    assert len([r for r in root.iter(SVG + "rect") if r.get("stroke") == "#111111"
+                and r.find(SVG + "title") is not None]) == 3

@@ -75,6 +75,7 @@ class Bar:
     kind: str
     bytes: int
     unit: object = None
+    op: int | None = None
 
 
 class TraceError(ValueError):
@@ -221,7 +222,8 @@ def collect(trace, step: int | None = None):
         args = e.get("args") or {}
         nbytes = args.get("bytes", 0)
         bars.append(Bar(rank, lane, float(e["ts"]) - t0, float(e.get("dur", 0)), str(e.get("name", kind)),
-                        kind, nbytes if isinstance(nbytes, int) else 0, args.get("unit")))
+                        kind, nbytes if isinstance(nbytes, int) else 0, args.get("unit"),
+                        args.get("op") if isinstance(args.get("op"), int) else None))
     lanes = sorted({(b.rank, b.lane) for b in bars}, key=lambda rl: (rl[0], _lane_rank(rl[1])))
     return bars, lanes, _memory_curves(events, t0, t1), t1 - t0, chosen
 
@@ -247,11 +249,13 @@ def _merge(sources: list[tuple[str, object, int | None]]):
 
 
 def render_svg(trace, title: str | None = None, step: int | None = None, compare=None,
-               labels: tuple[str, str] = ("measured", "predicted")) -> str:
+               labels: tuple[str, str] = ("measured", "predicted"), critical=None) -> str:
     """The SVG text for one step of ``trace`` (see the module docstring for the format).
 
     ``compare``: a second trace (e.g. the planner's prediction) drawn under
     the first on the same time axis, its groups labelled ``labels[1]``.
+    ``critical``: op ids to outline (``zdsl.overlap``'s critical path), for
+    every rank of the first trace, or a dict rank -> op ids.
     """
     sources = [(labels[0], trace, step)] + ([(labels[1], compare, None)] if compare is not None else [])
     bars, lanes, curves, spans, chosens = _merge(sources)
@@ -285,6 +289,16 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
     kinds_seen = [k for k in KIND_STYLE if any(b.kind == k for b in bars)]
     has_other = any(b.kind not in KIND_STYLE for b in bars)
     legend_items = [KIND_STYLE[k] for k in kinds_seen] + ([OTHER_STYLE] if has_other else [])
+
+    def on_critical(b: Bar) -> bool:
+        if critical is None or b.op is None or b.rank[0] != 0:
+            return False
+        ids = critical.get(b.rank[1], ()) if isinstance(critical, dict) else critical
+        return b.op in ids
+    critical = None if critical is None else (
+        {r: set(v) for r, v in critical.items()} if isinstance(critical, dict) else set(critical))
+    if critical and any(on_critical(b) for b in bars):
+        legend_items.append(("critical path", "outline"))
     legend_top = mem_bottom + 40
     per_row = max(1, (WIDTH - LEFT - RIGHT) // 124)
     legend_rows = math.ceil(len(legend_items) / per_row) if legend_items else 0
@@ -355,8 +369,13 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
         tip = f"{b.name} · {label} · {_fmt_dur(b.dur)} at {b.start / 1000:.3f} ms"
         if b.bytes:
             tip += f" · {_fmt_bytes(b.bytes)}"
+        if on_critical(b):
+            stroke, sw = "#111111", 1.6
+            tip += " · on the critical path"
+        else:
+            stroke, sw = "#ffffff", 0.5 if bw > 3 else 0
         w(f'<rect x="{x:.2f}" y="{y0:.1f}" width="{bw:.2f}" height="{BAR}" fill="{fill}" '
-          f'stroke="#ffffff" stroke-width="{0.5 if bw > 3 else 0}"><title>{escape(tip)}</title></rect>')
+          f'stroke="{stroke}" stroke-width="{sw}"><title>{escape(tip)}</title></rect>')
         # The name where it fits, else the unit number (the colour already says the kind).
         for text in (b.name, "" if b.unit is None else str(b.unit)):
             if text and bw >= len(text) * CHAR_W + 6:
@@ -408,7 +427,11 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
     for i, (label, fill) in enumerate(legend_items):
         x = LEFT + (i % per_row) * col_w
         yy = ly + (i // per_row) * 18
-        w(f'<rect x="{x:.1f}" y="{yy - 9}" width="14" height="11" fill="{fill}"/>')
+        if fill == "outline":
+            w(f'<rect x="{x:.1f}" y="{yy - 9}" width="14" height="11" fill="#ffffff" stroke="#111111" '
+              f'stroke-width="1.6"/>')
+        else:
+            w(f'<rect x="{x:.1f}" y="{yy - 9}" width="14" height="11" fill="{fill}"/>')
         w(f'<text x="{x + 19:.1f}" y="{yy}" font-size="11" fill="#1a1a1a">{escape(label)}</text>')
     w(f'<text x="8" y="{ly}" font-size="11" fill="#555555">ops</text>')
     if curves and len(ranks) > 1:
@@ -426,16 +449,16 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
 
 
 def render_timeline(events, out_path, title: str | None = None, step: int | None = None,
-                    compare=None, labels: tuple[str, str] = ("measured", "predicted")) -> str:
+                    compare=None, labels: tuple[str, str] = ("measured", "predicted"), critical=None) -> str:
     """Draw one step of a Chrome trace (dict or event list) into ``out_path`` as SVG.
 
     ``step`` picks the step when events carry ``args.step`` (default: the
     last one, past warm-up). ``compare``: a second trace drawn under the
     first on the same time axis (measured above, predicted below). Returns
     the path written. Raises :class:`TraceError` with a readable message for
-    a trace it cannot draw.
+    a trace it cannot draw. ``critical``: op ids to outline (see :func:`render_svg`).
     """
-    svg = render_svg(events, title=title, step=step, compare=compare, labels=labels)
+    svg = render_svg(events, title=title, step=step, compare=compare, labels=labels, critical=critical)
     with open(out_path, "w", encoding="utf-8") as f:
         f.write(svg)
     return str(out_path)
