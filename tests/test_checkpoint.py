@@ -4,9 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -19,8 +16,8 @@ from safetensors.torch import load_file
 from zdsl.layout import flat_layout
 from zdsl.runtime.checkpoint import (CheckpointError, LazyShard, apply_retention, check_checkpoint, checkpoint_path,
                                      export, inspect, latest_complete, list_checkpoints, load_for_rank,
-                                     owned_shard, read_index, unit_metas, write_index, write_rank_shards)
-from zdsl.units import gpt_units
+                                     owned_shard, read_index, state_dict_aliases, unit_metas, unit_prefixes, write_index, write_rank_shards)
+from zdsl.units import UnitSpec, gpt_units
 
 CFG = dict(layers=2, width=32, heads=2, vocab=64, context=16)
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -155,6 +152,8 @@ def test_export_loads_into_gpt(tmp_path, model):
             off += numel
     gpt_mod = pytest.importorskip("zdsl.runtime.models.gpt")
     gpt = gpt_mod.GPT(**CFG)
+    assert unit_prefixes(gpt) == ["embedding", "blocks.0", "blocks.1", "head"]
+    assert state_dict_aliases(gpt, read_index(path).units) == {}
     gpt.load_state_dict(sd, strict=True)
     assert torch.equal(gpt.embedding.wte.weight.reshape(-1), full[0, "param"][:CFG["vocab"] * CFG["width"]])
 
@@ -237,50 +236,61 @@ def test_retention_keeps_last_complete(tmp_path, model):
         apply_retention(tmp_path, keep=0)
 
 
-CHILD = textwrap.dedent("""
-    import sys, time, torch
-    from zdsl.layout import flat_layout
-    from zdsl.runtime.checkpoint import owned_shard, unit_metas, write_index, write_rank_shards
-    from zdsl.units import UnitSpec
-    root, n = sys.argv[1], int(sys.argv[2])
+def _child_saves(root, n, ready_fd):
+    """In a forked child: save step 1 completely, tell the parent, then start saving step 2."""
     units = [UnitSpec("big", [("w", (n,))])]
     lay = [flat_layout(n, 2)]
-    data = torch.ones(n)
+    shards = {step: [{"u0.param": torch.full((lay[0].shard_numel,), float(step))} for r in range(2)]
+              for step in (1, 2)}
+
     def save(step):
-        recs = [write_rank_shards(root, step, r, 2, {"u0.param": owned_shard(data * step, lay[0], r)}) for r in range(2)]
+        recs = [write_rank_shards(root, step, r, 2, shards[step][r]) for r in range(2)]
         if step == 2:
-            time.sleep(60)        # killed before the index if the kill missed the writes
+            time.sleep(60)        # killed before the index even if the kill missed the writes
         write_index(root, step, {"units": unit_metas(units, lay)}, recs)
     save(1)
-    print("saved", flush=True)
+    os.write(ready_fd, b"1")
     save(2)
-""")
 
 
 def test_sigkill_mid_write_keeps_previous(tmp_path):
     n = 32 << 20                                   # 128 MiB of fp32 per save, 64 MiB per rank file
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(n)], stdout=subprocess.PIPE)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()                                # fork, not spawn: no second torch import
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            _child_saves(tmp_path, n, write_fd)
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    step2 = checkpoint_path(tmp_path, 2)
     try:
-        assert child.stdout.readline().strip() == b"saved"
-        step2 = checkpoint_path(tmp_path, 2)
+        assert os.read(read_fd, 1) == b"1"
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             tmps = list(step2.glob(".rank-*.tmp-*")) if step2.exists() else []
             if tmps and tmps[0].stat().st_size > 0:
                 break
-            time.sleep(0.001)
-        os.kill(child.pid, signal.SIGKILL)
+            time.sleep(0.0005)
     finally:
-        child.kill()
-        child.wait()
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read_fd)
     assert list(step2.glob(".rank-*.tmp-*")), "the kill did not land mid-write"
     messages = []
     found = latest_complete(tmp_path, report=messages.append)
     assert found == checkpoint_path(tmp_path, 1)
     assert "step-000002 refused" in messages[0] and "index.json" in messages[0]
-    lay = [flat_layout(n, 1)]
-    got = load_for_rank(found, 0, 1, lay)
+    got = load_for_rank(found, 0, 1, [flat_layout(n, 1)])
     assert got["u0.param"].numel() == n and bool((got["u0.param"] == 1).all())
+    # The next save at that step (a resumed run) replaces the debris and completes.
+    lay = [flat_layout(n, 2)]
+    recs = [write_rank_shards(tmp_path, 2, r, 2, {"u0.param": torch.zeros(lay[0].shard_numel)}, tag="resumed")
+            for r in range(2)]
+    write_index(tmp_path, 2, {"units": unit_metas([UnitSpec("big", [("w", (n,))])], lay)}, recs, tag="resumed")
+    assert not list(step2.glob(".rank-*.tmp-*"))
+    assert latest_complete(tmp_path) == step2
 
 
 def test_lazy_shards_fetched_one_at_a_time(tmp_path, model):
@@ -314,3 +324,33 @@ def test_cli_errors_name_the_file_without_traceback(tmp_path, model, capsys):
     assert inspect_main([str(path)]) == 1
     err = capsys.readouterr().err
     assert "index.json" in err and "Traceback" not in err
+
+
+def test_export_writes_tied_aliases(tmp_path, model):
+    """A model that lists a tied weight twice in its state dict gets both keys, for a strict load."""
+    nn = torch.nn
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.out = nn.Linear(4, 8, bias=False)
+            self.out.weight = self.emb.weight           # tied, registered twice
+
+        def units(self):
+            return [self.emb, self.out]
+    m = Tiny()
+    specs = [UnitSpec("emb", [("weight", (8, 4))]), UnitSpec("out", [])]
+    lay = [flat_layout(32, 2), flat_layout(0, 2)]
+    metas = unit_metas(specs, lay, unit_prefixes(m))
+    aliases = state_dict_aliases(m, metas)
+    assert aliases == {"out.weight": "emb.weight"}
+    w = torch.randn(32)
+    recs = [write_rank_shards(tmp_path, 1, r, 2, {"u0.param": owned_shard(w, lay[0], r),
+                                                   "u1.param": owned_shard(torch.zeros(0), lay[1], r)})
+            for r in range(2)]
+    write_index(tmp_path, 1, {"units": metas, "aliases": aliases}, recs)
+    export(tmp_path, tmp_path / "tiny.safetensors")
+    sd = load_file(str(tmp_path / "tiny.safetensors"))
+    Tiny().load_state_dict(sd, strict=True)
+    assert torch.equal(sd["out.weight"].reshape(-1), w) and torch.equal(sd["emb.weight"], sd["out.weight"])

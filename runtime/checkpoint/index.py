@@ -193,3 +193,38 @@ class Index:
 
 def body_digest(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def unit_prefixes(model) -> list[str]:
+    """Each unit's qualified module name in ``model`` (a module following the unit protocol).
+
+    These prefixes make the exported keys the model's own ``state_dict`` keys.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for i, unit in enumerate(model.units()):
+        if id(unit) not in names:
+            raise CheckpointError(f"unit {i} ({type(unit).__name__}) is not a submodule of the model")
+        out.append(names[id(unit)])
+    return out
+
+
+def state_dict_aliases(model, units: list[UnitMeta]) -> dict[str, str]:
+    """{key: key it duplicates} for parameters the model's state dict lists under a second name (tied).
+
+    The units register every parameter once; a model that also registers a
+    tied parameter elsewhere (``lm_head.weight is wte.weight``) lists it
+    twice in ``state_dict``, and export must write both keys for a strict load.
+    """
+    owned = {key for u in units for key in u.state_dict_keys()}
+    by_id = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in owned:
+            by_id.setdefault(id(p), name)
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name not in owned:
+            if id(p) not in by_id:
+                raise CheckpointError(f"parameter {name} is in no unit; the checkpoint could not restore it")
+            aliases[name] = by_id[id(p)]
+    return aliases
