@@ -212,17 +212,29 @@ def cmd_plan(args, parser) -> int:
         print(json.dumps(plan.to_json(), indent=2))
     else:
         sys.stdout.write(render_plan(plan, color=sys.stdout.isatty()))
-    if args.trace:
+    if args.trace or args.timeline:
         from zdsl.trace import predicted_trace, write_trace
-        write_trace(args.trace, predicted_trace(compiled.graph, compiled.sim))
-        print(f"wrote predicted trace {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
-    if args.timeline:
-        from zdsl.timeline import render_timeline
-        from zdsl.trace import predicted_trace
-        render_timeline(predicted_trace(compiled.graph, compiled.sim), args.timeline,
-                        title=f"{compiled.graph.schedule}: predicted step")
-        print(f"wrote predicted timeline {args.timeline}", file=sys.stderr)
+        g = compiled.graph
+        if args.trace_ranks is not None and args.trace_ranks < 1:
+            parser.error("--trace-ranks must be at least 1")
+        ranks = args.trace_ranks or traced_ranks(len(g.ops), g.ranks)
+        trace = predicted_trace(g, compiled.sim, ranks=min(ranks, g.ranks))
+        shown = "" if ranks >= g.ranks else \
+            f"; it shows {ranks} of {g.ranks} ranks, which all run the same graph: --trace-ranks N for more"
+        if args.trace:
+            write_trace(args.trace, trace)
+            print(f"wrote predicted trace {args.trace} (open it in https://ui.perfetto.dev{shown})",
+                  file=sys.stderr)
+        if args.timeline:
+            from zdsl.timeline import render_timeline
+            render_timeline(trace, args.timeline, title=f"{g.schedule}: predicted step")
+            print(f"wrote predicted timeline {args.timeline}", file=sys.stderr)
     return status_of(compiled)
+
+
+def traced_ranks(ops: int, ranks: int, budget: int = 60_000) -> int:
+    """How many ranks a predicted trace shows: all of them unless that makes a huge file."""
+    return max(1, min(ranks, budget // max(ops, 1)))
 
 
 def print_lowered(path: str, overrides, units_for) -> int:
@@ -285,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="machine-readable plan on stdout")
     plan.add_argument("--trace", metavar="OUT.json", help="write the predicted step as a Chrome trace")
     plan.add_argument("--timeline", metavar="OUT.svg", help="draw the predicted step as an SVG timeline")
+    plan.add_argument("--trace-ranks", type=int, metavar="N", default=None,
+                      help="ranks in the predicted trace (default: all, fewer for very large graphs)")
     plan.add_argument("--lowered", action="store_true", help="print the pipelines the policies expand to (.zs)")
     add_set(plan)
 

@@ -243,7 +243,7 @@ class Checker:
                     continue
                 if name in freed_by and name not in last_write:
                     f = ops[freed_by[name]]
-                    at = f" (line {f.span[0]})" if f.span else ""
+                    at = f" at line {f.span[0]}" if f.span else ""
                     self.error(f"{describe(op)} uses {plain(name)} after it was freed by {describe(f)}{at}",
                                self.op_span(op),
                                "move the `free` after the buffer's last use, or gather/copy/read it again before this statement")
