@@ -28,6 +28,7 @@ def sample_trace(ranks=2, units=6, steps=2):
     for step in range(steps):
         base = step * 100_000.0
         for r in range(ranks):
+            op_id = 0                         # SPMD: every rank runs the same graph, same op ids
             skew = 150.0 * r
             t = base + skew
             dev = 8 << 20
