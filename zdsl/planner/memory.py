@@ -78,10 +78,21 @@ def working_intervals(graph: TaskGraph) -> list[Interval]:
     return done
 
 
+class Series(list):
+    """A plain list that also answers the two numpy calls callers used when this was an array
+    (``runtime/tracing.py``: ``.any()``, ``.tolist()``); the planner avoids numpy's import time."""
+
+    def any(self) -> bool:
+        return any(self)
+
+    def tolist(self) -> list:
+        return list(self)
+
+
 @dataclass
 class TierTimeline:
-    times: list[float]          # seconds, sorted
-    working: list[int]          # working bytes live just after each time
+    times: Series               # seconds, sorted
+    working: Series             # working bytes live just after each time
     model_states: int           # constant over the step
 
     @property
@@ -163,7 +174,7 @@ def memory_timeline(graph: TaskGraph, start: list[float], end: list[float]) -> M
             live += delta
             times.append(min(t, step_end))
             working.append(live)
-        tiers[tier] = TierTimeline(times=times, working=working,
+        tiers[tier] = TierTimeline(times=Series(times), working=Series(working),
                                    model_states=sum(states.get(tier, {}).values()))
     return MemoryTimeline(tiers=tiers, states=states, intervals=intervals,
                           alloc_time=alloc_t, free_time=free_t)
