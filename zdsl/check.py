@@ -102,7 +102,6 @@ class Checker:
         self.r = Reader()
         self.sources: dict[str, str] = {}
         self.units: list[UnitSpec] | None = None
-        self.first: dict[str, ast.Stmt] = {}
 
     # -- driver ----------------------------------------------------------------
 
@@ -137,9 +136,9 @@ class Checker:
         diagnostics = self.r.diagnostics
         attach_sources(diagnostics, self.sources)
         if self.r.failed:
-            order = {"error": 0, "note": 0, "warning": 1}
-            raise ZsError(sorted(diagnostics, key=lambda d: order.get(d.severity, 3)))
-        return self.s, [d for d in diagnostics if d.severity != NOTE]
+            raise ZsError(_in_reading_order(diagnostics, program.file))
+        return self.s, _in_reading_order([d for d in diagnostics if d.severity != NOTE],
+                                         program.file)
 
     def _index(self, statements: list[ast.Stmt]) -> dict[str, list[ast.Stmt]]:
         """Statements by keyword; a statement given twice is an error at both places."""
@@ -638,6 +637,21 @@ class Checker:
             self.r.warn(s.spans["prefetch"], "prefetch has no effect here: parameters are "
                                              "gathered only at zero 3",
                         hint="add `zero 3`, or remove prefetch")
+
+
+def _in_reading_order(diagnostics: list[Diagnostic], main_file: str) -> list[Diagnostic]:
+    """Errors first, each kind top to bottom (the main file before included ones and
+    overrides); a note stays right after the error it explains."""
+    keyed, last = [], (0, (0, 0, 0), 0)
+    for i, d in enumerate(diagnostics):
+        if d.severity == NOTE:
+            keyed.append((last + (1,), d))
+            continue
+        s = d.span
+        where = (False, 0, 0) if s is None else (s.file != main_file, s.line, s.column)
+        last = (0 if d.is_error else 1, where, i)
+        keyed.append((last + (0,), d))
+    return [d for _, d in sorted(keyed, key=lambda kd: kd[0])]
 
 
 def _where(span: Span) -> str:
