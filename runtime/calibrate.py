@@ -626,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Measure this machine and write a `machine` profile for schedules.")
     ap.add_argument("--out", help="file to write (default: print the profile)")
     ap.add_argument("--quick", action="store_true", help="shorter, noisier measurements (< 15 s)")
-    ap.add_argument("--ranks", type=int, default=2, help="processes measuring at once (default 2)")
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="processes measuring at once (default: the schedule's ranks, else 2)")
     ap.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     ap.add_argument("--disk", dest="disk_folder", default=None,
                     help="folder for the disk test: where NVMe offload will swap (default: temp folder)")
@@ -636,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure at this schedule's model size, ranks and NVMe folder, block and depth")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    shape = {}
+    shape, ranks = {}, 2
     if a.schedule:
         try:
             shape, ranks, folder = shape_of_schedule(a.schedule)
@@ -644,8 +645,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         a.disk_folder = a.disk_folder or folder
-        if "--ranks" not in (argv if argv is not None else sys.argv[1:]):
-            a.ranks = ranks
+    a.ranks = ranks if a.ranks is None else a.ranks
     shape.update({k: getattr(a, k) for k in ("width", "heads", "context", "batch") if getattr(a, k) is not None})
     start = time.perf_counter()
     try:
