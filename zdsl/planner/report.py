@@ -69,8 +69,8 @@ class Plan:
             "predicted_step_s": sim.step_s,
             "lower_bound_s": sim.bound_s,
             "overlap_efficiency": sim.overlap_efficiency,
-            "lanes": {lane: {"busy_s": busy, "share": busy / sim.step_s if sim.step_s else 0.0}
-                      for lane, busy in sim.lane_busy.items()},
+            "lanes": dict(sim.lane_busy),            # lane -> busy seconds
+            "lane_share": {lane: busy / sim.step_s if sim.step_s else 0.0 for lane, busy in sim.lane_busy.items()},
             "critical_path": {"ops": len(sim.critical_path), "by_kind_s": self.critical_by_kind()},
         }
 
