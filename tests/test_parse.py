@@ -220,3 +220,20 @@ def test_ast_keeps_values_as_written():
 def test_syntax_error_is_zserror():
     with pytest.raises(ZsError):
         parse_text("zero\n")
+
+
+def test_every_example_in_the_language_reference_parses():
+    readme = (Path(__file__).resolve().parent.parent / "grammar" / "README.md").read_text()
+    blocks = readme.split("```")[1::2]
+    examples = [b for b in blocks if not b.lstrip().split(":")[0].endswith(".zs")]
+    assert len(examples) > 15
+    for block in examples:
+        parse_text(block, "README.md")
+
+
+def test_front_end_imports_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys, zdsl.check, zdsl.printer, zdsl.parse, zdsl.errors, zdsl.sizes; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
