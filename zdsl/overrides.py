@@ -181,6 +181,9 @@ def _merge_args(statements, keyword, new, get_args, with_args, missing=None):
         callee = ast.Name("adamw", new.call.callee.span)
         new = dataclasses.replace(new, call=dataclasses.replace(new.call, callee=callee))
     elif keyword in ("data", "machine"):
-        callee = ast.Name("synthetic" if keyword == "data" else "cpu", new.call.callee.span)
+        ranks = next((s for s in statements if isinstance(s, ast.RanksStmt)), None)
+        on_cuda = ranks is not None and ranks.device is not None and ranks.device.value == "cuda"
+        base = "cuda" if on_cuda else "cpu"
+        callee = ast.Name("synthetic" if keyword == "data" else base, new.call.callee.span)
         new = dataclasses.replace(new, call=dataclasses.replace(new.call, callee=callee))
     return statements + [new]
