@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from zdsl.layout import flat_layout
 from zdsl.runtime.checkpoint import (CheckpointError, LazyShard, apply_retention, check_checkpoint, checkpoint_path,
                                      export, inspect, latest_complete, list_checkpoints, load_for_rank,
-                                     owned_shard, read_index, state_dict_aliases, unit_metas, unit_prefixes, write_index, write_rank_shards)
+                                     owned_shard, read_index, remove_incomplete, state_dict_aliases, unit_metas, unit_prefixes, write_index, write_rank_shards)
 from zdsl.units import UnitSpec, gpt_units
 
 CFG = dict(layers=2, width=32, heads=2, vocab=64, context=16)
@@ -234,6 +234,8 @@ def test_retention_keeps_last_complete(tmp_path, model):
     assert latest_complete(tmp_path, report=lambda m: None) == checkpoint_path(tmp_path, 4)
     with pytest.raises(CheckpointError):
         apply_retention(tmp_path, keep=0)
+    assert [p.name for p in remove_incomplete(tmp_path)] == ["step-000005"]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 4]
 
 
 def _child_saves(root, n, ready_fd):

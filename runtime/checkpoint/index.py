@@ -177,12 +177,16 @@ class Index:
         if digest != body_digest(body):
             raise CheckpointError(f"{where}: digest mismatch (index altered)")
         try:
-            return Index(int(body["step"]), int(body["ranks"]), [UnitMeta.from_json(u) for u in body["units"]],
-                         [FileRecord.from_json(f) for f in body["files"]], body.get("schedule_hash", ""),
-                         body.get("data_position") or {}, body.get("loss_scaler"), body.get("aliases") or {},
-                         body.get("extra") or {})
+            index = Index(int(body["step"]), int(body["ranks"]), [UnitMeta.from_json(u) for u in body["units"]],
+                          [FileRecord.from_json(f) for f in body["files"]], body.get("schedule_hash", ""),
+                          body.get("data_position") or {}, body.get("loss_scaler"), body.get("aliases") or {},
+                          body.get("extra") or {})
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise CheckpointError(f"{where}: malformed index ({type(e).__name__}: {e})") from None
+        for f in index.files:      # file names come from the index: never let one point elsewhere
+            if f.name != rank_file_name(f.rank, index.ranks):
+                raise CheckpointError(f"{where}: file {f.name!r} is not rank {f.rank}'s file name")
+        return index
 
     def file_for_rank(self, rank: int) -> FileRecord:
         for f in self.files:

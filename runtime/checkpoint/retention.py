@@ -38,13 +38,18 @@ def apply_retention(root, keep: int, *, verify: bool = False) -> list[Path]:
     kept = set(complete[-keep:])
     newest = complete[-1]
     doomed = [p for step, p in found if step not in kept and step < newest]
-    deleted = []
-    for p in doomed:
-        trash = p.with_name(f".deleting-{p.name}-{os.getpid()}")
+    return [p for p in doomed if _delete(p)]
+
+
+def _delete(p: Path) -> bool:
+    """Rename ``p`` out of the ``step-*`` namespace, then remove it; False if it is already gone."""
+    trash = p.with_name(f".deleting-{p.name}-{os.getpid()}")
+    try:
         os.replace(p, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-        deleted.append(p)
-    return deleted
+    except FileNotFoundError:
+        return False
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
 
 
 def remove_incomplete(root) -> list[Path]:
@@ -54,8 +59,6 @@ def remove_incomplete(root) -> list[Path]:
         try:
             check_checkpoint(p, full=False)
         except CheckpointError:
-            trash = p.with_name(f".deleting-{p.name}-{os.getpid()}")
-            os.replace(p, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-            deleted.append(p)
+            if _delete(p):
+                deleted.append(p)
     return deleted

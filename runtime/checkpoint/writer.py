@@ -188,6 +188,7 @@ def write_index(root, step: int, meta: dict, records: list[FileRecord] | None = 
                   dict(meta.get("data_position") or {}), meta.get("loss_scaler"),
                   dict(meta.get("aliases") or {}), dict(meta.get("extra") or {}))
     try:
+        fsync_dir(step_dir.parent)        # the step folder's own entry is durable before the index says "complete"
         write_atomic(step_dir / INDEX_NAME, index.to_json_bytes())
     except OSError as e:
         raise CheckpointError(f"{step_dir / INDEX_NAME}: write failed: {e.strerror or e}") from None
