@@ -156,7 +156,7 @@ def same_graph(a, b) -> bool:
 
 
 def test_missing_runtime_command_says_not_available(monkeypatch, capsys):
-    monkeypatch.setitem(cli.DELEGATED, "export", "zdsl.runtime.no_such_module_here")
+    monkeypatch.setitem(cli.DELEGATED, "export", ("zdsl.runtime.no_such_module_here",))
     status, _, err = run(["export", "ckpt"], capsys)
     assert status == 2 and "not available yet" in err
 
@@ -166,7 +166,7 @@ def test_delegated_command_gets_its_arguments(monkeypatch, capsys):
     fake = type(sys)("zdsl_fake_cli")
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
     monkeypatch.setitem(sys.modules, "zdsl_fake_cli", fake)
-    monkeypatch.setitem(cli.DELEGATED, "inspect", "zdsl_fake_cli")
+    monkeypatch.setitem(cli.DELEGATED, "inspect", ("zdsl.runtime.no_such_cli", "zdsl_fake_cli"))
     status, _, _ = run(["--log-level", "info", "inspect", "ckpt", "--json", "--set", "a=b"], capsys)
     assert status == 0 and seen["argv"] == ["ckpt", "--json", "--set", "a=b"]
 

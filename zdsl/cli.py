@@ -20,13 +20,13 @@ from pathlib import Path
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
-# subcommand -> module whose main(argv: list[str]) -> int implements it
+# subcommand -> modules (first found wins) whose main(argv: list[str]) -> int implements it
 DELEGATED = {
-    "run": "zdsl.runtime.cli_run",
-    "export": "zdsl.runtime.cli_export",
-    "inspect": "zdsl.runtime.cli_inspect",
-    "calibrate": "zdsl.runtime.cli_calibrate",
-    "tune": "zdsl.runtime.cli_tune",
+    "run": ("zdsl.runtime.cli_run",),
+    "export": ("zdsl.runtime.cli_export", "zdsl.runtime.checkpoint.export"),
+    "inspect": ("zdsl.runtime.cli_inspect", "zdsl.runtime.checkpoint.inspect"),
+    "calibrate": ("zdsl.runtime.cli_calibrate", "zdsl.runtime.calibrate"),
+    "tune": ("zdsl.runtime.cli_tune", "zdsl.runtime.tune", "zdsl.tune"),
 }
 DELEGATED_HELP = {
     "run": "train with a schedule (one process per rank)",
@@ -259,21 +259,33 @@ def print_lowered(path: str, overrides, units_for) -> int:
     return status_of(compiled)
 
 
+def find_entry(name: str):
+    """The ``main`` of the first of the subcommand's modules that exists; an error line if none."""
+    candidates = DELEGATED[name]
+    if isinstance(candidates, str):
+        candidates = (candidates,)
+    for module_name in candidates:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            missing = exc.name or ""
+            if missing == "torch" or missing.startswith("torch."):
+                return None, f"`zdsl {name}` needs PyTorch, which is not installed here (pip install torch)"
+            if module_name == missing or module_name.startswith(missing + "."):
+                continue                      # this candidate does not exist: try the next
+            return None, f"`zdsl {name}` cannot start: {module_name} needs {missing!r}, which is not installed"
+        except ImportError as exc:
+            return None, f"`zdsl {name}` cannot start: {module_name}: {exc}"
+        entry = getattr(module, "main", None)
+        if callable(entry):
+            return entry, None
+    return None, f"`zdsl {name}` is not available yet (none of {', '.join(candidates)} is installed)"
+
+
 def cmd_delegated(name: str, argv: list[str]) -> int:
-    module_name = DELEGATED[name]
-    try:
-        module = importlib.import_module(module_name)
-        entry = module.main
-    except ImportError as exc:
-        missing = getattr(exc, "name", None)
-        if missing == "torch":
-            print(f"zdsl: `zdsl {name}` needs PyTorch, which is not installed here "
-                  f"(pip install torch)", file=sys.stderr)
-        else:
-            print(f"zdsl: `zdsl {name}` is not available yet ({module_name}: {exc})", file=sys.stderr)
-        return EXIT_USAGE
-    except AttributeError:
-        print(f"zdsl: `zdsl {name}` is not available yet ({module_name} has no main)", file=sys.stderr)
+    entry, problem = find_entry(name)
+    if entry is None:
+        print(f"zdsl: {problem}", file=sys.stderr)
         return EXIT_USAGE
     result = entry(argv)
     return int(result or 0)
