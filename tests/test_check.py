@@ -279,7 +279,7 @@ def test_override_bad_value_points_at_the_override():
 
 def test_units_for_resolves_recompute_of_a_user_model(tmp_path):
     (tmp_path / "m.py").write_text("def build(**kw):\n    pass\n")
-    text = 'model "m.py:build"(hidden=8)\nrecompute blocks\n'
+    text = 'model "m.py:build"(hidden=8)\nrecompute blocks\ndata synthetic(vocab=9, context=4)\n'
     (tmp_path / "s.zs").write_text(text)
     seen = []
 
@@ -308,5 +308,12 @@ def test_model_factory_errors(tmp_path):
     assert at == (1, 7) and "not found" in d.message
     d, _ = first('model "nocolon"()\n')
     assert "file.py:function" in d.message
-    s, _ = check_text('model "mypkg.models:build"(x=1)\n')
+    s, _ = check_text('model "mypkg.models:build"(x=1)\ndata corpus("stdlib", context=8)\n')
     assert s.model.factory == "mypkg.models:build"
+
+
+def test_a_user_model_needs_the_data_shape():
+    d, at = first('model "mypkg.models:build"()\ndata corpus("stdlib")\n')
+    assert at == (2, 1) and "context" in d.message and "context=" in d.hint
+    d, at = first('model "mypkg.models:build"()\n')
+    assert at == (1, 1) and "context and vocab" in d.message

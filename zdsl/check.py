@@ -606,6 +606,18 @@ class Checker:
 
     # -- rules across statements -----------------------------------------------
 
+    def _user_model_data(self) -> None:
+        """zdsl cannot see a user model's context or vocab, so the data must state them."""
+        data, spans = self.s.data, self.s.spans
+        needed = ("context",) if data.kind == "corpus" else ("context", "vocab")
+        missing = [k for k in needed if k not in data.args]
+        if missing:
+            at = spans.get("data") or spans["model"]
+            example = 'corpus("stdlib", context=64)' if data.kind == "corpus" \
+                else "synthetic(vocab=256, context=64)"
+            self.r.error(at, f"with your own model the data must give its {' and '.join(missing)}",
+                         hint=f"data {example}")
+
     def _cross_checks(self, by_key) -> None:
         s = self.s
         if "machine" not in by_key and s.device == "cuda":
@@ -629,6 +641,8 @@ class Checker:
                 self.r.error(self.s.spans.get("model.vocab") or self.s.spans.get("model"),
                              f"corpus data is byte-level (256 tokens) but the model's vocab is {vocab}",
                              hint="model gpt(vocab=256)")
+        if model.kind == "user" and "model" in s.spans:
+            self._user_model_data()
         if s.persist_below and s.stage < 3 and "persist" in s.spans:
             self.r.warn(s.spans["persist"], "persist has an effect only with zero 3 "
                                             "(parameters are not sharded here)")
