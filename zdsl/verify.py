@@ -312,7 +312,10 @@ class Checker:
 
     def budget_where(self, tier: str) -> str:
         span = self.stmt_span(f"memory.{tier}", "memory")
-        return f" (set at line {span.line})" if span else ""
+        if span is None:
+            return ""
+        return f" (set at line {span.line})" if span.file == self.schedule.file else \
+            f" (set at {span.file}:{span.line})"
 
     def blame(self, tier: str, model: int, working: int) -> tuple[Span | None, str, str]:
         """The statement that made ``tier`` too full: prefetch depth or a placement."""
@@ -325,7 +328,9 @@ class Checker:
         top = max(kinds, key=kinds.get) if kinds else None
         cause = ""
         if top:
-            units = sorted({iv.buffer for iv in live if iv.buffer.startswith(top)})
+            units = sorted({iv.buffer for iv in live
+                            if iv.buffer.split("[", 1)[0].split("@", 1)[0] == top},
+                           key=lambda name: (len(name), name))
             shown = ", ".join(units[:4]) + (", ..." if len(units) > 4 else "")
             cause = f"; at the peak it holds mostly {STATE_WORDS.get(top, top)} ({shown})"
         gathered = sorted((iv.bytes for iv in live if iv.buffer.startswith("param_full")), reverse=True)
