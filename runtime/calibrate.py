@@ -5,9 +5,10 @@ handful of rates from :class:`zdsl.schedule.MachineProfile`. Its predictions
 are only as good as those rates, so each is measured here *the way the
 planner uses it*, under the conditions of a real run:
 
-* ``flops``: forward + backward of one GPT block of the model's size,
-  divided by the flops the compiler charges for it (3x the analytic forward
-  flops), i.e. the rate ``op.flops / flops`` needs. Plain ``torch.mm`` at
+* ``flops``: forward + backward of the schedule's GPT (``--schedule``), or
+  of one GPT block of the given size, divided by the flops the compiler
+  charges for it (3x the analytic forward flops), i.e. the rate
+  ``op.flops / flops`` needs: tiny models run far below the matmul peak. Plain ``torch.mm`` at
   the block's shapes is reported beside it (the ceiling). fp32 on CPU,
   bf16 on CUDA.
 * ``host_flops``: the same on the host CPU (the device rate on a CPU box).
@@ -28,6 +29,7 @@ statement that a schedule includes (``include "machine.zs"``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import mmap
 import os
@@ -68,6 +70,8 @@ class Settings:
     disk_folder: str | None = None   # where the NVMe test files go (default: the temp folder)
     quick: bool = False
     width: int | None = None         # model shape the compute rate is measured at
+    layers: int | None = None        # with layers (and vocab): the whole model, else one block
+    vocab: int | None = None
     heads: int | None = None
     context: int | None = None
     batch: int | None = None
@@ -136,6 +140,8 @@ def _model_shape(s: Settings, device) -> dict:
         "heads": s.heads or (12 if cuda else 4),
         "context": s.context or (1024 if cuda else 32),
         "batch": s.batch or (8 if cuda else 4),
+        "layers": s.layers,
+        "vocab": s.vocab or 256,
     }
 
 
@@ -156,22 +162,36 @@ def measure_compute(device, s: Settings, dtype) -> dict:
         t_mm = _median_time(lambda: [torch.mm(a, b, out=c) for a, b, c in mats], sync, budget)
     out = {"mm_flops": mm_flops / t_mm, "shape": shape, "dtype": str(dtype).replace("torch.", "")}
     try:
-        from .models.gpt import Block
+        from .models.gpt import GPT, Block
     except Exception as e:  # the model is optional here: fall back to the matmul rate
         out["block_flops"] = None
-        out["block_note"] = f"GPT block unavailable ({type(e).__name__}); flops = matmul rate"
+        out["block_note"] = f"GPT model unavailable ({type(e).__name__}); flops = matmul rate"
         return out
     torch.manual_seed(0)
-    block = Block(d, shape["heads"]).to(device=device, dtype=dtype)
-    x = torch.randn(shape["batch"], shape["context"], d, device=device, dtype=dtype, requires_grad=True)
-    g = torch.randn_like(x)
+    b, T, heads = shape["batch"], shape["context"], shape["heads"]
+    if shape.get("layers"):
+        # The whole model, embedding and head included: what a step's compute lane runs.
+        layers, vocab = shape["layers"], shape["vocab"]
+        model = GPT(layers, d, heads, vocab, T, device=device).to(dtype=dtype)
+        idx = torch.randint(vocab, (b, T), device=device)
+        tgt = torch.randint(vocab, (b, T), device=device)
 
-    def fwd_bwd():
-        block(x).backward(g)
-    t_block = _median_time(fwd_bwd, sync, budget)
-    spec = gpt_units(1, d, shape["heads"], 256, shape["context"])[1]
-    charged = 3.0 * spec.fwd_flops_per_seq * shape["batch"]      # forward + 2x for backward
-    out["block_flops"] = charged / t_block
+        def fwd_bwd():
+            model(idx, tgt).backward()
+        specs = gpt_units(layers, d, heads, vocab, T)
+        out["measured"] = f"GPT forward+backward: layers {layers}, vocab {vocab}, "
+    else:
+        block = Block(d, heads).to(device=device, dtype=dtype)
+        x = torch.randn(b, T, d, device=device, dtype=dtype, requires_grad=True)
+        g = torch.randn_like(x)
+
+        def fwd_bwd():
+            block(x).backward(g)
+        specs = gpt_units(1, d, heads, 256, T)[1:2]
+        out["measured"] = "GPT block forward+backward: "
+    t_model = _median_time(fwd_bwd, sync, budget)
+    charged = 3.0 * b * sum(u.fwd_flops_per_seq for u in specs)   # forward + 2x for backward
+    out["block_flops"] = charged / t_model
     return out
 
 
@@ -398,7 +418,8 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         out["compute"] = measure_compute(device, s, dtype)
         if device.type == "cuda":
-            out["host_compute"] = measure_compute(torch.device("cpu"), s, torch.float32)
+            small = dataclasses.replace(s, width=None, heads=None, context=None, batch=None, layers=None)
+            out["host_compute"] = measure_compute(torch.device("cpu"), small, torch.float32)
         barrier("compute")
         report("optimizer")
         out["optimizer"] = measure_optimizer(device, s)
@@ -485,7 +506,7 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         f"on {platform.node() or 'this machine'}, {when}",
         f"torch {torch.__version__}, backend {backend}, {world} rank(s) measuring at once on {first['device']}, "
         f"{first['threads']} thread(s) per rank; every rate is the slowest rank's",
-        f"  flops       GPT block forward+backward: width {shape['width']}, heads {shape['heads']}, "
+        f"  flops       {comp.get('measured', '')}width {shape['width']}, heads {shape['heads']}, "
         f"context {shape['context']}, batch {shape['batch']}, {comp['dtype']}",
         f"              (torch.mm alone at its shapes: {_num(mm)} flop/s"
         + (f"; {comp['block_note']})" if comp.get("block_note") else ")"),
@@ -605,7 +626,8 @@ def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:
     if schedule.model.kind == "gpt":
         from zdsl.units import GPT_DEFAULTS
         args = {**GPT_DEFAULTS, **schedule.model.args}
-        shape.update(width=args["width"], heads=args["heads"], context=args["context"])
+        shape.update(width=args["width"], heads=args["heads"], context=args["context"],
+                     layers=args["layers"], vocab=args["vocab"])
     shape["batch"] = schedule.train.batch
     folder = None
     for placement in schedule.placement.values():
@@ -631,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     ap.add_argument("--disk", dest="disk_folder", default=None,
                     help="folder for the disk test: where NVMe offload will swap (default: temp folder)")
-    for name in ("width", "heads", "context", "batch"):
+    for name in ("layers", "width", "heads", "vocab", "context", "batch"):
         ap.add_argument(f"--{name}", type=int, default=None, help=f"model {name} the compute rate is measured at")
     ap.add_argument("--schedule", metavar="FILE.zs",
                     help="measure at this schedule's model size, ranks and NVMe folder, block and depth")
@@ -646,7 +668,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         a.disk_folder = a.disk_folder or folder
     a.ranks = ranks if a.ranks is None else a.ranks
-    shape.update({k: getattr(a, k) for k in ("width", "heads", "context", "batch") if getattr(a, k) is not None})
+    shape.update({k: getattr(a, k) for k in ("layers", "width", "heads", "vocab", "context", "batch")
+                  if getattr(a, k) is not None})
     start = time.perf_counter()
     try:
         cal = calibrate(a.backend, a.ranks, a.disk_folder, a.quick, progress=not a.no_progress, **shape)
