@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Callable
 
 from . import ast
+from .check_pipelines import check_pipeline, check_pipelines_complete
+from .check_placement import PlacementChecks
 from .errors import (NOTE, Diagnostic, ZsError, attach_sources, did_you_mean, error,
                      note)
 from .include import expand_includes, path_exists, resolve_relative
 from .overrides import MACHINE_KEYS, apply_overrides
-from .check_pipelines import check_pipeline, check_pipelines_complete
-from .check_placement import PlacementChecks
 from .parse import parse_text, read_source
 from .schedule import (ALL_OVERLAPS, DEVICES, PRECISIONS, CheckpointSpec, DataSpec,
                        MachineProfile, ModelSpec, OptimizerSpec, Schedule, Span, TrainSpec)
