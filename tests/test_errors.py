@@ -104,3 +104,13 @@ def test_warnings_do_not_fail():
     s, warnings = check_text(HEADER + "zero 1\npersist below 10\n", "t.zs")
     assert s.persist_below == 10
     assert render(warnings[0]).startswith("t.zs:3:1: warning: persist")
+
+
+def test_render_cuts_long_lines_around_the_caret():
+    line = "train steps=" + "9" * 3000 + ", batch=x"
+    d = only(HEADER + line + "\n")
+    shown = render(d, None).splitlines()
+    assert len(shown[1]) < 200 and shown[1].startswith("    train steps=999")
+    d = Diagnostic("error", Span("x.zs", 1, 3003, 3004), "m")
+    text, caret = render(d, line).splitlines()[1:3]
+    assert len(text) < 200 and text[caret.index("^")] == line[3002]

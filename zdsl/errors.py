@@ -123,6 +123,8 @@ def render(diag: Diagnostic, source_text: str | None = None) -> str:
             col = max(1, span.column)
             end = span.end_column if span.end_column and span.end_column > col else col + 1
             end = min(end, max(len(line) + 1, col + 1))
+            if len(line) > _MAX_SHOWN:
+                line, col, end = _window(line, col, end)
             pad = "".join("\t" if c == "\t" else " " for c in line[:col - 1])
             pad += " " * max(0, col - 1 - len(line))
             out.append("    " + line)
@@ -130,6 +132,19 @@ def render(diag: Diagnostic, source_text: str | None = None) -> str:
     if diag.hint:
         out.append(f"hint: {diag.hint}")
     return "\n".join(out)
+
+
+_MAX_SHOWN = 160
+
+
+def _window(line: str, col: int, end: int) -> tuple[str, int, int]:
+    """A long line cut down to the part around the caret, with '...' where cut."""
+    lo = max(0, col - 1 - 60)
+    hi = min(len(line), lo + _MAX_SHOWN - 20)
+    prefix = "..." if lo > 0 else ""
+    suffix = "..." if hi < len(line) else ""
+    shift = len(prefix) - lo
+    return prefix + line[lo:hi] + suffix, col + shift, min(end, hi + 1) + shift
 
 
 def _read_line(file: str, line: int) -> str | None:
