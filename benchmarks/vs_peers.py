@@ -277,6 +277,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("vs_peers.py: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None) -> int:
     args = parse_args(argv)
     from zdsl.units import gpt_parameter_count
 
@@ -289,8 +297,12 @@ def main(argv=None) -> int:
     print(f"2 ranks on gloo, batch {cfg.batch} per rank, AdamW fp32, {cfg.warmup} warm-up + {cfg.steps} "
           f"measured steps, {args.reps} interleaved repetitions, data {cfg.data}", flush=True)
 
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vs_peers-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vs_peers-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"vs_peers.py: error: cannot use --workdir {args.workdir}: {exc.strerror}", file=sys.stderr)
+        return 2
     outcomes = {k: Outcome(PEERS[k]) for k in args.peer_keys}
     check_availability(outcomes, cfg, workdir)
     for rep in range(args.reps):
@@ -313,8 +325,13 @@ def main(argv=None) -> int:
     print_table(rows, args.baseline)
     print(f"(job folders: {workdir})")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(parameters=params, config=json.loads(cfg.to_json()),
-                                                   reps=args.reps, baseline=args.baseline, rows=rows), indent=1))
+        try:
+            Path(args.json).write_text(json.dumps(dict(parameters=params, config=json.loads(cfg.to_json()),
+                                                       reps=args.reps, baseline=args.baseline, rows=rows),
+                                                  indent=1))
+        except OSError as exc:
+            print(f"vs_peers.py: error: cannot write --json {args.json}: {exc.strerror}", file=sys.stderr)
+            return 2
     return 0 if all(r["status"] == "ok" or r["status"].startswith("unavailable") for r in rows) else 1
 
 
