@@ -4,7 +4,7 @@ import time
 import pytest
 
 from zdsl.ir import Op, TaskGraph
-from zdsl.overlap import analyze, summarize, times_from_trace
+from zdsl.overlap import analyze, summarize, times_from_trace, typical
 
 
 def graph_of(ops):
@@ -106,3 +106,9 @@ def test_fifty_thousand_ops_is_fast():
     r = analyze(g, times)
     assert time.perf_counter() - t0 < 5.0      # ~0.3 s on an idle core
     assert r.ops == n and 0 < r.efficiency <= 1.0
+
+
+def test_typical_is_the_median_step():
+    reports = [analyze(GRAPH, {k: (s * f, e * f) for k, (s, e) in TIMES.items()}) for f in (3.0, 1.0, 1.2)]
+    assert typical(reports).step_time == pytest.approx(7.0 * 1.2)
+    assert typical([]) is None

@@ -232,6 +232,13 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
                          lower_bound=lower, efficiency=efficiency, rank=rank, ops=n, notes=notes)
 
 
+def typical(reports: Iterable[OverlapReport]) -> OverlapReport | None:
+    """The report of the median step (by step time): what a run summary should show,
+    unaffected by a slow first step or one hiccup."""
+    ordered = sorted(reports, key=lambda r: r.step_time)
+    return ordered[(len(ordered) - 1) // 2] if ordered else None
+
+
 def summarize(reports: Iterable[OverlapReport]) -> dict:
     """All ranks together: the step is as slow as its slowest rank.
 
