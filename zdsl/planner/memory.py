@@ -61,6 +61,7 @@ def working_intervals(graph: TaskGraph) -> list[Interval]:
     live: dict[str, Interval] = {}
     done: list[Interval] = []
     buffers = graph.buffers
+    working = {name for name, buf in buffers.items() if not buf.persistent}
     for i, op in enumerate(graph.ops):
         if op.kind == "mem.free":
             for name in (*op.reads, *op.writes):
@@ -70,10 +71,9 @@ def working_intervals(graph: TaskGraph) -> list[Interval]:
                     done.append(iv)
             continue
         for name in op.writes:
-            buf = buffers.get(name)
-            if buf is None or buf.persistent or name in live:
-                continue
-            live[name] = Interval(name, buf.tier, buf.bytes, i, None)
+            if name in working and name not in live:
+                buf = buffers[name]
+                live[name] = Interval(name, buf.tier, buf.bytes, i, None)
     done.extend(live.values())
     return done
 

@@ -100,17 +100,20 @@ def op_durations(graph: TaskGraph, machine: MachineProfile) -> list[float]:
 def predecessors(graph: TaskGraph) -> tuple[list[list[int]], list[int]]:
     """Per op position: its deps as positions, and the previous op on its lane (-1 if first)."""
     ops = graph.ops
-    last_on_lane: dict[str, int] = {}
-    lane_prev = [0] * len(ops)
-    for i, op in enumerate(ops):
-        lane_prev[i] = last_on_lane.get(op.lane, -1)
-        last_on_lane[op.lane] = i
     n = len(ops)
-    lo = min((min(op.deps) for op in ops if op.deps), default=0)
-    hi = max((max(op.deps) for op in ops if op.deps), default=-1)
-    if 0 <= lo and hi < n and all(op.id == i for i, op in enumerate(ops)):
-        deps = [op.deps for op in ops]      # ids are positions (the compiler's case): use as they are
-    else:
+    last_on_lane: dict[str, int] = {}
+    lane_prev = [0] * n
+    deps = [None] * n
+    positional = True                   # ids are positions and deps point inside (the compiler's case)
+    for i, op in enumerate(ops):
+        lane = op.lane
+        lane_prev[i] = last_on_lane.get(lane, -1)
+        last_on_lane[lane] = i
+        ds = op.deps
+        deps[i] = ds
+        if positional and (op.id != i or (ds and (min(ds) < 0 or max(ds) >= n))):
+            positional = False
+    if not positional:
         index = {op.id: i for i, op in enumerate(ops)}
         deps = [[index[d] for d in op.deps if d in index] for op in ops]
     return deps, lane_prev
