@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 
 import pytest
 import torch
@@ -43,7 +44,8 @@ def make_schedule(world: int, stage: int, accumulate: int = 1, precision: str = 
                                          momentum=momentum),
                  ranks=world, stage=stage, recompute=set(recompute), bucket_bytes=bucket_bytes)
     for state, tier in (offload or {}).items():
-        s.placement[state] = Placement(tier=tier)
+        path = os.path.join(tempfile.gettempdir(), "zdsl-parity-nvme") if tier == "nvme" else None
+        s.placement[state] = Placement(tier=tier, path=path, block_bytes=1 << 16, queue_depth=4)
     return s
 
 
@@ -101,6 +103,11 @@ FP32_BITWISE = {
     "stage3_recompute_buckets": dict(stage=3, recompute=(1, 2), bucket_bytes=4096),
     "stage3_sgd": dict(stage=3, kind="sgd", momentum=0.9),
     "stage2_adam": dict(stage=2, kind="adam"),
+    "stage1_offload_optimizer": dict(stage=1, offload={"optimizer": "cpu"}),
+    "stage2_offload_gradients": dict(stage=2, offload={"gradients": "cpu"}),
+    "stage3_offload_optimizer": dict(stage=3, offload={"optimizer": "cpu"}),
+    "stage3_parameters_nvme_optimizer_cpu": dict(stage=3, offload={"parameters": "nvme", "optimizer": "cpu"}),
+    "stage3_optimizer_nvme": dict(stage=3, offload={"optimizer": "nvme"}),
 }
 FP32_CLOSE = {
     "stage3_clip": dict(stage=3, clip=0.5, kind="sgd", momentum=0.9),
