@@ -82,8 +82,9 @@ def chrome_trace(spans: list[TraceSpan], deps: dict[int, list[int]] | None = Non
             if src is None or src.lane == s.lane:
                 continue
             flow += 1
+            # the start binds to the slice enclosing its time: the producer's middle is inside it
             events.append({"ph": "s", "name": "dep", "cat": "dep", "id": flow, "pid": rank,
-                           "tid": lane_tid(src.lane), "ts": src.start_s * US})
+                           "tid": lane_tid(src.lane), "ts": (src.start_s + src.end_s) / 2 * US})
             events.append({"ph": "f", "bp": "e", "name": "dep", "cat": "dep", "id": flow, "pid": rank,
                            "tid": lane_tid(s.lane), "ts": s.start_s * US})
     for c in counters or []:
