@@ -104,11 +104,15 @@ def test_round_trip_same_ranks(tmp_path, model):
     assert latest_complete(tmp_path) == path
 
 
-@pytest.mark.parametrize("crc_block", [None, 100])
-def test_recut_2_to_4_to_1(tmp_path, model, monkeypatch, crc_block):
-    """Exact re-cut; with 100-byte checksum blocks the slices start and end mid-block."""
-    if crc_block:
-        monkeypatch.setattr("zdsl.runtime.checkpoint.stformat.CRC_BLOCK", crc_block)
+@pytest.mark.parametrize("io", ["default", "small blocks", "buffered"])
+def test_recut_2_to_4_to_1(tmp_path, model, monkeypatch, io):
+    """Exact re-cut. Small blocks: 100-byte checksum blocks and 8 KiB transfers, so slices start and
+    end mid-block and reads span many transfers; buffered: the fallback without O_DIRECT."""
+    if io == "small blocks":
+        monkeypatch.setattr("zdsl.runtime.checkpoint.stformat.CRC_BLOCK", 100)
+        monkeypatch.setattr("zdsl.runtime.checkpoint.directio.BOUNCE", 8192)
+    if io == "buffered":
+        monkeypatch.setattr("zdsl.runtime.checkpoint.directio._open_direct", lambda *a, **k: None)
     units, full = model
     save(tmp_path / "a", 1, units, full, 2, bucket=700)
     lay4 = layouts_for(units, 4, bucket=2000)

@@ -22,6 +22,7 @@ import torch
 
 from .index import INDEX_NAME, CheckpointError, shard_key
 from .reader import full_unit, latest_complete, open_files, read_index
+from .directio import Sink
 from .stformat import build_header, byte_view, dtype_code, write_stream
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -96,15 +97,13 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
                 yield byte_view(cast[out_dtype][off:off + n])
             del flat, cast
 
-    from concurrent.futures import ThreadPoolExecutor
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sink = Sink(str(tmp))
         try:
-            with ThreadPoolExecutor(1, thread_name_prefix="ckpt-export") as pool:
-                write_stream(fd, header, tensors(), pool)
-            os.fsync(fd)
+            write_stream(sink, header, tensors())
+            sink.close()
         finally:
-            os.close(fd)
+            sink.abort()
         os.replace(tmp, out_file)
     except OSError as e:
         tmp.unlink(missing_ok=True)

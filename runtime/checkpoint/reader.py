@@ -22,7 +22,7 @@ import torch
 from zdsl.layout import FlatLayout
 
 from .index import (INDEX_NAME, STEP_RE, CheckpointError, Index, parse_shard_key, shard_key)
-from .stformat import CRC_BLOCK, ShardFile, byte_view, torch_dtype
+from .stformat import ShardFile, byte_view, torch_dtype
 
 log = logging.getLogger("zdsl.checkpoint")
 
@@ -81,13 +81,12 @@ def check_checkpoint(ckpt_path, *, full: bool = True) -> Index:
     files = open_files(ckpt_path, index)
     try:
         if full:
-            scratch = bytearray(CRC_BLOCK)
             for rec in index.files:
                 f = files[rec.rank]
                 if set(f.entries) != set(rec.tensors):
                     raise CheckpointError(f"{f.path}: holds other tensors than the index records (file altered)")
                 for name, entry in rec.tensors.items():
-                    f.verify(name, entry, scratch)
+                    f.verify(name, entry)
     finally:
         for f in files.values():
             f.close()

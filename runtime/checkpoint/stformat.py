@@ -22,11 +22,11 @@ import json
 import os
 import struct
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from .directio import Sink, Source
 from .index import CheckpointError
 
 CRC_BLOCK = 16 << 20      # bytes per checksum block, and per read or write call
@@ -126,44 +126,22 @@ def build_header(specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[s
     return struct.pack("<Q", len(text)) + text, offsets
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    while len(data):
-        n = os.write(fd, data)
-        data = data[n:]
-
-
-def write_stream(fd: int, header: bytes, tensors, pool: ThreadPoolExecutor) -> list[tuple[int, ...]]:
+def write_stream(sink: Sink, header: bytes, tensors) -> list[tuple[int, ...]]:
     """Write ``header`` then each tensor's bytes (``tensors`` yields one memoryview per tensor).
 
-    Returns the block CRCs of each tensor. Each block's write runs in
-    ``pool`` while this thread checksums the same block.
+    Returns the block CRCs of each tensor; the sink's worker writes one
+    block while this thread checksums and copies the next.
     """
-    _write_all(fd, memoryview(header))
-    pos = len(header)
+    sink.write(memoryview(header))
     crcs = []
     for view in tensors:
         blocks = []
         for off in range(0, len(view), CRC_BLOCK):
             chunk = view[off:off + CRC_BLOCK]
-            fut = pool.submit(_write_block, fd, chunk, pos)
             blocks.append(zlib.crc32(chunk))
-            fut.result()
-            pos += len(chunk)
+            sink.write(chunk)
         crcs.append(tuple(blocks))
     return crcs
-
-
-def _write_block(fd: int, data: memoryview, pos: int) -> None:
-    """Write a block and start its writeback at once.
-
-    Without the hint the kernel buffers the whole file in the page cache
-    and the final fsync writes it all while nothing else happens; asking to
-    drop the range starts writeback of its dirty pages now, so the disk
-    works while the next blocks are copied and checksummed.
-    """
-    _write_all(fd, data)
-    if hasattr(os, "posix_fadvise") and len(data):
-        os.posix_fadvise(fd, pos, len(data), os.POSIX_FADV_DONTNEED)
 
 
 def write_file(path: str, tensors: dict, metadata: dict[str, str]) -> tuple[int, int, dict[str, TensorEntry]]:
@@ -174,17 +152,12 @@ def write_file(path: str, tensors: dict, metadata: dict[str, str]) -> tuple[int,
     names = list(tensors)
     specs = [(n, dtype_code(tensors[n].dtype), tuple(tensors[n].shape)) for n in names]
     header, offsets = build_header(specs, metadata)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sink = Sink(path)
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="ckpt-write") as pool:
-            crcs = write_stream(fd, header, (_materialise(n, tensors[n]) for n in names), pool)
-        os.fsync(fd)
-        size = os.fstat(fd).st_size
-        if hasattr(os, "posix_fadvise"):
-            # The data is on disk; do not let a checkpoint push the training set out of the page cache.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        crcs = write_stream(sink, header, (_materialise(n, tensors[n]) for n in names))
+        size = sink.close()
     finally:
-        os.close(fd)
+        sink.abort()
     entries = {n: TensorEntry(c, s, b, e, crc, CRC_BLOCK) for (n, c, s), (b, e), crc in zip(specs, offsets, crcs)}
     return size, zlib.crc32(header), entries
 
@@ -234,6 +207,7 @@ class ShardFile:
                 end = max(end, e)
             if self.data_start + end > self.size:
                 raise CheckpointError(f"{path}: truncated ({self.size} bytes, header needs {self.data_start + end})")
+            self.source = Source(path, self.fd)
         except CheckpointError:
             os.close(self.fd)
             raise
@@ -243,6 +217,7 @@ class ShardFile:
 
     def close(self) -> None:
         if self.fd >= 0:
+            self.source.close()
             os.close(self.fd)
             self.fd = -1
 
@@ -267,71 +242,48 @@ class ShardFile:
         self.read_range(name, expected, 0, e - b, byte_view(out))
         return out
 
-    def read_range(self, name: str, expected: TensorEntry | None, lo: int, hi: int, dest: memoryview) -> None:
-        """Bytes [lo, hi) of tensor ``name`` into ``dest``, checking every block they touch.
+    def verify(self, name: str, expected: TensorEntry) -> None:
+        """Check every block of tensor ``name`` against its record, keeping nothing."""
+        code, shape, b, e = self._entry(name, expected)
+        self.read_range(name, expected, 0, e - b, None)
 
-        Whole blocks are read straight into ``dest``; a block the range only
-        partly covers is read whole into scratch, checked, and its part
-        copied. The read of block k+1 runs in a worker while block k is checked.
+    def read_range(self, name: str, expected: TensorEntry | None, lo: int, hi: int,
+                   dest: memoryview | None) -> None:
+        """Bytes [lo, hi) of tensor ``name`` into ``dest`` (None: only check), checking every block touched.
+
+        With ``expected`` the read widens to whole checksum blocks, so a
+        slice (re-cutting to another rank count) is verified like a whole
+        tensor; the bytes outside [lo, hi) are checked, not copied.
         """
         code, shape, b, e = self._entry(name, expected)
-        if not 0 <= lo <= hi <= e - b or len(dest) != hi - lo:
+        size = e - b
+        if not 0 <= lo <= hi <= size or (dest is not None and len(dest) != hi - lo):
             raise CheckpointError(f"{self.path}: bad range [{lo}, {hi}) of tensor {name!r}")
+        start, end = lo, hi
+        if expected is not None:
+            blk = expected.block
+            if blk <= 0 or len(expected.crc32) != -(-size // blk):
+                raise CheckpointError(f"{self.path}: tensor {name!r} has a malformed checksum list in the index")
+            start, end = lo - lo % blk, min(-(-hi // blk) * blk, size)
+            k, crc = start // blk, 0
+            block_end = min((k + 1) * blk, size)
+        pos = start
         base = self.data_start + b
-        if expected is None:
-            for off in range(lo, hi, CRC_BLOCK):
-                n = min(CRC_BLOCK, hi - off)
-                self._read_exact(dest[off - lo:off - lo + n], base + off)
-            return
-        size, blk = e - b, expected.block
-        if len(expected.crc32) != -(-size // blk):
-            raise CheckpointError(f"{self.path}: tensor {name!r} has a malformed checksum list in the index")
-        with ThreadPoolExecutor(1, thread_name_prefix="ckpt-read") as pool:
-            pending = None
-            for k in range(lo // blk, -(-hi // blk)):
-                b0, b1 = k * blk, min((k + 1) * blk, size)
-                if lo <= b0 and b1 <= hi:
-                    buf, part = dest[b0 - lo:b1 - lo], None
-                else:
-                    buf, part = memoryview(bytearray(b1 - b0)), (max(lo, b0), min(hi, b1))
-                fut = pool.submit(self._read_exact, buf, base + b0)
-                if pending is not None:
-                    self._check(name, expected, *pending, lo, dest)
-                fut.result()
-                pending = (k, buf, part, b0)
-            if pending is not None:
-                self._check(name, expected, *pending, lo, dest)
-
-    def _check(self, name, expected, k, buf, part, b0, lo, dest) -> None:
-        if zlib.crc32(buf) != expected.crc32[k]:
-            raise CheckpointError(f"{self.path}: tensor {name!r} checksum mismatch in block {k} "
-                                  f"(file altered or damaged)")
-        if part is not None:
-            p0, p1 = part
-            dest[p0 - lo:p1 - lo] = buf[p0 - b0:p1 - b0]
-
-    def verify(self, name: str, expected: TensorEntry, scratch: bytearray) -> None:
-        """Check tensor ``name`` against its record, reading it through ``scratch`` (no allocation)."""
-        code, shape, b, e = self._entry(name, expected)
-        if expected is None:
-            return
-        size, blk = e - b, expected.block
-        if len(expected.crc32) != -(-size // blk):
-            raise CheckpointError(f"{self.path}: tensor {name!r} has a malformed checksum list in the index")
-        if len(scratch) < blk:
-            scratch = bytearray(blk)
-        buf = memoryview(scratch)
-        for k in range(len(expected.crc32)):
-            n = min(blk, size - k * blk)
-            self._read_exact(buf[:n], self.data_start + b + k * blk)
-            if zlib.crc32(buf[:n]) != expected.crc32[k]:
-                raise CheckpointError(f"{self.path}: tensor {name!r} checksum mismatch in block {k} "
-                                      f"(file altered or damaged)")
-
-    def _read_exact(self, view: memoryview, pos: int) -> None:
-        while len(view):
-            n = os.preadv(self.fd, [view], pos)
-            if n <= 0:
-                raise CheckpointError(f"{self.path}: truncated while reading")
-            view = view[n:]
-            pos += n
+        for piece in self.source.pieces(base + start, base + end):
+            p1 = pos + len(piece)
+            c0, c1 = max(pos, lo), min(p1, hi)
+            if dest is not None and c0 < c1:
+                dest[c0 - lo:c1 - lo] = piece[c0 - pos:c1 - pos]
+            if expected is not None:
+                off = 0
+                while off < len(piece):
+                    take = min(len(piece) - off, block_end - (pos + off))
+                    crc = zlib.crc32(piece[off:off + take], crc)
+                    off += take
+                    if pos + off == block_end:
+                        if crc != expected.crc32[k]:
+                            raise CheckpointError(f"{self.path}: tensor {name!r} checksum mismatch in block {k} "
+                                                  f"(file altered or damaged)")
+                        k, crc = k + 1, 0
+                        block_end = min((k + 1) * blk, size)
+            pos = p1
