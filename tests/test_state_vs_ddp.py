@@ -49,8 +49,10 @@ def make_schedule(world: int, stage: int, accumulate: int = 1, precision: str = 
     return s
 
 
-def zdsl_train(schedule: Schedule, rank: int, world: int, inject_overflow_at: int | None = None):
-    """Train with RankState, running the graph's ops sequentially in graph order."""
+def zdsl_train(schedule: Schedule, rank: int, world: int, inject_overflow_at: int | None = None,
+               driver: str = "sequential"):
+    """Train with RankState: ops run one by one in graph order (``sequential``), or by
+    the trio executor (``trio``: lanes run concurrently, ordered only by dependencies)."""
     from zdsl.runtime.data import make_batch
     from zdsl.runtime.models.gpt import GPT
     from zdsl.runtime.state import RankState
@@ -63,6 +65,12 @@ def zdsl_train(schedule: Schedule, rank: int, world: int, inject_overflow_at: in
     for step in range(t.steps):
         batches = [make_batch(schedule.data, t.seed, step, m, rank, world, t.batch) for m in range(t.accumulate)]
         state.step_begin(step, batches)
+        if driver == "trio":
+            import trio
+            from zdsl.runtime.executor import Executor
+            trio.run(Executor(graph, state, rank).run_step)
+            results.append(state.step_end())
+            continue
         for op in graph.ops:
             if step == inject_overflow_at and op.kind == "compute.norm" and rank == 0:
                 state.run_op(op)
@@ -78,8 +86,9 @@ def _case(rank: int, world: int, case: dict) -> dict:
     torch.manual_seed(1234)
     reference = case.pop("reference", None) or case
     inject = case.pop("inject_overflow_at", None)
+    driver = case.pop("driver", "sequential")
     sched = make_schedule(world, **case)
-    zdsl, steps, memory, taken = zdsl_train(sched, rank, world, inject)
+    zdsl, steps, memory, taken = zdsl_train(sched, rank, world, inject, driver)
     ref_sched = make_schedule(world, **reference)
     cfg = ref_sched.to_config()
     ref, ref_losses = ddp_train(MODEL, ref_sched.data, seed=0, steps=STEPS, batch=BATCH,
@@ -103,6 +112,9 @@ FP32_BITWISE = {
     "stage3_recompute_buckets": dict(stage=3, recompute=(1, 2), bucket_bytes=4096),
     "stage3_sgd": dict(stage=3, kind="sgd", momentum=0.9),
     "stage2_adam": dict(stage=2, kind="adam"),
+    "stage3_trio_executor": dict(stage=3, driver="trio", recompute=(1,), bucket_bytes=8192),
+    "stage1_trio_executor_accumulate": dict(stage=1, driver="trio", accumulate=2),
+    "stage2_trio_executor_offload": dict(stage=2, driver="trio", offload={"optimizer": "cpu"}),
     "stage1_offload_optimizer": dict(stage=1, offload={"optimizer": "cpu"}),
     "stage2_offload_gradients": dict(stage=2, offload={"gradients": "cpu"}),
     "stage3_offload_optimizer": dict(stage=3, offload={"optimizer": "cpu"}),
@@ -194,3 +206,30 @@ def test_fp16_overflow_skips_the_step_and_recovers(results):
         assert r["taken"] == STEPS - 1
         assert all(math.isfinite(s["loss"]) for s in steps)
         assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+@pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3", "stage3_offload_optimizer",
+                                  "stage3_parameters_nvme_optimizer_cpu", "stage3_bf16",
+                                  "stage1_bf16_accumulate"])
+def test_measured_model_states_equal_the_compiled_buffers(results, name):
+    """Per tier, the measured peak of model states is what the graph (the planner's input) says."""
+    case = dict(({**FP32_BITWISE, **MIXED})[name])
+    for key in ("reference", "inject_overflow_at", "driver"):
+        case.pop(key, None)
+    graph = compile_schedule(make_schedule(2, **case), gpt_units(**MODEL))
+    expected: dict[str, int] = {}
+    for b in graph.buffers.values():
+        if b.persistent and b.state:
+            expected[b.tier] = expected.get(b.tier, 0) + b.bytes
+    for by_case in results:
+        memory = by_case[name]["memory"]
+        measured = {tier: row["peak_model_states"] for tier, row in memory.items() if row["peak_model_states"]}
+        assert measured == expected
+
+
+def test_zero3_mixed_precision_model_states_are_16_bytes_per_parameter_over_ranks(results):
+    """ZeRO's 2+2+12 bytes per parameter, all sharded at stage 3 (padding aside)."""
+    psi = sum(u.numel for u in gpt_units(**MODEL))
+    for by_case in results:
+        got = by_case["stage3_bf16"]["memory"]["device"]["peak_model_states"]
+        assert 16 * psi / 2 <= got <= 16 * (psi / 2 + 2 * len(gpt_units(**MODEL)))
