@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -254,6 +255,10 @@ def parse_args(argv=None):
                    help="zdsl's synthetic(...) streams or corpus(\"stdlib\") (default synthetic)")
     p.add_argument("--ds-optimizer", choices=("auto", "cpuadam", "torch"), default="auto",
                    help="DeepSpeed's client optimizer: DeepSpeedCPUAdam if it builds (auto), or torch AdamW")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=131072, metavar="BYTES",
+                   help="fix glibc's mmap threshold in every job (MALLOC_MMAP_THRESHOLD_) so freed tensors "
+                        "leave the RSS and peak RSS follows what each system holds (default 131072; "
+                        "0 leaves glibc's dynamic threshold)")
     p.add_argument("--baseline", default="zdsl3", help="peer the ratios are taken against (default zdsl3)")
     p.add_argument("--job-timeout", type=float, default=540.0, help="seconds one job may take (default 540)")
     p.add_argument("--workdir", help="keep job folders (configs, logs, per-rank results) here")
@@ -268,6 +273,8 @@ def parse_args(argv=None):
     for name in ("steps", "reps", "layers", "width", "heads", "vocab", "context", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    if args.malloc_mmap_threshold < 0:
+        p.error("--malloc-mmap-threshold must be 0 (glibc default) or a byte count")
     if args.warmup < 0:
         p.error("--warmup must be 0 or more")
     if args.width % args.heads:
@@ -291,11 +298,14 @@ def _main(argv=None) -> int:
     cfg = BenchConfig(layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab,
                       context=args.context, batch=args.batch, steps=args.steps, warmup=args.warmup,
                       seed=args.seed, data=args.data, lr=args.lr, extra={"ds_optimizer": args.ds_optimizer})
+    if args.malloc_mmap_threshold > 0:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)   # inherited by every job
     params = gpt_parameter_count(**cfg.model_kwargs())
     print(f"GPT layers={cfg.layers} width={cfg.width} heads={cfg.heads} vocab={cfg.vocab} "
           f"context={cfg.context}: {params:,} parameters ({params / 1e6:.1f}M)")
     print(f"2 ranks on gloo, batch {cfg.batch} per rank, AdamW fp32, {cfg.warmup} warm-up + {cfg.steps} "
-          f"measured steps, {args.reps} interleaved repetitions, data {cfg.data}", flush=True)
+          f"measured steps, {args.reps} interleaved repetitions, data {cfg.data}, "
+          f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'glibc default')}", flush=True)
 
     try:
         workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vs_peers-"))
@@ -327,7 +337,9 @@ def _main(argv=None) -> int:
     if args.json:
         try:
             Path(args.json).write_text(json.dumps(dict(parameters=params, config=json.loads(cfg.to_json()),
-                                                       reps=args.reps, baseline=args.baseline, rows=rows),
+                                                       reps=args.reps, baseline=args.baseline,
+                                                       malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+                                                       rows=rows),
                                                   indent=1))
         except OSError as exc:
             print(f"vs_peers.py: error: cannot write --json {args.json}: {exc.strerror}", file=sys.stderr)
