@@ -90,6 +90,7 @@ class _Builder:
         self.live: set[str] = set()
         self.stale: set[str] = set()
         self.producer_lane: dict[str, str] = {}
+        self.waiting_users: dict[int, set[int]] = {}   # unit -> tied users gathered but not yet computed
         self.clip = schedule.optimizer.clip is not None or self.precision == "fp16"
         self.recompute = set(schedule.recompute)
         self.persist = {i for i, u in enumerate(units)
@@ -218,6 +219,7 @@ class _Builder:
                 self.consume(src, phase, micro)
             for j in self.specs[u].uses:
                 self.gather(j, phase, micro, stmt)
+                self.waiting_users.setdefault(j, set()).add(u)
             return
         src = buffer_name("param_shard", u)   # stages 1-2: the shard a step just updated
         if src in self.live:
@@ -248,6 +250,9 @@ class _Builder:
     def free(self, name: str, phase: str, micro: int, stmt: PipeStmt) -> None:
         if name in self._persistent or name not in self.live:
             return
+        kind, u, _ = parse_buffer_name(name)
+        if kind == "param_full" and self.waiting_users.get(u):
+            return   # a tied user gathered it ahead and has not computed yet: its last use frees it
         lane = self.producer_lane.get(name, "compute")
         self.emit(self.d("mem.free", self.buffers[name].unit, [], [name], phase, micro, stmt, lane=lane))
 
@@ -314,6 +319,8 @@ class _Builder:
 
     def compute(self, u: int, phase: str, micro: int, st: PipeStmt) -> None:
         spec, L = self.specs[u], self.L
+        for j in spec.uses:
+            self.waiting_users.get(j, set()).discard(u)
         flops = spec.fwd_flops_per_seq * self.batch
         if phase == "forward":
             reads = ([buffer_name("act", u - 1)] if u > 0 else []) + self.param_reads(u)
