@@ -197,6 +197,7 @@ class RankState:
             self.optims.append(UnitOptimizer(self.opt_config, ranges, master=self._has_master(u)))
 
         self.slots: dict[str, Slot] = {name: Slot(b) for name, b in graph.buffers.items() if b.kind != "token"}
+        self._check_step_outputs()
         self._norm_reduced = any(op.kind == "comm.all_reduce" and "norm" in op.writes for op in graph.ops)
         self._prescale_after, self._prescale_at_comm = self._plan_prescale()
         self._pending_tied: dict[tuple[int, int], torch.Tensor] = {}
@@ -217,6 +218,27 @@ class RankState:
             return self.mixed
         moments = len(state_names(self.opt_config.get("kind", "adamw"), self.opt_config.get("momentum", 0.0)))
         return ob.bytes >= (moments + 1) * numel * 4
+
+    def _check_step_outputs(self) -> None:
+        """Refuse a graph that frees a step's updated parameters before anything reads them
+        (the update would be lost silently)."""
+        ops = self.graph.ops
+        for i, op in enumerate(ops):
+            if op.kind != "compute.step":
+                continue
+            for name in op.writes:
+                buf = self.graph.buffers.get(name)
+                if buf is None or buf.persistent or buf.kind not in ("param_shard", "param_full"):
+                    continue
+                for later in ops[i + 1:]:
+                    if name in later.reads:
+                        break
+                    if later.kind == "mem.free" and name in later.writes:
+                        raise self._error(op, f"the graph frees {name} (op {later.id}) before anything reads "
+                                              f"it: unit {op.unit}'s updated parameters would be lost")
+                else:
+                    raise self._error(op, f"nothing reads {name} after the step: unit {op.unit}'s "
+                                          f"updated parameters would be lost")
 
     def _plan_prescale(self) -> tuple[dict[int, list[int]], set[int]]:
         """Where each gradient's 1/world factor is applied: after the last backward that
@@ -661,10 +683,9 @@ class RankState:
         g_parts = full_parts if parse_buffer_name(grad_name)[0] == "grad_full" else shard_parts
         with torch.no_grad():
             if fresh and not opt.master:
-                # stages 1-2: the shard to update comes from the gathered parameters
-                src = self._read(kinds.get("param_full") or f"param_full[{u}]", op).tensor
-                for d, s in zip(d_parts, fp.owned(src)):
-                    dest[d].copy_(s)
+                # the values to update come from the parameters the step reads: the gathered
+                # ones (stages 1-2) or the shard's home on another tier (stage 3 offload)
+                self._load_current(op, u, kinds, dest, d_parts)
             masters = opt.master_parts(optflat) if opt.master else None
             if plan.overflow:
                 if masters is not None:
@@ -686,6 +707,23 @@ class RankState:
             if masters is not None:
                 for d, m in zip(d_parts, masters):
                     dest[d].copy_(m)
+
+    def _load_current(self, op: Op, u: int, kinds: dict, dest: torch.Tensor, d_parts: list[slice]) -> None:
+        src_name = next((n for n in op.reads if parse_buffer_name(n)[0] in ("param_full", "param_shard")), None)
+        if src_name is None:
+            raise self._error(op, "an fp32 step without a master copy must read the current parameters")
+        slot = self._read(src_name, op)
+        if slot.buf.tier == "nvme":
+            tmp = torch.empty(self._numel(slot.buf), dtype=self._dtype(slot.buf))
+            self.swapper.read_sync(src_name, tmp)
+            src = tmp
+        else:
+            src = slot.tensor
+        if slot.buf.kind == "param_full":
+            for d, s in zip(d_parts, self.flats[u].owned(src)):
+                dest[d].copy_(s)
+        else:
+            dest.copy_(src)
 
     # ------------------------------------------------------------ collectives
     def start_collective(self, op: Op) -> _Collective:

@@ -120,6 +120,7 @@ FP32_BITWISE = {
     "stage3_offload_optimizer": dict(stage=3, offload={"optimizer": "cpu"}),
     "stage3_parameters_nvme_optimizer_cpu": dict(stage=3, offload={"parameters": "nvme", "optimizer": "cpu"}),
     "stage3_optimizer_nvme": dict(stage=3, offload={"optimizer": "nvme"}),
+    "stage3_parameters_cpu": dict(stage=3, offload={"parameters": "cpu"}),
 }
 FP32_CLOSE = {
     "stage3_clip": dict(stage=3, clip=0.5, kind="sgd", momentum=0.9),
