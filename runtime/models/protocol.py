@@ -1,0 +1,157 @@
+"""Loading a model and checking that it follows the unit protocol.
+
+The protocol itself is documented in :mod:`zdsl.runtime.models.gpt` (the
+built-in model follows it): ``units()`` lists an ordered chain of modules
+that together register every parameter once; unit 0 takes token ids, each
+next unit the previous one's output, the last ``(hidden, targets)`` and
+returns the loss; ``tied`` declares parameters a unit reads from another.
+
+A user's model is named in a schedule as ``model "file.py:build"(k=v)`` (a
+file, relative to the schedule's folder) or ``model "pkg.module:build"()``
+(an importable module). ``build(**kwargs)`` returns the module. Every way
+this can go wrong is a :class:`ModelProtocolError` whose message names the
+factory and says what to change; it never surfaces as a bare traceback.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+PROTOCOL_DOC = "the unit protocol (zdsl.runtime.models.gpt)"
+
+
+class ModelProtocolError(ValueError):
+    """A model that cannot be loaded or does not follow the unit protocol."""
+
+
+def load_factory(spec: str, base_dir: str | os.PathLike | None = None) -> Callable[..., nn.Module]:
+    """``"path/to/file.py:build"`` or ``"pkg.module:build"`` -> the callable."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ModelProtocolError(f'model "{spec}": expected "file.py:build" or "package.module:build"')
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        path = Path(target).expanduser()
+        if not path.is_absolute() and base_dir is not None:
+            path = Path(base_dir) / path
+        if not path.is_file():
+            raise ModelProtocolError(f'model "{spec}": no such file {path}')
+        name = f"zdsl_user_model_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ModelProtocolError(f'model "{spec}": cannot load {path} as Python')
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module   # so the module pickles and dataclasses in it work
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(name, None)
+            raise ModelProtocolError(f'model "{spec}": importing {path} failed: {type(exc).__name__}: {exc}') \
+                from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as exc:
+            raise ModelProtocolError(f'model "{spec}": cannot import {target}: {type(exc).__name__}: {exc}') \
+                from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ModelProtocolError(f'model "{spec}": {target} defines no {attr!r}')
+    if not callable(factory):
+        raise ModelProtocolError(f'model "{spec}": {attr} is not callable; it must build and return the model')
+    return factory
+
+
+def check_model(model, where: str) -> list[nn.Module]:
+    """Check ``model`` against the unit protocol; returns its units."""
+    if not isinstance(model, nn.Module):
+        raise ModelProtocolError(f"{where}: the factory returned {type(model).__name__}, not a torch.nn.Module")
+    units_fn = getattr(model, "units", None)
+    if not callable(units_fn):
+        raise ModelProtocolError(f"{where}: the model has no units() method; {PROTOCOL_DOC} needs one "
+                                 f"that returns its ordered list of unit modules")
+    try:
+        units = list(units_fn())
+    except Exception as exc:
+        raise ModelProtocolError(f"{where}: units() failed: {type(exc).__name__}: {exc}") from None
+    if len(units) < 2:
+        raise ModelProtocolError(f"{where}: units() returned {len(units)} unit(s); {PROTOCOL_DOC} needs at "
+                                 f"least two (the first takes token ids, the last returns the loss)")
+    for i, u in enumerate(units):
+        if not isinstance(u, nn.Module):
+            raise ModelProtocolError(f"{where}: unit {i} is {type(u).__name__}, not a torch.nn.Module")
+    owner: dict[int, int] = {}
+    for i, u in enumerate(units):
+        for name, p in u.named_parameters():
+            if id(p) in owner:
+                raise ModelProtocolError(
+                    f"{where}: parameter {name!r} is registered in unit {owner[id(p)]} and unit {i}; register "
+                    f"it in one unit and declare the other's use in `tied` ({PROTOCOL_DOC})")
+            owner[id(p)] = i
+    missing = [n for n, p in model.named_parameters() if id(p) not in owner]
+    if missing:
+        raise ModelProtocolError(f"{where}: parameters outside every unit: {', '.join(missing[:5])}"
+                                 f"{' ...' if len(missing) > 5 else ''}; every parameter must belong to one unit")
+    tied = getattr(model, "tied", {}) or {}
+    if not isinstance(tied, dict):
+        raise ModelProtocolError(f"{where}: `tied` must be a dict {{(user_unit, owner_unit): 'param name'}}")
+    for key, names in tied.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key)):
+            raise ModelProtocolError(f"{where}: tied key {key!r} must be (user_unit, owner_unit)")
+        user, own = key
+        if not (0 <= user < len(units) and 0 <= own < len(units)) or user == own:
+            raise ModelProtocolError(f"{where}: tied {key!r} names units outside 0..{len(units) - 1} "
+                                     f"or a unit tied to itself")
+        owned = dict(units[own].named_parameters())
+        for name in ([names] if isinstance(names, str) else list(names)):
+            if name not in owned:
+                raise ModelProtocolError(f"{where}: tied {key!r}: unit {own} has no parameter {name!r} "
+                                         f"(it has {', '.join(list(owned)[:6])})")
+    return units
+
+
+def tied_uses(model, n_units: int) -> list[list[int]]:
+    """For each unit, the other units whose parameters it reads."""
+    uses: list[list[int]] = [[] for _ in range(n_units)]
+    for (user, own) in (getattr(model, "tied", {}) or {}):
+        if own not in uses[user]:
+            uses[user].append(own)
+    return uses
+
+
+def build_model(model_spec, seed: int = 0, device=None, base_dir=None) -> nn.Module:
+    """The model a schedule's ``model`` statement names, initialised from ``seed``.
+
+    ``model_spec``: ``zdsl.schedule.ModelSpec`` (kind "gpt" with its sizes, or
+    "user" with ``factory``). Under ``with torch.device("meta")`` nothing is
+    allocated (sizing)."""
+    if model_spec.kind == "gpt":
+        from .gpt import GPT
+        try:
+            model = GPT(**model_spec.args, seed=seed, device=device)
+        except TypeError as exc:
+            raise ModelProtocolError(f"model gpt(...): {exc}") from None
+        return model
+    if model_spec.kind != "user" or not model_spec.factory:
+        raise ModelProtocolError(f"model kind {model_spec.kind!r}: expected gpt(...) or \"file.py:build\"(...)")
+    where = f'model "{model_spec.factory}"'
+    factory = load_factory(model_spec.factory, base_dir)
+    meta = torch.empty(0).device.type == "meta"
+    if not meta:
+        torch.manual_seed(seed)
+    try:
+        model = factory(**model_spec.args)
+    except TypeError as exc:
+        raise ModelProtocolError(f"{where}: calling the factory with {model_spec.args}: {exc}") from None
+    except Exception as exc:
+        raise ModelProtocolError(f"{where}: the factory failed: {type(exc).__name__}: {exc}") from None
+    check_model(model, where)
+    if device is not None and not meta:
+        model = model.to(device)
+    return model

@@ -1,0 +1,74 @@
+"""Sizing a model for the planner without allocating it: units on torch's meta device.
+
+The compiler works on ``list[zdsl.units.UnitSpec]``: per unit, its
+parameters (names and shapes, registration order), the units it reads tied
+parameters from, and per-sequence forward flops, saved-activation elements
+and input elements. The built-in GPT is sized analytically in ``zdsl/``
+(instant, no torch); a user's model is built under ``torch.device("meta")``
+(no memory, no init) and one sequence of ``context`` tokens is pushed
+through its units on meta tensors: flops come from torch's
+``FlopCounterMode``, activations from the tensors autograd saves
+(``saved_tensors_hooks``; parameters excluded), inputs from each unit's
+input. If the model cannot run on meta (data-dependent Python control flow),
+the parameters are still exact and the rest falls back to estimates
+(2 flops per parameter per token; activations: the output) with a warning.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from zdsl.units import GPT_DEFAULTS, UnitSpec, gpt_units
+
+from .models.protocol import ModelProtocolError, build_model, check_model, tied_uses
+
+
+def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
+    """The units of the model a schedule names, for a sequence of ``context`` tokens."""
+    if model_spec.kind == "gpt":
+        return gpt_units(**{**GPT_DEFAULTS, **model_spec.args})
+    with torch.device("meta"):
+        model = build_model(model_spec, seed=0, base_dir=base_dir)
+    where = f'model "{model_spec.factory}"'
+    units = check_model(model, where)
+    uses = tied_uses(model, len(units))
+    specs = [UnitSpec(name=f"unit.{i}", params=[(n, tuple(p.shape)) for n, p in u.named_parameters()],
+                      uses=uses[i]) for i, u in enumerate(units)]
+    try:
+        _measure(units, specs, context)
+    except Exception as exc:   # the user's forward cannot run on meta: keep exact sizes, estimate the rest
+        warnings.warn(f"{where}: could not trace one sequence on the meta device "
+                      f"({type(exc).__name__}: {exc}); flops and activations are estimates")
+        for s in specs:
+            s.fwd_flops_per_seq = 2.0 * s.numel * context
+            s.input_elems_per_seq = s.input_elems_per_seq or context
+            s.act_elems_per_seq = s.act_elems_per_seq or context
+    return specs
+
+
+def _measure(units, specs: list[UnitSpec], context: int) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.zeros(1, context, dtype=torch.long, device="meta")
+    targets = torch.zeros(1, context, dtype=torch.long, device="meta")
+    for i, (unit, spec) in enumerate(zip(units, specs)):
+        params = {id(p) for p in unit.parameters()}
+        saved: dict[int, int] = {}    # id of the saved tensor's base -> its elements (views count once)
+
+        def pack(t, params=params, saved=saved):
+            base = t._base if t._base is not None else t
+            if id(base) not in params and not isinstance(base, torch.nn.Parameter):
+                saved[id(base)] = base.numel()
+            return t
+
+        spec.input_elems_per_seq = int(x.numel())
+        x_in = x.detach().requires_grad_(x.is_floating_point())
+        counter = FlopCounterMode(display=False)
+        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = unit(x_in, targets) if i == len(units) - 1 else unit(x_in)
+        if i < len(units) - 1 and not isinstance(out, torch.Tensor):
+            raise ModelProtocolError(f"unit {i} returned {type(out).__name__}; units pass one tensor forward")
+        spec.fwd_flops_per_seq = float(counter.get_total_flops())
+        spec.act_elems_per_seq = int(sum(saved.values()))
+        x = out.detach()
