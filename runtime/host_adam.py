@@ -28,7 +28,7 @@ a binary, the kernel is compiled on first use (``cc -O3 -march=native
 -ffp-contract=off``; cached under ``~/.cache/zdsl``) and then *checked*
 against the ATen reference on a sample of awkward values for every
 combination of its settings; the first combination that matches bit for bit
-is used. If no compiler is found or nothing matches, the step falls back to
+is used (see runtime/native.py for the build). If no compiler is found or nothing matches, the step falls back to
 the same ATen ops run tile by tile (exact by construction, about twice as
 fast as the reference, far slower than the kernel) and says so in the log.
 ``exact_backend()`` tells which one runs.
@@ -37,12 +37,7 @@ fast as the reference, far slower than the kernel) and says so in the log.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,6 +45,8 @@ from pathlib import Path
 
 import structlog
 import torch
+
+from . import native
 
 log = structlog.get_logger("zdsl.runtime.host_adam")
 
@@ -157,47 +154,6 @@ class _Kernel:
     path: Path
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("ZDSL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zdsl")
-    return Path(base)
-
-
-def _cpu_key() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
-
-
-def _compile() -> Path | None:
-    """Build the kernel (once per source, compiler flags and CPU); None where no compiler works."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        log.warning("host_adam.no_compiler", fallback="aten_tiled")
-        return None
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
-    key = hashlib.sha256((_KERNEL_SOURCE + " ".join(flags) + _cpu_key()).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"host_adam-{key}.so"
-    if target.exists():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src = Path(tmp) / "host_adam.c"
-            src.write_text(_KERNEL_SOURCE)
-            out = Path(tmp) / "host_adam.so"
-            done = subprocess.run([cc, *flags, str(src), "-o", str(out), "-lm"], capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                log.warning("host_adam.compile_failed", compiler=cc, stderr=done.stderr[-2000:], fallback="aten_tiled")
-                return None
-            os.replace(out, target)  # atomic: ranks compiling at once all end with one good file
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("host_adam.compile_failed", compiler=cc, error=str(e), fallback="aten_tiled")
-        return None
-    return target
-
-
 def _mkl_sqrt() -> int | None:
     """Address of MKL's vmsSqrt inside libtorch_cpu, which ATen uses for float sqrt."""
     lib_dir = Path(torch.__file__).parent / "lib"
@@ -267,14 +223,12 @@ def _reference_step(p, g, m, v, step, lr, b1, b2, eps, wd, adam_w) -> None:
 def _load_kernel() -> _Kernel | None:
     if os.environ.get("ZDSL_HOST_ADAM", "") == "aten":
         return None
-    path = _compile()
-    if path is None:
+    lib = native.build("host_adam", _KERNEL_SOURCE)
+    if lib is None:
+        log.warning("host_adam.no_kernel", fallback="aten_tiled")
         return None
-    try:
-        fn = ctypes.CDLL(str(path)).zdsl_adam
-    except OSError as e:
-        log.warning("host_adam.load_failed", path=str(path), error=str(e), fallback="aten_tiled")
-        return None
+    fn = lib.zdsl_adam
+    path = Path(lib._name)
     F = ctypes.c_float
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [F] * 8 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
     fn.restype = None

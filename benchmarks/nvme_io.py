@@ -1,0 +1,198 @@
+"""NVMe tier throughput: zdsl's Swapper against fio on the same folder.
+
+Both sides use direct I/O with the same block size and queue depth: fio
+with ``libaio`` and ``iodepth=qd`` (or ``psync`` with ``numjobs=qd`` where
+libaio is missing), the swapper with ``qd`` worker threads issuing
+``pwritev``/``preadv`` of one block each. Where fio cannot be had, ``dd``
+with ``oflag=direct``/``iflag=direct`` is the baseline (queue depth 1, so the
+ratio then flatters us; the table says which baseline ran).
+
+Each repeat writes a fresh file (fio and the swapper both preallocate it)
+and reads it back after dropping the page cache where permitted; repeats
+alternate between the two tools so that load from other processes hits
+both alike. The figure reported is the median over repeats.
+
+    python benchmarks/nvme_io.py [--folder /tmp/zdsl-bench] [--size 1GiB]
+                                 [--block 1MiB] [--qd 8] [--repeat 3] [--no-verify]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+from zdsl.runtime.aligned import aligned_empty
+from zdsl.runtime.swap import Swapper, block_checksum
+
+GiB = 1 << 30
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1GiB, 512MiB, 1048576)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def setup() -> str | None:
+    """Make fio available (apt-get, as root, where missing); return its path or None."""
+    fio = shutil.which("fio")
+    if fio:
+        return fio
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        print("fio not found: installing it with apt-get ...", flush=True)
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "fio"]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"  {' '.join(cmd)} failed: {done.stderr.strip()[-300:]}")
+                break
+    return shutil.which("fio")
+
+
+def drop_caches() -> bool:
+    """Flush dirty pages and drop the page cache; False where not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fio_engine(fio: str) -> str:
+    engines = subprocess.run([fio, "--enghelp"], capture_output=True, text=True).stdout
+    return "libaio" if "libaio" in engines else "psync"
+
+
+def run_fio(fio: str, engine: str, path: Path, rw: str, size: int, block: int, qd: int) -> float:
+    """Bytes per second of one fio job (write or read) over `size` bytes of `path`."""
+    args = [fio, "--name=zdsl", f"--filename={path}", f"--rw={rw}", f"--bs={block}", "--direct=1",
+            f"--ioengine={engine}", "--output-format=json", "--group_reporting", "--fallocate=native"]
+    if engine == "libaio":
+        args += [f"--iodepth={qd}", f"--size={size}"]
+    else:  # qd synchronous jobs, each on its own slice of the one file
+        share = size // qd // block * block
+        args += [f"--numjobs={qd}", f"--size={share}", f"--offset_increment={share}"]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"fio failed: {done.stderr.strip()[-500:]}")
+    job = json.loads(done.stdout)["jobs"][0]
+    return float(job["write" if rw == "write" else "read"]["bw_bytes"])
+
+
+def run_dd(path: Path, rw: str, size: int, block: int) -> float:
+    count = size // block
+    if rw == "write":
+        args = ["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", "oflag=direct", "conv=fsync"]
+    else:
+        args = ["dd", f"if={path}", "of=/dev/null", f"bs={block}", f"count={count}", "iflag=direct"]
+    start = time.perf_counter()
+    subprocess.run(args, capture_output=True, check=True)
+    return count * block / (time.perf_counter() - start)
+
+
+def ours(folder: Path, data: torch.Tensor, out: torch.Tensor, block: int, qd: int, verify: bool,
+         mode: str) -> tuple[float, float]:
+    """(write, read) bytes per second of the swapper, async (trio) or sync API."""
+    with Swapper(folder, block_bytes=block, queue_depth=qd, verify=verify) as swapper:
+        if mode == "async":
+            start = time.perf_counter()
+            trio.run(swapper.write, "bench", data)
+            write_s = time.perf_counter() - start
+            drop_caches()
+            start = time.perf_counter()
+            trio.run(swapper.read, "bench", out)
+            read_s = time.perf_counter() - start
+        else:
+            start = time.perf_counter()
+            swapper.write_sync("bench", data)
+            write_s = time.perf_counter() - start
+            drop_caches()
+            start = time.perf_counter()
+            swapper.read_sync("bench", out)
+            read_s = time.perf_counter() - start
+    if not torch.equal(data, out):
+        raise RuntimeError("swapper read back different bytes")
+    out.zero_()
+    return data.numel() / write_s, data.numel() / read_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--folder", default="/tmp/zdsl-bench", type=Path)
+    ap.add_argument("--size", default="1GiB", type=parse_bytes)
+    ap.add_argument("--block", default="1MiB", type=parse_bytes)
+    ap.add_argument("--qd", default=8, type=int)
+    ap.add_argument("--repeat", default=3, type=int)
+    ap.add_argument("--no-verify", action="store_true", help="swapper without per-block CRC32")
+    ap.add_argument("--no-fio", action="store_true", help="use dd as the baseline")
+    ap.add_argument("--engine", choices=["libaio", "psync"], help="fio engine (default: libaio where fio has it)")
+    args = ap.parse_args(argv)
+    size = args.size // args.block * args.block
+    if size <= 0 or args.block % 4096:
+        print("size must hold at least one block, and the block must be a multiple of 4 KiB")
+        return 2
+
+    fio = None if args.no_fio else setup()
+    engine = (args.engine or fio_engine(fio)) if fio else None
+    baseline = f"fio ({engine}, {'iodepth' if engine == 'libaio' else 'numjobs'}={args.qd})" if fio else "dd (qd 1)"
+    args.folder.mkdir(parents=True, exist_ok=True)
+    dropped = drop_caches()
+    print(f"folder {args.folder}, {size / GiB:.2f} GiB, block {args.block >> 10} KiB, queue depth {args.qd}, "
+          f"verify={'off' if args.no_verify else block_checksum().kind}, page cache drop {'yes' if dropped else 'not permitted'}, "
+          f"baseline {baseline}, {args.repeat} repeats (median)")
+
+    data = aligned_empty(size)
+    pattern = torch.randint(0, 256, (min(size, 1 << 22),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for a in range(0, size, pattern.numel()):
+        data[a : a + pattern.numel()] = pattern[: size - a]
+    out = aligned_empty(size)
+    out.zero_()  # fault the pages in before timing
+
+    results: dict[str, list[float]] = {k: [] for k in ("ours_w", "ours_r", "sync_w", "sync_r", "base_w", "base_r")}
+    base_file = args.folder / "baseline.dat"
+    for _ in range(args.repeat):
+        w, r = ours(args.folder, data, out, args.block, args.qd, not args.no_verify, "async")
+        results["ours_w"].append(w)
+        results["ours_r"].append(r)
+        base_file.unlink(missing_ok=True)
+        drop_caches()
+        if fio:
+            results["base_w"].append(run_fio(fio, engine, base_file, "write", size, args.block, args.qd))
+            drop_caches()
+            results["base_r"].append(run_fio(fio, engine, base_file, "read", size, args.block, args.qd))
+        else:
+            results["base_w"].append(run_dd(base_file, "write", size, args.block))
+            drop_caches()
+            results["base_r"].append(run_dd(base_file, "read", size, args.block))
+        base_file.unlink(missing_ok=True)
+        w, r = ours(args.folder, data, out, args.block, args.qd, not args.no_verify, "sync")
+        results["sync_w"].append(w)
+        results["sync_r"].append(r)
+
+    med = {k: statistics.median(v) / GiB for k, v in results.items()}
+    print(f"\n{'':6s} {'ours async':>12s} {'ours sync':>12s} {'baseline':>12s} {'async/base':>11s} {'sync/base':>10s}")
+    for op, key in (("write", "w"), ("read", "r")):
+        o, s, b = med[f"ours_{key}"], med[f"sync_{key}"], med[f"base_{key}"]
+        print(f"{op:6s} {o:9.2f} GiB/s {s:6.2f} GiB/s {b:6.2f} GiB/s {o / b:11.2f} {s / b:10.2f}")
+    spread = {k: (min(v) / GiB, max(v) / GiB) for k, v in results.items()}
+    print("\nrange over repeats (GiB/s): " + ", ".join(f"{k} {lo:.2f}-{hi:.2f}" for k, (lo, hi) in spread.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
