@@ -68,8 +68,9 @@ class MemoryMeter:
             self._reset_counters()
 
     def report(self) -> dict:
-        """Per tier: current and peak bytes for total, model_states, parameters,
-        gradients, optimizer, working, and ``by_kind`` peaks."""
+        """``{"peak": {tier: bytes}, "current": {tier: bytes}, "tiers": {tier: row}}``; a row
+        has current and peak bytes for total, model_states, parameters, gradients,
+        optimizer, working, and ``by_kind`` peaks."""
         with self._lock:
             out = {}
             for tier in sorted(set(self.current) | set(self.peak)):
@@ -80,4 +81,6 @@ class MemoryMeter:
                     row[f"current_{key}"] = cur[key]
                 row["by_kind"] = {k[5:]: v for k, v in peak.items() if k.startswith("kind:")}
                 out[tier] = row
-            return out
+            return {"peak": {t: r["peak"] for t, r in out.items()},
+                    "current": {t: r["current"] for t, r in out.items()},
+                    "tiers": out}

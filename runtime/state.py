@@ -466,6 +466,89 @@ class RankState:
                 out[name] = t[off:off + p.numel()].view(p.shape).detach().cpu().clone()
         return out
 
+    def export(self, path) -> None:
+        """Write the full fp32 parameters as one safetensors file that the model loads with
+        plain torch (``load_state_dict``). Every rank must call it; rank 0 writes."""
+        tensors = self.export_state()
+        if self.rank == 0:
+            from safetensors.torch import save_file
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+
+    # -- checkpoint shards ---------------------------------------------------------
+    SHARD_NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum_buffer": "momentum"}
+
+    def _optim_flat(self, u: int) -> torch.Tensor:
+        slot = self._home("optim", u)
+        if slot is None:
+            raise StateError(f"rank {self.rank}: no optimizer state for unit {u}")
+        if slot.buf.tier == "nvme":
+            t = torch.empty(self._numel(slot.buf), dtype=torch.float32)
+            self.swapper.read_sync(slot.buf.name, t)
+            return t
+        return slot.tensor
+
+    def shard_state(self) -> dict[str, torch.Tensor]:
+        """This rank's layout shard of every unit, fp32 on the CPU: ``u{i}.param`` and the
+        optimizer's moments (``u{i}.exp_avg``, ``u{i}.exp_avg_sq``, ``u{i}.momentum``). At
+        stage 0, where every rank holds everything, the rank's slice of it. Between steps."""
+        out: dict[str, torch.Tensor] = {}
+        for u, fp in enumerate(self.flats):
+            opt = self.optims[u]
+            truth, is_shard = self._truth(u)
+            out[f"u{u}.param"] = (truth if is_shard else fp.shard_of(truth)).detach().cpu().clone()
+            flat = self._optim_flat(u) if opt.flat_numel else None
+            first = 1 if opt.master else 0
+            for k, name in enumerate(opt.names):
+                seg = flat[(first + k) * opt.numel:(first + k + 1) * opt.numel]
+                out[f"u{u}.{self.SHARD_NAMES[name]}"] = (seg if self.stage > 0 else fp.shard_of(seg)).cpu().clone()
+        return out
+
+    def optimizer_steps(self) -> int:
+        return self.optims[0].steps if self.optims else 0
+
+    def load_shard_state(self, shards: dict[str, torch.Tensor], steps: int) -> None:
+        """Inverse of :meth:`shard_state` (all ranks call it: stage 0-2 parameters and
+        stage-0 moments are rebuilt by all-gathers). Between steps."""
+        def full_of(u: int, shard: torch.Tensor) -> torch.Tensor:
+            fp = self.flats[u]
+            full = torch.empty(fp.layout.padded_numel, dtype=torch.float32, device=self.device)
+            for part in range(fp.layout.parts):
+                fp.gather(part, full, shard.to(self.device).contiguous(), self.group, async_op=False)
+            return full
+
+        with torch.no_grad():
+            for u, fp in enumerate(self.flats):
+                opt = self.optims[u]
+                shard = shards[f"u{u}.param"].float()
+                if shard.numel() != fp.layout.shard_numel:
+                    raise StateError(f"rank {self.rank}: unit {u}: checkpoint shard has {shard.numel()} "
+                                     f"elements, this layout {fp.layout.shard_numel}")
+                full = full_of(u, shard) if self.stage < 3 else None
+                flat = self._optim_flat(u) if opt.flat_numel else None
+                if opt.master:
+                    flat[:opt.numel].copy_(full if self.stage == 0 else shard)
+                first = 1 if opt.master else 0
+                for k, name in enumerate(opt.names):
+                    m = shards[f"u{u}.{self.SHARD_NAMES[name]}"].float()
+                    seg = flat[(first + k) * opt.numel:(first + k + 1) * opt.numel]
+                    seg.copy_(full_of(u, m) if self.stage == 0 else m)
+                home = self._home("param_full", u) or self._home("param_shard", u)
+                value = full if home.buf.kind == "param_full" else shard
+                self._store(home, value.to(self.dtype))
+                optim_home = self._home("optim", u)
+                if flat is not None and optim_home.buf.tier == "nvme":
+                    self.swapper.write_sync(optim_home.buf.name, flat)
+                for p in opt.params:
+                    if "step" in opt.opt.state[p]:
+                        opt.opt.state[p]["step"] = torch.tensor(float(steps))
+                opt._plain_steps = steps
+
+    def _store(self, slot: Slot, value: torch.Tensor) -> None:
+        if slot.buf.tier == "nvme":
+            self.swapper.write_sync(slot.buf.name, value.cpu())
+        else:
+            slot.tensor.copy_(value)
+
     def memory_report(self) -> dict:
         return self.meter.report()
 

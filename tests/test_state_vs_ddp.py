@@ -50,7 +50,7 @@ def make_schedule(world: int, stage: int, accumulate: int = 1, precision: str = 
 
 
 def zdsl_train(schedule: Schedule, rank: int, world: int, inject_overflow_at: int | None = None,
-               driver: str = "sequential"):
+               driver: str = "sequential", resume_at: int | None = None):
     """Train with RankState: ops run one by one in graph order (``sequential``), or by
     the trio executor (``trio``: lanes run concurrently, ordered only by dependencies)."""
     from zdsl.runtime.data import make_batch
@@ -63,6 +63,10 @@ def zdsl_train(schedule: Schedule, rank: int, world: int, inject_overflow_at: in
     t = schedule.train
     results = []
     for step in range(t.steps):
+        if step == resume_at:   # checkpoint round trip: shards into a fresh state built from another seed
+            shards, taken = state.shard_state(), state.optimizer_steps()
+            state = RankState(graph, GPT(**MODEL, seed=99), rank, world, device="cpu")
+            state.load_shard_state(shards, taken)
         batches = [make_batch(schedule.data, t.seed, step, m, rank, world, t.batch) for m in range(t.accumulate)]
         state.step_begin(step, batches)
         if driver == "trio":
@@ -87,8 +91,9 @@ def _case(rank: int, world: int, case: dict) -> dict:
     reference = case.pop("reference", None) or case
     inject = case.pop("inject_overflow_at", None)
     driver = case.pop("driver", "sequential")
+    resume_at = case.pop("resume_at", None)
     sched = make_schedule(world, **case)
-    zdsl, steps, memory, taken = zdsl_train(sched, rank, world, inject, driver)
+    zdsl, steps, memory, taken = zdsl_train(sched, rank, world, inject, driver, resume_at)
     ref_sched = make_schedule(world, **reference)
     cfg = ref_sched.to_config()
     ref, ref_losses = ddp_train(MODEL, ref_sched.data, seed=0, steps=STEPS, batch=BATCH,
@@ -112,6 +117,9 @@ FP32_BITWISE = {
     "stage3_recompute_buckets": dict(stage=3, recompute=(1, 2), bucket_bytes=4096),
     "stage3_sgd": dict(stage=3, kind="sgd", momentum=0.9),
     "stage2_adam": dict(stage=2, kind="adam"),
+    "stage0_resume_from_shards": dict(stage=0, resume_at=3, kind="sgd", momentum=0.9),
+    "stage1_resume_from_shards": dict(stage=1, resume_at=2),
+    "stage3_resume_from_shards_nvme": dict(stage=3, resume_at=3, offload={"optimizer": "nvme"}),
     "stage3_trio_executor": dict(stage=3, driver="trio", recompute=(1,), bucket_bytes=8192),
     "stage1_trio_executor_accumulate": dict(stage=1, driver="trio", accumulate=2),
     "stage2_trio_executor_offload": dict(stage=2, driver="trio", offload={"optimizer": "cpu"}),
@@ -215,7 +223,7 @@ def test_fp16_overflow_skips_the_step_and_recovers(results):
 def test_measured_model_states_equal_the_compiled_buffers(results, name):
     """Per tier, the measured peak of model states is what the graph (the planner's input) says."""
     case = dict(({**FP32_BITWISE, **MIXED})[name])
-    for key in ("reference", "inject_overflow_at", "driver"):
+    for key in ("reference", "inject_overflow_at", "driver", "resume_at"):
         case.pop(key, None)
     graph = compile_schedule(make_schedule(2, **case), gpt_units(**MODEL))
     expected: dict[str, int] = {}
@@ -224,7 +232,8 @@ def test_measured_model_states_equal_the_compiled_buffers(results, name):
             expected[b.tier] = expected.get(b.tier, 0) + b.bytes
     for by_case in results:
         memory = by_case[name]["memory"]
-        measured = {tier: row["peak_model_states"] for tier, row in memory.items() if row["peak_model_states"]}
+        measured = {tier: row["peak_model_states"] for tier, row in memory["tiers"].items()
+                    if row["peak_model_states"]}
         assert measured == expected
 
 
@@ -232,5 +241,5 @@ def test_zero3_mixed_precision_model_states_are_16_bytes_per_parameter_over_rank
     """ZeRO's 2+2+12 bytes per parameter, all sharded at stage 3 (padding aside)."""
     psi = sum(u.numel for u in gpt_units(**MODEL))
     for by_case in results:
-        got = by_case["stage3_bf16"]["memory"]["device"]["peak_model_states"]
+        got = by_case["stage3_bf16"]["memory"]["tiers"]["device"]["peak_model_states"]
         assert 16 * psi / 2 <= got <= 16 * (psi / 2 + 2 * len(gpt_units(**MODEL)))
