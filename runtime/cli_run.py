@@ -30,21 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        from zdsl.compile import CompileError, compile_file, parse_overrides
-    except ImportError as exc:  # pragma: no cover - packaging error
-        print(f"zdsl: internal error: {exc}", file=sys.stderr)
-        return 3
-    try:
-        overrides = parse_overrides(args.overrides)
-        compiled = compile_file(args.file, overrides)
-    except CompileError as exc:
-        print(exc.rendered, file=sys.stderr)
-        return exc.exit_code
-    for warning in compiled.warnings:
-        print(warning, file=sys.stderr)
-    if "RANK" not in os.environ:
+    from zdsl.cli import compile_file, parse_sets, report, status_of
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    overrides = parse_sets(args.overrides, parser)
+    compiled = compile_file(args.file, overrides, simulate=False)
+    rank = os.environ.get("RANK")
+    if rank in (None, "0") or not compiled.ok:
+        report(compiled)          # errors and warnings once, not once per rank
+    if not compiled.ok:
+        return status_of(compiled)
+    if rank is None:
         from .launch import launch_local
         child = ["run", *(argv if argv is not None else sys.argv[2:])]
         return launch_local(child, compiled.graph.ranks)

@@ -516,29 +516,26 @@ class _Builder:
         """Free each working buffer instance that no statement frees, right after its last use."""
         out: list[_Draft] = []
         last_use: dict[str, int] = {}       # buffer -> index in `out` of its current instance's last use
-        lanes: dict[str, str] = {}
         pending: dict[int, list[str]] = {}  # index in self.drafts -> buffers to free after it
-        live: set[str] = set()
+        live: dict[str, None] = {}          # insertion-ordered: the graph must not depend on hashing
         # pass 1: find, for every instance, its last use
         for i, d in enumerate(self.drafts):
             for name in d.writes:
                 if self.buffers[name].persistent or name == "token":
                     continue
                 if d.kind == "mem.free":
-                    live.discard(name)
+                    live.pop(name, None)
                     last_use.pop(name, None)
                     continue
                 if name in live and name in d.fresh and name not in d.reads:
                     # a fresh write over an instance nobody freed: free it after its last use
                     j = last_use[name]
                     pending.setdefault(j, []).append(name)
-                live.add(name)
+                live[name] = None
                 last_use[name] = i
-                lanes[name] = d.lane
             for name in d.reads:
                 if name in live:
                     last_use[name] = i
-                    lanes[name] = d.lane
         for name in live:
             pending.setdefault(last_use[name], []).append(name)
         for i, d in enumerate(self.drafts):
