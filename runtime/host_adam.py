@@ -282,9 +282,13 @@ def _kernel_step(kernel: _Kernel, p, g, m, v, step, lr, b1, b2, eps, wd, adam_w,
         run(0, n)
         return
     per = ((n + threads - 1) // threads + 15) // 16 * 16  # whole 64-byte lines per thread
-    futures = [_pool(threads).submit(run, a, min(n, a + per)) for a in range(0, n, per)]
-    for f in futures:
-        f.result()
+    # The calling thread takes the first range itself: one fewer thread wake-up per step.
+    futures = [_pool(threads - 1).submit(run, a, min(n, a + per)) for a in range(per, n, per)]
+    try:
+        run(0, min(n, per))
+    finally:
+        for f in futures:
+            f.result()
 
 
 # ----------------------------------------------------------------------------
