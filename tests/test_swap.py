@@ -250,3 +250,41 @@ def test_works_on_tmpfs():
         trio.run(s.read, "t", out)
         assert _same(x, out)
     os.rmdir(folder)
+
+
+def test_checksum_catches_a_flip_in_every_lane_and_the_tail():
+    check = swap_mod.block_checksum()
+    block = _tensor(4096 * 3 + 4, torch.uint8)
+    base = check(block)
+    assert check(block) == base
+    for pos in (0, 1000, 3075, 6200, 9300, block.numel() - 1):  # each quarter, and the ragged tail
+        flipped = block.clone()
+        flipped[pos] ^= 1
+        assert check(flipped) != base, pos
+
+
+def test_zlib_fallback_checksum_detects_corruption(swapper, monkeypatch):
+    monkeypatch.setattr(swapper._checksum, "_fn", None)
+    monkeypatch.setattr(swapper._checksum, "kind", "zlib-crc32")
+    x = _tensor(2 * BLOCK)
+    swapper.write_sync("z", x)
+    out = torch.empty_like(x)
+    swapper.read_sync("z", out)
+    assert _same(x, out)
+    with open(swapper.path("z"), "r+b") as f:
+        f.seek(7)
+        f.write(b"\x00" if x.view(torch.uint8)[7] else b"\x01")
+    with pytest.raises(SwapError, match="zlib-crc32.*corrupt"):
+        swapper.read_sync("z", out)
+
+
+def test_cancelled_write_is_never_read_back(swapper):
+    x = _tensor(64 * BLOCK)
+
+    async def main():
+        with trio.move_on_after(0):
+            await swapper.write("c", x)
+
+    trio.run(main)
+    with pytest.raises(SwapError, match="did not complete"):
+        swapper.read_sync("c", torch.empty_like(x))
