@@ -544,7 +544,10 @@ class Swapper:
     def _plan_read(self, name: str, out: torch.Tensor) -> tuple[_SwapFile, torch.Tensor, int]:
         f = self._file(name, "read")
         if not f.complete:
-            raise SwapError(f"swap read {name!r}: its last write did not complete ({f.path})")
+            raise SwapError(
+                f"swap read {name!r}: no complete write of it (the last write did not complete, "
+                f"or the name was only reserved) ({f.path})"
+            )
         dst = _byte_view(out, f"read {name!r}")
         if dst.numel() != f.nbytes:
             raise SwapError(
