@@ -117,6 +117,8 @@ FP32_BITWISE = {
     "stage3_recompute_buckets": dict(stage=3, recompute=(1, 2), bucket_bytes=4096),
     "stage3_sgd": dict(stage=3, kind="sgd", momentum=0.9),
     "stage2_adam": dict(stage=2, kind="adam"),
+    "stage0_buckets_clip": dict(stage=0, clip=0.5, bucket_bytes=8192),
+    "stage2_buckets": dict(stage=2, bucket_bytes=8192),
     "stage0_resume_from_shards": dict(stage=0, resume_at=3, kind="sgd", momentum=0.9),
     "stage1_resume_from_shards": dict(stage=1, resume_at=2),
     "stage3_resume_from_shards_nvme": dict(stage=3, resume_at=3, offload={"optimizer": "nvme"}),
@@ -143,6 +145,10 @@ MIXED = {
     "stage3_bf16": dict(stage=3, precision="bf16", reference=dict(stage=3)),
     "stage1_bf16_accumulate": dict(stage=1, precision="bf16", accumulate=2,
                                    reference=dict(stage=1, accumulate=2)),
+    "stage0_bf16": dict(stage=0, precision="bf16", reference=dict(stage=0)),
+    "stage3_bf16_sgd_optimizer_nvme": dict(stage=3, precision="bf16", kind="sgd", momentum=0.9,
+                                           offload={"optimizer": "nvme"},
+                                           reference=dict(stage=3, kind="sgd", momentum=0.9)),
     "stage2_fp16_overflow": dict(stage=2, precision="fp16", inject_overflow_at=1, reference=dict(stage=2)),
 }
 
@@ -196,7 +202,8 @@ def test_fp32_adamw_close_where_reduction_order_differs(results, name):
         assert _max_abs(r["zdsl"], r["ref"]) < 1e-2 * 1e-2
 
 
-@pytest.mark.parametrize("name", ["stage3_bf16", "stage1_bf16_accumulate"])
+@pytest.mark.parametrize("name", ["stage3_bf16", "stage1_bf16_accumulate", "stage0_bf16",
+                                  "stage3_bf16_sgd_optimizer_nvme"])
 def test_bf16_within_tolerance_of_fp32(results, name):
     """bf16 compute with fp32 master weights against the fp32 DDP run: the total update
     within 10% (L2), each step's loss within 0.01."""
@@ -243,3 +250,44 @@ def test_zero3_mixed_precision_model_states_are_16_bytes_per_parameter_over_rank
     for by_case in results:
         got = by_case["stage3_bf16"]["memory"]["tiers"]["device"]["peak_model_states"]
         assert 16 * psi / 2 <= got <= 16 * (psi / 2 + 2 * len(gpt_units(**MODEL)))
+
+
+def _single_rank_state(stage: int):
+    from zdsl.runtime.models.gpt import GPT as Model
+    from zdsl.runtime.state import RankState
+    graph = compile_schedule(make_schedule(1, stage=stage), gpt_units(**MODEL))
+    return graph, RankState(graph, Model(**MODEL, seed=0), 0, 1)
+
+
+def test_a_graph_for_another_rank_count_is_refused_before_any_collective():
+    from zdsl.runtime.state import RankState, StateError
+    graph = compile_schedule(make_schedule(2, stage=3), gpt_units(**MODEL))
+    with pytest.raises(StateError, match="compiled for 2 ranks, this run has 3"):
+        RankState(graph, GPT(**MODEL, seed=0), 0, 3)
+
+
+def test_a_model_that_does_not_match_the_graph_is_refused():
+    from zdsl.runtime.state import RankState, StateError
+    graph = compile_schedule(make_schedule(1, stage=3), gpt_units(**MODEL))
+    with pytest.raises(StateError, match=r"unit 0 \(embedding\): the module has 1280 parameters, the compiled graph expects 2560"):
+        RankState(graph, GPT(**{**MODEL, "width": 16}, seed=0), 0, 1)
+    with pytest.raises(StateError, match="the model has 5 units, the compiled graph 4"):
+        RankState(graph, GPT(**{**MODEL, "layers": 3}, seed=0), 0, 1)
+
+
+def test_an_op_that_reads_a_buffer_holding_no_data_names_rank_op_and_buffer():
+    from zdsl.runtime.state import StateError
+    graph, state = _single_rank_state(stage=3)
+    from zdsl.runtime.data import make_batch
+    sched = make_schedule(1, stage=3)
+    state.step_begin(0, [make_batch(sched.data, 0, 0, 0, 0, 1, 2)])
+    forward = next(op for op in graph.ops if op.kind == "compute.forward" and op.unit == 1)
+    with pytest.raises(StateError, match=rf"rank 0: op {forward.id} compute.forward unit 1: reads act\[0\]"):
+        state.run_op(forward)
+
+
+def test_a_batch_count_that_does_not_match_accumulate_is_refused():
+    from zdsl.runtime.state import StateError
+    _, state = _single_rank_state(stage=0)
+    with pytest.raises(StateError, match="got 0 micro-batches, the graph accumulates 1"):
+        state.step_begin(0, [])
