@@ -104,3 +104,23 @@ def test_gather_and_reduce_scatter_per_part_on_two_gloo_ranks():
     for rank, got in enumerate(spawn(_collectives, 2)):
         assert got.pop("fallbacks") == {}, "gloo should have native flat collectives"
         assert all(got.values()), (rank, got)
+
+
+def _fallback(rank: int, world: int) -> dict:
+    def refuse(*args, **kwargs):
+        raise RuntimeError("reduce_scatter_single is not supported by this backend")
+    collectives._reduce_scatter = refuse
+    inp = torch.arange(8, dtype=torch.float32) * (rank + 1)
+    out = torch.zeros(4)
+    work = collectives.reduce_scatter(out, inp, async_op=True)
+    done = work.is_completed() and work.wait()
+    again = torch.zeros(4)
+    collectives.reduce_scatter(again, inp)
+    return dict(out=out, again=again, done=done, fallbacks=dict(collectives.FALLBACKS))
+
+
+def test_a_backend_without_reduce_scatter_falls_back_explicitly_and_counts_it():
+    for rank, got in enumerate(spawn(_fallback, 2)):
+        expect = (torch.arange(8, dtype=torch.float32) * 3)[rank * 4:(rank + 1) * 4]
+        assert torch.equal(got["out"], expect) and torch.equal(got["again"], expect) and got["done"]
+        assert got["fallbacks"] == {"reduce_scatter->all_reduce": 2}
