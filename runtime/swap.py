@@ -133,6 +133,26 @@ def remove_stale_runs(folder: Path) -> list[Path]:
     return removed
 
 
+def _make_private_dirs(folder: Path) -> None:
+    """Create ``folder`` and any missing parents with mode 0700.
+
+    Folders that already exist keep their mode (the user may have pointed us
+    at a shared scratch root); every run folder inside is 0700 regardless.
+    Another rank creating the same folder at the same moment is fine.
+    """
+    missing = []
+    path = folder
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+
+
 def _create_run_folder(folder: Path) -> tuple[Path, int]:
     """Make ``folder/run-<pid>-<token>`` (0700) holding a locked lock file.
 
@@ -312,9 +332,7 @@ class Swapper:
         self.verify = verify
         self._checksum = block_checksum()
         try:
-            if not self.folder.exists():
-                self.folder.mkdir(mode=0o700, parents=True)
-                os.chmod(self.folder, 0o700)
+            _make_private_dirs(self.folder)
             remove_stale_runs(self.folder)
             run_dir, lock_fd = _create_run_folder(self.folder)
         except OSError as e:

@@ -145,9 +145,16 @@ def test_folders_are_private(tmp_path):
     folder = tmp_path / "new" / "swap"
     with Swapper(folder) as s:
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert stat.S_IMODE(folder.parent.stat().st_mode) == 0o700  # created by us: private too
         assert stat.S_IMODE(s.run_dir.stat().st_mode) == 0o700
         s.write_sync("x", torch.ones(3))
         assert stat.S_IMODE(s.path("x").stat().st_mode) == 0o600
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    with Swapper(shared) as s:  # an existing folder (a scratch root) keeps its mode; the run folder is private
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+        assert stat.S_IMODE(s.run_dir.stat().st_mode) == 0o700
 
 
 def test_close_removes_everything_also_on_error(tmp_path):
