@@ -193,6 +193,7 @@ class _RunState:
     def __init__(self, run_dir: Path, lock_fd: int):
         self.run_dir = run_dir
         self.lock_fd = lock_fd
+        self.owner_pid = os.getpid()
         self.files: dict[str, _SwapFile] = {}
         self.closed = False
 
@@ -200,6 +201,8 @@ class _RunState:
         if self.closed:
             return
         self.closed = True
+        if os.getpid() != self.owner_pid:
+            return  # a forked child exiting: the run (and its folder) belongs to the parent
         for f in self.files.values():
             try:
                 os.close(f.fd)
