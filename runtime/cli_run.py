@@ -44,8 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     if rank is None:
         from .launch import launch_local
         child = ["run", *(argv if argv is not None else sys.argv[2:])]
-        return launch_local(child, compiled.graph.ranks)
-    return run_one_rank(compiled, args)
+        # a hung peer is noticed by the others after --timeout; give them that long to fail first
+        return launch_local(child, compiled.graph.ranks, grace_s=args.timeout + 5)
+    code = run_one_rank(compiled, args)
+    # Leave without interpreter teardown: torch's C++ statics (gloo's threads) can abort the
+    # process while being destroyed after a clean run, turning success into SIGABRT.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_one_rank(compiled, args) -> int:

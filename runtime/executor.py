@@ -28,6 +28,8 @@ import trio
 
 from zdsl.ir import Op, TaskGraph
 
+from .faults import fault_for
+
 
 class OpError(RuntimeError):
     """An op failed on a rank: names the rank, the op and the unit."""
@@ -74,6 +76,8 @@ class Executor:
         # one worker thread per lane (a lane is sequential by definition)
         self.limiters = {lane: trio.CapacityLimiter(1) for lane in self.lanes}
         self.wait_limiter = trio.CapacityLimiter(64)
+        self.fault = fault_for(rank)
+        self.step = -1
 
     async def run_step(self) -> StepRecord:
         n = len(self.graph.ops)
@@ -83,6 +87,7 @@ class Executor:
         self.flags = [False] * n          # read by lane threads: which ops are complete
         self.token = trio.lowlevel.current_trio_token()
         self.t0 = time.perf_counter()
+        self.step += 1
         try:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
@@ -107,6 +112,7 @@ class Executor:
                 tick = time.perf_counter()
                 self.starts[op.id] = tick - self.t0
                 try:
+                    self.check_fault(op)
                     handle = state.start_collective(op)
                 except Exception as exc:
                     raise OpError(self.rank, op, exc) from exc
@@ -143,6 +149,7 @@ class Executor:
     def run_one(self, op: Op) -> None:
         kind = op.kind
         try:
+            self.check_fault(op)
             if kind.startswith("compute."):
                 self.state.run_compute(op)
             elif kind.startswith("copy."):
@@ -155,6 +162,10 @@ class Executor:
                 raise ValueError(f"unknown op kind {kind!r}")
         except Exception as exc:  # name the rank, the op and the unit
             raise OpError(self.rank, op, exc) from exc
+
+    def check_fault(self, op: Op) -> None:
+        if self.fault is not None and self.fault.op == op.id and self.fault.step == self.step:
+            self.fault.fire()
 
     async def watch(self, op: Op, handle) -> None:
         """Mark a collective done when its work completes."""

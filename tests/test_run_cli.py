@@ -1,0 +1,88 @@
+"""`zdsl run` end to end, as a user runs it: processes per rank, gloo, the CLI's messages.
+
+Also the promises about failure: a rank that raises, dies or hangs stops every
+rank with a message naming the rank and the op, in bounded time; a schedule
+launched at the wrong rank count fails before any collective.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+QUICK = str(ROOT / "programs" / "quickstart.zs")
+
+
+def zdsl(*args, env=None, timeout=240):
+    full_env = dict(os.environ, **(env or {}))
+    full_env.pop("RANK", None)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "zdsl.cli", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def test_quickstart_trains_and_exports(tmp_path):
+    metrics, export = tmp_path / "m.jsonl", tmp_path / "model.safetensors"
+    proc, _ = zdsl("run", QUICK, "--set", "steps=12", "--metrics", str(metrics), "--export", str(export))
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(12))
+    losses = [m["loss"] for m in lines]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+    assert set(lines[0]["peak_bytes"]) == {"0", "1"} and lines[0]["peak_bytes"]["0"]["device"] > 0
+    assert "Traceback" not in proc.stderr
+    # the export loads into the model with plain torch and safetensors
+    import torch
+    from safetensors.torch import load_file
+    from zdsl.runtime.models.gpt import GPT
+    model = GPT(layers=2, width=64, heads=4, vocab=256, context=32)
+    model.load_state_dict(load_file(str(export)), strict=True)
+    idx = torch.zeros(1, 8, dtype=torch.long)
+    assert torch.isfinite(model(idx, idx))
+
+
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_a_failing_rank_stops_every_rank_with_its_name_and_op(mode):
+    proc, seconds = zdsl("run", QUICK, "--quiet", "--timeout", "20", env={"ZDSL_FAULT": f"1:7:{mode}"})
+    assert proc.returncode == 1
+    assert "rank 1" in proc.stderr
+    if mode == "raise":
+        assert "op #7" in proc.stderr and "injected fault" in proc.stderr
+    else:
+        assert "SIGKILL" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert seconds < 60
+
+
+def test_a_hung_rank_does_not_hang_the_run():
+    proc, seconds = zdsl("run", QUICK, "--quiet", "--timeout", "5", env={"ZDSL_FAULT": "1:9:hang"}, timeout=120)
+    assert proc.returncode == 1
+    assert "rank 0" in proc.stderr      # the rank that waited names the op it waited in
+    assert seconds < 60
+
+
+def test_wrong_rank_count_fails_before_any_collective():
+    procs = []
+    for rank in range(3):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+        procs.append(subprocess.Popen([sys.executable, "-m", "zdsl.cli", "run", QUICK, "--quiet"],
+                                      env=env, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 1
+        assert "compiled for 2 ranks but 3 were launched" in err
+
+
+def test_a_bad_schedule_is_rejected_before_launch(tmp_path):
+    bad = tmp_path / "bad.zs"
+    bad.write_text(QUICK and Path(QUICK).read_text().replace("zero      3", "zero      7"))
+    proc, _ = zdsl("run", str(bad))
+    assert proc.returncode == 1
+    assert "bad.zs:" in proc.stderr and "Traceback" not in proc.stderr
