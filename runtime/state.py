@@ -187,6 +187,11 @@ class RankState:
             except ValueError as exc:
                 raise StateError(f"rank {rank}: unit {info.index} ({info.name}): {exc}") from None
         self.last = len(self.modules) - 1
+        for module in self.modules:   # non-parameter buffers (masks, tables) go where the compute runs
+            for sub in module.modules():
+                for key, value in list(sub._buffers.items()):
+                    if value is not None and value.device != self.device:
+                        sub._buffers[key] = value.to(self.device)
 
         # One optimizer per unit, over the shard (the whole unit at stage 0).
         self.optims: list[UnitOptimizer] = []
@@ -668,7 +673,7 @@ class RankState:
         for name in op.reads:
             if name != "token" and not name.startswith("grad_full["):
                 self._read(name, op)
-        rec = self._slot(f"act_inner[{u}]" if self.graph.units[u].recompute else f"act[{u}]", op).record
+        rec = self._read(f"act_inner[{u}]" if self.graph.units[u].recompute else f"act[{u}]", op).record
         if u < self.last:
             grad_out = self._read(f"act_grad[{u + 1}]", op).tensor
         else:
