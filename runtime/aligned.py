@@ -52,7 +52,10 @@ def aligned_empty(nbytes: int, *, pin: bool | None = None) -> torch.Tensor:
         raise ValueError(f"aligned_empty: nbytes must be >= 0, got {nbytes}")
     padded = max(round_up(nbytes), ALIGN)
     if pin_default() if pin is None else pin:
-        raw = torch.empty(padded + ALIGN, dtype=torch.uint8, pin_memory=True)
+        # CUDA's host allocator returns page-aligned blocks; over-allocate only if one is not.
+        raw = torch.empty(padded, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % ALIGN:
+            raw = torch.empty(padded + ALIGN, dtype=torch.uint8, pin_memory=True)
         start = (-raw.data_ptr()) % ALIGN
         return raw[start : start + nbytes]
     # An anonymous private mapping is page aligned; the tensor keeps the

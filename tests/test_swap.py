@@ -295,3 +295,19 @@ def test_cancelled_write_is_never_read_back(swapper):
     trio.run(main)
     with pytest.raises(SwapError, match="did not complete"):
         swapper.read_sync("c", torch.empty_like(x))
+
+
+def test_aligned_memory_and_pool():
+    from zdsl.runtime.aligned import AlignedPool
+
+    for n in (0, 1, 4096, 10_000):
+        t = aligned_empty(n, pin=False)
+        assert t.numel() == n and t.data_ptr() % 4096 == 0
+    pool = AlignedPool(BLOCK, 3, pin=False)
+    bufs = [pool.acquire() for _ in range(3)]
+    assert {b.data_ptr() % 4096 for b in bufs} == {0} and len({b.data_ptr() for b in bufs}) == 3
+    for b in bufs:
+        pool.release(b)
+    with pool.buffer() as b:
+        assert b.numel() == BLOCK
+    assert pool.nbytes == 3 * BLOCK
