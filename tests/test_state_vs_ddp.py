@@ -291,3 +291,26 @@ def test_a_batch_count_that_does_not_match_accumulate_is_refused():
     _, state = _single_rank_state(stage=0)
     with pytest.raises(StateError, match="got 0 micro-batches, the graph accumulates 1"):
         state.step_begin(0, [])
+
+
+FOUR_RANKS = {
+    "stage0_sgd": dict(stage=0, kind="sgd", momentum=0.9),
+    "stage1_sgd_accumulate": dict(stage=1, kind="sgd", momentum=0.9, accumulate=2),
+    "stage3_sgd": dict(stage=3, kind="sgd", momentum=0.9),
+    "stage2_adamw": dict(stage=2),
+    "stage3_adamw_clip": dict(stage=3, clip=0.5),
+}
+
+
+@pytest.mark.skipif(os.environ.get("ZDSL_TEST_4_RANKS") != "1",
+                    reason="4 ranks oversubscribe a 2-core machine; set ZDSL_TEST_4_RANKS=1 to run")
+def test_four_ranks_within_tolerance_of_ddp():
+    """At 4 ranks gloo sums in another order than DDP's buckets: SGD stays within 1e-6 relative,
+    AdamW within the drift bound of the 2-rank AdamW test (measured: 4.5e-7 and 2.7e-5)."""
+    results = spawn(_run_all, 4, FOUR_RANKS)
+    for by_case in results:
+        for name, r in by_case.items():
+            if "sgd" in name:
+                assert _max_rel(r["zdsl"], r["ref"]) < 1e-6, name
+            else:
+                assert _update_rel(r) < 1e-4 and _max_abs(r["zdsl"], r["ref"]) < 1e-4, name
