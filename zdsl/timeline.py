@@ -57,6 +57,8 @@ RIGHT = 24
 TOP = 74            # title, subtitle, top axis
 ROW = 22            # one lane
 BAR = 16            # bar height inside a row
+SUB_ROW = 16        # a lane whose ops overlap (async collectives) stacks them, one sub-row each
+SUB_BAR = 13
 RANK_HEAD = 20      # "rank 0" header above a rank's lanes
 RANK_GAP = 10
 MEM_BAND = 46       # memory: one band per tier
@@ -268,6 +270,24 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
     plot_w = WIDTH - LEFT - RIGHT
     x_of = lambda us: LEFT + plot_w * us / span  # noqa: E731
 
+    # Ops of a lane that overlap in time (collectives in flight together) go on sub-rows.
+    by_lane: dict[tuple, list[Bar]] = {}
+    for b in bars:
+        by_lane.setdefault((b.rank, b.lane), []).append(b)
+    level: dict[int, int] = {}
+    levels: dict[tuple, int] = {}
+    slack = span / plot_w          # overlaps under a pixel are timing noise, not concurrency
+    for key, lane_bars in by_lane.items():
+        ends: list[float] = []
+        for b in sorted(lane_bars, key=lambda b: b.start):
+            lvl = next((i for i, e in enumerate(ends) if e <= b.start + slack), len(ends))
+            if lvl == len(ends):
+                ends.append(0.0)
+            ends[lvl] = b.start + b.dur
+            level[id(b)] = lvl
+        levels[key] = max(1, len(ends))
+    lane_h = {key: ROW if levels.get(key, 1) == 1 else levels[key] * SUB_ROW + 6 for key in lanes}
+
     # Vertical positions of the rank groups and lanes.
     lane_y: dict[tuple[int, str], float] = {}
     rank_y: dict[int, float] = {}
@@ -279,7 +299,7 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
             rank_y[rank] = y
             y += RANK_HEAD
         lane_y[(rank, lane)] = y
-        y += ROW
+        y += lane_h[(rank, lane)]
     lanes_bottom = y
     tiers = sorted({t for _, t in curves}, key=lambda t: (TIER_ORDER.index(t) if t in TIER_ORDER else 9, t))
     colours = {t: TIER_COLOURS.get(t, EXTRA_TIER_COLOURS[i % len(EXTRA_TIER_COLOURS)])
@@ -322,23 +342,20 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
     w(f'<text x="{LEFT}" y="42" font-size="11" fill="#555555">{escape(" · ".join(sub))}</text>')
 
     # Rank headers and lane rows.
-    by_lane: dict[tuple[int, str], list[Bar]] = {}
-    for b in bars:
-        by_lane.setdefault((b.rank, b.lane), []).append(b)
     for rank, ry in rank_y.items():
         w(f'<text x="8" y="{ry + 14}" font-size="12" font-weight="bold" fill="#1a1a1a">'
           f'{escape(group_label(rank))}</text>')
         w(f'<line x1="8" y1="{ry + RANK_HEAD - 2}" x2="{WIDTH - RIGHT}" y2="{ry + RANK_HEAD - 2}" '
           f'stroke="#bbbbbb" stroke-width="0.5"/>')
     for i, key in enumerate(lanes):
-        ly = lane_y[key]
+        ly, h = lane_y[key], lane_h[key]
         if i % 2 == 0:
-            w(f'<rect x="{LEFT}" y="{ly}" width="{plot_w}" height="{ROW}" fill="#f6f7f9"/>')
+            w(f'<rect x="{LEFT}" y="{ly}" width="{plot_w}" height="{h}" fill="#f6f7f9"/>')
         share = _busy(by_lane.get(key, [])) / (spans[key[0][0]] or 1.0)
-        w(f'<text x="20" y="{ly + ROW / 2 + 4:.1f}" font-size="11" fill="#1a1a1a" '
+        w(f'<text x="20" y="{ly + h / 2 + 4:.1f}" font-size="11" fill="#1a1a1a" '
           f'class="lane" data-source="{escape(sources[key[0][0]][0])}" data-rank="{key[0][1]}" '
           f'data-lane="{escape(key[1])}">{escape(key[1])}</text>')
-        w(f'<text x="{LEFT - 8}" y="{ly + ROW / 2 + 4:.1f}" text-anchor="end" fill="#777777">'
+        w(f'<text x="{LEFT - 8}" y="{ly + h / 2 + 4:.1f}" text-anchor="end" fill="#777777">'
           f'{share:.0%} busy</text>')
 
     # Time grid and axis labels (top of lanes and memory panel).
@@ -365,7 +382,11 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
         label, fill = KIND_STYLE.get(b.kind, OTHER_STYLE)
         x = x_of(b.start)
         bw = max(0.6, plot_w * b.dur / span)
-        y0 = lane_y[(b.rank, b.lane)] + (ROW - BAR) / 2
+        key = (b.rank, b.lane)
+        if levels[key] == 1:
+            y0, bh = lane_y[key] + (ROW - BAR) / 2, BAR
+        else:
+            y0, bh = lane_y[key] + 3 + level[id(b)] * SUB_ROW + (SUB_ROW - SUB_BAR) / 2, SUB_BAR
         tip = f"{b.name} · {label} · {_fmt_dur(b.dur)} at {b.start / 1000:.3f} ms"
         if b.bytes:
             tip += f" · {_fmt_bytes(b.bytes)}"
@@ -374,12 +395,12 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
             tip += " · on the critical path"
         else:
             stroke, sw = "#ffffff", 0.5 if bw > 3 else 0
-        w(f'<rect x="{x:.2f}" y="{y0:.1f}" width="{bw:.2f}" height="{BAR}" fill="{fill}" '
+        w(f'<rect x="{x:.2f}" y="{y0:.1f}" width="{bw:.2f}" height="{bh}" fill="{fill}" '
           f'stroke="{stroke}" stroke-width="{sw}"><title>{escape(tip)}</title></rect>')
         # The name where it fits, else the unit number (the colour already says the kind).
         for text in (b.name, "" if b.unit is None else str(b.unit)):
             if text and bw >= len(text) * CHAR_W + 6:
-                labels.append((x + bw / 2, y0 + BAR / 2 + 3.5, text, _text_colour(fill)))
+                labels.append((x + bw / 2, y0 + bh / 2 + 3.5, text, _text_colour(fill)))
                 break
     w('</g>')
     w('<g class="labels" text-anchor="middle" pointer-events="none">')
