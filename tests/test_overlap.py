@@ -112,3 +112,15 @@ def test_typical_is_the_median_step():
     reports = [analyze(GRAPH, {k: (s * f, e * f) for k, (s, e) in TIMES.items()}) for f in (3.0, 1.0, 1.2)]
     assert typical(reports).step_time == pytest.approx(7.0 * 1.2)
     assert typical([]) is None
+
+
+def test_async_ops_queued_in_a_lane_count_from_their_turn():
+    # Two collectives issued together at t=0; the second completes at 2 after waiting for the first.
+    g = graph_of([op(0, "comm.all_gather", "comm", 0), op(1, "comm.all_gather", "comm", 1),
+                  op(2, "compute.forward", "compute", 1, deps=[1])])
+    r = analyze(g, {0: (0.0, 1.0), 1: (0.0, 2.0), 2: (2.0, 3.0)})
+    assert r.lane_busy["comm"] == pytest.approx(2.0)
+    assert r.critical_length == pytest.approx(3.0)        # not 1 + 2 + 1: the queue is not work
+    assert r.dep_chain == pytest.approx(2.0)              # ag1's own 1 s, then the forward
+    assert r.critical_length <= r.step_time
+    assert any("queue" in n for n in r.notes)

@@ -14,7 +14,9 @@ much time went to waiting that no reordering of the given lanes' work
 explains away.
 
 The **critical path** is the longest path through deps *and* lane order
-(each op waits for the op before it in its lane), weighted by op durations:
+(each op waits for the op before it in its lane), weighted by op durations
+(an op issued before its lane's previous op ended, like an asynchronous
+collective queued behind another, counts only from that end):
 the chain that set the step time if every op started as soon as its
 predecessors ended. ``step time - critical path`` is therefore time the
 runtime lost between ops (dispatch, polling, thread hand-offs).
@@ -180,8 +182,10 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
         get = lambda k: seq[k] if 0 <= k < len(seq) else None  # noqa: E731
     dur = [0.0] * n
     lane_intervals: dict[str, list[tuple[float, float]]] = {}
+    lane_end: dict[str, float] = {}
     first, last = float("inf"), float("-inf")
     missing = 0
+    queued = 0
     for i, op in enumerate(ops):
         t = get(op.id)
         lane_intervals.setdefault(op.lane, [])
@@ -192,7 +196,13 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
         s, e = float(t[0]), float(t[1])
         if e < s:
             raise ValueError(f"op {op.id} ({op.kind}) ends before it starts: {s} > {e}")
-        dur[i] = e - s
+        # An op issued while the one before it in its lane is still running (an async
+        # collective) waits in the lane's queue: only the time after that op ends is its own.
+        own_start = max(s, lane_end.get(op.lane, s))
+        if own_start > s:
+            queued += 1
+        dur[i] = max(0.0, e - own_start)
+        lane_end[op.lane] = max(lane_end.get(op.lane, e), e)
         lane_intervals[op.lane].append((s, e))
         first, last = min(first, s), max(last, e)
     span = last - first if last >= first else 0.0
@@ -225,6 +235,9 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
     notes = []
     if missing:
         notes.append(f"{missing} ops had no time and counted as zero length")
+    if queued:
+        notes.append(f"{queued} ops were issued before the previous op of their lane ended; "
+                     f"their time in the queue is not counted as theirs")
     efficiency = min(1.0, lower / step) if step > 0 else 1.0
     return OverlapReport(step_time=step, lane_busy=lane_busy, lane_share=lane_share,
                          busiest_lane=busiest, dep_chain=dep_chain, critical_length=crit_len,
