@@ -65,8 +65,9 @@ class Executor:
     and ``free(op)``; see ``runtime/state.py``.
     """
 
-    def __init__(self, graph: TaskGraph, state, rank: int, record: bool = True):
+    def __init__(self, graph: TaskGraph, state, rank: int, record: bool = True, streams=None):
         self.graph = graph
+        self.streams = streams            # runtime.streams.LaneStreams on CUDA, else None
         self.state = state
         self.rank = rank
         self.record = record
@@ -88,6 +89,8 @@ class Executor:
         self.token = trio.lowlevel.current_trio_token()
         self.t0 = time.perf_counter()
         self.step += 1
+        if self.streams is not None:
+            self.streams.begin_step()
         try:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
@@ -113,7 +116,11 @@ class Executor:
                 self.starts[op.id] = tick - self.t0
                 try:
                     self.check_fault(op)
-                    handle = state.start_collective(op)
+                    if self.streams is None:
+                        handle = state.start_collective(op)
+                    else:
+                        with self.streams.ordered(op):
+                            handle = state.start_collective(op)
                 except Exception as exc:
                     raise OpError(self.rank, op, exc) from exc
                 self.nursery.start_soon(self.watch, op, handle)
@@ -147,6 +154,13 @@ class Executor:
         return n
 
     def run_one(self, op: Op) -> None:
+        if self.streams is None:
+            self._run_one(op)
+        else:
+            with self.streams.ordered(op):
+                self._run_one(op)
+
+    def _run_one(self, op: Op) -> None:
         kind = op.kind
         try:
             self.check_fault(op)
@@ -170,7 +184,14 @@ class Executor:
     async def watch(self, op: Op, handle) -> None:
         """Mark a collective done when its work completes."""
         try:
-            if handle is not None and not handle.is_completed():
+            if self.streams is not None:
+                # NCCL: wait() only makes the lane's stream wait for the collective; the host goes on
+                def wait_on_stream():
+                    with self.streams.on_lane(op):
+                        handle.wait()
+                        self.streams.record(op)
+                await trio.to_thread.run_sync(wait_on_stream, limiter=self.wait_limiter, abandon_on_cancel=True)
+            elif handle is not None and not handle.is_completed():
                 await trio.to_thread.run_sync(handle.wait, limiter=self.wait_limiter,
                                               abandon_on_cancel=True)
         except Exception as exc:

@@ -21,6 +21,7 @@ import trio
 from zdsl.ir import TaskGraph
 
 from .executor import Executor, StepRecord
+from .streams import lane_streams
 
 
 class LaunchError(RuntimeError):
@@ -111,7 +112,8 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         agree_on_graph(graph, rank, world, device)
         model = build_model(schedule.model, seed=cfg["train"]["seed"])
         state = RankState(graph, model, rank=rank, world=world, device=device, group=None)
-        executor = Executor(graph, state, rank, record=bool(options.trace or options.timeline))
+        executor = Executor(graph, state, rank, record=bool(options.trace or options.timeline),
+                            streams=lane_streams(graph, device))
         return trio.run(_loop, graph, schedule, state, executor, rank, world, device, options, reporter,
                         make_batch)
     finally:
