@@ -72,3 +72,15 @@ def _measure(units, specs: list[UnitSpec], context: int) -> None:
         spec.fwd_flops_per_seq = float(counter.get_total_flops())
         spec.act_elems_per_seq = int(sum(saved.values()))
         x = out.detach()
+
+
+DEFAULT_CONTEXT = 64
+
+
+def units_for_user_model(spec, context: int | None = None, base_dir=None) -> list[UnitSpec]:
+    """A user's model (``ModelSpec`` kind "user") as the compiler's units. The sequence length
+    for flops and activations is ``context``, else the factory's ``context`` argument, else 64."""
+    if context is None:
+        value = spec.args.get("context")
+        context = value if isinstance(value, int) and value > 0 else DEFAULT_CONTEXT
+    return unit_specs(spec, context, base_dir=base_dir)

@@ -148,6 +148,13 @@ def test_builtin_gpt_sizing_is_the_analytic_one():
     assert unit_specs(ModelSpec("gpt", dict(CONFIGS[0])), 16) == gpt_units(**CONFIGS[0])
 
 
+def test_the_compiler_entry_point_reads_the_context_from_the_factory_arguments(model_file):
+    from zdsl.runtime.sizing import units_for_user_model
+    spec = ModelSpec("user", {"hidden": 8}, factory=f"{model_file}:build")
+    assert units_for_user_model(spec)[1].input_elems_per_seq == 64 * 8
+    assert units_for_user_model(spec, context=4)[1].input_elems_per_seq == 4 * 8
+
+
 @pytest.mark.parametrize("factory, message", [
     ("nofile.py:build", "no such file"),
     ("my_model.py:missing", "defines no 'missing'"),
