@@ -126,6 +126,7 @@ class Executor:
                 self.nursery.start_soon(self.watch, op, handle)
                 i += 1
             elif op.kind == "mem.free" and lane == "comm":
+                self.starts[op.id] = time.perf_counter() - self.t0
                 self.run_one(op)
                 self.finish(op)
                 i += 1

@@ -71,6 +71,17 @@ class Reporter:
         for rank, peaks in sorted(h[-1].peak_bytes.items()):
             peak = {t: max(m.peak_bytes[rank].get(t, 0) for m in h) for t in peaks}
             table.add_row(f"rank {rank} peak", "  ".join(f"{t} {fmt_bytes(v)}" for t, v in peak.items() if v))
+        last = h[-1].overlap
+        if last:
+            table.add_row("overlap efficiency", f"{last['overlap_efficiency']:.2f} "
+                          f"(lower bound {last['lower_bound_s'] * 1000:.1f} ms, last step)")
+            r0 = last.get("rank0") or {}
+            if r0:
+                table.add_row("lane busy (rank 0)", "  ".join(
+                    f"{lane} {share:.0%}" for lane, share in sorted(r0["lane_share"].items(), key=lambda kv: -kv[1])))
+                kinds = sorted(r0["critical_path_by_kind_s"].items(), key=lambda kv: -kv[1])[:4]
+                table.add_row("critical path (rank 0)", f"{r0['critical_path_s'] * 1000:.1f} ms: " + ", ".join(
+                    f"{k.split('.', 1)[1]} {v * 1000:.1f} ms" for k, v in kinds if v > 0))
         for k, v in extra_rows or []:
             table.add_row(k, v)
         Console(file=sys.stdout).print(table)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import trio
 
 from zdsl.ir import TaskGraph
+from zdsl.overlap import analyze
 
 from .executor import Executor, StepRecord
 from .streams import lane_streams
@@ -48,6 +49,7 @@ class StepMetrics:
     skipped: bool
     grad_norm: float | None
     peak_bytes: dict = field(default_factory=dict)   # rank -> tier -> bytes
+    overlap: dict | None = None                      # efficiency, lower bound, rank 0's lanes and critical path
 
 
 def env_rank() -> tuple[int, int]:
@@ -112,8 +114,7 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         agree_on_graph(graph, rank, world, device)
         model = build_model(schedule.model, seed=cfg["train"]["seed"])
         state = RankState(graph, model, rank=rank, world=world, device=device, group=None)
-        executor = Executor(graph, state, rank, record=bool(options.trace or options.timeline),
-                            streams=lane_streams(graph, device))
+        executor = Executor(graph, state, rank, record=True, streams=lane_streams(graph, device))
         return trio.run(_loop, graph, schedule, state, executor, rank, world, device, options, reporter,
                         make_batch)
     finally:
@@ -137,7 +138,11 @@ async def _loop(graph, schedule, state, executor, rank, world, device, options, 
         if options.trace or options.timeline:
             records.append((step, record))
             records = records[-options.trace_steps:]
-        metrics = gather_metrics(step, record, result, state, world, device, tokens=batch * acc * context)
+        # the overlap report costs O(ops): every step when metrics are written, else the last step
+        overlap = analyze(graph, [(t.start, t.end) for t in record.timings], rank=rank,
+                          step_time=record.seconds) if (options.metrics or step == steps - 1) else None
+        metrics = gather_metrics(step, record, result, state, world, device, tokens=batch * acc * context,
+                                 overlap=overlap)
         history.append(metrics)
         if rank == 0 and reporter is not None:
             reporter.step(metrics)
@@ -159,11 +164,13 @@ def schedule_context(schedule) -> int:
 TIERS = ("device", "host", "nvme")
 
 
-def gather_metrics(step, record: StepRecord, result: dict, state, world, device, tokens) -> StepMetrics:
-    """Loss averaged over ranks and every rank's peak bytes per tier (one small all-gather)."""
+def gather_metrics(step, record: StepRecord, result: dict, state, world, device, tokens,
+                   overlap=None) -> StepMetrics:
+    """Loss averaged over ranks, every rank's peak bytes per tier and overlap (one small all-gather)."""
     report = state.memory_report()
     peaks = report.get("peak", report)
     row = [float(result["loss"]), record.seconds] + [float(peaks.get(t, 0)) for t in TIERS]
+    row += [overlap.lower_bound, overlap.efficiency] if overlap is not None else [-1.0, -1.0]
     mine = torch.tensor(row, dtype=torch.float64, device=device)
     every = torch.empty(world * len(row), dtype=torch.float64, device=device)
     if hasattr(dist, "all_gather_single"):
@@ -174,14 +181,20 @@ def gather_metrics(step, record: StepRecord, result: dict, state, world, device,
     loss = sum(r[0] for r in table) / world
     step_s = max(r[1] for r in table)
     peak = {r: {t: int(table[r][2 + i]) for i, t in enumerate(TIERS)} for r in range(world)}
+    summary = None
+    if overlap is not None:
+        # the step is as slow as its slowest rank (zdsl.overlap.summarize, from the gathered figures)
+        lower = max(r[2 + len(TIERS)] for r in table)
+        summary = {"overlap_efficiency": min(1.0, lower / step_s) if step_s > 0 else 1.0,
+                   "lower_bound_s": lower, "rank0": overlap.to_metrics() if state.rank == 0 else None}
     return StepMetrics(step=step, loss=loss, step_s=step_s, tokens_per_s=tokens * world / step_s,
                        skipped=bool(result.get("skipped", False)), grad_norm=result.get("grad_norm"),
-                       peak_bytes=peak)
+                       peak_bytes=peak, overlap=summary)
 
 
 def metrics_line(m: StepMetrics) -> str:
     return json.dumps({"step": m.step, "loss": m.loss, "step_s": m.step_s, "tokens_per_s": m.tokens_per_s,
                        "skipped": m.skipped, "grad_norm": m.grad_norm,
-                       "peak_bytes": {str(r): v for r, v in m.peak_bytes.items()}})
+                       "peak_bytes": {str(r): v for r, v in m.peak_bytes.items()}, "overlap": m.overlap})
 
 
