@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -242,47 +245,43 @@ def test_retention_keeps_last_complete(tmp_path, model):
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 4]
 
 
-def _child_saves(root, n, ready_fd):
-    """In a forked child: save step 1 completely, tell the parent, then start saving step 2."""
-    units = [UnitSpec("big", [("w", (n,))])]
-    lay = [flat_layout(n, 2)]
-    shards = {step: [{"u0.param": torch.full((lay[0].shard_numel,), float(step))} for r in range(2)]
-              for step in (1, 2)}
-
-    def save(step):
-        recs = [write_rank_shards(root, step, r, 2, shards[step][r]) for r in range(2)]
-        if step == 2:
-            time.sleep(60)        # killed before the index even if the kill missed the writes
-        write_index(root, step, {"units": unit_metas(units, lay)}, recs)
-    save(1)
-    os.write(ready_fd, b"1")
-    save(2)
+CHILD = """
+import sys, time, torch
+from zdsl.layout import flat_layout
+from zdsl.runtime.checkpoint import unit_metas, write_index, write_rank_shards
+from zdsl.units import UnitSpec
+root, n = sys.argv[1], int(sys.argv[2])
+units, lay = [UnitSpec("big", [("w", (n,))])], [flat_layout(n, 2)]
+def save(step):
+    recs = [write_rank_shards(root, step, r, 2, {"u0.param": torch.full((lay[0].shard_numel,), float(step))})
+            for r in range(2)]
+    if step == 2:
+        time.sleep(60)            # killed before the index even if the kill missed the writes
+    write_index(root, step, {"units": unit_metas(units, lay)}, recs)
+save(1)
+print("saved", flush=True)
+save(2)
+"""
 
 
 def test_sigkill_mid_write_keeps_previous(tmp_path):
+    """A process killed while writing a checkpoint (a subprocess: fork would share torch's thread pools)."""
     n = 32 << 20                                   # 128 MiB of fp32 per save, 64 MiB per rank file
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()                                # fork, not spawn: no second torch import
-    if pid == 0:
-        try:
-            os.close(read_fd)
-            _child_saves(tmp_path, n, write_fd)
-        finally:
-            os._exit(0)
-    os.close(write_fd)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(n)], stdout=subprocess.PIPE)
     step2 = checkpoint_path(tmp_path, 2)
     try:
-        assert os.read(read_fd, 1) == b"1"
-        deadline = time.monotonic() + 20
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        assert ready and child.stdout.readline().strip() == b"saved", "the child did not save step 1"
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             tmps = list(step2.glob(".rank-*.tmp-*")) if step2.exists() else []
             if tmps and tmps[0].stat().st_size > 0:
                 break
             time.sleep(0.0005)
+        os.kill(child.pid, signal.SIGKILL)
     finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(read_fd)
+        child.kill()
+        child.wait()
     assert list(step2.glob(".rank-*.tmp-*")), "the kill did not land mid-write"
     messages = []
     found = latest_complete(tmp_path, report=messages.append)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .directio import Sink, Source
+from .directio import Sink, Source, as_bytes
 from .index import CheckpointError
 
 CRC_BLOCK = 16 << 20      # bytes per checksum block, and per read or write call
@@ -238,9 +238,16 @@ class ShardFile:
     def read(self, name: str, expected: TensorEntry | None = None) -> torch.Tensor:
         """Tensor ``name`` whole, its blocks checked against ``expected`` when given."""
         code, shape, b, e = self._entry(name, expected)
-        out = torch.empty(shape, dtype=torch_dtype(code, f"{self.path}: {name}"))
-        self.read_range(name, expected, 0, e - b, byte_view(out))
-        return out
+        dtype = torch_dtype(code, f"{self.path}: {name}")
+        check = BlockCheck(self.path, name, expected, e - b, 0) if expected is not None else None
+        flat = self.source.read_tensor(self.data_start + b, e - b, dtype, check.feed if check else None)
+        if flat is None:                   # no direct I/O here: through bounce buffers
+            out = torch.empty(shape, dtype=dtype)
+            self.read_range(name, expected, 0, e - b, byte_view(out))
+            return out
+        if check:
+            check.done()
+        return flat.reshape(shape)
 
     def verify(self, name: str, expected: TensorEntry) -> None:
         """Check every block of tensor ``name`` against its record, keeping nothing."""
@@ -259,31 +266,54 @@ class ShardFile:
         size = e - b
         if not 0 <= lo <= hi <= size or (dest is not None and len(dest) != hi - lo):
             raise CheckpointError(f"{self.path}: bad range [{lo}, {hi}) of tensor {name!r}")
-        start, end = lo, hi
+        start, end, check = lo, hi, None
         if expected is not None:
             blk = expected.block
-            if blk <= 0 or len(expected.crc32) != -(-size // blk):
-                raise CheckpointError(f"{self.path}: tensor {name!r} has a malformed checksum list in the index")
             start, end = lo - lo % blk, min(-(-hi // blk) * blk, size)
-            k, crc = start // blk, 0
-            block_end = min((k + 1) * blk, size)
+            check = BlockCheck(self.path, name, expected, size, start)
+        out = as_bytes(dest) if dest is not None else None
         pos = start
         base = self.data_start + b
         for piece in self.source.pieces(base + start, base + end):
             p1 = pos + len(piece)
             c0, c1 = max(pos, lo), min(p1, hi)
-            if dest is not None and c0 < c1:
-                dest[c0 - lo:c1 - lo] = piece[c0 - pos:c1 - pos]
-            if expected is not None:
-                off = 0
-                while off < len(piece):
-                    take = min(len(piece) - off, block_end - (pos + off))
-                    crc = zlib.crc32(piece[off:off + take], crc)
-                    off += take
-                    if pos + off == block_end:
-                        if crc != expected.crc32[k]:
-                            raise CheckpointError(f"{self.path}: tensor {name!r} checksum mismatch in block {k} "
-                                                  f"(file altered or damaged)")
-                        k, crc = k + 1, 0
-                        block_end = min((k + 1) * blk, size)
+            if out is not None and c0 < c1:
+                out[c0 - lo:c1 - lo].copy_(as_bytes(piece)[c0 - pos:c1 - pos])
+            if check:
+                check.feed(piece)
             pos = p1
+        if check:
+            check.done()
+
+
+class BlockCheck:
+    """CRC-32 of consecutive bytes of one tensor, compared block by block with its record."""
+
+    def __init__(self, path: str, name: str, expected: TensorEntry, size: int, start: int):
+        blk = expected.block
+        if blk <= 0 or len(expected.crc32) != -(-size // blk) or start % blk:
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed checksum list in the index")
+        self.path, self.name, self.expected, self.size, self.blk = path, name, expected, size, blk
+        self.k = start // blk
+        self.pos = start
+        self.crc = 0
+        self.block_end = min((self.k + 1) * blk, size)
+
+    def feed(self, piece: memoryview) -> None:
+        off = 0
+        while off < len(piece):
+            take = min(len(piece) - off, self.block_end - self.pos)
+            self.crc = zlib.crc32(piece[off:off + take], self.crc)
+            off += take
+            self.pos += take
+            if self.pos == self.block_end:
+                if self.crc != self.expected.crc32[self.k]:
+                    raise CheckpointError(f"{self.path}: tensor {self.name!r} checksum mismatch in block "
+                                          f"{self.k} (file altered or damaged)")
+                self.k, self.crc = self.k + 1, 0
+                self.block_end = min((self.k + 1) * self.blk, self.size)
+
+    def done(self) -> None:
+        """Called after the last piece: a block left unfinished means the read stopped short."""
+        if self.crc != 0 or (self.pos < self.block_end and self.pos % self.blk):
+            raise CheckpointError(f"{self.path}: tensor {self.name!r} read stopped inside block {self.k}")
