@@ -64,7 +64,27 @@ def touched_bytes(graph: TaskGraph, op, kind: str) -> int:
 
 
 def op_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
-    """Seconds one op takes on ``machine`` (the cost model)."""
+    """Seconds one op takes on ``machine`` (the cost model): its rate-based time plus the
+    machine's fixed ``op_overhead`` per op that the runtime really runs (not ``mem.free``)."""
+    rated = rated_duration(graph, op, machine)
+    if op.kind == "mem.free":
+        return rated
+    return rated + op_overhead(machine)
+
+
+def op_overhead(machine: MachineProfile) -> float:
+    """Fixed seconds per executed op: dispatch, thread hand-off, completion polling.
+
+    Rates alone price a tiny op at microseconds, but the runtime pays a roughly
+    constant cost to start and finish each op (on CPU: a worker-thread hand-off
+    and, for a collective, a watcher's wake-up), which dominates small models.
+    0 unless the profile sets it (``op_overhead``; measured by calibration).
+    """
+    return float(getattr(machine, "op_overhead", 0.0) or 0.0)
+
+
+def rated_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
+    """Seconds one op takes from the machine's rates alone."""
     n = graph.ranks
     kind = op.kind
     host = op.lane == "host"
