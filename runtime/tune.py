@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "writes the winner as a new .zs file.",
                 epilog="values with top-level commas (overlap pairs): separate alternatives with '|', "
                        "e.g. --vary 'overlap=all|gather/forward,scatter/backward'")
-    p.add_argument("file", metavar="FILE", help="the .zs schedule")
+    p.add_argument("file", metavar="FILE", nargs="?", help="the .zs schedule")
     p.add_argument("--vary", nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
                    help="a --set key and the values to try (repeatable)")
     p.add_argument("--measure", type=int, default=3, metavar="K",
@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.file is None:                          # `--vary a=1,2 FILE`: --vary took the file too
+        stray = [v for v in args.vary if "=" not in v]
+        if len(stray) != 1:
+            parser.error("the following arguments are required: FILE")
+        args.file = stray[0]
+        args.vary.remove(stray[0])
     if args.measure < 0:
         parser.error("--measure must be 0 or more")
     if args.steps < 2:
@@ -75,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         vary = parse_vary(args.vary)
     except TuneUsageError as exc:
         parser.error(str(exc))
+    if any(k in ("steps", "train.steps") for k, _ in vary):
+        parser.error("steps is the run's length, not a schedule choice: measured runs use --steps")
     clash = [k for k, _ in vary if k in base]
     if clash:
         parser.error(f"{clash[0]} is both --set and --vary")
