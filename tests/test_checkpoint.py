@@ -131,6 +131,18 @@ def test_recut_2_to_4_to_1(tmp_path, model, monkeypatch, io):
     write_index(tmp_path / "b", 2, {"units": unit_metas(units, lay4)}, records)
     lay1 = layouts_for(units, 1)
     one = load_for_rank(checkpoint_path(tmp_path / "b", 2), 0, 1, lay1)
+    # Into preallocated buffers (garbage inside: padding must come out zero), same and other layouts.
+    into = {f"u{i}.{k}": torch.full((lay.shard_numel,), 7.0) for i, lay in enumerate(lay1) for k in KINDS}
+    got = load_for_rank(checkpoint_path(tmp_path / "b", 2), 0, 1, lay1, into=into)
+    assert all(got[k] is into[k] and torch.equal(into[k], one[k]) for k in into)
+    into4 = {k: torch.full_like(v, 7.0) for k, v in loaded4[3].items() if k.startswith("u")}
+    load_for_rank(checkpoint_path(tmp_path / "b", 2), 3, 4, lay4, into=into4)
+    for i, lay in enumerate(lay4):
+        for k in KINDS:      # owned_shard zero-pads: the last rank's padding is checked here
+            assert torch.equal(into4[f"u{i}.{k}"], owned_shard(full[i, k], lay, 3))
+    assert any(lay.padded_numel > lay.numel for lay in lay4)
+    with pytest.raises(CheckpointError, match="destination"):
+        load_for_rank(checkpoint_path(tmp_path / "b", 2), 0, 1, lay1, into={"u0.param": torch.zeros(3)})
     for i, lay in enumerate(lay1):
         for k in KINDS:
             assert torch.equal(one[f"u{i}.{k}"][:units[i].numel], full[i, k])

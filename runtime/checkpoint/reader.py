@@ -134,8 +134,12 @@ def _overlaps(old: FlatLayout, old_rank: int, new: FlatLayout, new_rank: int, nu
 
 
 def recut(files: dict[int, ShardFile], index: Index, unit: int, kind: str, new: FlatLayout,
-          new_rank: int, verify: bool = True) -> torch.Tensor:
-    """New rank ``new_rank``'s shard of ``u{unit}.{kind}`` under layout ``new``, from the saved shards."""
+          new_rank: int, verify: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """New rank ``new_rank``'s shard of ``u{unit}.{kind}`` under layout ``new``, from the saved shards.
+
+    ``out``: a preallocated destination (the runtime's own shard buffer),
+    filled in place; without it a new tensor is returned.
+    """
     meta = index.units[unit]
     old = meta.layout
     key = shard_key(unit, kind)
@@ -143,11 +147,26 @@ def recut(files: dict[int, ShardFile], index: Index, unit: int, kind: str, new: 
     if key not in recs[0].tensors:
         raise CheckpointError(f"{files[0].path}: tensor {key!r} missing")
     entry0 = recs[0].tensors[key]
-    if old == new and new_rank in files:
+    dtype = torch_dtype(entry0.dtype, key)
+    if out is not None and (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != dtype
+                            or out.numel() != new.shard_numel):
+        raise CheckpointError(f"{key}: destination must be a contiguous CPU {dtype} tensor of "
+                              f"{new.shard_numel} elements, got {out.dtype}{list(out.shape)} on {out.device}")
+    same = old == new and new_rank in files
+    if same and out is None:
         return files[new_rank].read(key, recs[new_rank].tensors.get(key) if verify else None)
-    out = torch.zeros(new.shard_numel, dtype=torch_dtype(entry0.dtype, key))
+    if out is None:
+        out = torch.empty(new.shard_numel, dtype=dtype)   # every element is written below, once
     item = out.element_size()
     dest = byte_view(out)
+    if same:
+        entry = recs[new_rank].tensors.get(key)
+        files[new_rank].read_range(key, entry if verify else None, 0, len(dest), dest)
+        return out
+    for p, (b, e) in enumerate(new.owned_full_ranges(new_rank)):
+        if e > meta.numel:                                # new padding
+            sb = new.shard_range(p)[0]
+            out[sb + max(0, meta.numel - b):sb + e - b].zero_()
     for r0 in range(old.ranks):
         pieces = list(_overlaps(old, r0, new, new_rank, meta.numel))
         if not pieces:
@@ -166,13 +185,18 @@ def recut(files: dict[int, ShardFile], index: Index, unit: int, kind: str, new: 
 
 def iter_rank_shards(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout], *,
                      index: Index | None = None, verify: bool = True,
-                     kinds: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     kinds: list[str] | None = None,
+                     into: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (key, tensor) of rank ``rank`` of ``ranks``, unit by unit, re-cut to ``layouts``.
 
     Flat shards ``u{i}.{kind}`` come re-cut (any saved rank count, parts
     or padding); per-rank state (``rng.*``) comes as saved by the same rank,
     and is absent when that rank did not exist in the saved run.
     ``kinds`` restricts which state kinds are loaded (default all).
+    ``into`` maps keys to preallocated flat CPU tensors (e.g. the runtime's
+    shard buffers, pinned) that are filled in place and yielded; loading
+    into memory already touched avoids the page faults of fresh tensors,
+    which on a busy host cost more than the disk.
     """
     index = index or read_index(ckpt_path)
     if len(layouts) != len(index.units):
@@ -193,7 +217,8 @@ def iter_rank_shards(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout]
         for i, new in enumerate(layouts):
             for kind in saved_kinds.get(i, []):
                 if kinds is None or kind in kinds:
-                    yield shard_key(i, kind), recut(files, index, i, kind, new, rank, verify)
+                    key = shard_key(i, kind)
+                    yield key, recut(files, index, i, kind, new, rank, verify, (into or {}).get(key))
         if rank < index.ranks:
             rec = index.file_for_rank(rank)
             for key, entry in rec.tensors.items():
@@ -205,9 +230,10 @@ def iter_rank_shards(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout]
 
 
 def load_for_rank(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout], *,
-                  verify: bool = True, kinds: list[str] | None = None) -> dict[str, torch.Tensor]:
+                  verify: bool = True, kinds: list[str] | None = None,
+                  into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """All of rank ``rank``'s state from checkpoint ``ckpt_path``, re-cut to ``layouts``; see iter_rank_shards."""
-    return dict(iter_rank_shards(ckpt_path, rank, ranks, layouts, verify=verify, kinds=kinds))
+    return dict(iter_rank_shards(ckpt_path, rank, ranks, layouts, verify=verify, kinds=kinds, into=into))
 
 
 def full_unit(files: dict[int, ShardFile], index: Index, unit: int, kind: str = "param",
