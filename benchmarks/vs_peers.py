@@ -193,7 +193,7 @@ def summary(outcomes: dict[str, Outcome], baseline: str) -> list[dict]:
             row["status"] = f"unavailable: {o.unavailable}" if o.unavailable else f"failed: {o.failed}"
             rows.append(row)
             continue
-        row.update(status="ok", median_step_s=o.median_s, steps_measured=len(o.step_s),
+        row.update(status="ok", median_step_s=o.median_s, min_step_s=min(o.step_s), steps_measured=len(o.step_s),
                    peak_rss_mib=o.peak / 2**20, final_loss=o.loss[-1] if o.loss else None,
                    loss_diff_vs_ddp=max_loss_diff(o.loss, ddp_loss), loss=o.loss, step_s=o.step_s,
                    info=o.info)
@@ -209,16 +209,17 @@ def _fmt(value, spec: str) -> str:
 
 
 def print_table(rows: list[dict], baseline: str, out=sys.stdout) -> None:
-    head = ("system", "median step s", "peak RSS MiB", f"time / {baseline}", f"mem / {baseline}",
+    head = ("system", "median step s", "min step s", "peak RSS MiB", f"time / {baseline}", f"mem / {baseline}",
             "final loss", "max |loss - DDP|")
     body = []
     notes = []
     for r in rows:
         if r["status"] != "ok":
             notes.append(f"{r['system']}: {r['status']}")
-            body.append((r["system"], r["status"].split(":")[0], "", "", "", "", ""))
+            body.append((r["system"], r["status"].split(":")[0], "", "", "", "", "", ""))
             continue
-        body.append((r["system"], _fmt(r["median_step_s"], ".3f"), _fmt(r["peak_rss_mib"], ".0f"),
+        body.append((r["system"], _fmt(r["median_step_s"], ".3f"), _fmt(r["min_step_s"], ".3f"),
+                     _fmt(r["peak_rss_mib"], ".0f"),
                      _fmt(r.get("time_ratio"), ".2f"), _fmt(r.get("memory_ratio"), ".2f"),
                      _fmt(r["final_loss"], ".4f"), _fmt(r["loss_diff_vs_ddp"], ".2e")))
     widths = [max(len(str(line[i])) for line in [head, *body]) for i in range(len(head))]
