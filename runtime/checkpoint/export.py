@@ -112,8 +112,7 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
         tmp.unlink(missing_ok=True)
         raise
     finally:
-        for f in files.values():
-            f.close()
+        files.close()
     return [k for k, _, _ in specs]
 
 

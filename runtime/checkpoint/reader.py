@@ -53,17 +53,43 @@ def list_checkpoints(root) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def open_files(ckpt_path, index: Index) -> dict[int, ShardFile]:
-    """Every rank file of the checkpoint, opened and checked for size and header."""
-    files = {}
-    try:
-        for rec in index.files:
-            files[rec.rank] = ShardFile(str(Path(ckpt_path) / rec.name), rec.bytes, rec.header_crc32)
-    except CheckpointError:
-        for f in files.values():
+class RankFiles:
+    """The rank files of a checkpoint, each opened (size and header checked) on first use.
+
+    Lazy so that a rank resuming at the same rank count opens only its own
+    file, not all N of them (N ranks times N files on a shared filesystem).
+    """
+
+    def __init__(self, ckpt_path, index: Index):
+        self.dir = Path(ckpt_path)
+        self.recs = {r.rank: r for r in index.files}
+        self.opened: dict[int, ShardFile] = {}
+
+    def __getitem__(self, rank: int) -> ShardFile:
+        if rank not in self.opened:
+            rec = self.recs.get(rank)
+            if rec is None:
+                raise CheckpointError(f"{self.dir / INDEX_NAME}: lists no file for rank {rank}")
+            self.opened[rank] = ShardFile(str(self.dir / rec.name), rec.bytes, rec.header_crc32)
+        return self.opened[rank]
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self.recs
+
+    def close(self) -> None:
+        for f in self.opened.values():
             f.close()
-        raise
-    return files
+        self.opened.clear()
+
+    def __enter__(self) -> "RankFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_files(ckpt_path, index: Index) -> RankFiles:
+    return RankFiles(ckpt_path, index)
 
 
 def check_checkpoint(ckpt_path, *, full: bool = True) -> Index:
@@ -80,16 +106,15 @@ def check_checkpoint(ckpt_path, *, full: bool = True) -> Index:
         raise CheckpointError(f"{Path(ckpt_path) / INDEX_NAME}: does not list one file per rank of {index.ranks}")
     files = open_files(ckpt_path, index)
     try:
-        if full:
-            for rec in index.files:
-                f = files[rec.rank]
+        for rec in index.files:
+            f = files[rec.rank]                           # opening checks size and header
+            if full:
                 if set(f.entries) != set(rec.tensors):
                     raise CheckpointError(f"{f.path}: holds other tensors than the index records (file altered)")
                 for name, entry in rec.tensors.items():
                     f.verify(name, entry)
     finally:
-        for f in files.values():
-            f.close()
+        files.close()
     return index
 
 
@@ -133,7 +158,7 @@ def _overlaps(old: FlatLayout, old_rank: int, new: FlatLayout, new_rank: int, nu
                 yield s0 + lo - b0, new.shard_range(p1)[0] + lo - b1, hi - lo
 
 
-def recut(files: dict[int, ShardFile], index: Index, unit: int, kind: str, new: FlatLayout,
+def recut(files: RankFiles, index: Index, unit: int, kind: str, new: FlatLayout,
           new_rank: int, verify: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """New rank ``new_rank``'s shard of ``u{unit}.{kind}`` under layout ``new``, from the saved shards.
 
@@ -225,8 +250,7 @@ def iter_rank_shards(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout]
                 if parse_shard_key(key) is None:
                     yield key, files[rank].read(key, entry if verify else None)
     finally:
-        for f in files.values():
-            f.close()
+        files.close()
 
 
 def load_for_rank(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout], *,
@@ -236,7 +260,7 @@ def load_for_rank(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout], *
     return dict(iter_rank_shards(ckpt_path, rank, ranks, layouts, verify=verify, kinds=kinds, into=into))
 
 
-def full_unit(files: dict[int, ShardFile], index: Index, unit: int, kind: str = "param",
+def full_unit(files: RankFiles, index: Index, unit: int, kind: str = "param",
               verify: bool = True) -> torch.Tensor:
     """Unit ``unit``'s whole flat ``kind`` buffer (``numel`` elements, no padding)."""
     n = index.units[unit].numel
