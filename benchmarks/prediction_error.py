@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="/tmp/machine.zs", help="where calibrate writes (default /tmp/machine.zs)")
     ap.add_argument("--program", action="append", help="program(s) (default: every programs/*.zs)")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=1, help="measured runs per program (median of medians)")
+    ap.add_argument("--repeat", type=int, default=3, help="measured runs per program (median of medians)")
     ap.add_argument("--explain", action="store_true", help="compare predicted and measured traces op by op")
     ap.add_argument("--op-overhead", default=None, metavar="SECONDS|auto",
                     help="also predict with a fixed cost per op; 'auto' fits it on the first program")
@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="OUT.json", help="write the figures as JSON")
     args = ap.parse_args(argv)
 
+    load0 = os.getloadavg()[0]
     profile = args.machine
     if profile is None:
         calibrate(args.out)
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped_names = dict(skipped)
     rows = [(p, c) for p, c in planned if p not in skipped_names and runs[p]]
 
-    overhead = None
+    overhead, fitted = None, None
     if args.op_overhead and rows:
         if args.op_overhead == "auto":
             p0, c0 = next(((p, c) for p, c in rows if Path(p).stem == args.fit_on), rows[0])
@@ -211,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                 mid = (lo + hi) / 2
                 lo, hi = (mid, hi) if with_overhead(c0, mid) < meas0 else (lo, mid)
             overhead = (lo + hi) / 2
-            print(f"per-op overhead fitted on {Path(p0).stem}: {overhead * 1e6:.0f} us/op")
+            fitted = Path(p0).stem
+            print(f"per-op overhead fitted on {fitted}: {overhead * 1e6:.0f} us/op")
         else:
             overhead = float(args.op_overhead)
 
@@ -224,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         pred, meas = compiled.sim.step_s, statistics.median(runs[program])
         err = (pred - meas) / meas
         worst = max(worst, abs(err))
-        line = f"{Path(program).stem:<20}{pred * 1e3:10.2f}ms{meas * 1e3:10.2f}ms{err:+9.0%}"
+        name = Path(program).stem + (" (fit)" if Path(program).stem == fitted else "")
+        line = f"{name:<20}{pred * 1e3:10.2f}ms{meas * 1e3:10.2f}ms{err:+9.0%}"
         row = {"program": Path(program).stem, "predicted_s": pred, "measured_s": meas, "error": err,
                "runs_s": runs[program]}
         if overhead is not None:
@@ -240,6 +243,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{Path(program).stem:<20}skipped: {why}")
     ok = sum(abs(r["error"]) <= TARGET for r in results)
     print(f"{ok}/{len(results)} programs within {TARGET:.0%} (worst {worst:.0%}); {len(skipped)} skipped")
+    if overhead is not None:
+        out = [r for r in results if r["program"] != fitted]
+        ok2 = sum(abs(r["error_with_overhead"]) <= TARGET for r in out)
+        print(f"with the per-op overhead: {ok2}/{len(out)} programs other than {fitted or 'the fit'} "
+              f"within {TARGET:.0%}")
+    spreads = [max(r["runs_s"]) / min(r["runs_s"]) - 1 for r in results if len(r["runs_s"]) > 1]
+    load1 = os.getloadavg()[0]
+    print(f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores; run-to-run spread "
+          f"(max/min - 1) median {statistics.median(spreads):.0%}" if spreads else
+          f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores")
+    if max(load0, load1) > (os.cpu_count() or 1):
+        print("note: the machine is oversubscribed by other processes; step times (and the calibration) "
+              "move with their load, so errors above are partly noise: rerun on a quiet machine")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "results": results,
                                                "skipped": skipped}, indent=2))
