@@ -14,6 +14,10 @@ def _state(n, seed):
     m = torch.randn(n, generator=gen) * 0.01
     v = torch.rand(n, generator=gen) * 1e-3
     g[:5] = 0.0
+    v[:5] = 0.0  # rows that never saw a gradient (e.g. unused embedding rows): sqrt(0)
+    if n > 20_010:  # subnormal second moments: the sqrt's special-value path
+        g[20_000:20_010] = 0.0
+        v[20_000:20_010] = 1e-41
     return p, g, m, v
 
 
