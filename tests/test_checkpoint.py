@@ -1,7 +1,6 @@
 """Checkpoint storage: round trip, re-cut across rank counts, export, damage, retention, SIGKILL."""
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -9,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
