@@ -86,3 +86,17 @@ def test_winner_from_an_override_the_text_cannot_take_is_printed(tmp_path):
     assert how == "printed" and "lr=0.01" in text
     out.write_text(text)
     assert zdsl("check", str(out)).returncode == 0
+
+
+def test_planning_half_imports_no_torch(tmp_path):
+    """Without --measure the whole tune (plan, table, winner) runs without torch: measured runs are
+    subprocesses, so the tuner itself never needs it."""
+    code = ("import contextlib, io, sys\nfrom zdsl.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            f"    rc = main(['tune', {QUICK!r}, '--vary', 'prefetch=0,1', 'bucket=0,64KiB', '--measure', '0',"
+            f" '--out', {str(tmp_path / 'w.zs')!r}])\n"
+            "print(rc, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "0 []"
+    assert (tmp_path / "w.zs").is_file()
