@@ -258,15 +258,21 @@ def test_retention_keeps_last_complete(tmp_path, model):
 CHILD = """
 import sys, time, torch
 from zdsl.layout import flat_layout
-from zdsl.runtime.checkpoint import unit_metas, write_index, write_rank_shards
+from zdsl.runtime.checkpoint import LazyShard, unit_metas, write_index, write_rank_shards
 from zdsl.units import UnitSpec
 root, n = sys.argv[1], int(sys.argv[2])
 units, lay = [UnitSpec("big", [("w", (n,))])], [flat_layout(n, 2)]
+shard = lay[0].shard_numel
+def stall():                      # called mid-file, after the first tensor went to disk
+    print("mid-write", flush=True)
+    time.sleep(60)
 def save(step):
-    recs = [write_rank_shards(root, step, r, 2, {"u0.param": torch.full((lay[0].shard_numel,), float(step))})
-            for r in range(2)]
-    if step == 2:
-        time.sleep(60)            # killed before the index even if the kill missed the writes
+    recs = []
+    for r in range(2):
+        shards = {"u0.param": torch.full((shard,), float(step))}
+        if step == 2:
+            shards["u0.exp_avg"] = LazyShard((shard,), torch.float32, stall)
+        recs.append(write_rank_shards(root, step, r, 2, shards))
     write_index(root, step, {"units": unit_metas(units, lay)}, recs)
 save(1)
 print("saved", flush=True)
@@ -274,20 +280,19 @@ save(2)
 """
 
 
+def _line(child, timeout):
+    ready, _, _ = select.select([child.stdout], [], [], timeout)
+    return child.stdout.readline().strip() if ready else b""
+
+
 def test_sigkill_mid_write_keeps_previous(tmp_path):
     """A process killed while writing a checkpoint (a subprocess: fork would share torch's thread pools)."""
-    n = 32 << 20                                   # 128 MiB of fp32 per save, 64 MiB per rank file
+    n = 8 << 20                                    # 32 MiB of fp32 per save, 16 MiB per rank file and tensor
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(n)], stdout=subprocess.PIPE)
     step2 = checkpoint_path(tmp_path, 2)
     try:
-        ready, _, _ = select.select([child.stdout], [], [], 60)
-        assert ready and child.stdout.readline().strip() == b"saved", "the child did not save step 1"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            tmps = list(step2.glob(".rank-*.tmp-*")) if step2.exists() else []
-            if tmps and tmps[0].stat().st_size > 0:
-                break
-            time.sleep(0.0005)
+        assert _line(child, 60) == b"saved", "the child did not save step 1"
+        assert _line(child, 60) == b"mid-write", "the child did not reach the middle of step 2"
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.kill()
