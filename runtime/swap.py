@@ -347,6 +347,7 @@ class Swapper:
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._warned_buffered = False
+        self._opened = 0
         self.bytes_written = 0
         self.bytes_read = 0
         log.debug("swap.open", run_dir=str(run_dir), block_bytes=block_bytes, queue_depth=queue_depth)
@@ -405,7 +406,8 @@ class Swapper:
         if f is not None:
             return f
         safe = "".join(c if c.isalnum() or c in "._-@[]" else "_" for c in name)
-        path = self.run_dir / f"{safe}-{len(self._state.files)}.swap"
+        self._opened += 1  # a counter, not len(files): names stay unique after discard()
+        path = self.run_dir / f"{safe}-{self._opened - 1}.swap"
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
         try:
             fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True
@@ -503,7 +505,8 @@ class Swapper:
                         f"swap file {f.path}: disk full writing block {index}: needs {len(view)} more bytes "
                         f"({f.file_bytes} for the file), {_free_bytes(self.run_dir)} bytes free on {self.folder}"
                     ) from e
-                raise SwapError(f"swap file {f.path}: writing block {index} at offset {off} failed: {e.strerror}") from e
+                raise SwapError(f"swap file {f.path}: writing block {index} at offset {off} failed: {e.strerror}"
+                                f"{_direct_hint(f, e)}") from e
             if done <= 0:
                 raise SwapError(f"swap file {f.path}: writing block {index} at offset {off} wrote nothing")
             view = view[done:]
@@ -534,7 +537,8 @@ class Swapper:
             try:
                 done = os.preadv(f.fd, [view], off)
             except OSError as e:
-                raise SwapError(f"swap file {f.path}: reading block {index} at offset {off} failed: {e.strerror}") from e
+                raise SwapError(f"swap file {f.path}: reading block {index} at offset {off} failed: {e.strerror}"
+                                f"{_direct_hint(f, e)}") from e
             if done <= 0:
                 raise SwapError(f"swap file {f.path}: block {index} is truncated (end of file at offset {off})")
             view = view[done:]
@@ -673,6 +677,13 @@ class _BlockQueue:
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
+
+
+def _direct_hint(f: _SwapFile, error: OSError) -> str:
+    if f.direct and error.errno == errno.EINVAL:
+        return (" (the filesystem accepted O_DIRECT but refused 4 KiB-aligned I/O: its block size may be"
+                " larger; put the swap folder on a local disk)")
+    return ""
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
