@@ -178,14 +178,25 @@ class RankState:
         for b in graph.buffers.values():
             if b.kind in ("grad_full", "grad_shard") and b.unit is not None:
                 grad_dtypes[b.unit] = compute_dtype(b.dtype)
+        self.slots: dict[str, Slot] = {name: Slot(b) for name, b in graph.buffers.items() if b.kind != "token"}
+        self._check_step_outputs()
+        # Unit by unit: flatten its parameters, make its optimizer, fill its persistent buffers,
+        # then drop the initial copy, so start-up holds about one model's worth beyond the state.
         self.flats: list[FlatParam] = []
+        self.optims: list[UnitOptimizer] = []
         for info, module in zip(graph.units, self.modules):
             lay = layout_of(info.numel, info.padded_numel, info.parts, world)
             try:
-                self.flats.append(FlatParam(module, lay, rank, self.dtype,
-                                            grad_dtypes.get(info.index, self.dtype), self.device))
+                fp = FlatParam(module, lay, rank, self.dtype, grad_dtypes.get(info.index, self.dtype), self.device)
             except ValueError as exc:
                 raise StateError(f"rank {rank}: unit {info.index} ({info.name}): {exc}") from None
+            self.flats.append(fp)
+            ranges = ([lay.full_range(p) for p in range(lay.parts)] if self.stage == 0   # stage 0: whole unit
+                      else [lay.shard_range(p) for p in range(lay.parts)])
+            self.optims.append(UnitOptimizer(self.opt_config, ranges, master=self._has_master(info.index)))
+            self._init_persistent(info.index)
+            fp.initial = None
+        self._init_persistent(None)
         self.last = len(self.modules) - 1
         for module in self.modules:   # non-parameter buffers (masks, tables) go where the compute runs
             for sub in module.modules():
@@ -193,20 +204,9 @@ class RankState:
                     if value is not None and value.device != self.device:
                         sub._buffers[key] = value.to(self.device)
 
-        # One optimizer per unit, over the shard (the whole unit at stage 0).
-        self.optims: list[UnitOptimizer] = []
-        for u, fp in enumerate(self.flats):
-            lay = fp.layout
-            ranges = ([lay.full_range(p) for p in range(lay.parts)] if self.stage == 0
-                      else [lay.shard_range(p) for p in range(lay.parts)])
-            self.optims.append(UnitOptimizer(self.opt_config, ranges, master=self._has_master(u)))
-
-        self.slots: dict[str, Slot] = {name: Slot(b) for name, b in graph.buffers.items() if b.kind != "token"}
-        self._check_step_outputs()
         self._norm_reduced = any(op.kind == "comm.all_reduce" and "norm" in op.writes for op in graph.ops)
         self._prescale_after, self._prescale_at_comm = self._plan_prescale()
         self._pending_tied: dict[tuple[int, int], torch.Tensor] = {}
-        self._init_persistent()
         self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
         self._plan: _StepPlan | None = None
@@ -292,36 +292,44 @@ class RankState:
     def _category(self, buf: Buffer) -> str:
         return buf.state if buf.persistent and buf.state else "working"
 
-    def _initial(self, buf: Buffer) -> torch.Tensor:
-        """A persistent buffer's contents at step 0 (CPU tensor)."""
+    def _fill_initial(self, buf: Buffer, t: torch.Tensor) -> None:
+        """Write a persistent buffer's step-0 contents into ``t`` in place (no full-size temporaries)."""
         u = buf.unit
+        if buf.kind in ("norm", "loss") or buf.kind in ("grad_full", "grad_shard"):
+            t.zero_()
+            return
+        fp = self.flats[u]
         if buf.kind == "param_full":
-            return self.flats[u].initial.to(self.dtype)
-        if buf.kind == "param_shard":
-            return self.flats[u].shard_of(self.flats[u].initial).to(self.dtype)
-        if buf.kind in ("grad_full", "grad_shard"):
-            return torch.zeros(self._numel(buf), dtype=self._dtype(buf))
-        if buf.kind == "optim":
-            fp = self.flats[u]
-            master = fp.initial if self.stage == 0 else fp.shard_of(fp.initial)
-            return self.optims[u].initial_flat(master if self.optims[u].master else None)
-        return torch.zeros((), dtype=torch.float32)   # norm, loss
+            t.copy_(fp.initial)
+        elif buf.kind == "param_shard":
+            for dst, src in zip(fp.shard_parts(t), fp.owned(fp.initial)):
+                dst.copy_(src)
+        elif buf.kind == "optim":
+            t.zero_()
+            opt = self.optims[u]
+            if opt.master:
+                if self.stage == 0:
+                    t[:opt.numel].copy_(fp.initial)
+                else:
+                    for dst, src in zip(fp.shard_parts(t[:opt.numel]), fp.owned(fp.initial)):
+                        dst.copy_(src)
 
-    def _init_persistent(self) -> None:
+    def _init_persistent(self, unit: int | None) -> None:
+        """Give the persistent buffers of ``unit`` (None: the unit-less ones) their start values."""
         for name, slot in self.slots.items():
             buf = slot.buf
-            if not buf.persistent:
+            if not buf.persistent or buf.unit != unit:
                 continue
             if buf.kind in ACT_KINDS:
                 raise StateError(f"rank {self.rank}: activations cannot be persistent ({name})")
-            value = self._initial(buf)
             if buf.tier == "nvme":
+                value = torch.empty(self._numel(buf), dtype=self._dtype(buf))
+                self._fill_initial(buf, value)
                 self.swapper.write_sync(name, value)
                 slot.live = True
                 self.meter.hold(name, "nvme", buf.kind, self._category(buf), value.numel() * value.element_size())
                 continue
-            t = self._alloc(slot)
-            t.copy_(value)
+            self._fill_initial(buf, self._alloc(slot))
 
     @property
     def swapper(self):
