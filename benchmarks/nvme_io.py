@@ -153,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     args.folder.mkdir(parents=True, exist_ok=True)
     dropped = drop_caches()
     print(f"folder {args.folder}, {size / GiB:.2f} GiB, block {args.block >> 10} KiB, queue depth {args.qd}, "
-          f"verify={'off' if args.no_verify else block_checksum().kind}, page cache drop {'yes' if dropped else 'not permitted'}, "
+          f"verify={'off' if args.no_verify else block_checksum().kind}, "
+          f"page cache drop {'yes' if dropped else 'not permitted'}, "
           f"baseline {baseline}, {args.repeat} repeats (median)")
 
     data = aligned_empty(size)
-    pattern = torch.randint(0, 256, (min(size, 1 << 22),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    pattern = torch.randint(0, 256, (min(size, 1 << 22),), dtype=torch.uint8, generator=gen)
     for a in range(0, size, pattern.numel()):
         data[a : a + pattern.numel()] = pattern[: size - a]
     out = aligned_empty(size)

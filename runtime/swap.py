@@ -302,7 +302,9 @@ def block_checksum() -> _Checksum:
 
 def _byte_view(tensor: torch.Tensor, what: str) -> torch.Tensor:
     if not tensor.is_contiguous():
-        raise SwapError(f"swap {what}: tensor must be contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()})")
+        raise SwapError(
+            f"swap {what}: tensor must be contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()})"
+        )
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
@@ -453,7 +455,8 @@ class Swapper:
     def reserve(self, sizes: Mapping[str, int]) -> None:
         """Size the files for ``sizes`` (name -> bytes) now, so a disk too small
         for all of them fails before training starts, not in the middle."""
-        total = sum(round_up(n) - (self._state.files[k].file_bytes if k in self._state.files else 0) for k, n in sizes.items())
+        files = self._state.files
+        total = sum(round_up(n) - (files[k].file_bytes if k in files else 0) for k, n in sizes.items())
         free = _free_bytes(self.run_dir)
         if total > free:
             raise SwapError(f"swap folder {self.folder}: disk full: needs {total} bytes, {free} bytes free")
