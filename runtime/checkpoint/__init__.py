@@ -1,7 +1,26 @@
 """Sharded checkpoints: atomic per-rank saves, resume at any rank count, export to plain safetensors.
 
-The runtime hands plain host tensors in and gets plain tensors back; see
-index.py for the on-disk format.
+The runtime hands plain host tensors in and gets plain tensors back; no
+torch.distributed inside. See index.py for the on-disk format. The flow:
+
+Save (every rank, from an I/O thread, after copying its shards to host)::
+
+    rec = write_rank_shards(root, step, rank, ranks, {"u0.param": ..., "u0.exp_avg": ...,
+                            "rng.cpu": torch.get_rng_state()}, tag=run_id)
+    # rank 0 only, once its own file is written (waits for the others' done markers):
+    metas = unit_metas(unit_specs, layouts, unit_prefixes(model))
+    write_index(root, step, {"units": metas, "schedule_hash": ..., "data_position": {...},
+                             "loss_scaler": {...} or None, "aliases": state_dict_aliases(model, metas),
+                             "extra": {"optimizer_steps": n}}, [rec], tag=run_id)
+    apply_retention(root, keep)
+
+Resume (every rank)::
+
+    path = latest_complete(root, verify=False)        # cheap: index, sizes, headers
+    index = read_index(path)                          # step, data position, scaler, extra
+    shards = load_for_rank(path, rank, ranks, layouts)  # re-cut; every byte read is CRC-checked
+
+Export: ``export(root_or_path, "model.safetensors", "bf16")``; ``inspect(root)``.
 """
 from .export import export
 from .index import (CheckpointError, FileRecord, Index, UnitMeta, checkpoint_path, default_prefix,
