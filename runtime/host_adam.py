@@ -356,21 +356,17 @@ def _matches(kernel: _Kernel) -> bool:
 
 
 def _reference_step(p, g, m, v, step, lr, b1, b2, eps, wd, adam_w) -> None:
-    """torch.optim's single-tensor Adam/AdamW, called as torch.optim calls it."""
-    from torch.optim.adam import _single_tensor_adam
-
-    kwargs = dict(amsgrad=False, has_complex=False, beta1=b1, beta2=b2, lr=lr, weight_decay=wd, eps=eps,
-                  maximize=False, capturable=False, differentiable=False)
-    step_t = torch.tensor(float(step - 1))
+    """torch.optim's single-tensor Adam/AdamW, called as torch.optim calls it; where this
+    torch's private function has another signature, the same ATen ops run by
+    ``_aten_tiled`` (tested against torch.optim in tests/test_host_adam.py)."""
     try:
-        _single_tensor_adam([p], [g], [m], [v], [], [step_t], None, None, decoupled_weight_decay=adam_w, **kwargs)
-    except TypeError:  # older torch: AdamW had its own single-tensor function
-        if adam_w:
-            from torch.optim.adamw import _single_tensor_adamw
+        from torch.optim.adam import _single_tensor_adam
 
-            _single_tensor_adamw([p], [g], [m], [v], [], [step_t], None, None, **kwargs)
-        else:
-            _single_tensor_adam([p], [g], [m], [v], [], [step_t], None, None, **kwargs)
+        kwargs = dict(amsgrad=False, has_complex=False, beta1=b1, beta2=b2, lr=lr, weight_decay=wd, eps=eps,
+                      maximize=False, capturable=False, differentiable=False, decoupled_weight_decay=adam_w)
+        _single_tensor_adam([p], [g], [m], [v], [], [torch.tensor(float(step - 1))], None, None, **kwargs)
+    except (ImportError, TypeError):
+        _aten_tiled(p, g, m, v, step, lr, b1, b2, eps, wd, adam_w)
 
 
 def _replica_matches_mkl(lib: ctypes.CDLL, mkl: int) -> bool:
@@ -429,7 +425,11 @@ _kernel_state: dict[str, object] = {}
 def _kernel() -> _Kernel | None:
     with _kernel_lock:
         if "kernel" not in _kernel_state:
-            _kernel_state["kernel"] = _load_kernel()
+            try:
+                _kernel_state["kernel"] = _load_kernel()
+            except Exception as e:  # noqa: BLE001 - the fallback is exact; a broken kernel must not stop training
+                log.warning("host_adam.kernel_failed", error=f"{type(e).__name__}: {e}", fallback="aten_tiled")
+                _kernel_state["kernel"] = None
         return _kernel_state["kernel"]  # type: ignore[return-value]
 
 
