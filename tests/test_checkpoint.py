@@ -239,6 +239,16 @@ def test_write_index_waits_for_all_ranks_and_ignores_stale_markers(tmp_path, mod
     assert latest_complete(tmp_path, report=lambda m: None) is None
 
 
+def test_bad_shards_refused_without_debris(tmp_path):
+    with pytest.raises(CheckpointError, match="flat 1-D"):
+        write_rank_shards(tmp_path, 1, 0, 1, {"u0.param": torch.zeros(2, 2)})
+    with pytest.raises(CheckpointError, match="cannot be stored"):
+        write_rank_shards(tmp_path, 1, 0, 1, {"u0.param": torch.zeros(4, dtype=torch.complex64)})
+    with pytest.raises(CheckpointError, match="fetched"):
+        write_rank_shards(tmp_path, 1, 0, 1, {"u0.param": LazyShard((4,), torch.float32, lambda: torch.zeros(3))})
+    assert not [p for p in checkpoint_path(tmp_path, 1).iterdir()]
+
+
 def test_retention_keeps_last_complete(tmp_path, model):
     units, full = model
     for step in (1, 2, 3, 4):

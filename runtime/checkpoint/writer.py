@@ -114,6 +114,9 @@ def write_rank_shards(root, step: int, rank: int, ranks: int, shards: dict,
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"rank {rank}: writing {final} failed: {e.strerror or e}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     record = FileRecord(name, rank, ranks, size, header_crc, entries, tag)
     write_atomic(done, json.dumps(record.to_json()).encode())
     return record
