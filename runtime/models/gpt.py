@@ -123,11 +123,12 @@ class GPT(nn.Module):
     """nanoGPT-class GPT; ``units()`` = [embedding, *blocks, head].
 
     ``seed`` makes the initialisation deterministic without touching torch's
-    global random state: parameters are built on the meta device, then
-    materialised on ``device`` and initialised (nanoGPT's scheme: normal with
-    std 0.02, residual projections scaled by 1/sqrt(2*layers), LayerNorm 1/0,
-    biases 0) from a private generator on the CPU, so every device and every
-    peer (DDP, FSDP2, ...) starts from the same numbers. Under
+    global random state (its CPU generator is restored after the modules'
+    default init): parameters are then initialised (nanoGPT's scheme: normal
+    with std 0.02, residual projections scaled by 1/sqrt(2*layers), LayerNorm
+    1/0, biases 0) from a private generator on the CPU and moved to
+    ``device``, so every device and every peer (DDP, FSDP2, ...) starts from
+    the same numbers. Under
     ``with torch.device("meta")`` the model stays on meta (sizing).
     """
 
@@ -136,14 +137,22 @@ class GPT(nn.Module):
         super().__init__()
         self.config = dict(layers=layers, width=width, heads=heads, vocab=vocab, context=context)
         ambient_meta = torch.empty(0).device.type == "meta"
-        with torch.device("meta"):
-            self.embedding = Embedding(vocab, context, width)
-            self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-            self.head = Head(width, self.embedding)
+        rng = None if ambient_meta else torch.random.get_rng_state()
+        try:
+            # Built on the CPU (not on meta: meta tensors pull in ~75 MB of torch's Python
+            # decompositions), with torch's default init whose draws are then undone.
+            with torch.device("meta" if ambient_meta else "cpu"):
+                self.embedding = Embedding(vocab, context, width)
+                self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+                self.head = Head(width, self.embedding)
+        finally:
+            if rng is not None:
+                torch.random.set_rng_state(rng)
         self.tied = {(layers + 1, 0): "wte.weight"}
         if not ambient_meta:
-            self.to_empty(device=device or "cpu")
             self.reset_parameters(seed)
+            if device is not None:
+                self.to(device)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
