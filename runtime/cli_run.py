@@ -23,6 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the measured ops (Perfetto)")
     p.add_argument("--timeline", metavar="OUT.svg", help="picture of one measured step")
     p.add_argument("--export", metavar="OUT.safetensors", help="final full fp32 state dict")
+    p.add_argument("--checkpoint-every", type=int, metavar="N", help="save a checkpoint every N steps")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go (default: the schedule's)")
+    p.add_argument("--keep", type=int, metavar="K", help="keep the last K complete checkpoints")
+    p.add_argument("--resume", metavar="DIR", help="resume from the newest complete checkpoint under DIR "
+                   "(or from DIR itself, a step-N folder)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds a collective may wait for a peer before the run fails (default 120)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
@@ -60,8 +65,12 @@ def run_one_rank(compiled, args) -> int:
 
     rank = int(os.environ["RANK"])
     configure_rank_logging(rank)
+    spec = compiled.schedule.checkpoint
     options = RunOptions(metrics=args.metrics, trace=args.trace, timeline=args.timeline, export=args.export,
-                         progress=not args.quiet, timeout_s=args.timeout)
+                         progress=not args.quiet, timeout_s=args.timeout, resume=args.resume,
+                         checkpoint_dir=args.checkpoint_dir or (spec.dir if spec else None),
+                         checkpoint_every=args.checkpoint_every or (spec.every if spec else 0),
+                         checkpoint_keep=args.keep if args.keep is not None else (spec.keep if spec else 0))
     steps = compiled.schedule.train.steps
     reporter = Reporter(compiled.schedule.name, steps, args.metrics, show=not args.quiet) if rank == 0 else None
     try:

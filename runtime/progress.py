@@ -26,6 +26,7 @@ class Reporter:
         self.console = Console(stderr=False)
         self.show = show
         self.history: list[StepMetrics] = []
+        self.checkpoint_costs: list = []       # runtime.checkpointing.SaveCost, set by the loop
         self.metrics = open(metrics_path, "w") if metrics_path else None
         self.every = 1 if self.console.is_terminal else max(1, steps // 20)
         self.progress = None
@@ -82,6 +83,11 @@ class Reporter:
                 kinds = sorted(r0["critical_path_by_kind_s"].items(), key=lambda kv: -kv[1])[:4]
                 table.add_row("critical path (rank 0)", f"{r0['critical_path_s'] * 1000:.1f} ms: " + ", ".join(
                     f"{k.split('.', 1)[1]} {v * 1000:.1f} ms" for k, v in kinds if v > 0))
+        if self.checkpoint_costs:
+            c = self.checkpoint_costs
+            table.add_row("checkpoint saves", f"{len(c)} x {fmt_bytes(c[0].bytes)} per rank: training waited "
+                          f"{statistics.median(x.blocking_s for x in c) * 1000:.1f} ms, writer "
+                          f"{statistics.median(x.writing_s for x in c) * 1000:.1f} ms (median, overlapped)")
         for k, v in extra_rows or []:
             table.add_row(k, v)
         Console(file=sys.stdout).print(table)

@@ -38,6 +38,10 @@ class RunOptions:
     progress: bool = True
     timeout_s: float = 120.0            # a collective that waits longer fails (a dead peer)
     trace_steps: int = 3                # how many steps (the last ones) go into the trace
+    checkpoint_dir: str | None = None   # save here every `checkpoint_every` steps
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 0
+    resume: str | None = None           # a checkpoint root (newest complete) or one step folder
 
 
 @dataclass
@@ -115,21 +119,32 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         model = build_model(schedule.model, seed=cfg["train"]["seed"])
         state = RankState(graph, model, rank=rank, world=world, device=device, group=None)
         executor = Executor(graph, state, rank, record=True, streams=lane_streams(graph, device))
-        return trio.run(_loop, graph, schedule, state, executor, rank, world, device, options, reporter,
-                        make_batch)
+        return trio.run(_loop, graph, schedule, units, state, executor, rank, world, device, options,
+                        reporter, make_batch)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-async def _loop(graph, schedule, state, executor, rank, world, device, options, reporter, make_batch):
+async def _loop(graph, schedule, units, state, executor, rank, world, device, options, reporter, make_batch):
     cfg = graph.config
     train = cfg["train"]
     steps, acc, batch = train["steps"], train["accumulate"], train["batch"]
     context = schedule_context(schedule)
     records: list[tuple[int, StepRecord]] = []
     history: list[StepMetrics] = []
-    for step in range(steps):
+    say = (lambda text: print(f"zdsl: {text}", flush=True)) if rank == 0 else (lambda text: None)
+    first = 0
+    if options.resume:
+        from .checkpointing import resume
+        first = resume(options.resume, graph, state, rank, world, say)
+        say(f"resumed at step {first} from {options.resume}")
+    checkpointer = None
+    if options.checkpoint_dir and options.checkpoint_every > 0:
+        from .checkpointing import Checkpointer
+        checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every, options.checkpoint_keep,
+                                    graph, units, rank, world, say)
+    for step in range(first, steps):
         batches = [make_batch(schedule.data, train["seed"], step, m, rank, world, batch) for m in range(acc)]
         batches = [(x.to(device), y.to(device)) for x, y in batches]
         state.step_begin(step, batches)
@@ -146,6 +161,12 @@ async def _loop(graph, schedule, state, executor, rank, world, device, options, 
         history.append(metrics)
         if rank == 0 and reporter is not None:
             reporter.step(metrics)
+        if checkpointer is not None and (step + 1) % checkpointer.every == 0:
+            checkpointer.save(step + 1, state)
+    if checkpointer is not None:
+        checkpointer.wait()
+        if reporter is not None and checkpointer.costs:
+            reporter.checkpoint_costs = checkpointer.costs
     if options.export:
         state.export(options.export) if hasattr(state, "export") else None
     if options.trace or options.timeline:

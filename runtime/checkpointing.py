@@ -1,0 +1,146 @@
+"""Checkpoints during a run: save every N steps without stalling, resume from the newest complete one.
+
+Saving copies this rank's shards to host memory at a step boundary (the
+only part on the critical path), then a writer thread puts them on disk
+while the next steps compute; rank 0's thread writes the index once every
+rank's file is done, then applies retention. A checkpoint is named by the
+number of steps it completed, so resuming from ``step-000030`` runs step 30
+next, with the data position that step would have had.
+
+The storage format, atomic writes, re-cutting to another rank count and
+damage checks are ``runtime/checkpoint/``; this module only drives them.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zdsl.ir import TaskGraph
+from zdsl.layout import FlatLayout
+
+from .checkpoint import (CheckpointError, apply_retention, checkpoint_path, latest_complete, load_for_rank,
+                         read_index, unit_metas, write_index, write_rank_shards)
+
+RNG_KEY = "rng.torch"
+
+
+@dataclass
+class SaveCost:
+    step: int
+    blocking_s: float        # time the training loop waited (copy to host, previous save)
+    writing_s: float = 0.0   # time the writer thread spent (overlapped with training)
+    bytes: int = 0
+
+
+def graph_layouts(graph: TaskGraph) -> list[FlatLayout]:
+    return [FlatLayout(u.numel, graph.ranks, u.parts, u.padded_numel // u.parts) for u in graph.units]
+
+
+class Checkpointer:
+    def __init__(self, root: str, every: int, keep: int, graph: TaskGraph, units, rank: int, world: int,
+                 say=print):
+        self.root = Path(root)
+        self.every, self.keep = every, keep
+        self.graph, self.units = graph, units
+        self.rank, self.world = rank, world
+        self.say = say
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.costs: list[SaveCost] = []
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    def due(self, completed: int, total: int) -> bool:
+        return self.every > 0 and completed % self.every == 0 and completed > 0
+
+    def save(self, completed: int, state) -> None:
+        """Copy shards to host now; write them in the background."""
+        t0 = time.perf_counter()
+        self.wait()
+        shards = state.shard_state()
+        shards[RNG_KEY] = torch.get_rng_state()
+        meta = {
+            "units": unit_metas(self.units, graph_layouts(self.graph), self.prefixes(state)),
+            "ranks": self.world,
+            "schedule_hash": self.graph.digest(),
+            "data_position": {"next_step": completed},
+            "loss_scaler": state.scaler.__dict__.copy() if getattr(state.scaler, "enabled", False) else None,
+            "extra": {"optimizer_steps": state.optimizer_steps(), "stage": self.graph.stage,
+                      "precision": self.graph.precision},
+        }
+        cost = SaveCost(completed, blocking_s=time.perf_counter() - t0,
+                        bytes=sum(t.numel() * t.element_size() for t in shards.values()))
+        self.costs.append(cost)
+        self.thread = threading.Thread(target=self._write, args=(completed, shards, meta, cost),
+                                       name=f"zdsl-checkpoint-{completed}", daemon=True)
+        self.thread.start()
+
+    def prefixes(self, state) -> list[str]:
+        """Each unit's module path in the model's state dict (``blocks.3``), for export."""
+        out = []
+        for u, spec in enumerate(self.units):
+            full, local = state.param_names[u][0], spec.params[0][0]
+            out.append(full[: -len(local) - 1] if full.endswith("." + local) else f"units.{u}")
+        return out
+
+    def _write(self, completed: int, shards: dict, meta: dict, cost: SaveCost) -> None:
+        t0 = time.perf_counter()
+        try:
+            record = write_rank_shards(self.root, completed, self.rank, self.world, shards)
+            if self.rank == 0:
+                write_index(self.root, completed, meta, [record])
+                if self.keep:
+                    apply_retention(self.root, self.keep)
+        except BaseException as exc:  # reported by the training loop at its next wait
+            self.error = exc
+        cost.writing_s = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Let the previous save finish; raise what it hit."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            exc, self.error = self.error, None
+            raise CheckpointError(f"rank {self.rank}: saving a checkpoint under {self.root} failed: {exc}")
+
+
+def find_checkpoint(where: str, say=print) -> Path:
+    """A step folder given directly, or the newest complete checkpoint under a root (falling back past
+    damaged ones, and saying so)."""
+    path = Path(where)
+    if (path / "index.json").exists() or path.name.startswith("step-"):
+        read_index(path)        # refuses a damaged one, naming the file
+        return path
+    found = latest_complete(path, report=say)
+    if found is None:
+        raise CheckpointError(f"{path}: no complete checkpoint to resume from")
+    return found
+
+
+def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print) -> int:
+    """Load the checkpoint into ``state`` (re-cut to this run's ranks and layout); the next step to run."""
+    path = find_checkpoint(where, say)
+    index = read_index(path)
+    if index.ranks != world:
+        say(f"resuming {path} (written by {index.ranks} ranks) on {world} ranks: shards re-cut")
+    shards = load_for_rank(path, rank, world, graph_layouts(graph))
+    steps = int(index.extra.get("optimizer_steps", index.data_position.get("next_step", index.step)))
+    state.load_shard_state(shards, steps)
+    if index.loss_scaler and getattr(state.scaler, "enabled", False):
+        for key, value in index.loss_scaler.items():
+            setattr(state.scaler, key, value)
+    if index.ranks == world:
+        from safetensors import safe_open
+        rank_file = path / index.file_for_rank(rank).name
+        with safe_open(str(rank_file), framework="pt") as f:
+            if RNG_KEY in f.keys():
+                torch.set_rng_state(f.get_tensor(RNG_KEY))
+    return int(index.data_position.get("next_step", index.step))
+
+
+__all__ = ["Checkpointer", "SaveCost", "checkpoint_path", "find_checkpoint", "resume"]
