@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -93,6 +94,11 @@ def checksum_speed(nbytes: int = 256 << 20) -> dict[str, float]:
     return out
 
 
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def run_parallel(fn, ranks: int) -> float:
     """Wall seconds of ``fn(rank)`` run for every rank at once (threads stand in for rank processes)."""
     errors = []
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
 
 
     dest = [{k: torch.zeros_like(v) for k, v in s.items()} for s in shards]
-    save_s, load_s, into_s, recut_s = [], [], [], []
+    save_s, load_s, into_s, raw_s, recut_s, save_cpu, load_cpu = [], [], [], [], [], [], []
     disk_w, disk_r = [], []
     for rep in range(args.repeat):
         # The disk measured in each round, beside the checkpoint's own I/O: both see the same neighbours.
@@ -152,10 +158,11 @@ def main(argv=None) -> int:
 
         def save(r):
             records[r] = write_rank_shards(root, step, r, args.ranks, shards[r], tag=str(step))
-        t = time.perf_counter()
+        t, c = time.perf_counter(), cpu_seconds()
         run_parallel(save, args.ranks)
         write_index(root, step, {"units": unit_metas(units, layouts)}, records, tag=str(step))
         save_s.append(time.perf_counter() - t)
+        save_cpu.append(cpu_seconds() - c)
 
         path = checkpoint_path(root, step)
         drop_cache(path.glob("rank-*.safetensors"))
@@ -163,7 +170,14 @@ def main(argv=None) -> int:
 
         # Into the buffers a running rank already holds (touched memory, as RankState's shards).
         drop_cache(path.glob("rank-*.safetensors"))
+        c = cpu_seconds()
         into_s.append(run_parallel(lambda r: load_for_rank(path, r, args.ranks, layouts, into=dest[r]), args.ranks))
+        load_cpu.append(cpu_seconds() - c)
+
+        # The same without checksums: the I/O path alone (what the checks cost is the difference).
+        drop_cache(path.glob("rank-*.safetensors"))
+        raw_s.append(run_parallel(lambda r: load_for_rank(path, r, args.ranks, layouts, into=dest[r], verify=False),
+                                  args.ranks))
 
         drop_cache(path.glob("rank-*.safetensors"))
         new = [flat_layout(numel, 2 * args.ranks, 200 << 20) for _ in units]
@@ -171,7 +185,9 @@ def main(argv=None) -> int:
         if rep + 1 < args.repeat:
             shutil.rmtree(path)
 
-    save_bw, load_bw, into_bw, recut_bw = (nbytes / min(s) / GB for s in (save_s, load_s, into_s, recut_s))
+    save_bw, load_bw, into_bw, raw_bw, recut_bw = (nbytes / min(s) / GB
+                                                   for s in (save_s, load_s, into_s, raw_s, recut_s))
+    save_cpu_gb, load_cpu_gb = min(save_cpu) / (nbytes / GB), min(load_cpu) / (nbytes / GB)
     dw, dr = max(disk_w), max(disk_r)                 # best of N on both sides
     sums = checksum_speed()
     result = {"bytes": nbytes, "ranks": args.ranks, "disk_tool": tool,
@@ -179,12 +195,15 @@ def main(argv=None) -> int:
               "save_gbs": round(save_bw, 3), "load_gbs": round(load_bw, 3), "load_into_gbs": round(into_bw, 3),
               "recut_load_gbs": round(recut_bw, 3),
               "save_ratio": round(save_bw / dw, 3), "load_ratio": round(load_bw / dr, 3),
-              "load_into_ratio": round(into_bw / dr, 3),
+              "load_into_ratio": round(into_bw / dr, 3), "load_unverified_gbs": round(raw_bw, 3),
+              "save_cpu_s_per_gb": round(save_cpu_gb, 3), "load_cpu_s_per_gb": round(load_cpu_gb, 3),
               "recut_ratio": round(recut_bw / dr, 3),
               "crc32_gbs": round(sums["crc32"], 2), "sha256_gbs": round(sums["sha256"], 2)}
     print(f"save   {save_bw:.2f} GB/s = {save_bw / dw:.2f} x direct write  (target >= 0.7)")
     print(f"load   {load_bw:.2f} GB/s = {load_bw / dr:.2f} x direct read   (target >= 0.7; into new tensors)")
     print(f"load   {into_bw:.2f} GB/s = {into_bw / dr:.2f} x direct read   (into the rank's existing buffers)")
+    print(f"load   {raw_bw:.2f} GB/s = {raw_bw / dr:.2f} x direct read   (into existing buffers, checksums off)")
+    print(f"cpu    save {save_cpu_gb:.2f} s/GB, load {load_cpu_gb:.2f} s/GB (checksum + copy; the disk's DMA needs none)")
     print(f"re-cut {recut_bw:.2f} GB/s = {recut_bw / dr:.2f} x direct read   ({args.ranks} -> {2 * args.ranks} ranks)")
     print(f"checksums: crc32 {sums['crc32']:.2f} GB/s, sha256 {sums['sha256']:.2f} GB/s (one core)")
     print(json.dumps(result))

@@ -105,7 +105,7 @@ def test_round_trip_same_ranks(tmp_path, model):
     assert latest_complete(tmp_path) == path
 
 
-@pytest.mark.parametrize("io", ["default", "small blocks", "buffered"])
+@pytest.mark.parametrize("io", ["default", "small blocks", "buffered", "zlib crc32"])
 def test_recut_2_to_4_to_1(tmp_path, model, monkeypatch, io):
     """Exact re-cut. Small blocks: 100-byte checksum blocks and 8 KiB transfers, so slices start and
     end mid-block and reads span many transfers; buffered: the fallback without O_DIRECT."""
@@ -114,6 +114,8 @@ def test_recut_2_to_4_to_1(tmp_path, model, monkeypatch, io):
         monkeypatch.setattr("zdsl.runtime.checkpoint.directio.BOUNCE", 8192)
     if io == "buffered":
         monkeypatch.setattr("zdsl.runtime.checkpoint.directio._open_direct", lambda *a, **k: None)
+    if io == "zlib crc32":                  # what a machine without the crc32c package writes
+        monkeypatch.setattr("zdsl.runtime.checkpoint.stformat.CHECKSUM", "crc32")
     units, full = model
     save(tmp_path / "a", 1, units, full, 2, bucket=700)
     lay4 = layouts_for(units, 4, bucket=2000)
@@ -237,6 +239,18 @@ def test_write_index_waits_for_all_ranks_and_ignores_stale_markers(tmp_path, mod
     with pytest.raises(CheckpointError, match="rank-00001-of-00002.done"):
         write_index(tmp_path, 7, {"units": unit_metas(units, lay)}, [rec0], tag="new", timeout_s=0.2)
     assert latest_complete(tmp_path, report=lambda m: None) is None
+
+
+def test_checksum_algorithm_recorded(tmp_path, model, monkeypatch):
+    """A file written with CRC-32C and read where the crc32c package is missing: a clear error."""
+    pytest.importorskip("crc32c")
+    units, full = model
+    path, layouts = save(tmp_path, 1, units, full, 1, threads=False)
+    assert read_index(path).files[0].tensors["u0.param"].algo == "crc32c"
+    monkeypatch.setattr("zdsl.runtime.checkpoint.stformat._crc32c", None)
+    with pytest.raises(CheckpointError, match="pip install crc32c"):
+        load_for_rank(path, 0, 1, layouts)
+    assert load_for_rank(path, 0, 1, layouts, verify=False)["u0.param"].numel() == layouts[0].shard_numel
 
 
 def test_bad_shards_refused_without_debris(tmp_path):
