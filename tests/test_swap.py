@@ -5,6 +5,7 @@ import os
 import socket
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -202,20 +203,18 @@ def test_stale_run_of_a_dead_process_is_removed_and_logged(tmp_path):
 
 
 def test_killed_run_leaves_folder_that_next_start_cleans(tmp_path):
+    # A separate interpreter, not os.fork(): forking a process that already runs threads (torch's,
+    # trio's) can deadlock the child on a lock another thread held.
     folder = tmp_path / "swap"
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: a run that dies without any cleanup, like SIGKILL
-        try:
-            s = Swapper(folder)
-            s.write_sync("x", torch.ones(5000))
-            os.write(write_end, str(s.run_dir).encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    run_dir = Path(os.read(read_end, 4096).decode())
-    os.close(read_end)
-    os.waitpid(pid, 0)
+    script = ("import os, sys, torch\n"
+              "from zdsl.runtime.swap import Swapper\n"
+              "s = Swapper(sys.argv[1])\n"
+              "s.write_sync('x', torch.ones(5000))\n"
+              "print(s.run_dir, flush=True)\n"
+              "os._exit(0)\n")       # dies without any cleanup, like SIGKILL
+    out = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    run_dir = Path(out.strip().splitlines()[-1])
     assert run_dir.exists() and (run_dir / "owner.lock").exists()
     with Swapper(folder) as s:
         assert not run_dir.exists()
