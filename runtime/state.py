@@ -45,8 +45,7 @@ Semantics (the IR's, made concrete):
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -59,7 +58,6 @@ from .memory import MemoryMeter
 from .optim import UnitOptimizer, clip_coefficient, state_names
 from .precision import LossScaler, compute_dtype, overflowed
 
-FLAT_KINDS = ("param_full", "param_shard", "grad_full", "grad_shard", "optim")
 ACT_KINDS = ("act", "act_inner", "act_grad")
 
 
@@ -74,7 +72,6 @@ class ActRecord:
     output: torch.Tensor | None         # its output (the scaled loss for the last unit)
     micro: int
     nbytes: int = 0
-    targets: torch.Tensor | None = None
 
 
 @dataclass
