@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.peers import BenchConfig, job_env  # noqa: E402
+from benchmarks.peers import BenchConfig, job_env, run_bounded  # noqa: E402
 from benchmarks.peers import zdsl_peer  # noqa: E402
 
 
@@ -96,8 +96,11 @@ class Outcome:
 
 def deepspeed_missing() -> str | None:
     """Why ``import deepspeed`` fails here (its own last line), or None."""
-    probe = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, text=True,
-                           env=job_env(), timeout=300)
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, text=True,
+                               env=job_env(), timeout=300)
+    except subprocess.TimeoutExpired:
+        return "import deepspeed did not finish in 300 s"
     if probe.returncode == 0:
         return None
     lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
@@ -138,12 +141,8 @@ def run_job(peer: Peer, cfg: BenchConfig, workdir: Path, rep: int, timeout_s: fl
     config_path.write_text(job_cfg.to_json())
     log = out / "job.log"
     with open(log, "w") as sink:
-        try:
-            done = subprocess.run(job_command(peer, config_path, out, timeout_s), cwd=REPO, env=job_env(),
-                                  stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s + 30)
-            code = done.returncode
-        except subprocess.TimeoutExpired:
-            code = None
+        code = run_bounded(job_command(peer, config_path, out, timeout_s), timeout_s + 30, cwd=REPO,
+                           env=job_env(), stdout=sink, stderr=subprocess.STDOUT)
     ranks = sorted(out.glob("rank*.json"))
     if code != 0 or not ranks:
         ended = "timed out" if code is None else f"exited {code}"

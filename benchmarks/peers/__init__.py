@@ -188,3 +188,65 @@ def job_env() -> dict:
     env["DS_ACCELERATOR"] = env.get("DS_ACCELERATOR", "cpu")
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+# -- running a job without leaving processes behind --------------------------------
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc's children lists), deepest last."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            found.extend(kids)
+            queue.extend(kids)
+    return found
+
+
+def run_bounded(command: list[str], timeout_s: float, **popen_kwargs) -> int | None:
+    """Run ``command``; its exit status, or None when it ran past ``timeout_s``.
+
+    On a timeout (or Ctrl-C) the job is asked to stop (SIGTERM: torchrun and
+    ``zdsl run`` pass it on to their ranks), and whatever of it is still alive
+    after a grace period is killed by process id. torchrun starts its ranks in
+    sessions of their own, so killing the job's process group would miss them;
+    the ids are collected from /proc before anything is signalled.
+    """
+    import subprocess
+
+    proc = subprocess.Popen(command, **popen_kwargs)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_tree(proc)
+        return None
+    except BaseException:
+        stop_tree(proc)
+        raise
+
+
+def stop_tree(proc, grace_s: float = 15.0) -> None:
+    import signal
+    import subprocess
+
+    family = _descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [proc.pid, *family]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.peers import BenchConfig, data_statement, job_env
+from benchmarks.peers import BenchConfig, data_statement, job_env, run_bounded
 
 
 def schedule_text(cfg: BenchConfig, stage: int = 3) -> str:
@@ -67,8 +67,11 @@ def availability(cfg: BenchConfig, workdir: Path) -> str | None:
     workdir.mkdir(parents=True, exist_ok=True)
     probe = workdir / "zdsl_probe.zs"
     probe.write_text(schedule_text(cfg))
-    checked = subprocess.run([*base, "check", str(probe)], capture_output=True, text=True, timeout=120,
-                             env=job_env())
+    try:
+        checked = subprocess.run([*base, "check", str(probe)], capture_output=True, text=True, timeout=120,
+                                 env=job_env())
+    except subprocess.TimeoutExpired:
+        return "`zdsl check` did not finish in 120 s"
     if checked.returncode != 0:
         return "`zdsl check` rejects the benchmark schedule: " + _last_line(checked.stderr or checked.stdout)
     return _smoke_run(base, cfg, workdir)
@@ -81,13 +84,15 @@ def _smoke_run(base: list[str], cfg: BenchConfig, workdir: Path) -> str | None:
     schedule = workdir / "zdsl_smoke.zs"
     schedule.write_text(schedule_text(tiny))
     metrics = workdir / "zdsl_smoke.jsonl"
-    try:
-        ran = subprocess.run([*base, "run", str(schedule), "--metrics", str(metrics), "--quiet"],
-                             capture_output=True, text=True, timeout=180, env=job_env())
-    except subprocess.TimeoutExpired:
+    metrics.unlink(missing_ok=True)
+    log = workdir / "zdsl_smoke.log"
+    with open(log, "w") as sink:
+        code = run_bounded([*base, "run", str(schedule), "--metrics", str(metrics), "--quiet"], 180,
+                           env=job_env(), stdout=sink, stderr=subprocess.STDOUT)
+    if code is None:
         return "`zdsl run` did not finish a 1-step smoke run of a tiny model in 180 s"
-    if ran.returncode != 0:
-        return "`zdsl run` failed a 1-step smoke run: " + _last_line(ran.stderr or ran.stdout)
+    if code != 0:
+        return "`zdsl run` failed a 1-step smoke run: " + _last_line(log.read_text(errors="replace"))
     if not metrics.exists() or not metrics.read_text().strip():
         return "`zdsl run --metrics` wrote no metrics in a 1-step smoke run"
     return None
@@ -115,14 +120,13 @@ def run_job(cfg: BenchConfig, stage: int, out: Path, timeout_s: float) -> int:
     command = [*zdsl_command(), "run", str(schedule), "--set", f"zero={stage}",
                "--metrics", str(metrics), "--quiet"]
     print("$", " ".join(command), flush=True)
-    try:
-        done = subprocess.run(command, env=job_env(), timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    code = run_bounded(command, timeout_s, env=job_env())
+    if code is None:
         print(f"zdsl run did not finish in {timeout_s:.0f} s", file=sys.stderr)
         return 1
-    if done.returncode != 0:
-        print(f"zdsl run exited with {done.returncode}", file=sys.stderr)
-        return done.returncode
+    if code != 0:
+        print(f"zdsl run exited with {code}", file=sys.stderr)
+        return code
     if not metrics.exists():
         print(f"zdsl run wrote no metrics to {metrics}", file=sys.stderr)
         return 1
