@@ -54,43 +54,64 @@ def label(op) -> str:
         (f" m{op.micro}" if op.micro else "")
 
 
-def waits(graph, times: dict[int, tuple[float, float]], path: list[int], top: int = 5) -> list[str]:
-    """The largest gaps on the critical path: op start minus the end of its latest predecessor."""
-    by_id = {op.id: op for op in graph.ops}
-    prev_in_lane, last = {}, {}
+def ready_times(graph, times: dict[int, tuple[float, float]]):
+    """Per op: when its inputs were ready (latest end among deps and lane predecessor) and the
+    timed op that set it. Untimed ops (``mem.free`` is not traced) pass their own readiness on,
+    so a wait behind a free is blamed on what the free waited for."""
+    last: dict[str, int] = {}
+    eff_end: dict[int, float] = {}
+    cause: dict[int, int | None] = {}
+    ready: dict[int, tuple[float, int | None]] = {}
     for op in graph.ops:
-        prev_in_lane[op.id] = last.get(op.lane)
+        preds = list(op.deps) + ([last[op.lane]] if op.lane in last else [])
         last[op.lane] = op.id
+        t, c = 0.0, None
+        for p in preds:
+            if p in eff_end and eff_end[p] > t:
+                t, c = eff_end[p], cause[p]
+        ready[op.id] = (t, c)
+        if op.id in times:
+            eff_end[op.id], cause[op.id] = times[op.id][1], op.id
+        else:
+            eff_end[op.id], cause[op.id] = t, c
+    return ready
+
+
+def waits(graph, times: dict[int, tuple[float, float]], path: list[int], top: int = 5) -> list[str]:
+    """The largest gaps on the critical path: op start minus when its inputs were ready."""
+    by_id = {op.id: op for op in graph.ops}
+    ready = ready_times(graph, times)
     rows = []
     for i in path:
-        op = by_id[i]
         if i not in times:
             continue
-        preds = [d for d in op.deps if d in times]
-        if prev_in_lane[i] is not None and prev_in_lane[i] in times:
-            preds.append(prev_in_lane[i])
-        ready = max((times[p][1] for p in preds), default=0.0)
-        gap = times[i][0] - ready
+        op = by_id[i]
+        t, c = ready[i]
+        gap = times[i][0] - t
         if gap > 0:
-            rows.append((gap, f"{label(op)} on {op.lane} started {gap * 1e3:.2f} ms after its inputs were ready"))
+            after = f" (after {label(by_id[c])} on {by_id[c].lane})" if c is not None else ""
+            rows.append((gap, f"{label(op)} on {op.lane} started {gap * 1e3:.2f} ms after its inputs "
+                              f"were ready{after}"))
     return [text for _, text in sorted(rows, reverse=True)[:top]]
 
 
 def compute_idle(graph, times: dict[int, tuple[float, float]], top: int = 5) -> list[str]:
-    """Idle gaps of the compute lane and the op (on another lane) each next compute op waited for."""
+    """Idle gaps of the compute lane, and the op each next compute op was waiting for."""
     by_id = {op.id: op for op in graph.ops}
+    ready = ready_times(graph, times)
     compute = [op for op in graph.ops if op.lane == "compute" and op.id in times]
     rows = []
     for a, b in zip(compute, compute[1:]):
         gap = times[b.id][0] - times[a.id][1]
         if gap <= 0:
             continue
-        deps = [d for d in b.deps if d in times]
-        blocker = max(deps, key=lambda d: times[d][1]) if deps else None
-        why = ""
-        if blocker is not None and times[blocker][1] > times[a.id][1]:
-            blk = by_id[blocker]
-            why = f", waiting for {label(blk)} on {blk.lane} (ran {1e3 * (times[blocker][1] - times[blocker][0]):.2f} ms)"
+        t, c = ready[b.id]
+        if c is not None and c != a.id and t > times[a.id][1]:
+            blk = by_id[c]
+            why = (f", waiting for {label(blk)} on {blk.lane} (ran {1e3 * (times[c][1] - times[c][0]):.2f} ms), "
+                   f"then {1e3 * (times[b.id][0] - t):.2f} ms to start")
+        else:
+            why = ", its inputs were ready: dispatch"
         rows.append((gap, f"compute idle {gap * 1e3:.2f} ms before {label(b)}{why}"))
     return [text for _, text in sorted(rows, reverse=True)[:top]]
 
