@@ -235,6 +235,24 @@ def print_table(rows: list[dict], baseline: str, out=sys.stdout) -> None:
                   file=out)
 
 
+TARGETS = [   # (zdsl row, peer row, target ratio of step times): the issues' goals
+    ("zdsl3", "fsdp2", 1.0), ("zdsl3", "ds3", 1.0), ("zdsl1", "ddp", 1.0), ("zdsl2", "ddp", 1.0),
+]
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """zdsl's step time over each peer's, against the target, for the rows that ran."""
+    by_key = {r["peer"]: r for r in rows if r["status"] == "ok"}
+    lines = []
+    for ours, theirs, target in TARGETS:
+        if ours in by_key and theirs in by_key:
+            ratio = by_key[ours]["median_step_s"] / by_key[theirs]["median_step_s"]
+            verdict = "met" if ratio <= target else "not met"
+            lines.append(f"  {by_key[ours]['system']} / {by_key[theirs]['system']} step time: {ratio:.2f} "
+                         f"(target <= {target:.1f}: {verdict})")
+    return lines
+
+
 # -- command line -----------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -333,13 +351,15 @@ def _main(argv=None) -> int:
     rows = summary(outcomes, args.baseline)
     print()
     print_table(rows, args.baseline)
+    for line in target_lines(rows):
+        print(line)
     print(f"(job folders: {workdir})")
     if args.json:
         try:
             Path(args.json).write_text(json.dumps(dict(parameters=params, config=json.loads(cfg.to_json()),
                                                        reps=args.reps, baseline=args.baseline,
                                                        malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-                                                       rows=rows),
+                                                       rows=rows, targets=[t.strip() for t in target_lines(rows)]),
                                                   indent=1))
         except OSError as exc:
             print(f"vs_peers.py: error: cannot write --json {args.json}: {exc.strerror}", file=sys.stderr)
