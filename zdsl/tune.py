@@ -188,9 +188,9 @@ def short(text: str, limit: int = 160) -> str:
 
 
 def ranked(cands: list[Candidate]) -> list[Candidate]:
-    """Accepted candidates, fastest predicted first (ties: the order given)."""
+    """Accepted candidates, fastest predicted first (ties: less peak memory, then the order given)."""
     ok = [c for c in cands if c.rejected is None]
-    return sorted(ok, key=lambda c: c.predicted_s)
+    return sorted(ok, key=lambda c: (round(c.predicted_s, 9), sum(c.predicted_peak.values())))
 
 
 # -- writing the winner -----------------------------------------------------------
