@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import itertools
 import os
 import secrets
 import shutil
@@ -276,10 +277,14 @@ class _Checksum:
 
     def __call__(self, block: torch.Tensor) -> int:
         """Checksum of a contiguous uint8 CPU tensor."""
+        return self.of(memoryview(block.numpy()), block.data_ptr())
+
+    def of(self, view: memoryview, address: int) -> int:
+        """Checksum of the bytes of ``view``, which start at ``address``."""
         if self._fn is None:
-            return zlib.crc32(memoryview(block.numpy()))
+            return zlib.crc32(view)
         out = (ctypes.c_uint32 * 4)()
-        self._fn(block.data_ptr(), block.numel(), out)
+        self._fn(address, len(view), out)
         return out[0] | out[1] << 32 | out[2] << 64 | out[3] << 96
 
 
@@ -474,19 +479,20 @@ class Swapper:
 
     # -- per-block work (runs in worker threads) ----------------------------------
 
-    def _write_block(self, f: _SwapFile, src: torch.Tensor, index: int) -> None:
+    def _write_block(self, t: "_Transfer", index: int) -> None:
+        f = t.file
         off = index * self.block_bytes
         n = min(self.block_bytes, f.nbytes - off)
         padded = round_up(n)
         try:
-            if n == padded and is_aligned(src):
-                block = src[off : off + n]
+            if n == padded and t.zero_copy:  # straight from the caller's memory
+                view = t.view[off : off + n]
                 if self.verify:
-                    f.crcs[index] = self._checksum(block)
-                self._pwrite_all(f, memoryview(block.numpy()), off, index)
+                    f.crcs[index] = self._checksum.of(view, t.address + off)
+                self._pwrite_all(f, view, off, index)
                 return
             with self.pool.buffer() as stage:
-                _copy(stage[:n], src[off : off + n])
+                _copy(stage[:n], t.data[off : off + n])
                 if padded != n:
                     stage[n:padded].zero_()
                 block = stage[:padded]
@@ -515,21 +521,22 @@ class Swapper:
             view = view[done:]
             off += done
 
-    def _read_block(self, f: _SwapFile, dst: torch.Tensor, index: int) -> None:
+    def _read_block(self, t: "_Transfer", index: int) -> None:
+        f = t.file
         off = index * self.block_bytes
         n = min(self.block_bytes, f.nbytes - off)
         padded = round_up(n)
         try:
-            if n == padded and is_aligned(dst):
-                block = dst[off : off + n]
-                self._pread_all(f, memoryview(block.numpy()), off, index)
-                self._check(f, block, index)
+            if n == padded and t.zero_copy:  # straight into the caller's memory
+                view = t.view[off : off + n]
+                self._pread_all(f, view, off, index)
+                self._check(f, view, t.address + off, index)
                 return
             with self.pool.buffer() as stage:
-                block = stage[:padded]
-                self._pread_all(f, memoryview(block.numpy()), off, index)
-                self._check(f, block, index)
-                _copy(dst[off : off + n], stage[:n])
+                view = memoryview(stage[:padded].numpy())
+                self._pread_all(f, view, off, index)
+                self._check(f, view, stage.data_ptr(), index)
+                _copy(t.data[off : off + n], stage[:n])
         except SwapError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -547,29 +554,29 @@ class Swapper:
             view = view[done:]
             off += done
 
-    def _check(self, f: _SwapFile, block: torch.Tensor, index: int) -> None:
+    def _check(self, f: _SwapFile, view: memoryview, address: int, index: int) -> None:
         if not self.verify:
             return
         expected = f.crcs[index]
         if expected is None:
             raise SwapError(f"swap file {f.path}: block {index} has no checksum (its write did not complete)")
-        got = self._checksum(block)
+        got = self._checksum.of(view, address)
         if got != expected:
             raise SwapError(
                 f"swap file {f.path}: checksum mismatch in block {index} "
-                f"(bytes {index * self.block_bytes}..{index * self.block_bytes + block.numel()}): "
+                f"(bytes {index * self.block_bytes}..{index * self.block_bytes + len(view)}): "
                 f"stored {self._checksum.kind} {expected:x}, read {got:x}; the data on disk is corrupt"
             )
 
     # -- transfers --------------------------------------------------------------
 
-    def _plan_write(self, name: str, tensor: torch.Tensor) -> tuple[_SwapFile, torch.Tensor, int]:
+    def _plan_write(self, name: str, tensor: torch.Tensor) -> "_Transfer":
         src = _byte_view(tensor, f"write {name!r}")
         f = self._open(name)
         self._size(f, src.numel())
-        return f, src, len(f.crcs)
+        return _Transfer(f, src)
 
-    def _plan_read(self, name: str, out: torch.Tensor) -> tuple[_SwapFile, torch.Tensor, int]:
+    def _plan_read(self, name: str, out: torch.Tensor) -> "_Transfer":
         f = self._file(name, "read")
         if not f.complete:
             raise SwapError(
@@ -581,49 +588,49 @@ class Swapper:
             raise SwapError(
                 f"swap read {name!r}: the output has {dst.numel()} bytes but {f.nbytes} were written ({f.path})"
             )
-        return f, dst, len(f.crcs)
+        return _Transfer(f, dst)
 
     async def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write ``tensor``'s bytes to ``name``'s file; returns when all are on disk."""
-        f, src, blocks = self._plan_write(name, tensor)
-        await self._run_blocks(self._write_block, f, src, blocks)
-        f.complete = True
-        self.bytes_written += f.nbytes
+        t = self._plan_write(name, tensor)
+        await self._run_blocks(self._write_block, t)
+        t.file.complete = True
+        self.bytes_written += t.file.nbytes
 
     async def read(self, name: str, out: torch.Tensor) -> None:
         """Fill ``out`` with the bytes last written under ``name``, checking every block."""
-        f, dst, blocks = self._plan_read(name, out)
-        await self._run_blocks(self._read_block, f, dst, blocks)
-        self.bytes_read += f.nbytes
+        t = self._plan_read(name, out)
+        await self._run_blocks(self._read_block, t)
+        self.bytes_read += t.file.nbytes
 
     def write_sync(self, name: str, tensor: torch.Tensor) -> None:
         """:meth:`write` for callers outside trio (e.g. already in a worker thread)."""
-        f, src, blocks = self._plan_write(name, tensor)
-        self._run_blocks_sync(self._write_block, f, src, blocks)
-        f.complete = True
-        self.bytes_written += f.nbytes
+        t = self._plan_write(name, tensor)
+        self._run_blocks_sync(self._write_block, t)
+        t.file.complete = True
+        self.bytes_written += t.file.nbytes
 
     def read_sync(self, name: str, out: torch.Tensor) -> None:
         """:meth:`read` for callers outside trio."""
-        f, dst, blocks = self._plan_read(name, out)
-        self._run_blocks_sync(self._read_block, f, dst, blocks)
-        self.bytes_read += f.nbytes
+        t = self._plan_read(name, out)
+        self._run_blocks_sync(self._read_block, t)
+        self.bytes_read += t.file.nbytes
 
     @staticmethod
-    def _drain(work: Callable, f: _SwapFile, data: torch.Tensor, queue: "_BlockQueue") -> None:
+    def _drain(work: Callable, t: "_Transfer", queue: "_BlockQueue") -> None:
         """One worker: take blocks until none are left (or the transfer failed or was cancelled)."""
         while (index := queue.take()) is not None:
             try:
-                work(f, data, index)
+                work(t, index)
             except BaseException as e:  # noqa: BLE001 - handed to the caller by the queue
                 queue.fail(e)
                 return
 
-    async def _run_blocks(self, work: Callable, f: _SwapFile, data: torch.Tensor, blocks: int) -> None:
+    async def _run_blocks(self, work: Callable, t: "_Transfer") -> None:
         """Run a transfer on up to ``queue_depth`` worker threads (one trio thread hop per
         worker, not per block: on a busy machine each hop back to the trio loop costs a
         context switch that would otherwise leave the device idle)."""
-        queue = _BlockQueue(blocks)
+        queue = _BlockQueue(t.blocks)
 
         async def stop_on_cancel() -> None:
             try:
@@ -634,42 +641,59 @@ class Swapper:
         async with trio.open_nursery() as outer:
             outer.start_soon(stop_on_cancel)
             async with trio.open_nursery() as workers:
-                for _ in range(min(self.queue_depth, blocks)):
+                for _ in range(min(self.queue_depth, t.blocks)):
                     workers.start_soon(
-                        partial(trio.to_thread.run_sync, self._drain, work, f, data, queue, limiter=self._limiter)
+                        partial(trio.to_thread.run_sync, self._drain, work, t, queue, limiter=self._limiter)
                     )
             outer.cancel_scope.cancel()
         if queue.error is not None:
             raise queue.error
 
-    def _run_blocks_sync(self, work: Callable, f: _SwapFile, data: torch.Tensor, blocks: int) -> None:
-        queue = _BlockQueue(blocks)
-        if blocks == 1:
-            self._drain(work, f, data, queue)
+    def _run_blocks_sync(self, work: Callable, t: "_Transfer") -> None:
+        queue = _BlockQueue(t.blocks)
+        if t.blocks == 1:
+            self._drain(work, t, queue)
         else:
             with self._executor_lock:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(self.queue_depth, thread_name_prefix="zdsl-swap")
-            futures = [self._executor.submit(self._drain, work, f, data, queue)
-                       for _ in range(min(self.queue_depth, blocks))]
+            futures = [self._executor.submit(self._drain, work, t, queue)
+                       for _ in range(min(self.queue_depth, t.blocks))]
             for fut in futures:  # wait for all: no block may still use a buffer after we return
                 fut.result()
         if queue.error is not None:
             raise queue.error
 
 
+class _Transfer:
+    """One write or read: the file, the caller's bytes, and what the workers need per block
+    precomputed once (a memoryview and address of the whole tensor), so a block costs a
+    slice, a checksum call and the system call, and little time holding the GIL."""
+
+    __slots__ = ("file", "data", "blocks", "zero_copy", "view", "address")
+
+    def __init__(self, file: _SwapFile, data: torch.Tensor):
+        self.file = file
+        self.data = data
+        self.blocks = len(file.crcs)
+        self.zero_copy = is_aligned(data)  # a CPU tensor starting on a 4 KiB boundary
+        self.view = memoryview(data.numpy()) if self.zero_copy else None
+        self.address = data.data_ptr()
+
+
 class _BlockQueue:
     """The block indices of one transfer, handed to whichever worker asks next."""
 
     def __init__(self, blocks: int):
-        self._next = iter(range(blocks))
+        self._next = itertools.count()
+        self._blocks = blocks
         self._lock = threading.Lock()
         self._stopped = False
         self.error: BaseException | None = None
 
     def take(self) -> int | None:
-        with self._lock:
-            return None if self._stopped else next(self._next, None)
+        index = next(self._next)  # atomic under the GIL: no lock on the hot path
+        return None if self._stopped or index >= self._blocks else index
 
     def fail(self, error: BaseException) -> None:
         with self._lock:
@@ -678,8 +702,7 @@ class _BlockQueue:
             self._stopped = True
 
     def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
+        self._stopped = True
 
 
 def _direct_hint(f: _SwapFile, error: OSError) -> str:
