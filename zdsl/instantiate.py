@@ -118,7 +118,9 @@ class _Builder:
         return "host" if off else "device"
 
     def has_master(self, u: int) -> bool:
-        return self.precision != "fp32" or self.optim_tier(u) != "device"
+        """An fp32 master copy lives with the optimizer state: in mixed precision, and whenever the
+        optimizer or the parameters are off the device (the step then never reads the shard)."""
+        return self.precision != "fp32" or self.optim_tier(u) != "device" or self.param_tier(u) != "device"
 
     # -- buffers ---------------------------------------------------------------
     def home_param(self, u: int) -> str:
@@ -386,7 +388,7 @@ class _Builder:
                                  bytes=self.layouts[u].shard_numel * self.b, fresh={dev}))
                 self.consume(host, phase, micro)
             else:
-                if not self.is_valid(dev) or self.param_tier(u) != "host":
+                if not self.is_valid(dev) or self.param_tier(u) == "device":
                     return
                 self.emit(self.d("copy.d2h", u, [dev], [host], phase, micro, st,
                                  bytes=self.layouts[u].shard_numel * self.b))

@@ -97,6 +97,8 @@ def lower_policies(schedule: Schedule, units: list[UnitSpec]) -> dict[str, Pipel
         step.append(s("write", "optimizer", 0, "nvme", "offload.optimizer"))
     if stage == 3:
         if params == "nvme":
+            if optim == "device":
+                step.append(s("copy", "parameters", 0, "host", "offload.parameters"))
             step.append(s("write", "parameters", 0, "nvme", "offload.parameters"))
         elif params == "cpu" and optim == "device":
             step.append(s("copy", "parameters", 0, "host", "offload.parameters"))
