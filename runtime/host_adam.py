@@ -13,22 +13,29 @@ How the exact step is made fast. The reference is seven separate ATen
 kernels per tensor (mul, lerp, mul, addcmul, sqrt, div+add, addcdiv), each
 streaming the whole shard through memory: ~20 passes over 4-byte arrays.
 Here one C kernel does the same arithmetic, operation for operation, in one
-pass over cache-sized tiles, on ``torch.get_num_threads()`` threads:
+pass (8 floats at a time, AVX2), on ``torch.get_num_threads()`` threads:
 
 - the same float32 roundings in the same order, with the fused
   multiply-adds exactly where ATen's compiled kernels have them (``lerp``
   is an ``fma``; ATen's ``addcmul`` is compiled with contraction into an
   ``fma``; ``add(alpha=)`` is an ``fma``);
-- ``sqrt`` through the very function ATen calls for float ``sqrt``: MKL's
-  ``vmsSqrt`` in high-accuracy mode, found in ``libtorch_cpu`` (torch
-  builds without MKL use IEEE ``sqrtf``, as ATen does there).
+- ``sqrt`` with the bits of the very function ATen calls for float
+  ``sqrt``: MKL's ``vmsSqrt`` in high-accuracy mode (not correctly rounded:
+  up to 0.75 ulp, so ``sqrtf`` differs). Calling it per tile halves the
+  kernel's speed, so the kernel computes the sequence of MKL's SSE2 kernel
+  inline (``mkl_ex_sqrt_ps``: rsqrt estimate, two Newton steps, no fma),
+  and calls MKL only for special inputs (subnormal, inf, NaN). Where MKL
+  runs another kernel (it picks one per CPU), the copy does not match and
+  MKL is called for every tile; torch builds without MKL use ``sqrtf``.
 
-Because "the same roundings as this torch build" is an empirical fact about
-a binary, the kernel is compiled on first use (``cc -O3 -march=native
--ffp-contract=off``; cached under ``~/.cache/zdsl``) and then *checked*
-against the ATen reference on a sample of awkward values for every
-combination of its settings; the first combination that matches bit for bit
-is used (see runtime/native.py for the build). If no compiler is found or nothing matches, the step falls back to
+Because "the same roundings as this torch build on this CPU" is an
+empirical fact about binaries, the kernel is compiled on first use
+(runtime/native.py: ``cc -O3 -march=native -ffp-contract=off``, cached under
+``~/.cache/zdsl``) and then *checked*: the sqrt copy against MKL on a
+million random floats, and the whole step against torch's single-tensor
+Adam on awkward values (zeros, subnormals, magnitudes over 1e±10) for every
+combination of its settings; the fastest variant that matches bit for bit
+is used. If no compiler works or nothing matches, the step falls back to
 the same ATen ops run tile by tile (exact by construction, about twice as
 fast as the reference, far slower than the kernel) and says so in the log.
 ``exact_backend()`` tells which one runs.
