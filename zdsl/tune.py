@@ -19,7 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError, error
+from .errors import UsageError
 
 TIERS = ("device", "host", "nvme")
 
