@@ -24,8 +24,6 @@ free among their ancestors (themselves included) are always worth including.
 """
 from __future__ import annotations
 
-from collections import deque
-
 from zdsl.ir import TIERS, TaskGraph
 from zdsl.planner.memory import working_intervals
 from zdsl.planner.simulate import CyclicGraphError, predecessors, topological_order
@@ -91,98 +89,97 @@ def max_closure(weights: list[int], req: list[list[int]], order: list[int] | Non
     if not any(weights[v] > 0 for v in keep):
         return free_gain
     index = {v: i for i, v in enumerate(keep)}
-    m = len(keep)
-    source, sink = m, m + 1
-    net = _Network(m + 2)
-    inf = positive + 1   # no cut is larger than `positive`: this capacity never saturates
-    gain = 0
+    excess = [max(weights[v], 0) for v in keep]
+    drain = [max(-weights[v], 0) for v in keep]
+    net = _Residual(len(keep))
     for i, v in enumerate(keep):
-        w = weights[v]
-        if w > 0:
-            net.add(source, i, w)
-            gain += w
-        elif w < 0:
-            net.add(i, sink, -w)
         for u in set(req[v]):
             j = index.get(u)
             if j is not None:   # a requirement outside `keep` is always included: no constraint
-                net.add(i, j, inf)
-    return free_gain + gain - net.max_flow(source, sink)
+                net.add(i, j)
+    return free_gain + sum(excess) - net.max_flow(excess, drain)
 
 
-class _Network:
-    """A flow network in flat lists (Dinic: BFS levels, then blocking flows by iterative DFS)."""
+class _Residual:
+    """The closure's flow network without its source and sink, in flat lists.
+
+    Source edges are each allocation's ``excess``, sink edges each free's
+    ``drain``; between ops only infinite edges (op -> what it requires) and
+    their reverses (capacity = the flow they carry). Max flow by augmenting
+    paths: from each allocation in turn, breadth first to the nearest free
+    with drain left. A search that finds none leaves a set of ops closed
+    under residual edges; no later augmenting path can enter it (it could
+    not leave to the sink), so those ops are marked dead and never searched
+    again. Nearest-first keeps searches short: an allocation usually cancels
+    the free its buffer's previous instance ended with, one edge away.
+    """
+
+    INF = -1   # capacity marker of an infinite edge
 
     def __init__(self, n: int):
         self.n = n
         self.adj: list[list[int]] = [[] for _ in range(n)]
         self.to: list[int] = []
-        self.cap: list[int] = []
+        self.cap: list[int] = []   # INF forward edges; reverse edges hold the flow on their twin
 
-    def add(self, u: int, v: int, cap: int) -> None:
+    def add(self, u: int, v: int) -> None:
         self.adj[u].append(len(self.to))
         self.to.append(v)
-        self.cap.append(cap)
+        self.cap.append(self.INF)
         self.adj[v].append(len(self.to))
         self.to.append(u)
         self.cap.append(0)
 
-    def max_flow(self, s: int, t: int) -> int:
+    def max_flow(self, excess: list[int], drain: list[int]) -> int:
         adj, to, cap, n = self.adj, self.to, self.cap, self.n
+        dead = [False] * n
+        seen = [0] * n              # search stamp per op
+        via = [-1] * n              # edge a search reached the op by
+        stamp = 0
         total = 0
-        while True:
-            level = [-1] * n
-            level[s] = 0
-            queue = deque([s])
-            while queue:
-                u = queue.popleft()
-                lu = level[u] + 1
-                for e in adj[u]:
-                    v = to[e]
-                    if cap[e] > 0 and level[v] < 0:
-                        level[v] = lu
+        for a in range(n):
+            while excess[a] > 0 and not dead[a]:
+                stamp += 1
+                seen[a] = stamp     # an op's weight is net: one with excess has no drain
+                queue = [a]
+                found = -1
+                head = 0
+                while head < len(queue) and found < 0:
+                    u = queue[head]
+                    head += 1
+                    for e in adj[u]:
+                        v = to[e]
+                        if seen[v] == stamp or dead[v] or cap[e] == 0:
+                            continue
+                        seen[v] = stamp
+                        via[v] = e
+                        if drain[v] > 0:
+                            found = v
+                            break
                         queue.append(v)
-            if level[t] < 0:
-                return total
-            total += self._blocking_flow(s, t, level)
-
-    def _blocking_flow(self, s: int, t: int, level: list[int]) -> int:
-        adj, to, cap = self.adj, self.to, self.cap
-        arc = [0] * self.n          # current arc per node
-        pushed = 0
-        path: list[int] = []        # edges from s to the current node
-        u = s
-        while True:
-            if u == t:
-                f = min(cap[e] for e in path)
-                for e in path:
-                    cap[e] -= f
-                    cap[e ^ 1] += f
-                pushed += f
-                # back up to the tail of the first saturated edge
-                k = next(k for k, e in enumerate(path) if cap[e] == 0)
-                del path[k:]
-                u = to[path[-1]] if path else s
-                continue
-            edges = adj[u]
-            i = arc[u]
-            lu = level[u] + 1
-            while i < len(edges):
-                e = edges[i]
-                if cap[e] > 0 and level[to[e]] == lu:
+                if found < 0:
+                    for u in queue:
+                        dead[u] = True
                     break
-                i += 1
-            arc[u] = i
-            if i < len(edges):
-                path.append(edges[i])
-                u = to[edges[i]]
-                continue
-            if u == s:
-                return pushed
-            level[u] = -1           # dead end: never visit again this phase
-            e = path.pop()
-            u = to[e ^ 1]
-            arc[u] += 1
+                f = min(excess[a], drain[found])
+                v = found
+                while v != a:
+                    e = via[v]
+                    if cap[e] != self.INF and cap[e] < f:
+                        f = cap[e]
+                    v = to[e ^ 1]
+                v = found
+                while v != a:
+                    e = via[v]
+                    if cap[e] != self.INF:
+                        cap[e] -= f
+                    if cap[e ^ 1] != self.INF:
+                        cap[e ^ 1] += f
+                    v = to[e ^ 1]
+                excess[a] -= f
+                drain[found] -= f
+                total += f
+        return total
 
 
 def worst_working(graph: TaskGraph, simulated: dict[str, int] | None = None) -> dict[str, int]:
