@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from functools import cached_property
 
 from zdsl.ir import LANES, TIERS, TaskGraph
+from zdsl.planner.bound import worst_working
 from zdsl.planner.comm import CommPlan, comm_plan, zero_comm_elements
 from zdsl.planner.memory import STATES, zero_model_states
 from zdsl.planner.simulate import Simulation, simulate
 from zdsl.schedule import Schedule
 
 TIER_ALIASES = {"cpu": "host"}
+
+# Largest graph the worst-order working peak is computed for (a max flow in pure Python: ~1-3 s at 20,000 ops).
+WORST_MAX_OPS = 20000
 
 
 @dataclass
@@ -38,6 +43,21 @@ class Plan:
         return zero_model_states(self.parameters, self.graph.ranks, self.graph.stage, self.graph.precision,
                                  o.kind, o.momentum)
 
+    @cached_property
+    def working_worst(self) -> dict[str, int] | None:
+        """tier -> the working peak of the worst order the graph allows (what a run can reach with
+        other timings than the simulated ones), or None for a graph over WORST_MAX_OPS ops."""
+        if len(self.graph.ops) > WORST_MAX_OPS:
+            return None
+        simulated = {tier: tl.working_peak for tier, tl in self.sim.memory.tiers.items()}
+        return worst_working(self.graph, simulated)
+
+    def working_worst_note(self) -> str | None:
+        if self.working_worst is not None:
+            return None
+        return (f"worst-order working peak not computed: {len(self.graph.ops):,} ops is over "
+                f"{WORST_MAX_OPS:,}")
+
     def critical_by_kind(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for i in self.sim.critical_path:
@@ -51,6 +71,11 @@ class Plan:
         for tier, budget in self.budgets.items():
             memory.setdefault(tier, {"model_states": dict.fromkeys(STATES, 0), "working": 0, "peak": 0})
             memory[tier]["budget"] = budget
+        worst = self.working_worst
+        if worst is not None:
+            for tier, row in memory.items():
+                row["working_worst"] = worst.get(tier, 0)
+        extra = {} if worst is not None else {"working_worst_note": self.working_worst_note()}
         return {
             "schedule": g.schedule,
             "file": self.schedule.file,
@@ -72,6 +97,7 @@ class Plan:
             "lanes": dict(sim.lane_busy),            # lane -> busy seconds
             "lane_share": {lane: busy / sim.step_s if sim.step_s else 0.0 for lane, busy in sim.lane_busy.items()},
             "critical_path": {"ops": len(sim.critical_path), "by_kind_s": self.critical_by_kind()},
+            **extra,
         }
 
 
@@ -98,7 +124,7 @@ def fmt_s(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s"
 
 
-def render_plan(plan: Plan, width: int = 110, color: bool = False) -> str:
+def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
     """The readable report: summary, memory per tier, communication, lanes."""
     from rich.console import Console
     from rich.table import Table
@@ -114,7 +140,10 @@ def render_plan(plan: Plan, width: int = 110, color: bool = False) -> str:
                   f"accumulate {g.accumulate}, {len(g.ops):,} ops")
 
     mem = Table(title="memory per rank", title_justify="left")
-    for col in ("tier", "parameters", "gradients", "optimizer", "model states", "working", "peak", "budget"):
+    worst = plan.working_worst
+    cols = ("tier", "parameters", "gradients", "optimizer", "model states", "working", "worst order", "peak",
+            "budget")
+    for col in (c for c in cols if worst is not None or c != "worst order"):
         mem.add_column(col, justify="left" if col == "tier" else "right", no_wrap=True)
     budgets = plan.budgets
     memory = sim.memory.to_json()
@@ -126,13 +155,16 @@ def render_plan(plan: Plan, width: int = 110, color: bool = False) -> str:
         budget = budgets.get(tier)
         over = budget is not None and row["peak"] > budget
         peak = fmt_bytes(row["peak"])
+        worst_cell = [] if worst is None else [fmt_bytes(worst.get(tier, 0))]
         mem.add_row(tier, fmt_bytes(ms["parameters"]), fmt_bytes(ms["gradients"]), fmt_bytes(ms["optimizer"]),
-                    fmt_bytes(sum(ms.values())), fmt_bytes(row["working"]),
+                    fmt_bytes(sum(ms.values())), fmt_bytes(row["working"]), *worst_cell,
                     f"[red]{peak}[/red]" if over else peak, fmt_bytes(budget) if budget is not None else "-")
     formula = plan.zero_formula()
     mem.add_row("ZeRO formula", *(fmt_bytes(formula[s]) for s in STATES), fmt_bytes(sum(formula.values())),
-                "", "", "", style="dim")
+                *([""] * (4 if worst is not None else 3)), style="dim")
     console.print(mem)
+    if plan.working_worst_note():
+        console.print(f"  {plan.working_worst_note()}", style="dim")
     for tier in TIERS:
         split = memory[tier]["working_at_peak"]
         if split:
