@@ -241,6 +241,46 @@ def test_write_index_waits_for_all_ranks_and_ignores_stale_markers(tmp_path, mod
     assert latest_complete(tmp_path, report=lambda m: None) is None
 
 
+def test_zero_copy_paths(tmp_path, monkeypatch):
+    """Tensors laid out congruent to their memory: written and read by DMA without the bounce copy,
+    padding tensors skipped, the reference reader still opens the file, damage still caught."""
+    from zdsl.runtime.checkpoint import directio, stformat
+    monkeypatch.setattr(directio, "ZERO_COPY_MIN", 1)
+    monkeypatch.setattr(stformat, "ZERO_COPY_MIN", 1)
+    monkeypatch.setattr(directio, "BOUNCE", 8192)        # many transfers per tensor
+    monkeypatch.setattr(stformat, "CRC_BLOCK", 3 * 4096)
+    copied = []
+    copy_in = directio.Sink._copy_in
+    monkeypatch.setattr(directio.Sink, "_copy_in", lambda self, src: (copied.append(len(src)), copy_in(self, src)))
+    numels, page_offsets = [10007, 40000, 3, 9000], [64, 0, 4000, 2048]
+    src = {}
+    for i, (n, off) in enumerate(zip(numels, page_offsets)):
+        t = directio.aligned_bytes(4 * n, congruent_to=off).view(torch.float32)
+        t.copy_(torch.arange(n, dtype=torch.float32) + 1000 * i)
+        src[f"u{i}.param"] = t
+    lay = [flat_layout(n, 1) for n in numels]
+    rec = write_rank_shards(tmp_path, 1, 0, 1, src)
+    assert any(k.startswith("__pad.") for k in rec.tensors)
+    assert sum(copied) < sum(4 * n for n in numels) // 4          # the bulk went straight from memory
+    specs = [UnitSpec(f"u{i}", [("w", (n,))]) for i, n in enumerate(numels)]
+    path = write_index(tmp_path, 1, {"units": unit_metas(specs, lay)}, [rec])
+    with safe_open(str(path / rec.name), "pt") as f:
+        assert torch.equal(f.get_tensor("u1.param"), src["u1.param"])
+    reads = []
+    read_into = directio.Source.read_into
+    monkeypatch.setattr(directio.Source, "read_into", lambda *a: reads.append(read_into(*a)) or reads[-1])
+    into = {k: directio.aligned_bytes(4 * t.numel(), congruent_to=t.data_ptr() % 4096).view(torch.float32)
+            for k, t in src.items()}
+    got = load_for_rank(path, 0, 1, lay, into=into)
+    assert sorted(got) == sorted(src) and all(torch.equal(got[k], src[k]) for k in src)
+    assert reads == [True, True, False, True]                    # all but the 12-byte tensor
+    fresh = load_for_rank(path, 0, 1, lay)                       # into new tensors: DMA, no copy either
+    assert all(torch.equal(fresh[k], src[k]) for k in src)
+    _flip_byte(path / rec.name, path.joinpath(rec.name).stat().st_size - 9000 * 4 + 5)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load_for_rank(path, 0, 1, lay, into=into)
+
+
 def test_checksum_algorithm_recorded(tmp_path, model, monkeypatch):
     """A file written with CRC-32C and read where the crc32c package is missing: a clear error."""
     pytest.importorskip("crc32c")
@@ -290,6 +330,7 @@ shard = lay[0].shard_numel
 def stall():                      # called mid-file, after the first tensor went to disk
     print("mid-write", flush=True)
     time.sleep(60)
+    return torch.zeros(shard)
 def save(step):
     recs = []
     for r in range(2):
@@ -312,7 +353,9 @@ def _line(child, timeout):
 def test_sigkill_mid_write_keeps_previous(tmp_path):
     """A process killed while writing a checkpoint (a subprocess: fork would share torch's thread pools)."""
     n = 8 << 20                                    # 32 MiB of fp32 per save, 16 MiB per rank file and tensor
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(n)], stdout=subprocess.PIPE)
+    # Unbuffered: a buffered reader could swallow both lines at once and leave select() waiting.
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(n)], stdout=subprocess.PIPE,
+                             bufsize=0)
     step2 = checkpoint_path(tmp_path, 2)
     try:
         assert _line(child, 60) == b"saved", "the child did not save step 1"

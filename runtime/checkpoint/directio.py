@@ -30,6 +30,7 @@ from .index import CheckpointError
 
 ALIGN = 4096
 BOUNCE = 16 << 20          # bytes per transfer; a multiple of ALIGN
+ZERO_COPY_MIN = 1 << 20    # smaller writes and reads go through the bounce buffers anyway
 
 
 def round_up(n: int, to: int = ALIGN) -> int:
@@ -78,21 +79,44 @@ class Sink:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         else:
             self.bufs = [aligned_bytes(BOUNCE), aligned_bytes(BOUNCE)]
+            self.in_flight = [None, None]     # the pending write of each buffer, if any
             self.cur = 0                  # which bounce buffer is being filled
             self.fill = 0                 # bytes in it
             self.flushed = 0              # file offset of the buffer being filled
 
     def write(self, data) -> None:
-        """Append ``data`` (a buffer: bytes, memoryview of a tensor, ...)."""
+        """Append ``data`` (a buffer: bytes, memoryview of a tensor, ...).
+
+        When ``data``'s address is congruent to the file position modulo a
+        page (the writer lays tensors out so), its page-aligned interior is
+        written from where it lies; only the ragged ends are copied.
+        """
         if not self.direct:
             self._wait()
             self.pending = self.pool.submit(self._buffered, data, self.pos)
             self.pos += len(data)
             return
         src = as_bytes(bytearray(data) if isinstance(data, bytes) or getattr(data, "readonly", False) else data)
+        head = (-self.pos) % ALIGN
+        if len(src) < max(ZERO_COPY_MIN, head + ALIGN) or (src.data_ptr() - self.pos) % ALIGN:
+            self._copy_in(src)
+            return
+        self._copy_in(src[:head])
+        if self.fill:
+            self._flush(self.fill)                  # ends on a page: the file position is aligned
+        body = (len(src) - head) // ALIGN * ALIGN
+        self._wait()
+        self.pending = self.pool.submit(_pwrite_all, self.fd, src[head:head + body].numpy(), self.flushed)
+        self.flushed += body
+        self.pos += body
+        self._copy_in(src[head + body:])
+
+    def _copy_in(self, src: torch.Tensor) -> None:
         done = 0
         while done < len(src):
             n = min(len(src) - done, BOUNCE - self.fill)
+            if self.fill == 0:
+                self._wait_buffer()
             self.bufs[self.cur][self.fill:self.fill + n].copy_(src[done:done + n])
             self.fill += n
             self.pos += n
@@ -111,9 +135,17 @@ class Sink:
         self._wait()
         buf = self.bufs[self.cur][:nbytes].numpy()
         self.pending = self.pool.submit(_pwrite_all, self.fd, buf, self.flushed)
+        self.in_flight[self.cur] = self.pending
         self.flushed += nbytes
         self.cur ^= 1
         self.fill = 0
+
+    def _wait_buffer(self) -> None:
+        """The buffer about to be filled may still be being written (a direct write came between)."""
+        fut = self.in_flight[self.cur]
+        if fut is not None:
+            self.in_flight[self.cur] = None
+            fut.result()
 
     def _wait(self) -> None:
         if self.pending is not None:
@@ -188,6 +220,44 @@ class Source:
                     if b0 < b1:
                         on_chunk(memoryview(view[b0:b1]))
         return region[head:need].view(dtype)
+
+    def read_into(self, start: int, dest: torch.Tensor, on_chunk: Callable[[memoryview], None] | None) -> bool:
+        """File bytes [start, start+len(dest)) into the uint8 tensor ``dest`` by DMA, if its address
+        is congruent to ``start`` modulo a page; False (nothing read) otherwise.
+
+        ``on_chunk`` sees the bytes in order while the next chunk is read.
+        """
+        n = len(dest)
+        head = (-start) % ALIGN
+        if self.dfd is None or n < max(ZERO_COPY_MIN, head + ALIGN) or (dest.data_ptr() - start) % ALIGN:
+            return False
+        body = (n - head) // ALIGN * ALIGN
+        tail_at = head + body
+        self._copy_range(start, start + head, dest[:head], on_chunk)
+        view = dest.numpy()
+        chunks = range(head, tail_at, BOUNCE)
+        with ThreadPoolExecutor(1, thread_name_prefix="ckpt-read") as pool:
+            def read(j):
+                lo = chunks[j]
+                m = min(BOUNCE, tail_at - lo)
+                self._read(self.dfd, memoryview(view[lo:lo + m]), start + lo, m)
+            fut = pool.submit(read, 0) if len(chunks) else None
+            for j, lo in enumerate(chunks):
+                fut.result()
+                if j + 1 < len(chunks):
+                    fut = pool.submit(read, j + 1)
+                if on_chunk is not None:
+                    on_chunk(memoryview(view[lo:min(lo + BOUNCE, tail_at)]))
+        self._copy_range(start + tail_at, start + n, dest[tail_at:], on_chunk)
+        return True
+
+    def _copy_range(self, start: int, end: int, dest: torch.Tensor, on_chunk) -> None:
+        pos = 0
+        for piece in self.pieces(start, end):
+            dest[pos:pos + len(piece)].copy_(as_bytes(piece))
+            if on_chunk is not None:
+                on_chunk(piece)
+            pos += len(piece)
 
     def pieces(self, start: int, end: int):
         """Yield memoryviews covering file bytes [start, end) in order; each is valid until the next."""

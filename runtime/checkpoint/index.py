@@ -34,6 +34,7 @@ VERSION = 1
 INDEX_NAME = "index.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
 SHARD_KEY_RE = re.compile(r"^u(\d+)\.([A-Za-z_][A-Za-z0-9_]*)$")
+PAD_PREFIX = "__pad."        # zero tensors that page-align the next one in a rank file (not state)
 
 
 class CheckpointError(Exception):
@@ -58,6 +59,10 @@ def done_name(rank: int, ranks: int) -> str:
 
 def shard_key(unit: int, kind: str) -> str:
     return f"u{unit}.{kind}"
+
+
+def is_padding(key: str) -> bool:
+    return key.startswith(PAD_PREFIX)
 
 
 def parse_shard_key(key: str) -> tuple[int, str] | None:

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .index import INDEX_NAME, STEP_RE, CheckpointError, Index, parse_shard_key
+from .index import INDEX_NAME, STEP_RE, CheckpointError, Index, is_padding, parse_shard_key
 from .reader import check_checkpoint, list_checkpoints
 
 
@@ -37,6 +37,8 @@ def describe(path: Path, index: Index) -> str:
     per_rank = []
     for key, entry in index.file_for_rank(0).tensors.items():
         parsed = parse_shard_key(key)
+        if is_padding(key):
+            continue
         if parsed:
             kinds.setdefault(parsed[0], []).append(f"{parsed[1]}:{entry.dtype}")
         else:

@@ -21,7 +21,7 @@ import torch
 
 from zdsl.layout import FlatLayout
 
-from .index import (INDEX_NAME, STEP_RE, CheckpointError, Index, parse_shard_key, shard_key)
+from .index import INDEX_NAME, STEP_RE, CheckpointError, Index, is_padding, parse_shard_key, shard_key
 from .stformat import ShardFile, byte_view, torch_dtype
 
 log = logging.getLogger("zdsl.checkpoint")
@@ -247,7 +247,7 @@ def iter_rank_shards(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout]
         if rank < index.ranks:
             rec = index.file_for_rank(rank)
             for key, entry in rec.tensors.items():
-                if parse_shard_key(key) is None:
+                if parse_shard_key(key) is None and not is_padding(key):
                     yield key, files[rank].read(key, entry if verify else None)
     finally:
         files.close()

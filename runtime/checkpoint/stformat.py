@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .directio import Sink, Source, as_bytes
-from .index import CheckpointError
+from .directio import ALIGN, ZERO_COPY_MIN, Sink, Source, as_bytes
+from .index import PAD_PREFIX, CheckpointError
 
 CRC_BLOCK = 16 << 20      # bytes per checksum block
 
@@ -132,29 +132,49 @@ def _materialise(name: str, t) -> memoryview:
     return byte_view(t)
 
 
-def build_header(specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, list[tuple[int, int]]]:
-    """Header bytes (length prefix included) and the data offsets of each spec (name, dtype code, shape)."""
+def _nbytes(code: str, shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=TORCH_DTYPES[code]).element_size()
+
+
+def build_header(specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str],
+                 page_offsets: list[int | None] | None = None) -> tuple[bytes, list[tuple[str, str, tuple, int, int]]]:
+    """Header bytes (length prefix included) and the layout: (name, dtype code, shape, begin, end) in file order.
+
+    ``page_offsets``: per spec, the offset within a 4 KiB page its bytes
+    should start at (that of the memory it is written from), or None. With
+    it the data section starts on a page boundary and a padding tensor
+    (``__pad.N``, zeros) goes before each tensor as needed, so tensor and
+    memory are congruent and O_DIRECT moves the bytes without a copy.
+    Without it: the reference writer's layout (data 8-byte aligned).
+    """
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    offsets = []
+    layout = []
     pos = 0
-    for name, code, shape in specs:
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=TORCH_DTYPES[code]).element_size()
-        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
-        offsets.append((pos, pos + nbytes))
+    for i, (name, code, shape) in enumerate(specs):
+        want = page_offsets[i] if page_offsets else None
+        if want is not None and (want - pos) % ALIGN:
+            pad = (want - pos) % ALIGN
+            layout.append((f"{PAD_PREFIX}{i}", "U8", (pad,), pos, pos + pad))
+            pos += pad
+        nbytes = _nbytes(code, shape)
+        layout.append((name, code, tuple(shape), pos, pos + nbytes))
         pos += nbytes
+    for name, code, shape, b, e in layout:
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [b, e]}
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)        # data section 8-byte aligned, as the reference writer does
-    return struct.pack("<Q", len(text)) + text, offsets
+    # Pad with spaces (JSON whitespace): to a page when asked, else to 8 as the reference writer does.
+    text += b" " * (-(8 + len(text)) % ALIGN if page_offsets else -len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, layout
 
 
 def write_stream(sink: Sink, header: bytes, tensors) -> list[tuple[int, ...]]:
     """Write ``header`` then each tensor's bytes (``tensors`` yields one memoryview per tensor).
 
     Returns the block CRCs of each tensor; the sink's worker writes one
-    block while this thread checksums and copies the next.
+    block while this thread checksums the next.
     """
     sink.write(memoryview(header))
     crc = checksum_fn(CHECKSUM, "writer")
@@ -172,20 +192,33 @@ def write_stream(sink: Sink, header: bytes, tensors) -> list[tuple[int, ...]]:
 def write_file(path: str, tensors: dict, metadata: dict[str, str]) -> tuple[int, int, dict[str, TensorEntry]]:
     """Write ``tensors`` (torch.Tensor or LazyShard) to ``path`` (not atomically; the caller renames), fsync it.
 
-    Returns (file bytes, CRC-32 of the header, entries by name).
+    Returns (file bytes, CRC-32 of the header, entries by name, padding included).
     """
-    # Widest elements first: every tensor then starts at a multiple of its element size, which
-    # lets a reader hand out its bytes as a tensor without a copy (the data section is 8-aligned).
+    # Widest elements first: every tensor then starts at a multiple of its element size.
     names = sorted(tensors, key=lambda n: -torch.empty((), dtype=tensors[n].dtype).element_size())
     specs = [(n, dtype_code(tensors[n].dtype), tuple(tensors[n].shape)) for n in names]
-    header, offsets = build_header(specs, metadata)
+    # Large in-memory tensors start in the file at their address's offset within a page (a
+    # LazyShard's memory is unknown until fetched: page start, as pinned buffers are).
+    page_offsets = []
+    for n in names:
+        t = tensors[n]
+        big = _nbytes(dtype_code(t.dtype), t.shape) >= ZERO_COPY_MIN
+        page_offsets.append(None if not big else
+                            t.data_ptr() % ALIGN if isinstance(t, torch.Tensor) and t.is_contiguous() else 0)
+    header, layout = build_header(specs, metadata, page_offsets)
+
+    def views():
+        for name, code, shape, b, e in layout:
+            yield memoryview(bytes(e - b)) if name.startswith(PAD_PREFIX) else _materialise(name, tensors[name])
+
     sink = Sink(path)
     try:
-        crcs = write_stream(sink, header, (_materialise(n, tensors[n]) for n in names))
+        crcs = write_stream(sink, header, views())
         size = sink.close()
     finally:
         sink.abort()
-    entries = {n: TensorEntry(c, s, b, e, crc, CRC_BLOCK, CHECKSUM) for (n, c, s), (b, e), crc in zip(specs, offsets, crcs)}
+    entries = {name: TensorEntry(code, shape, b, e, crc, CRC_BLOCK, CHECKSUM)
+               for (name, code, shape, b, e), crc in zip(layout, crcs)}
     return size, zlib.crc32(header), entries
 
 
@@ -299,8 +332,14 @@ class ShardFile:
             start, end = lo - lo % blk, min(-(-hi // blk) * blk, size)
             check = BlockCheck(self.path, name, expected, size, start)
         out = as_bytes(dest) if dest is not None else None
-        pos = start
         base = self.data_start + b
+        if out is not None and (start, end) == (lo, hi):
+            # The range is whole checksum blocks: straight into the destination when it is congruent.
+            if self.source.read_into(base + lo, out, check.feed if check else None):
+                if check:
+                    check.done()
+                return
+        pos = start
         for piece in self.source.pieces(base + start, base + end):
             p1 = pos + len(piece)
             c0, c1 = max(pos, lo), min(p1, hi)
