@@ -13,6 +13,9 @@ by source, flags and CPU features (``-march=native`` code must not run on
 another CPU), and written atomically so ranks that build at once end with
 one good file. Where no compiler works, :func:`build` returns None and
 callers use their pure-Python/ATen path; that is logged, never fatal.
+
+Environment: ``CC`` picks the compiler; ``ZDSL_NO_NATIVE=1`` switches all
+kernels off (to test or compare the fallbacks); ``ZDSL_CACHE`` moves the cache.
 """
 
 from __future__ import annotations
