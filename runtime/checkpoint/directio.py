@@ -7,13 +7,20 @@ here: buffered write plus fsync 0.1-0.6 GB/s against 1.2-1.9 GB/s direct,
 the cores shared with other jobs). With O_DIRECT the disk reads and writes
 our memory itself (DMA):
 
-* writes go through two 16 MiB aligned bounce buffers: this thread copies
-  into one (torch ``copy_``, which releases the GIL) while a worker writes
-  the other;
-* whole-tensor reads land straight in the destination tensor, allocated
-  so that its address is congruent to its file offset modulo 4 KiB, with
-  the read of one chunk running while the previous one is checksummed;
-* slices (re-cutting) are read into bounce buffers and copied out.
+* the writer lays each large tensor out in the file at the same offset
+  within a 4 KiB page as its memory has (padding tensors in between), so
+  its page-aligned interior is written straight from where it lies, the
+  next chunk's write running while this one is checksummed;
+* whole-tensor reads land straight in the destination: a new tensor
+  allocated congruent to the file offset, or a caller's buffer that is
+  (buffers from the same allocator as the saved ones usually are);
+* everything else (headers, ragged ends, slices when re-cutting, buffers
+  that are not congruent) goes through two 16 MiB aligned bounce buffers,
+  copied with torch ``copy_`` (which releases the GIL).
+
+Measured (benchmarks/checkpoint_io.py, 2 GB, 2 ranks, a shared 2-core
+host): 0.15 CPU-seconds per GB for a save or a load, checksums included,
+against 0.45-0.5 with bounce copies and more with buffered I/O.
 
 Filesystems without O_DIRECT (tmpfs, some network mounts) get buffered
 I/O with early writeback instead.
