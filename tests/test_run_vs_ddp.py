@@ -126,7 +126,9 @@ def test_four_ranks_adamw_update_close(four_ranks):
 
 @pytest.mark.parametrize("name", sorted(TWO_RANKS))
 def test_measured_memory_against_the_plan(two_ranks, name):
-    """Model states equal the planner's figure; working buffers stay within its peak."""
+    """Model states equal the planner's figure; working buffers stay within its worst-order peak
+    (the simulated order is one of many: lanes running with other timings can peak elsewhere)."""
+    from zdsl.planner.bound import worst_working
     from zdsl.planner.simulate import simulate
 
     stage, accumulate, clip, offload, bucket, prefetch, optimizer = TWO_RANKS[name]
@@ -134,12 +136,12 @@ def test_measured_memory_against_the_plan(two_ranks, name):
     schedule.prefetch = prefetch
     graph = compile_schedule(schedule, gpt_units(**MODEL))
     plan = simulate(graph).memory
+    worst = worst_working(graph)
     for by_case in two_ranks:
         tiers = by_case[name][4]["tiers"]
         for tier, row in tiers.items():
             planned = plan.tiers.get(tier)
             assert row["peak_model_states"] == (planned.model_states if planned else 0), tier
-            if tier != "device":
-                continue   # the simulated order is one of many; host/nvme staging can peak elsewhere
-            assert row["peak_working"] <= (planned.working_peak if planned else 0), \
-                f"{tier}: measured working peak {row['peak_working']} over the plan's {planned.working_peak}"
+            assert row["peak_working"] <= worst.get(tier, 0), \
+                f"{tier}: measured working peak {row['peak_working']} over the worst order's {worst.get(tier, 0)}" \
+                f" (simulated {planned.working_peak if planned else 0})"
