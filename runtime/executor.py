@@ -178,6 +178,13 @@ class Executor:
         except Exception as exc:  # name the rank, the op and the unit
             raise OpError(self.rank, op, exc) from exc
 
+    def post(self, fn) -> None:
+        """Run ``fn`` on the event loop, from any thread; a step already over needs nothing."""
+        try:
+            self.token.run_sync_soon(fn)
+        except trio.RunFinishedError:
+            pass
+
     def check_fault(self, op: Op) -> None:
         if self.fault is not None and self.fault.op == op.id and self.fault.step == self.step:
             self.fault.fire()
@@ -193,8 +200,16 @@ class Executor:
                         self.streams.record(op)
                 await trio.to_thread.run_sync(wait_on_stream, limiter=self.wait_limiter, abandon_on_cancel=True)
             elif handle is not None and not handle.is_completed():
-                await trio.to_thread.run_sync(handle.wait, limiter=self.wait_limiter,
-                                              abandon_on_cancel=True)
+                future = completion_future(handle)
+                if future is not None:
+                    # the work's own completion callback wakes the loop: no thread, no extra hop
+                    ready = trio.Event()
+                    future.add_done_callback(lambda _: self.post(ready.set))
+                    await ready.wait()
+                    handle.wait()          # complete now: finishes the op, raises the work's error
+                else:
+                    await trio.to_thread.run_sync(handle.wait, limiter=self.wait_limiter,
+                                                  abandon_on_cancel=True)
         except Exception as exc:
             raise OpError(self.rank, op, exc) from exc
         self.finish(op)
@@ -203,6 +218,18 @@ class Executor:
         self.ends[op.id] = time.perf_counter() - self.t0
         self.flags[op.id] = True
         self.done[op.id].set()
+
+
+def completion_future(handle):
+    """The torch future of a collective's work, where its backend offers one (gloo's reduce-scatter
+    does not: its work raises "getFuture not implemented")."""
+    getter = getattr(getattr(handle, "work", None), "get_future", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except RuntimeError:
+        return None
 
 
 def first_op_error(group: BaseExceptionGroup) -> BaseException:

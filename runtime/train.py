@@ -8,6 +8,7 @@ any differ.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -114,16 +115,27 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_group(rank, world, device, options.timeout_s)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(leave_group)
         agree_on_graph(graph, rank, world, device)
         model = build_model(schedule.model, seed=cfg["train"]["seed"])
         state = RankState(graph, model, rank=rank, world=world, device=device, group=None)
+        stack.callback(close_swap, state)    # the swap folder goes even when the step failed
         executor = Executor(graph, state, rank, record=True, streams=lane_streams(graph, device))
         return trio.run(_loop, graph, schedule, units, state, executor, rank, world, device, options,
                         reporter, make_batch)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def close_swap(state) -> None:
+    """Remove this rank's NVMe swap files (the process leaves with os._exit: no atexit hooks)."""
+    swapper = getattr(state, "_swapper", None)
+    if swapper is not None:
+        swapper.close()
 
 
 async def _loop(graph, schedule, units, state, executor, rank, world, device, options, reporter, make_batch):

@@ -86,3 +86,13 @@ def test_a_bad_schedule_is_rejected_before_launch(tmp_path):
     proc, _ = zdsl("run", str(bad))
     assert proc.returncode == 1
     assert "bad.zs:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_nvme_swap_files_are_removed_after_a_run(tmp_path):
+    program = tmp_path / "nvme.zs"
+    swap = tmp_path / "swap"
+    program.write_text((ROOT / "programs" / "nvme.zs").read_text().replace("/tmp/zdsl_nvme", str(swap)))
+    proc, _ = zdsl("run", str(program), "--set", "steps=2", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert swap.exists() and oct(swap.stat().st_mode & 0o777) == "0o700"
+    assert [p for p in swap.rglob("*") if p.is_file()] == []
