@@ -178,10 +178,15 @@ class RankState:
         self.slots: dict[str, Slot] = {name: Slot(b) for name, b in graph.buffers.items() if b.kind != "token"}
         self._check_step_outputs()
         # Unit by unit: flatten its parameters, make its optimizer, fill its persistent buffers,
-        # then drop the initial copy, so start-up holds about one model's worth beyond the state.
+        # then drop the initial copy, so start-up holds about one model's worth beyond the state;
+        # a lazily built model (too large for host memory) gets its values one unit at a time
+        # here, so start-up then holds one unit beyond the state.
+        lazy = bool(getattr(model, "is_lazy", False))
         self.flats: list[FlatParam] = []
         self.optims: list[UnitOptimizer] = []
         for info, module in zip(graph.units, self.modules):
+            if lazy:
+                model.materialize_unit(info.index)
             lay = layout_of(info.numel, info.padded_numel, info.parts, world)
             try:
                 fp = FlatParam(module, lay, rank, self.dtype, grad_dtypes.get(info.index, self.dtype), self.device)
@@ -190,7 +195,10 @@ class RankState:
             self.flats.append(fp)
             ranges = ([lay.full_range(p) for p in range(lay.parts)] if self.stage == 0   # stage 0: whole unit
                       else [lay.shard_range(p) for p in range(lay.parts)])
-            self.optims.append(UnitOptimizer(self.opt_config, ranges, master=self._has_master(info.index)))
+            opt = UnitOptimizer(self.opt_config, ranges, master=self._has_master(info.index))
+            for p in opt.params:    # placeholders (each step points them at the real slices): a
+                p.data = torch.empty(0)   # shard-size fp32 zero per unit would be 4 bytes/param held
+            self.optims.append(opt)
             self._init_persistent(info.index)
             fp.initial = None
         self._init_persistent(None)

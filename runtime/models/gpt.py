@@ -45,6 +45,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+# Above this many parameters (4 GiB in fp32) a GPT is built lazily, unit by unit (see GPT).
+LAZY_ABOVE = 1 << 30
+
+
+def parameter_count(layers: int, width: int, vocab: int, context: int) -> int:
+    """Parameters of this GPT (as zdsl.units.gpt_parameter_count), without building it."""
+    block = 12 * width * width + 13 * width
+    return vocab * width + context * width + layers * block + 2 * width
+
+
 class Embedding(nn.Module):
     """Unit 0: token ids -> hidden states (token plus position embedding)."""
 
@@ -130,18 +140,34 @@ class GPT(nn.Module):
     ``device``, so every device and every peer (DDP, FSDP2, ...) starts from
     the same numbers. Under
     ``with torch.device("meta")`` the model stays on meta (sizing).
+
+    A GPT above ``LAZY_ABOVE`` parameters (or with ``lazy=True``) is built
+    lazily, so that a model larger than host memory can be trained from NVMe:
+    its modules are made on the meta device and nothing is allocated until
+    :meth:`materialize_unit` gives unit 0, 1, ... (in that order) their
+    values, which are the eager init's exact numbers (the private generator
+    draws in the same order: parameter order is unit order). zdsl's
+    ``RankState`` materialises one unit, copies it into its flat buffers and
+    tiers, and drops it before the next; :meth:`materialize` does all the
+    rest at once (plain use as a module).
     """
 
     def __init__(self, layers: int = 4, width: int = 128, heads: int = 4, vocab: int = 256,
-                 context: int = 64, seed: int = 0, device: str | torch.device | None = None):
+                 context: int = 64, seed: int = 0, device: str | torch.device | None = None,
+                 lazy: bool | None = None):
         super().__init__()
         self.config = dict(layers=layers, width=width, heads=heads, vocab=vocab, context=context)
         ambient_meta = torch.empty(0).device.type == "meta"
+        if lazy is None:
+            lazy = device is None and parameter_count(layers, width, vocab, context) > LAZY_ABOVE
+        lazy = lazy and not ambient_meta
+        self._lazy: dict | None = None
         rng = None if ambient_meta else torch.random.get_rng_state()
         try:
             # Built on the CPU (not on meta: meta tensors pull in ~75 MB of torch's Python
-            # decompositions), with torch's default init whose draws are then undone.
-            with torch.device("meta" if ambient_meta else "cpu"):
+            # decompositions), with torch's default init whose draws are then undone;
+            # lazily built models (too large for that) are made on meta.
+            with torch.device("meta" if ambient_meta or lazy else "cpu"):
                 self.embedding = Embedding(vocab, context, width)
                 self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
                 self.head = Head(width, self.embedding)
@@ -149,29 +175,69 @@ class GPT(nn.Module):
             if rng is not None:
                 torch.random.set_rng_state(rng)
         self.tied = {(layers + 1, 0): "wte.weight"}
-        if not ambient_meta:
+        if lazy:
+            self._lazy = {"generator": torch.Generator().manual_seed(seed), "next": 0,
+                          "names": {id(p): n for n, p in self.named_parameters()}}
+        elif not ambient_meta:
             self.reset_parameters(seed)
             if device is not None:
                 self.to(device)
 
+    def _init_value(self, name: str, shape, g: torch.Generator) -> torch.Tensor:
+        """The initial fp32 value of parameter ``name`` (draws from ``g`` for weights only)."""
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        if ".ln_" in name or name.startswith("head.ln_f"):
+            return torch.ones(shape)
+        std = 0.02 / math.sqrt(2 * len(self.blocks)) if name.endswith("c_proj.weight") else 0.02
+        return torch.empty(shape).normal_(0.0, std, generator=g)
+
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
+        if self._lazy is not None:
+            raise RuntimeError("reset_parameters on a lazily built GPT: call materialize() first")
         g = torch.Generator().manual_seed(seed)
-        proj_std = 0.02 / math.sqrt(2 * len(self.blocks))
         for name, p in self.named_parameters():
-            if name.endswith(".bias"):
-                value = torch.zeros(p.shape)
-            elif ".ln_" in name or name.startswith("head.ln_f"):
-                value = torch.ones(p.shape)
-            else:
-                std = proj_std if name.endswith("c_proj.weight") else 0.02
-                value = torch.empty(p.shape).normal_(0.0, std, generator=g)
-            p.copy_(value.to(p.dtype))
+            p.copy_(self._init_value(name, p.shape, g).to(p.dtype))
+
+    @property
+    def is_lazy(self) -> bool:
+        """Whether some units still wait for :meth:`materialize_unit` (their parameters are on meta)."""
+        return self._lazy is not None
+
+    @torch.no_grad()
+    def materialize_unit(self, u: int) -> None:
+        """Give unit ``u``'s parameters their initial values on the CPU (the eager init's numbers).
+
+        Units must come in order (0, 1, ...): the values are drawn from one
+        generator in parameter order, as the eager init draws them. The
+        parameter objects stay the same (their contents are swapped in), so
+        references to them (the head's tied ``wte.weight``) stay valid."""
+        lazy = self._lazy
+        if lazy is None:
+            return
+        if u != lazy["next"]:
+            raise RuntimeError(f"lazy GPT: unit {u} asked for, but units materialise in order; next is {lazy['next']}")
+        for p in self.units()[u].parameters(recurse=True):
+            value = self._init_value(lazy["names"][id(p)], p.shape, lazy["generator"]).to(p.dtype)
+            torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+        lazy["next"] += 1
+        if lazy["next"] == len(self.units()):
+            self._lazy = None
+
+    def materialize(self, device: str | torch.device | None = None) -> "GPT":
+        """Materialise every remaining unit (then move to ``device``): a plain module again."""
+        while self._lazy is not None:
+            self.materialize_unit(self._lazy["next"])
+        return self.to(device) if device is not None else self
 
     def units(self) -> list[nn.Module]:
         return [self.embedding, *self.blocks, self.head]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self._lazy is not None:
+            raise RuntimeError("this GPT was built lazily (too large to build at once): call materialize() "
+                               "before using it as a module")
         x = self.embedding(idx)
         for block in self.blocks:
             x = block(x)
@@ -179,7 +245,7 @@ class GPT(nn.Module):
 
 
 def build(layers: int = 4, width: int = 128, heads: int = 4, vocab: int = 256, context: int = 64,
-          seed: int = 0, device=None) -> GPT:
+          seed: int = 0, device=None, lazy: bool | None = None) -> GPT:
     """Factory with the same shape as a user's ``build`` (unit protocol)."""
     return GPT(layers=layers, width=width, heads=heads, vocab=vocab, context=context,
-               seed=seed, device=device)
+               seed=seed, device=device, lazy=lazy)
