@@ -379,7 +379,7 @@ def _aten_tiled(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
 class _Kernel:
     fn: ctypes._CFuncPtr
     sqrt_ptr: int | None  # MKL vmsSqrt, or None for IEEE sqrtf
-    flags: int  # bits 4 and 8 of the kernel's flags (rounding variants that matched ATen)
+    flags: int  # kernel flags that matched ATen: 4/8 (fma placement), 16/32 (inline sqrt, one pass)
     path: Path
 
 
