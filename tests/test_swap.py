@@ -2,6 +2,7 @@
 
 import errno
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -249,13 +250,15 @@ def test_works_on_tmpfs():
     if not shm.is_dir() or not os.access(shm, os.W_OK):
         pytest.skip("no writable /dev/shm here")
     folder = shm / f"zdsl-test-{os.getpid()}"
-    with Swapper(folder, block_bytes=BLOCK) as s:
-        x = _tensor(BLOCK + 12)
-        trio.run(s.write, "t", x)
-        out = torch.empty_like(x)
-        trio.run(s.read, "t", out)
-        assert _same(x, out)
-    os.rmdir(folder)
+    try:
+        with Swapper(folder, block_bytes=BLOCK) as s:
+            x = _tensor(BLOCK + 12)
+            trio.run(s.write, "t", x)
+            out = torch.empty_like(x)
+            trio.run(s.read, "t", out)
+            assert _same(x, out)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_checksum_catches_a_flip_in_every_lane_and_the_tail():
