@@ -34,6 +34,7 @@ from .directio import ALIGN, ZERO_COPY_MIN, Sink, Source, as_bytes
 from .index import PAD_PREFIX, CheckpointError
 
 CRC_BLOCK = 16 << 20      # bytes per checksum block
+WRITE_SPAN = 64 << 20     # bytes per write handed to the disk (a whole number of blocks)
 
 try:                      # hardware CRC-32C when the package is there
     from crc32c import crc32c as _crc32c
@@ -179,11 +180,12 @@ def write_stream(sink: Sink, header: bytes, tensors) -> list[tuple[int, ...]]:
     sink.write(memoryview(header))
     crc = checksum_fn(CHECKSUM, "writer")
     crcs = []
+    span = max(CRC_BLOCK, WRITE_SPAN // CRC_BLOCK * CRC_BLOCK)
     for view in tensors:
         blocks = []
-        for off in range(0, len(view), CRC_BLOCK):
-            chunk = view[off:off + CRC_BLOCK]
-            blocks.append(crc(chunk))
+        for off in range(0, len(view), span):
+            chunk = view[off:off + span]
+            blocks.extend(crc(chunk[b:b + CRC_BLOCK]) for b in range(0, len(chunk), CRC_BLOCK))
             sink.write(chunk)
         crcs.append(tuple(blocks))
     return crcs
