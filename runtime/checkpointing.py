@@ -23,7 +23,7 @@ from zdsl.ir import TaskGraph
 from zdsl.layout import FlatLayout
 
 from .checkpoint import (CheckpointError, apply_retention, checkpoint_path, latest_complete, load_for_rank,
-                         read_index, unit_metas, write_index, write_rank_shards)
+                         read_index, remove_incomplete, unit_metas, write_index, write_rank_shards)
 
 RNG_KEY = "rng.torch"
 
@@ -53,6 +53,7 @@ class Checkpointer:
         self.costs: list[SaveCost] = []
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
+            remove_incomplete(self.root)   # a killed run's half-written step must not mix with ours
 
     def due(self, completed: int, total: int) -> bool:
         return self.every > 0 and completed % self.every == 0 and completed > 0
@@ -116,30 +117,52 @@ def find_checkpoint(where: str, say=print) -> Path:
     if (path / "index.json").exists() or path.name.startswith("step-"):
         read_index(path)        # refuses a damaged one, naming the file
         return path
-    found = latest_complete(path, report=say)
+    found = latest_complete(path, verify=False, report=say)   # load_for_rank checks every byte it reads
     if found is None:
         raise CheckpointError(f"{path}: no complete checkpoint to resume from")
     return found
 
 
 def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print) -> int:
-    """Load the checkpoint into ``state`` (re-cut to this run's ranks and layout); the next step to run."""
-    path = find_checkpoint(where, say)
-    index = read_index(path)
+    """Load the checkpoint into ``state`` (re-cut to this run's ranks and layout); the next step to run.
+
+    ``where`` is a step folder, or a root whose newest complete checkpoint is used. The ranks agree
+    that every one of them could read its part; if one could not (a damaged file), all of them fall
+    back to the next older checkpoint under the root, and say why."""
+    import torch.distributed as dist
+
+    root = Path(where)
+    direct = (root / "index.json").exists() or root.name.startswith("step-")
+    before = None
+    while True:
+        problem, path, index, shards = "", None, None, None
+        try:
+            path = find_checkpoint(where, say) if direct else latest_complete(root, verify=False, before=before)
+            if path is None:
+                raise CheckpointError(f"{root}: no complete checkpoint to resume from")
+            index = read_index(path)
+            shards = load_for_rank(path, rank, world, graph_layouts(graph))
+        except CheckpointError as exc:
+            problem = str(exc)
+        problems: list[str] = [""] * world
+        dist.all_gather_object(problems, problem)
+        bad = next((p for p in problems if p), "")
+        if not bad:
+            break
+        if direct or path is None or index is None:
+            raise CheckpointError(bad)
+        say(f"checkpoint {path} refused: {bad}; falling back to an older one")
+        before = index.step
     if index.ranks != world:
         say(f"resuming {path} (written by {index.ranks} ranks) on {world} ranks: shards re-cut")
-    shards = load_for_rank(path, rank, world, graph_layouts(graph))
+    rng = shards.pop(RNG_KEY, None)
     steps = int(index.extra.get("optimizer_steps", index.data_position.get("next_step", index.step)))
     state.load_shard_state(shards, steps)
     if index.loss_scaler and getattr(state.scaler, "enabled", False):
         for key, value in index.loss_scaler.items():
             setattr(state.scaler, key, value)
-    if index.ranks == world:
-        from safetensors import safe_open
-        rank_file = path / index.file_for_rank(rank).name
-        with safe_open(str(rank_file), framework="pt") as f:
-            if RNG_KEY in f.keys():
-                torch.set_rng_state(f.get_tensor(RNG_KEY))
+    if rng is not None:
+        torch.set_rng_state(rng.clone())   # a view into a shared read buffer crashes set_rng_state
     return int(index.data_position.get("next_step", index.step))
 
 
