@@ -39,6 +39,17 @@ DELEGATED_HELP = {
 _logging_configured = False
 
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when an event is written (it may be replaced after configuration:
+    pytest's capture, a redirect), so logging never writes to a closed stream."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(rank: int | None = None, level: str = "warning") -> None:
     """Configure structlog once per process (again only to bind a rank); events go to stderr."""
     global _logging_configured
@@ -57,7 +68,7 @@ def configure_logging(rank: int | None = None, level: str = "warning") -> None:
                 structlog.dev.ConsoleRenderer(colors=False),
             ],
             wrapper_class=structlog.make_filtering_bound_logger(lvl),
-            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+            logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
             cache_logger_on_first_use=False,
         )
         _logging_configured = True
