@@ -80,14 +80,34 @@ def report_failure(errors: Path, codes: list[int], first: int | None) -> None:
         f = errors / f"rank{r}.err"
         if f.exists():
             messages[r] = f.read_text().strip()
-    lead = first if first is not None else next((r for r, c in enumerate(codes) if c != 0), 0)
+    lead = root_cause(codes, messages, first)
     text = messages.get(lead) or describe_exit(lead, codes[lead])
+    if any(s in text for s in PEER_LOST):
+        text = text.split("RuntimeError:")[0] + "the collective failed because a peer left or stopped answering"
     print(f"zdsl: error: {text}", file=sys.stderr)
     others = [r for r in range(len(codes)) if r != lead and codes[r] != 0]
     if others:
         print("zdsl: the other ranks stopped too: " + ", ".join(
             f"rank {r} ({describe_exit(r, codes[r]) if r not in messages else 'failed after it'})" for r in others),
             file=sys.stderr)
+
+
+# What a rank reports when it failed only because another one did (gloo's wording).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
+             "Timed out", "timed out", "Connection refused")
+
+
+def root_cause(codes: list[int], messages: dict[int, str], first: int | None) -> int:
+    """The rank to blame: one with an error of its own, else one killed by a signal, else the first
+    to fail (the others mostly report that a peer went away)."""
+    failed = [r for r, c in enumerate(codes) if c != 0]
+    own = [r for r in failed if r in messages and not any(s in messages[r] for s in PEER_LOST)]
+    if own:
+        return own[0]
+    killed = [r for r in failed if codes[r] < 0 and r not in messages]
+    if killed:
+        return killed[0]
+    return first if first is not None else (failed[0] if failed else 0)
 
 
 def describe_exit(rank: int, code: int) -> str:
