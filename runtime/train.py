@@ -112,7 +112,8 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
                           f"launch {graph.ranks} ranks or set `ranks {world}` (--set ranks={world})")
     cfg = graph.config
     device = pick_device(cfg.get("device", "auto"), rank)
-    if device.type == "cpu":
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # the ranks share this machine's cores; an explicit OMP_NUM_THREADS wins (the peers benchmark)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_group(rank, world, device, options.timeout_s)
     with contextlib.ExitStack() as stack:
