@@ -14,10 +14,12 @@ schedule capacity "2.5e9-parameter GPT on one CPU rank, parameters and optimizer
 model     gpt(layers=40, width=2304, heads=18, vocab=256, context=64)
 data      corpus("stdlib", context=64)
 # batch 2 and a small lr: with batch 1 the loss of consecutive 64-token batches varies by
-# more than a first step's gain, and Adam's first steps at lr >= 1e-5 (no warm-up)
-# overshoot at this width (measured on 2-layer versions of this model).
+# more than a first step's gain, and Adam's first steps (no warm-up: each weight moves by
+# about lr, in the gradient's sign) overshoot on wide deep models: lr 3e-6 sent this model's
+# loss from 6.0 to 11.4; on 40-layer versions lr 3e-6 was fine at width 512, 1e-6
+# overshot at 1024, 5e-7 fell there; so about 5e-7 * 1024 / 2304.
 train     steps=3, batch=2, precision=bf16, seed=0
-optimizer adamw(lr=3e-6, betas=(0.9, 0.95), weight_decay=0.1, clip=1.0)
+optimizer adamw(lr=2e-7, betas=(0.9, 0.95), weight_decay=0.1, clip=1.0)
 ranks     1 on cpu
 
 zero      3
