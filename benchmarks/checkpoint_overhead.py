@@ -41,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from checkpoint_io import drop_cache   # benchmarks/ is on sys.path when this script runs
+
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULE = ROOT / "programs" / "zero3.zs"
 
@@ -104,14 +106,6 @@ def within_run_loss(rows: list[dict], every: int, save: dict | None) -> float | 
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
-
-def drop_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def load_seconds(step_dir: Path) -> tuple[float, int]:
