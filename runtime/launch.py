@@ -9,6 +9,7 @@ failure, which names its rank and op, is what the user sees.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -54,10 +55,13 @@ def launch_local(child_argv: list[str], ranks: int, grace_s: float = GRACE_S) ->
         print("zdsl: interrupted; all ranks stopped", file=sys.stderr)
         return 130
     codes = [p.wait() for p in procs]
-    if all(c == 0 for c in codes):
-        return 0
-    report_failure(errors, codes, first_failure[1] if first_failure else None)
-    return 1
+    try:
+        if all(c == 0 for c in codes):
+            return 0
+        report_failure(errors, codes, first_failure[1] if first_failure else None)
+        return 1
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
