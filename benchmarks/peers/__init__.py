@@ -124,6 +124,17 @@ def batch_for(cfg: BenchConfig, spec, step: int, rank: int, world: int):
     return make_batch(spec, cfg.seed, step, 0, rank, world, cfg.batch)
 
 
+def plain_step(model, optimizer):
+    """One training step as a user of a wrapper writes it: forward, backward, step, zero."""
+    def step(tokens, targets):
+        loss = model(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
 def adamw(cfg: BenchConfig, params):
     import torch
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,

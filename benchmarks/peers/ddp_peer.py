@@ -6,7 +6,7 @@ and 2 should be no slower. DDP is used as a user gets it (default buckets).
 """
 from __future__ import annotations
 
-from benchmarks.peers import adamw, build_model, run_peer
+from benchmarks.peers import adamw, build_model, plain_step, run_peer
 
 
 def setup(cfg, rank, world):
@@ -15,14 +15,7 @@ def setup(cfg, rank, world):
     model = DDP(build_model(cfg))
     optimizer = adamw(cfg, model.parameters())
 
-    def step(tokens, targets):
-        loss = model(tokens, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step, dict(wrapper="DistributedDataParallel", optimizer="torch.optim.AdamW")
+    return plain_step(model, optimizer), dict(wrapper="DistributedDataParallel", optimizer="torch.optim.AdamW")
 
 
 if __name__ == "__main__":

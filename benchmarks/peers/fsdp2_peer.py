@@ -9,7 +9,7 @@ machine the same memory), and the result says which one ran.
 """
 from __future__ import annotations
 
-from benchmarks.peers import adamw, build_model, run_peer
+from benchmarks.peers import adamw, build_model, plain_step, run_peer
 
 
 def _shard(model, mesh, offload: bool):
@@ -36,14 +36,7 @@ def setup(cfg, rank, world):
             f"CPUOffloadPolicy (plain CPU refused: {plain_cpu_refused})"
     optimizer = adamw(cfg, model.parameters())
 
-    def step(tokens, targets):
-        loss = model(tokens, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step, dict(wrapper="fully_shard per block + root", offload=policy,
+    return plain_step(model, optimizer), dict(wrapper="fully_shard per block + root", offload=policy,
                       optimizer="torch.optim.AdamW")
 
 
