@@ -22,6 +22,7 @@ import trio
 from zdsl.ir import TaskGraph
 from zdsl.overlap import analyze
 
+from .collectives import all_gather
 from .executor import Executor, StepRecord
 from .streams import lane_streams
 
@@ -88,8 +89,7 @@ def agree_on_graph(graph: TaskGraph, rank: int, world: int, device: torch.device
     digest = bytes.fromhex(graph.digest())
     mine = torch.tensor(list(digest), dtype=torch.uint8, device=device)
     every = torch.empty(world * len(digest), dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(every, mine) if not hasattr(dist, "all_gather_single") else \
-        dist.all_gather_single(every, mine)
+    all_gather(every, mine)
     rows = every.view(world, -1).cpu()
     groups: dict[bytes, list[int]] = {}
     for r in range(world):
@@ -181,7 +181,7 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         if reporter is not None and checkpointer.costs:
             reporter.checkpoint_costs = checkpointer.costs
     if options.export:
-        state.export(options.export) if hasattr(state, "export") else None
+        state.export(options.export)
     if options.trace or options.timeline:
         from .tracing import write_measured_trace
         write_measured_trace(graph, records, rank, world, options, state)
@@ -207,10 +207,7 @@ def gather_metrics(step, record: StepRecord, result: dict, state, world, device,
     row += [overlap.lower_bound, overlap.efficiency] if overlap is not None else [-1.0, -1.0]
     mine = torch.tensor(row, dtype=torch.float64, device=device)
     every = torch.empty(world * len(row), dtype=torch.float64, device=device)
-    if hasattr(dist, "all_gather_single"):
-        dist.all_gather_single(every, mine)
-    else:
-        dist.all_gather_into_tensor(every, mine)
+    all_gather(every, mine)
     table = every.view(world, -1).cpu().tolist()
     loss = sum(r[0] for r in table) / world
     step_s = max(r[1] for r in table)
