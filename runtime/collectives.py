@@ -5,14 +5,34 @@ torch 2.13 names the flat collectives ``all_gather_single`` and
 ``reduce_scatter_tensor``. We use the new names where they exist and the old
 ones otherwise, so callers never see a deprecation warning or a missing name.
 
-Backends: NCCL and recent gloo implement all of these (gloo also for bf16).
-Where a backend refuses a flat reduce-scatter, the fallback is explicit: an
-all-reduce of the whole input followed by a copy of this rank's slice. It
-moves twice the data, is logged once, and counted in ``FALLBACKS`` so the
-measured communication volume can be held against the plan.
+On NCCL the flat collectives are the fastest there are and are used as they
+are. On gloo they are not (``benchmarks/collectives.py`` measures it): gloo's
+flat all-gather and reduce-scatter run 1.5-3.5x slower than its own
+broadcast and all-reduce moving the same bytes. So on gloo:
+
+* all-gather = one async broadcast per rank, each rooted at the rank that
+  owns that chunk of ``out`` (the same bytes on the wire, no reduction);
+* reduce-scatter = a reduction of the whole input whose result this rank
+  keeps only its slice of (``GLOO_REDUCE_SCATTER``: an in-place all-reduce,
+  or one reduce per destination rank), the slice copied out in the
+  completion callback (gloo's thread, not the caller's).
+
+Both give the bits the flat collectives give at 2 ranks (a + b == b + a);
+at more ranks the summation order is gloo's and may differ in the last ulp,
+as any two reduction algorithms do. ``ZDSL_GLOO_ALL_GATHER=native`` and
+``ZDSL_GLOO_REDUCE_SCATTER=native`` restore torch's own (for comparison).
+
+``reduce_scatter`` may overwrite its input: the runtime only reduce-scatters
+gradients it is done with (the lowering never reads them again before the
+next backward writes them; ``tests/test_collectives.py`` checks every
+program's graph for it).
+
+Where a backend refuses a flat reduce-scatter altogether, the fallback is an
+all-reduce as above; it is logged once and counted in ``FALLBACKS``.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -21,20 +41,61 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+ALL_GATHER_ALGORITHMS = ("broadcast", "native")
+REDUCE_SCATTER_ALGORITHMS = ("all_reduce", "reduce", "native")
+GLOO_ALL_GATHER = os.environ.get("ZDSL_GLOO_ALL_GATHER", "broadcast")
+GLOO_REDUCE_SCATTER = os.environ.get("ZDSL_GLOO_REDUCE_SCATTER", "all_reduce")
+if GLOO_ALL_GATHER not in ALL_GATHER_ALGORITHMS:
+    raise ValueError(f"ZDSL_GLOO_ALL_GATHER={GLOO_ALL_GATHER!r}: use one of {', '.join(ALL_GATHER_ALGORITHMS)}")
+if GLOO_REDUCE_SCATTER not in REDUCE_SCATTER_ALGORITHMS:
+    raise ValueError(f"ZDSL_GLOO_REDUCE_SCATTER={GLOO_REDUCE_SCATTER!r}: "
+                     f"use one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
+
 # Collectives the backend lacked, served by a fallback: name -> times used.
 FALLBACKS: dict[str, int] = {}
 _no_native_reduce_scatter: set[str] = set()
 _lock = threading.Lock()
 
 
-class Done:
-    """A completed collective (fallbacks run synchronously): the Work interface."""
+class Pending:
+    """Collectives in flight as one work: ``wait()`` (raises their error), ``is_completed()``,
+    ``get_future()``; what to do after them runs in the completing thread."""
+
+    def __init__(self, future: torch.futures.Future):
+        self._future = future
+
+    @classmethod
+    def of(cls, works: list, then=None) -> "Pending":
+        futures = [w.get_future() for w in works]
+        if len(futures) == 1:
+            future = futures[0]
+        else:
+            future = torch.futures.collect_all(futures).then(_raise_first_error)
+        if then is not None:
+            future = future.then(lambda f: (f.value(), then())[1])
+        return cls(future)
 
     def is_completed(self) -> bool:
-        return True
+        return self._future.done()
 
     def wait(self, timeout=None) -> bool:
+        self._future.wait()
         return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _raise_first_error(collected: torch.futures.Future) -> None:
+    for f in collected.value():
+        f.value()                       # raises that collective's error
+
+
+def _finish(pending: Pending, async_op: bool):
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 def _count(name: str) -> None:
@@ -51,12 +112,21 @@ def _backend(group) -> str:
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Gather every rank's ``inp`` into ``out`` (rank-major, one flat tensor)."""
-    return _all_gather(out, inp, group=group, async_op=async_op)
+    if _backend(group) != "gloo" or GLOO_ALL_GATHER == "native":
+        return _all_gather(out, inp, group=group, async_op=async_op)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = out.view(world, -1)
+    chunks[rank].copy_(inp)
+    works = [dist.broadcast(chunks[i], src=_global_rank(group, i), group=group, async_op=True)
+             for i in range(world)]
+    return _finish(Pending.of(works), async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
-    """Sum ``inp`` over ranks and leave this rank's slice in ``out``."""
+    """Sum ``inp`` over ranks and leave this rank's slice in ``out``. ``inp`` may be overwritten."""
     backend = _backend(group)
+    if backend == "gloo" and GLOO_REDUCE_SCATTER != "native":
+        return _reduce_scatter_by(GLOO_REDUCE_SCATTER, out, inp, group, async_op)
     if backend not in _no_native_reduce_scatter:
         try:
             return _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -64,13 +134,25 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: b
             if "support" not in str(exc).lower() and "implement" not in str(exc).lower():
                 raise
             _no_native_reduce_scatter.add(backend)
-    # Explicit fallback: all-reduce everything, keep our slice (2x the traffic).
     _count("reduce_scatter->all_reduce")
-    whole = inp.clone()
-    dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=group)
-    rank, n = dist.get_rank(group), out.numel()
-    out.copy_(whole[rank * n:(rank + 1) * n])
-    return Done() if async_op else None
+    return _reduce_scatter_by("all_reduce", out, inp, group, async_op)
+
+
+def _reduce_scatter_by(algorithm: str, out, inp, group, async_op: bool):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = inp.view(world, -1)
+    if algorithm == "all_reduce":
+        works = [dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)]
+    else:                               # one reduce per destination: each chunk summed at its owner
+        works = [dist.reduce(chunks[i], dst=_global_rank(group, i), op=dist.ReduceOp.SUM, group=group,
+                             async_op=True) for i in range(world)]
+    return _finish(Pending.of(works, then=lambda: out.copy_(chunks[rank])), async_op)
+
+
+def _global_rank(group, group_rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
 
 
 def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):

@@ -75,7 +75,8 @@ def test_a_unit_of_the_wrong_size_is_refused():
         FlatParam(block, flat_layout(5, 1), 0, torch.float32, torch.float32, torch.device("cpu"))
 
 
-def _collectives(rank: int, world: int) -> dict:
+def _collectives(rank: int, world: int, gather: str = "broadcast", scatter: str = "all_reduce") -> dict:
+    collectives.GLOO_ALL_GATHER, collectives.GLOO_REDUCE_SCATTER = gather, scatter
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         block, fp, _ = _block_flat(ranks=world, parts=3, rank=rank, dtype=dtype)
@@ -100,8 +101,10 @@ def _collectives(rank: int, world: int) -> dict:
     return out
 
 
-def test_gather_and_reduce_scatter_per_part_on_two_gloo_ranks():
-    for rank, got in enumerate(spawn(_collectives, 2)):
+@pytest.mark.parametrize("gather,scatter", [("broadcast", "all_reduce"), ("broadcast", "reduce"),
+                                            ("native", "native")])
+def test_gather_and_reduce_scatter_per_part_on_two_gloo_ranks(gather, scatter):
+    for rank, got in enumerate(spawn(_collectives, 2, gather, scatter)):
         assert got.pop("fallbacks") == {}, "gloo should have native flat collectives"
         assert all(got.values()), (rank, got)
 
@@ -110,12 +113,13 @@ def _fallback(rank: int, world: int) -> dict:
     def refuse(*args, **kwargs):
         raise RuntimeError("reduce_scatter_single is not supported by this backend")
     collectives._reduce_scatter = refuse
-    inp = torch.arange(8, dtype=torch.float32) * (rank + 1)
+    collectives.GLOO_REDUCE_SCATTER = "native"      # reach the backend's own, which refuses
+    inp = lambda: torch.arange(8, dtype=torch.float32) * (rank + 1)  # noqa: E731 (consumed by each call)
     out = torch.zeros(4)
-    work = collectives.reduce_scatter(out, inp, async_op=True)
-    done = work.is_completed() and work.wait()
+    work = collectives.reduce_scatter(out, inp(), async_op=True)
+    done = work.wait() and work.is_completed()
     again = torch.zeros(4)
-    collectives.reduce_scatter(again, inp)
+    collectives.reduce_scatter(again, inp())
     return dict(out=out, again=again, done=done, fallbacks=dict(collectives.FALLBACKS))
 
 
