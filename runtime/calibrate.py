@@ -241,10 +241,10 @@ def measure_copy(device, s: Settings) -> dict:
 
 
 def _collective_fns():
-    import torch.distributed as dist
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return gather, scatter
+    """The runtime's own all-gather and reduce-scatter (on gloo not torch's flat ones: see
+    ``runtime/collectives.py``), so the link rate is the one a run sees."""
+    from . import collectives
+    return collectives.all_gather, collectives.reduce_scatter
 
 
 def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:

@@ -17,6 +17,9 @@ broadcast and all-reduce moving the same bytes. So on gloo:
   or one reduce per destination rank), the slice copied out in the
   completion callback (gloo's thread, not the caller's).
 
+Below ``GLOO_NATIVE_BELOW`` (1 MiB of full tensor) gloo's own are as fast
+or faster (one message each way; latency-bound) and are used.
+
 Both give the bits the flat collectives give at 2 ranks (a + b == b + a);
 at more ranks the summation order is gloo's and may differ in the last ulp,
 as any two reduction algorithms do. ``ZDSL_GLOO_ALL_GATHER=native`` and
@@ -45,6 +48,7 @@ ALL_GATHER_ALGORITHMS = ("broadcast", "native")
 REDUCE_SCATTER_ALGORITHMS = ("all_reduce", "reduce", "native")
 GLOO_ALL_GATHER = os.environ.get("ZDSL_GLOO_ALL_GATHER", "broadcast")
 GLOO_REDUCE_SCATTER = os.environ.get("ZDSL_GLOO_REDUCE_SCATTER", "all_reduce")
+GLOO_NATIVE_BELOW = int(os.environ.get("ZDSL_GLOO_NATIVE_BELOW", 1 << 20))   # bytes of the full tensor
 if GLOO_ALL_GATHER not in ALL_GATHER_ALGORITHMS:
     raise ValueError(f"ZDSL_GLOO_ALL_GATHER={GLOO_ALL_GATHER!r}: use one of {', '.join(ALL_GATHER_ALGORITHMS)}")
 if GLOO_REDUCE_SCATTER not in REDUCE_SCATTER_ALGORITHMS:
@@ -112,7 +116,7 @@ def _backend(group) -> str:
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Gather every rank's ``inp`` into ``out`` (rank-major, one flat tensor)."""
-    if _backend(group) != "gloo" or GLOO_ALL_GATHER == "native":
+    if _backend(group) != "gloo" or GLOO_ALL_GATHER == "native" or _small(out):
         return _all_gather(out, inp, group=group, async_op=async_op)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = out.view(world, -1)
@@ -125,7 +129,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``inp`` over ranks and leave this rank's slice in ``out``. ``inp`` may be overwritten."""
     backend = _backend(group)
-    if backend == "gloo" and GLOO_REDUCE_SCATTER != "native":
+    if backend == "gloo" and GLOO_REDUCE_SCATTER != "native" and not _small(inp):
         return _reduce_scatter_by(GLOO_REDUCE_SCATTER, out, inp, group, async_op)
     if backend not in _no_native_reduce_scatter:
         try:
@@ -147,6 +151,10 @@ def _reduce_scatter_by(algorithm: str, out, inp, group, async_op: bool):
         works = [dist.reduce(chunks[i], dst=_global_rank(group, i), op=dist.ReduceOp.SUM, group=group,
                              async_op=True) for i in range(world)]
     return _finish(Pending.of(works, then=lambda: out.copy_(chunks[rank])), async_op)
+
+
+def _small(full: torch.Tensor) -> bool:
+    return full.numel() * full.element_size() < GLOO_NATIVE_BELOW
 
 
 def _global_rank(group, group_rank: int) -> int:
