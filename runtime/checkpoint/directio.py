@@ -38,6 +38,7 @@ from .index import CheckpointError
 ALIGN = 4096
 BOUNCE = 16 << 20          # bytes per transfer; a multiple of ALIGN
 ZERO_COPY_MIN = 1 << 20    # smaller writes and reads go through the bounce buffers anyway
+WRITE_DEPTH = 2            # writes in flight per file: the disk's queue never runs dry between them
 
 
 def round_up(n: int, to: int = ALIGN) -> int:
@@ -78,8 +79,8 @@ class Sink:
     def __init__(self, path: str, direct: bool = True):
         self.path = path
         self.pos = 0                      # bytes accepted
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
-        self.pending = None
+        self.pool = ThreadPoolExecutor(WRITE_DEPTH, thread_name_prefix="ckpt-write")
+        self.pending: list = []           # writes in flight, oldest first (distinct file ranges)
         self.fd = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if direct else None
         self.direct = self.fd is not None
         if not self.direct:
@@ -99,8 +100,8 @@ class Sink:
         written from where it lies; only the ragged ends are copied.
         """
         if not self.direct:
-            self._wait()
-            self.pending = self.pool.submit(self._buffered, data, self.pos)
+            self._wait(WRITE_DEPTH - 1)
+            self.pending.append(self.pool.submit(self._buffered, data, self.pos))
             self.pos += len(data)
             return
         src = as_bytes(bytearray(data) if isinstance(data, bytes) or getattr(data, "readonly", False) else data)
@@ -112,8 +113,8 @@ class Sink:
         if self.fill:
             self._flush(self.fill)                  # ends on a page: the file position is aligned
         body = (len(src) - head) // ALIGN * ALIGN
-        self._wait()
-        self.pending = self.pool.submit(_pwrite_all, self.fd, src[head:head + body].numpy(), self.flushed)
+        self._wait(WRITE_DEPTH - 1)
+        self.pending.append(self.pool.submit(_pwrite_all, self.fd, src[head:head + body].numpy(), self.flushed))
         self.flushed += body
         self.pos += body
         self._copy_in(src[head + body:])
@@ -139,10 +140,10 @@ class Sink:
 
     def _flush(self, nbytes: int) -> None:
         """Hand the filled bounce buffer (padded to ``nbytes``) to the worker; fill the other."""
-        self._wait()
+        self._wait(WRITE_DEPTH - 1)
         buf = self.bufs[self.cur][:nbytes].numpy()
-        self.pending = self.pool.submit(_pwrite_all, self.fd, buf, self.flushed)
-        self.in_flight[self.cur] = self.pending
+        self.pending.append(self.pool.submit(_pwrite_all, self.fd, buf, self.flushed))
+        self.in_flight[self.cur] = self.pending[-1]
         self.flushed += nbytes
         self.cur ^= 1
         self.fill = 0
@@ -154,10 +155,10 @@ class Sink:
             self.in_flight[self.cur] = None
             fut.result()
 
-    def _wait(self) -> None:
-        if self.pending is not None:
-            fut, self.pending = self.pending, None
-            fut.result()
+    def _wait(self, at_most: int = 0) -> None:
+        """Until at most ``at_most`` writes are in flight (oldest first; raises a failed write's error)."""
+        while len(self.pending) > at_most:
+            self.pending.pop(0).result()
 
     def close(self) -> int:
         """Finish the writes, fsync, and return the size; the file is complete on return."""
