@@ -15,6 +15,11 @@ Why each choice (ZeRO-Infinity's recipe, made safe):
   so a transfer costs one thread hop per worker, not per block, and about a
   microsecond of GIL per block: on a loaded machine, per-block hops back to
   the trio loop left the device idle (0.55x fio, see benchmarks/README.md).
+  With verification on, a quarter more workers than ``queue_depth`` run,
+  and a semaphore keeps exactly ``queue_depth`` system calls in flight:
+  a worker checksumming a block is not holding a request slot, so the
+  device sees the queue depth fio is given (it lost ~15% against fio
+  while a quarter of the slots were checksumming on a quiet machine).
 - All I/O uses 4 KiB-aligned memory: the caller's tensor itself when it is
   an aligned CPU tensor (zero copy; see :func:`runtime.aligned.aligned_empty`),
   else a staging buffer from a fixed :class:`~runtime.aligned.AlignedPool`
@@ -356,8 +361,11 @@ class Swapper:
             raise SwapError(f"swap folder {self.folder}: cannot create it: {e.strerror or e}") from e
         self._state = _RunState(run_dir, lock_fd)
         self._finalizer = weakref.finalize(self, _RunState.close, self._state)
-        self.pool = AlignedPool(block_bytes, queue_depth, pin=pin)
-        self._limiter = trio.CapacityLimiter(queue_depth)
+        # workers beyond the queue depth checksum while queue_depth requests stay in flight
+        self.workers = queue_depth + (-(-queue_depth // 4) if verify else 0)
+        self._requests = threading.BoundedSemaphore(queue_depth)
+        self.pool = AlignedPool(block_bytes, self.workers, pin=pin)
+        self._limiter = trio.CapacityLimiter(self.workers)
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._warned_buffered = False
@@ -512,6 +520,10 @@ class Swapper:
             raise SwapError(f"swap file {f.path}: writing block {index} failed: {e}") from e
 
     def _pwrite_all(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
+        with self._requests:
+            self._pwrite_unlimited(f, view, off, index)
+
+    def _pwrite_unlimited(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
         while len(view):
             try:
                 done = os.pwritev(f.fd, [view], off)
@@ -550,6 +562,10 @@ class Swapper:
             raise SwapError(f"swap file {f.path}: reading block {index} failed: {e}") from e
 
     def _pread_all(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
+        with self._requests:
+            self._pread_unlimited(f, view, off, index)
+
+    def _pread_unlimited(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
         while len(view):
             try:
                 done = os.preadv(f.fd, [view], off)
@@ -634,7 +650,7 @@ class Swapper:
                 return
 
     async def _run_blocks(self, work: Callable, t: "_Transfer") -> None:
-        """Run a transfer on up to ``queue_depth`` worker threads (one trio thread hop per
+        """Run a transfer on up to ``workers`` threads (one trio thread hop per
         worker, not per block: on a busy machine each hop back to the trio loop costs a
         context switch that would otherwise leave the device idle)."""
         queue = _BlockQueue(t.blocks)
@@ -648,7 +664,7 @@ class Swapper:
         async with trio.open_nursery() as outer:
             outer.start_soon(stop_on_cancel)
             async with trio.open_nursery() as workers:
-                for _ in range(min(self.queue_depth, t.blocks)):
+                for _ in range(min(self.workers, t.blocks)):
                     workers.start_soon(
                         partial(trio.to_thread.run_sync, self._drain, work, t, queue, limiter=self._limiter)
                     )
@@ -663,9 +679,9 @@ class Swapper:
         else:
             with self._executor_lock:
                 if self._executor is None:
-                    self._executor = ThreadPoolExecutor(self.queue_depth, thread_name_prefix="zdsl-swap")
+                    self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="zdsl-swap")
             futures = [self._executor.submit(self._drain, work, t, queue)
-                       for _ in range(min(self.queue_depth, t.blocks))]
+                       for _ in range(min(self.workers, t.blocks))]
             for fut in futures:  # wait for all: no block may still use a buffer after we return
                 fut.result()
         if queue.error is not None:
