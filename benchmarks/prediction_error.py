@@ -25,6 +25,7 @@ columns: the check whether a missing fixed cost per op explains the error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -69,7 +70,7 @@ def cpu_programs() -> list[Path]:
     return sorted(p for p in (ROOT / "programs").glob("*.zs"))
 
 
-def plan(program: str, machine: str, steps: int):
+def plan(program: str, machine: str, steps: int, max_step_s: float):
     """Compiled (with the calibrated machine), or the reason it cannot be planned/run on CPU."""
     compiled = compile_file(program, {"machine": machine, "steps": str(steps)}, simulate=True)
     if not compiled.ok or compiled.sim is None:
@@ -77,6 +78,9 @@ def plan(program: str, machine: str, steps: int):
         return None, (d.message if d else "the planner could not simulate it")
     if compiled.schedule.device == "cuda":
         return None, "needs CUDA"
+    if compiled.sim.step_s > max_step_s:
+        return None, (f"predicted {compiled.sim.step_s:.0f} s a step (> --max-step {max_step_s:g} s): "
+                      f"a benchmark of its own (capacity.py)")
     return compiled, None
 
 
@@ -96,16 +100,7 @@ def measure(program: str, steps: int, trace: str | None) -> tuple[float | None, 
 
 def with_overhead(compiled, overhead: float):
     """The prediction with ``op_overhead`` seconds added to every timed op."""
-    machine = compiled.schedule.machine
-    saved = getattr(machine, "op_overhead", None)
-    machine.op_overhead = overhead
-    try:
-        return simulate(compiled.graph, machine).step_s
-    finally:
-        if saved is None:
-            del machine.op_overhead
-        else:
-            machine.op_overhead = saved
+    return simulate(compiled.graph, dataclasses.replace(compiled.schedule.machine, op_overhead=overhead)).step_s
 
 
 def timed_ops(graph) -> int:
@@ -157,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="/tmp/machine.zs", help="where calibrate writes (default /tmp/machine.zs)")
     ap.add_argument("--program", action="append", help="program(s) (default: every programs/*.zs)")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--max-step", type=float, default=30.0, metavar="SECONDS",
+                    help="skip programs predicted slower than this per step (default 30)")
     ap.add_argument("--repeat", type=int, default=3, help="measured runs per program (median of medians)")
     ap.add_argument("--explain", action="store_true", help="compare predicted and measured traces op by op")
     ap.add_argument("--op-overhead", default=None, metavar="SECONDS|auto",
@@ -177,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     planned, skipped = [], []
     for program in programs:
-        compiled, why = plan(program, machine, args.steps)
+        compiled, why = plan(program, machine, args.steps, args.max_step)
         if compiled is None:
             skipped.append((program, f"cannot plan: {why}"))
         else:

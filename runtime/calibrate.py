@@ -20,6 +20,12 @@ planner uses it*, under the conditions of a real run:
   (what a "copy to device" costs there).
 * ``disk_read``/``disk_write``: ``O_DIRECT`` positional I/O of 1 MiB
   aligned blocks, several in flight, as the NVMe tier does it.
+* ``overhead``: what the runtime itself costs per op (dispatch, worker
+  hand-off, completion, a collective's wake-up), which rates cannot see and
+  which dominates small models. Measured by training a tiny ZeRO-3 GPT
+  (``REFERENCE``) through the real executor for a few steps, then fitted:
+  the seconds per op that make the planner's prediction of that graph,
+  with the rates above, equal the measured median step.
 
 All ranks measure at once (one process per rank, the runtime's thread
 count per rank), because that is how they contend for cores, memory and
@@ -51,7 +57,8 @@ try:
 except ImportError:  # the front end is optional for measuring; these are its names
     _KEY_TO_FIELD = {"flops": "flops", "host_flops": "host_flops", "link": "link_bandwidth",
                      "latency": "link_latency", "pcie": "pcie_bandwidth", "disk_read": "disk_read",
-                     "disk_write": "disk_write", "memory_bw": "memory_bandwidth"}
+                     "disk_write": "disk_write", "memory_bw": "memory_bandwidth",
+                     "overhead": "op_overhead"}
 ZS_KEYS = {f: k for k, f in _KEY_TO_FIELD.items()}
 MiB = 1 << 20
 BLOCK = 1 * MiB          # NVMe block, the schedule default
@@ -380,7 +387,85 @@ def measure_disk(folder: str, s: Settings, rank: int) -> dict:
 
 # -- one rank ---------------------------------------------------------------------------------
 
-STEPS = ("compute", "optimizer", "copy", "collectives", "disk")
+STEPS = ("compute", "optimizer", "copy", "collectives", "disk", "runtime")
+
+# The graph the per-op overhead is fitted on: small enough that fixed costs dominate.
+REFERENCE = """schedule calibrate_reference "zdsl calibrate: a tiny ZeRO-3 step, what the runtime costs per op"
+model     gpt(layers=2, width=64, heads=4, vocab=256, context=32)
+data      synthetic(vocab=256, context=32)
+train     steps={steps}, batch=4, precision=fp32, seed=0
+optimizer adamw(lr=1e-3)
+ranks     {ranks} on {device}
+zero      3
+"""
+
+
+def reference_graph(ranks: int, device: str, steps: int, machine: MachineProfile | None = None):
+    """The compiled reference schedule (with ``machine``'s rates, for the fit)."""
+    from zdsl.cli import compile_file
+    with tempfile.TemporaryDirectory(prefix="zdsl-calibrate-") as tmp:
+        path = os.path.join(tmp, "reference.zs")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(REFERENCE.format(steps=steps, ranks=ranks, device=device))
+        compiled = compile_file(path, {}, simulate=False)
+    if not compiled.ok:
+        raise CalibrationError("the reference schedule does not compile: "
+                               + "; ".join(d.message for d in compiled.diagnostics if d.is_error))
+    if machine is not None:
+        compiled.graph.config["machine"] = asdict(machine)
+    return compiled
+
+
+def measure_runtime(device, s: Settings, rank: int, world: int) -> dict:
+    """Step times of the reference schedule through the real executor (all ranks at once)."""
+    import torch
+    import trio
+
+    from .data import make_batch
+    from .executor import Executor
+    from .models.protocol import build_model
+    from .state import RankState
+    from .streams import lane_streams
+    steps = 8 if s.quick else 16
+    compiled = reference_graph(world, device.type, steps)
+    graph, schedule = compiled.graph, compiled.schedule
+    state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device,
+                      group=None)
+    executor = Executor(graph, state, rank, streams=lane_streams(graph, device))
+    t = schedule.train
+
+    async def loop() -> list[float]:
+        times = []
+        for step in range(steps):
+            batches = [tuple(x.to(device) for x in make_batch(schedule.data, t.seed, step, m, rank, world, t.batch))
+                       for m in range(t.accumulate)]
+            state.step_begin(step, batches)
+            times.append((await executor.run_step()).seconds)
+            state.step_end()
+        return times
+
+    times = trio.run(loop)[2:]                # the first steps allocate and warm up
+    del state, executor
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"step_s": statistics.median(times), "steps": times, "ops": len(graph.ops)}
+
+
+def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: float) -> tuple[float, float]:
+    """(seconds per op, predicted step without it) that make the reference prediction equal ``measured_s``."""
+    from zdsl.planner.simulate import simulate
+    graph = reference_graph(ranks, device, 2).graph
+
+    def predict(overhead: float) -> float:
+        return simulate(graph, dataclasses.replace(profile, op_overhead=overhead)).step_s
+    bare = predict(0.0)
+    if measured_s <= bare:
+        return 0.0, bare
+    lo, hi = 0.0, measured_s               # the prediction grows with the overhead: bisect
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predict(mid) < measured_s else (lo, mid)
+    return (lo + hi) / 2, bare
 
 
 def _device_for(rank: int, backend: str):
@@ -435,6 +520,9 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         report("disk")
         out["disk"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank)
         barrier("disk")
+        report("runtime")
+        out["runtime"] = measure_runtime(device, s, rank, world)
+        barrier("runtime")
         if world > 1:
             every: list = [None] * world
             dist.all_gather_object(every, out)
@@ -499,6 +587,9 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     profile = MachineProfile(name="cuda" if cuda else "cpu", flops=block, host_flops=host,
                              link_bandwidth=link, link_latency=latency, pcie_bandwidth=pcie,
                              disk_read=d_read, disk_write=d_write, memory_bandwidth=adam)
+    # A step lasts as long as its slowest rank: the reference step is the slowest rank's median.
+    step_s = max(r["runtime"]["step_s"] for r in raw)
+    profile.op_overhead, bare_s = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s)
     import torch
     shape = comp["shape"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -526,6 +617,9 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                   f"averaged"]
     else:
         notes.append("  link        default (one rank: no collectives to measure)")
+    notes.append(f"  overhead    fitted on a tiny ZeRO-3 GPT (width 64, 2 layers, {first['runtime']['ops']} ops) "
+                 f"run by the executor: measured {step_s * 1e3:.1f} ms a step,")
+    notes.append(f"              rates alone predict {bare_s * 1e3:.1f} ms")
     disk = first["disk"]
     notes.append(f"  disk        {'O_DIRECT' if disk['direct'] else 'buffered (no O_DIRECT here)'}, "
                  f"{_size(s.block)} requests, {s.depth} in flight, {_size(disk['disk_bytes'][0])} written, "
@@ -578,7 +672,7 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
             chosen = _pick_backend(s)
             labels = {"compute": "compute (matmul, GPT block)", "optimizer": "memory (AdamW step)",
                       "copy": "host-device copies", "collectives": f"collectives ({chosen}, {ranks} ranks)",
-                      "disk": "disk (O_DIRECT)"}
+                      "disk": "disk (O_DIRECT)", "runtime": "runtime (a tiny ZeRO-3 step, per-op cost)"}
 
             def report(step: str) -> None:
                 bar.update(task, description=labels[step], advance=1)

@@ -1,7 +1,7 @@
 """`zdsl calibrate --quick` measures 2 ranks and writes a profile the checker accepts."""
 import pytest
 
-from zdsl.runtime.calibrate import ZS_KEYS, fit_latency_bandwidth, main
+from zdsl.runtime.calibrate import ZS_KEYS, fit_latency_bandwidth, fit_overhead, main, reference_graph
 from zdsl.schedule import MachineProfile
 
 
@@ -31,10 +31,21 @@ def test_quick_profile_parses(tmp_path, capsys):
     checked, _ = check_text(schedule.read_text(), str(schedule))
     for name in MachineProfile.__dataclass_fields__:
         value = getattr(checked.machine, name)
-        assert name == "name" or value > 0
+        assert name == "name" or value > 0 or (name == "op_overhead" and value == 0)
     assert checked.machine.name == "cpu"
 
 
 def test_bad_disk_folder_is_a_clear_error(tmp_path, capsys):
     assert main(["--quick", "--no-progress", "--disk", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_per_op_overhead_fit_recovers_a_known_one():
+    from zdsl.planner.simulate import simulate
+    profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
+    graph = reference_graph(2, "cpu", 2).graph
+    truth = 7e-4
+    measured = simulate(graph, MachineProfile(**{**vars(profile), "op_overhead": truth})).step_s
+    fitted, bare = fit_overhead(profile, 2, "cpu", measured)
+    assert fitted == pytest.approx(truth, rel=1e-6) and bare < measured
+    assert fit_overhead(profile, 2, "cpu", bare / 2)[0] == 0.0      # faster than the rates: no overhead

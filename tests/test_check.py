@@ -317,3 +317,14 @@ def test_a_user_model_needs_the_data_shape():
     assert at == (2, 1) and "context" in d.message and "context=" in d.hint
     d, at = first('model "mypkg.models:build"()\n')
     assert at == (1, 1) and "context and vocab" in d.message
+
+
+def test_machine_overhead_is_a_time_that_may_be_zero(tmp_path):
+    (tmp_path / "ok.zs").write_text(HEADER + "machine cpu(flops=1e9, overhead=0.0012)\n")
+    assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.op_overhead == 0.0012
+    (tmp_path / "zero.zs").write_text(HEADER + "machine cpu(overhead=0)\n")
+    assert load_schedule(str(tmp_path / "zero.zs"))[0].machine.op_overhead == 0.0
+    (tmp_path / "bad.zs").write_text(HEADER + "machine cpu(overhead=-1e-3)\n")
+    with pytest.raises(ZsError) as exc:
+        load_schedule(str(tmp_path / "bad.zs"))
+    assert "overhead" in exc.value.diagnostics[0].message

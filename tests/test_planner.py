@@ -103,6 +103,9 @@ def test_durations_follow_the_machine_profile():
     ]
     for op, want in cases:
         assert op_duration(g, op, m) == pytest.approx(want), op.kind
+    m.op_overhead = 0.25                 # a fixed cost per op the runtime runs; a free is bookkeeping
+    for op, want in cases:
+        assert op_duration(g, op, m) == pytest.approx(want + (op.kind != "mem.free") * 0.25), op.kind
 
 
 def test_list_scheduling_overlaps_lanes_and_honours_deps():

@@ -85,6 +85,7 @@ class MachineProfile:
     disk_read: float = 1.5e9
     disk_write: float = 2e9
     memory_bandwidth: float = 1e10         # elementwise work (optimizer step)
+    op_overhead: float = 0.0               # seconds the runtime spends starting and finishing an op
 
 
 @dataclass

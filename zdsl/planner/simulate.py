@@ -78,9 +78,9 @@ def op_overhead(machine: MachineProfile) -> float:
     Rates alone price a tiny op at microseconds, but the runtime pays a roughly
     constant cost to start and finish each op (on CPU: a worker-thread hand-off
     and, for a collective, a watcher's wake-up), which dominates small models.
-    0 unless the profile sets it (``op_overhead``; measured by calibration).
+    0 unless the profile sets it (``overhead``; ``zdsl calibrate`` measures it).
     """
-    return float(getattr(machine, "op_overhead", 0.0) or 0.0)
+    return machine.op_overhead
 
 
 def rated_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
