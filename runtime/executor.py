@@ -45,7 +45,8 @@ class OpError(RuntimeError):
 
 @dataclass
 class OpTiming:
-    """Host-side start and end of one op, seconds since the step began."""
+    """Start and end of one op, seconds since the step began: host times, except for ops on a
+    CUDA lane's stream, whose device times replace them (runtime/streams.py)."""
     op: int
     start: float
     end: float
@@ -99,6 +100,10 @@ class Executor:
         except BaseExceptionGroup as group:
             raise first_op_error(group) from None
         seconds = time.perf_counter() - self.t0
+        if self.streams is not None and self.record:
+            for i, (start, end) in self.streams.device_times().items():   # when it ran, not when it was queued
+                self.starts[i], self.ends[i] = start, end
+            seconds = max(seconds, max(self.ends, default=0.0))
         timings = [OpTiming(i, self.starts[i], self.ends[i]) for i in range(n)] if self.record else []
         return StepRecord(seconds, timings)
 

@@ -9,6 +9,15 @@ readers' events on the producing lane's stream, so the caching allocator
 reuses a block only after every stream that read it is done with it (the
 block belongs to the stream that allocated it).
 
+Op times on the device: every op on a lane's stream is bracketed by two
+timing events (its start is recorded after its stream waits for its
+dependencies, its end after its kernels, or for a collective after the
+stream waited for it), read after the step as seconds from an origin event
+recorded when the step began (:meth:`LaneStreams.device_times`). The
+executor puts these in the step's timings (``--trace``, the overlap
+report) in place of the host's enqueue times, which on CUDA say when work
+was queued, not when it ran. Ops on host lanes keep host times.
+
 On the CPU none of this exists: :func:`lane_streams` returns None and the
 executor runs ops directly.
 
@@ -32,10 +41,25 @@ class LaneStreams:
         self.device = device
         self.streams = {lane: torch.cuda.Stream(device=device) for lane in lanes if lane not in HOST_LANES}
         self.lane_of = [op.lane for op in graph.ops]
-        self.events: list[torch.cuda.Event | None] = [None] * len(graph.ops)
+        self.events: list[torch.cuda.Event | None] = [None] * len(graph.ops)   # each op's end
+        self.begins: list[torch.cuda.Event | None] = [None] * len(graph.ops)
+        self.origin: torch.cuda.Event | None = None
 
     def begin_step(self) -> None:
         self.events = [None] * len(self.events)
+        self.begins = [None] * len(self.begins)
+        self.origin = torch.cuda.Event(enable_timing=True)
+        self.origin.record(torch.cuda.current_stream(self.device))
+
+    def device_times(self) -> dict[int, tuple[float, float]]:
+        """{op: (start, end)} on the device, seconds from the step's origin, for every op that
+        ran on a lane's stream. Waits for the device (the step's end already does)."""
+        torch.cuda.synchronize(self.device)
+        out = {}
+        for i, (begin, end) in enumerate(zip(self.begins, self.events)):
+            if begin is not None and end is not None:
+                out[i] = (self.origin.elapsed_time(begin) / 1e3, self.origin.elapsed_time(end) / 1e3)
+        return out
 
     @contextmanager
     def ordered(self, op: Op):
@@ -53,13 +77,16 @@ class LaneStreams:
             yield
             return
         with torch.cuda.stream(stream):
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record(stream)
+            self.begins[op.id] = begin
             yield
             self.record(op)
 
     def record(self, op: Op) -> None:
         stream = self.streams.get(op.lane)
         if stream is not None:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
             self.events[op.id] = event
 
