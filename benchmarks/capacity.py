@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -46,14 +45,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from zdsl.runtime.launch import free_port          # noqa: E402
+
 SCHEDULE = ROOT / "programs" / "capacity.zs"
 GIB = 1 << 30
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_status_kib(pid: int, key: str) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from zdsl.runtime.launch import free_port          # noqa: E402
 from zdsl.sizes import format_size, parse_size     # noqa: E402
 
 GATHER = ("native", "broadcast")
@@ -85,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     import multiprocessing as mp
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, sizes, args.repeat, queue))

@@ -40,7 +40,6 @@ import datetime
 import mmap
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -50,6 +49,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from zdsl.schedule import MachineProfile
+
+from .launch import free_port
 
 # MachineProfile field -> keyword in the .zs ``machine`` statement (the checker's table when present).
 try:
@@ -400,8 +401,8 @@ zero      3
 """
 
 
-def reference_graph(ranks: int, device: str, steps: int, machine: MachineProfile | None = None):
-    """The compiled reference schedule (with ``machine``'s rates, for the fit)."""
+def reference_graph(ranks: int, device: str, steps: int):
+    """The compiled reference schedule."""
     from zdsl.cli import compile_file
     with tempfile.TemporaryDirectory(prefix="zdsl-calibrate-") as tmp:
         path = os.path.join(tmp, "reference.zs")
@@ -411,8 +412,6 @@ def reference_graph(ranks: int, device: str, steps: int, machine: MachineProfile
     if not compiled.ok:
         raise CalibrationError("the reference schedule does not compile: "
                                + "; ".join(d.message for d in compiled.diagnostics if d.is_error))
-    if machine is not None:
-        compiled.graph.config["machine"] = asdict(machine)
     return compiled
 
 
@@ -543,12 +542,6 @@ def _child(rank: int, world: int, port: int, s: Settings, errors) -> None:
         sys.exit(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _pick_backend(s: Settings) -> str:
     import torch
     if s.backend == "nccl" or (s.backend == "auto" and torch.cuda.is_available()
@@ -654,7 +647,7 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
         raise CalibrationError(f"unknown backend {backend!r}: use gloo, nccl or auto")
     if disk_folder is not None and not os.path.isdir(disk_folder):
         raise CalibrationError(f"disk folder {disk_folder} does not exist")
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     children = [ctx.Process(target=_child, args=(r, ranks, port, s, errors), daemon=True)

@@ -76,7 +76,10 @@ class Pending:
         else:
             future = torch.futures.collect_all(futures).then(_raise_first_error)
         if then is not None:
-            future = future.then(lambda f: (f.value(), then())[1])
+            def after(done: torch.futures.Future):
+                done.value()                # a failed collective: its error, not ``then``
+                return then()
+            future = future.then(after)
         return cls(future)
 
     def is_completed(self) -> bool:

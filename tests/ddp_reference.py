@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import tempfile
 import traceback
 
@@ -22,6 +21,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zdsl.runtime.data import make_batch
+from zdsl.runtime.launch import free_port
 from zdsl.runtime.models.gpt import GPT
 from zdsl.runtime.optim import make_torch_optimizer
 
@@ -49,12 +49,6 @@ def ddp_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumu
         opt.zero_grad(set_to_none=True)
         losses.append(float(torch.stack(step_losses).mean()))
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn, args: tuple, outdir: str) -> None:

@@ -22,8 +22,7 @@ import torch
 
 from .index import INDEX_NAME, CheckpointError, shard_key
 from .reader import full_unit, latest_complete, open_files, read_index
-from .directio import Sink
-from .stformat import build_header, byte_view, dtype_code, write_stream
+from .stformat import build_header, byte_view, dtype_code, write_new_file
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -98,12 +97,7 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
             del flat, cast
 
     try:
-        sink = Sink(str(tmp))
-        try:
-            write_stream(sink, header, tensors())
-            sink.close()
-        finally:
-            sink.abort()
+        write_new_file(str(tmp), header, tensors())
         os.replace(tmp, out_file)
     except OSError as e:
         tmp.unlink(missing_ok=True)

@@ -191,6 +191,16 @@ def write_stream(sink: Sink, header: bytes, tensors) -> list[tuple[int, ...]]:
     return crcs
 
 
+def write_new_file(path: str, header: bytes, tensors) -> tuple[int, list[tuple[int, ...]]]:
+    """Create ``path`` holding ``header`` then ``tensors`` (memoryviews), fsynced; (bytes, block CRCs)."""
+    sink = Sink(path)
+    try:
+        crcs = write_stream(sink, header, tensors)
+        return sink.close(), crcs
+    finally:
+        sink.abort()
+
+
 def write_file(path: str, tensors: dict, metadata: dict[str, str]) -> tuple[int, int, dict[str, TensorEntry]]:
     """Write ``tensors`` (torch.Tensor or LazyShard) to ``path`` (not atomically; the caller renames), fsync it.
 
@@ -213,12 +223,7 @@ def write_file(path: str, tensors: dict, metadata: dict[str, str]) -> tuple[int,
         for name, code, shape, b, e in layout:
             yield memoryview(bytes(e - b)) if name.startswith(PAD_PREFIX) else _materialise(name, tensors[name])
 
-    sink = Sink(path)
-    try:
-        crcs = write_stream(sink, header, views())
-        size = sink.close()
-    finally:
-        sink.abort()
+    size, crcs = write_new_file(path, header, views())
     entries = {name: TensorEntry(code, shape, b, e, crc, CRC_BLOCK, CHECKSUM)
                for (name, code, shape, b, e), crc in zip(layout, crcs)}
     return size, zlib.crc32(header), entries
