@@ -641,6 +641,11 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     s = Settings(ranks=ranks, backend=backend, disk_folder=disk_folder, quick=quick, **shape)
+    from .collectives import check_settings
+    try:
+        check_settings()
+    except ValueError as e:
+        raise CalibrationError(str(e)) from None
     if ranks < 1:
         raise CalibrationError("ranks must be at least 1")
     if backend not in ("auto", "gloo", "nccl"):

@@ -46,14 +46,36 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 ALL_GATHER_ALGORITHMS = ("broadcast", "native")
 REDUCE_SCATTER_ALGORITHMS = ("all_reduce", "reduce", "native")
-GLOO_ALL_GATHER = os.environ.get("ZDSL_GLOO_ALL_GATHER", "broadcast")
-GLOO_REDUCE_SCATTER = os.environ.get("ZDSL_GLOO_REDUCE_SCATTER", "all_reduce")
-GLOO_NATIVE_BELOW = int(os.environ.get("ZDSL_GLOO_NATIVE_BELOW", 1 << 20))   # bytes of the full tensor
-if GLOO_ALL_GATHER not in ALL_GATHER_ALGORITHMS:
-    raise ValueError(f"ZDSL_GLOO_ALL_GATHER={GLOO_ALL_GATHER!r}: use one of {', '.join(ALL_GATHER_ALGORITHMS)}")
-if GLOO_REDUCE_SCATTER not in REDUCE_SCATTER_ALGORITHMS:
-    raise ValueError(f"ZDSL_GLOO_REDUCE_SCATTER={GLOO_REDUCE_SCATTER!r}: "
-                     f"use one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
+
+
+def _read_settings() -> tuple[str, str, int, list[str]]:
+    """The ZDSL_GLOO_* variables (defaults where one is unset or bad), and what was bad."""
+    bad = []
+    gather = os.environ.get("ZDSL_GLOO_ALL_GATHER", "broadcast")
+    if gather not in ALL_GATHER_ALGORITHMS:
+        bad.append(f"ZDSL_GLOO_ALL_GATHER={gather!r}: use one of {', '.join(ALL_GATHER_ALGORITHMS)}")
+        gather = "broadcast"
+    scatter = os.environ.get("ZDSL_GLOO_REDUCE_SCATTER", "all_reduce")
+    if scatter not in REDUCE_SCATTER_ALGORITHMS:
+        bad.append(f"ZDSL_GLOO_REDUCE_SCATTER={scatter!r}: use one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
+        scatter = "all_reduce"
+    text = os.environ.get("ZDSL_GLOO_NATIVE_BELOW", str(1 << 20))
+    try:
+        below = int(text)
+    except ValueError:
+        bad.append(f"ZDSL_GLOO_NATIVE_BELOW={text!r}: a whole number of bytes")
+        below = 1 << 20
+    return gather, scatter, below, bad
+
+
+# Importing never fails on a bad variable; a run checks them first (check_settings).
+GLOO_ALL_GATHER, GLOO_REDUCE_SCATTER, GLOO_NATIVE_BELOW, SETTING_ERRORS = _read_settings()
+
+
+def check_settings() -> None:
+    """Raise ValueError naming every bad ZDSL_GLOO_* variable (called before a run or a calibration)."""
+    if SETTING_ERRORS:
+        raise ValueError("; ".join(SETTING_ERRORS))
 
 # Collectives the backend lacked, served by a fallback: name -> times used.
 FALLBACKS: dict[str, int] = {}

@@ -22,7 +22,7 @@ import trio
 from zdsl.ir import TaskGraph
 from zdsl.overlap import analyze
 
-from .collectives import all_gather
+from .collectives import all_gather, check_settings
 from .executor import Executor, StepRecord
 from .streams import lane_streams
 
@@ -115,6 +115,10 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # the ranks share this machine's cores; an explicit OMP_NUM_THREADS wins (the peers benchmark)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        check_settings()
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     init_group(rank, world, device, options.timeout_s)
     with contextlib.ExitStack() as stack:
         stack.callback(leave_group)

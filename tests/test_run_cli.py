@@ -88,6 +88,13 @@ def test_a_bad_schedule_is_rejected_before_launch(tmp_path):
     assert "bad.zs:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_bad_collectives_variable_is_a_clear_error_not_a_bug():
+    proc, _ = zdsl("run", QUICK, "--quiet", "--set", "steps=1", env={"ZDSL_GLOO_ALL_GATHER": "ring"})
+    assert proc.returncode != 0
+    assert "ZDSL_GLOO_ALL_GATHER='ring': use one of broadcast, native" in proc.stderr
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_nvme_swap_files_are_removed_after_a_run(tmp_path):
     program = tmp_path / "nvme.zs"
     swap = tmp_path / "swap"
