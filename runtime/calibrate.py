@@ -534,12 +534,21 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
 
 def _child(rank: int, world: int, port: int, s: Settings, errors) -> None:
     """A spawned rank (1..world-1). Failures go back to rank 0 in words."""
+    code = 0
     try:
         _run_rank(rank, world, port, s, _pick_backend(s), lambda step: None)
     except BaseException as e:  # noqa: BLE001 - reported, then the process exits non-zero
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         errors.put(f"rank {rank} traceback:\n{traceback.format_exc()}")
-        sys.exit(1)
+        code = 1
+    # As `zdsl run`'s ranks do: leave without interpreter teardown, where torch's C++ statics
+    # (gloo's threads) can abort a rank that measured cleanly ("terminate called without an
+    # active exception", seen once in CI). The queue is flushed first: os._exit skips its feeder.
+    errors.close()
+    errors.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _pick_backend(s: Settings) -> str:
