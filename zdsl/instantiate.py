@@ -3,9 +3,11 @@
 Rules (the language reference repeats them for users):
 
 * **Issue order.** Per micro-batch, the forward template runs for units in
-  order 0..L-1 and the backward template for L-1..0; after the last
-  micro-batch the step template runs for L-1..0. Statement order inside a
-  template is issue order.
+  order 0..L-1 and the backward template for L-1..0; the step template runs
+  for L-1..0 woven into the last micro-batch's backward, each unit ``lag``
+  units behind its backward (see ``run_backward_and_step``), or after it
+  where clipping or fp16 needs every gradient first. Statement order inside
+  a template is issue order.
 * **Index arithmetic is clipped at the model's ends.** A statement whose
   unit lies ``e`` positions *ahead* in phase order also covers the units it
   would never reach, at the first iteration (a prologue); one that lies
@@ -436,31 +438,81 @@ class _Builder:
             self.emit(self.d("nvme.write", u, [host], [on_disk], phase, micro, st, bytes=nbytes))
 
     # -- phases ----------------------------------------------------------------
-    def run_phase(self, pipe: Pipeline, phase: str, micro: int) -> None:
-        order = list(range(self.L)) if phase == "forward" else list(range(self.L - 1, -1, -1))
-        pos_of = {u: i for i, u in enumerate(order)}
+    def phase_slots(self, pipe: Pipeline, phase: str) -> list[list[tuple[PipeStmt, int]]]:
+        """What one phase emits, in order: one slot of (statement, unit) per position in the
+        phase's unit order, and a last slot for the statements that lag behind (epilogue)."""
+        order = self.order(phase)
         direction = 1 if phase == "forward" else -1
         L = self.L
-        if phase == "step" and self.clip:
-            self.norm(micro)
-        for i, u in enumerate(order):
+        slots: list[list[tuple[PipeStmt, int]]] = [[] for _ in range(L + 1)]
+        for i in range(L):
             for st in pipe.body:
                 if st.ref.absolute is not None:
                     if i == 0:
-                        self.run_stmt(st, self._check_unit(st.ref.absolute, st), phase, micro)
+                        slots[i].append((st, self._check_unit(st.ref.absolute, st)))
                     continue
                 e = st.ref.offset * direction
                 targets = range(0, e + 1) if (e > 0 and i == 0) else [i + e]
                 for pos in targets:
                     if 0 <= pos < L:
-                        self.run_stmt(st, order[pos], phase, micro)
+                        slots[i].append((st, order[pos]))
         for st in pipe.body:   # epilogue: statements that lag behind
             if st.ref.absolute is None:
                 e = st.ref.offset * direction
                 if e < 0:
                     for pos in range(L + e, L):
                         if 0 <= pos < L:
-                            self.run_stmt(st, order[pos], phase, micro)
+                            slots[L].append((st, order[pos]))
+        return slots
+
+    def order(self, phase: str) -> list[int]:
+        return list(range(self.L)) if phase == "forward" else list(range(self.L - 1, -1, -1))
+
+    def run_phase(self, pipe: Pipeline, phase: str, micro: int) -> None:
+        if phase == "step" and self.clip:
+            self.norm(micro)
+        for slot in self.phase_slots(pipe, phase):
+            for st, u in slot:
+                self.run_stmt(st, u, phase, micro)
+
+    def run_backward_and_step(self, backward: Pipeline, step: Pipeline, micro: int) -> None:
+        """The last backward with each unit's step woven in, ``lag`` units behind it.
+
+        Why: a unit's gradient is final once its backward (and reduction) is done, so its
+        step need not wait for the whole backward; with offloaded optimizer state the
+        reads, the host step and the writes then overlap the rest of the backward instead
+        of forming one serial tail (a trace of programs/nvme.zs: the NVMe lane idle for a
+        third of the backward, then every read, step and write in a row). The bits are
+        those of stepping after the backward: each unit's step reads its own gradient.
+        Only without clipping or fp16 loss scaling, whose global norm or overflow check
+        needs every gradient first (``self.clip``). A unit whose parameters another unit
+        uses (a tied weight) steps only after that unit's backward; ``lag`` keeps the
+        backward's own prefetches ahead of the step's writes on a shared lane.
+        """
+        order = self.order("backward")
+        pos = {u: i for i, u in enumerate(order)}
+        lag = max(1, self.s.prefetch)
+        bwd, stp = self.phase_slots(backward, "backward"), self.phase_slots(step, "step")
+        # after which backward slot each step slot may go: its unit's last user, plus lag; kept
+        # in order so the step's own offsets (read optimizer[u-k]) stay as written
+        after, ready = [], 0
+        for i in range(self.L):
+            users = [pos[v] for v in range(self.L) if v == order[i] or order[i] in self.specs[v].uses]
+            ready = max(ready, max(users) + lag)
+            after.append(min(ready, self.L - 1))
+        j = 0
+        for i in range(self.L):
+            for st, u in bwd[i]:
+                self.run_stmt(st, u, "backward", micro)
+            while j < self.L and after[j] <= i:
+                for st, u in stp[j]:
+                    self.run_stmt(st, u, "step", micro)
+                j += 1
+        for st, u in bwd[self.L]:
+            self.run_stmt(st, u, "backward", micro)
+        for slot in stp[j:]:
+            for st, u in slot:
+                self.run_stmt(st, u, "step", micro)
 
     def _check_unit(self, u: int, st: PipeStmt) -> int:
         if not 0 <= u < self.L:
@@ -486,10 +538,15 @@ class _Builder:
         self._persistent = set(self.persistent_names())
         for name in self._persistent:
             self.buffer(name)
-        for m in range(self.s.train.accumulate):
+        last = self.s.train.accumulate - 1
+        for m in range(last + 1):
             self.run_phase(pipelines["forward"], "forward", m)
-            self.run_phase(pipelines["backward"], "backward", m)
-        self.run_phase(pipelines["step"], "step", self.s.train.accumulate - 1)
+            if m == last and not self.clip and self.L > 1:
+                self.run_backward_and_step(pipelines["backward"], pipelines["step"], m)
+            else:
+                self.run_phase(pipelines["backward"], "backward", m)
+        if self.clip or self.L <= 1:
+            self.run_phase(pipelines["step"], "step", last)
         self.apply_overlap_policy()
         self.auto_free()
         ops = self.finish()
