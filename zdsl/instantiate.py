@@ -493,12 +493,15 @@ class _Builder:
         pos = {u: i for i, u in enumerate(order)}
         lag = max(1, self.s.prefetch)
         bwd, stp = self.phase_slots(backward, "backward"), self.phase_slots(step, "step")
+        last_user = [pos[u] for u in range(self.L)]   # unit -> backward position of its last user
+        for v in range(self.L):
+            for x in self.specs[v].uses:
+                last_user[x] = max(last_user[x], pos[v])
         # after which backward slot each step slot may go: its unit's last user, plus lag; kept
         # in order so the step's own offsets (read optimizer[u-k]) stay as written
         after, ready = [], 0
         for i in range(self.L):
-            users = [pos[v] for v in range(self.L) if v == order[i] or order[i] in self.specs[v].uses]
-            ready = max(ready, max(users) + lag)
+            ready = max(ready, last_user[order[i]] + lag)
             after.append(min(ready, self.L - 1))
         j = 0
         for i in range(self.L):
