@@ -76,6 +76,9 @@ typedef void (*vsqrt_fn)(int n, const float *a, float *r, int64_t mode);
 #ifndef ZDSL_PF
 #define ZDSL_PF 128
 #endif
+#ifndef ZDSL_SPAN
+#define ZDSL_SPAN 8
+#endif
 
 #if defined(__AVX2__)
 /* MKL's SSE2 high-accuracy float sqrt (mkl_vml_kernel_sSqrt_EXHAynn, the kernel MKL
@@ -159,6 +162,11 @@ static inline __m512 mkl_ex_sqrt_ps512(__m512 x, int *needs_mkl)
     return res;
 }
 
+/* 16 floats a vector, ZDSL_SPAN vectors of each array a round: all loads of a round
+   first (array by array, as DeepSpeed's Step_AVX<8> does), then the arithmetic, then the
+   stores. Measured against one vector a round with software prefetch: 0.69 -> 0.99 of
+   DeepSpeedCPUAdam on 2 threads at 16M, 0.94 -> 1.02 on 1 thread at 1M; long runs of
+   each stream keep the hardware prefetchers ahead without prefetch instructions. */
 static inline __attribute__((always_inline)) int64_t adam_fused16_body(
     float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n,
     float decay, float wd, float w, float b2, float omb2, float bc2s, float eps, float neg_step,
@@ -169,32 +177,39 @@ static inline __attribute__((always_inline)) int64_t adam_fused16_body(
     const __m512 vwm1 = _mm512_set1_ps(w - 1.0f), vb2 = _mm512_set1_ps(b2), vomb2 = _mm512_set1_ps(omb2);
     const __m512 vbc2s = _mm512_set1_ps(bc2s), veps = _mm512_set1_ps(eps), vneg = _mm512_set1_ps(neg_step);
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __builtin_prefetch(p + i + ZDSL_PF, 1);
-        __builtin_prefetch(g + i + ZDSL_PF, 0);
-        __builtin_prefetch(m + i + ZDSL_PF, 1);
-        __builtin_prefetch(v + i + ZDSL_PF, 1);
-        __m512 P = _mm512_loadu_ps(p + i), G = _mm512_loadu_ps(g + i);
-        __m512 M = _mm512_loadu_ps(m + i), V = _mm512_loadu_ps(v + i);
-        if (decays) P = _mm512_mul_ps(P, vdec);
-        if (l2) G = fma_alpha ? _mm512_fmadd_ps(vwd, P, G) : _mm512_add_ps(G, _mm512_mul_ps(vwd, P));
-        const __m512 diff = _mm512_sub_ps(G, M);
-        M = big_w ? _mm512_fmadd_ps(vwm1, diff, G) : _mm512_fmadd_ps(vw, diff, M);
-        const __m512 vb = _mm512_mul_ps(V, vb2), og = _mm512_mul_ps(vomb2, G);
-        V = fma_cmul ? _mm512_fmadd_ps(og, G, vb) : _mm512_add_ps(vb, _mm512_mul_ps(og, G));
-        int needs_mkl;
-        __m512 S = mkl_ex_sqrt_ps512(V, &needs_mkl);
-        if (__builtin_expect(needs_mkl, 0)) {
-            float vs[16] __attribute__((aligned(64))), ss[16] __attribute__((aligned(64)));
-            _mm512_store_ps(vs, V);
-            vsqrt(16, vs, ss, vmode);
-            S = _mm512_load_ps(ss);
+    for (; i + 16 * ZDSL_SPAN <= n; i += 16 * ZDSL_SPAN) {
+        __m512 P[ZDSL_SPAN], G[ZDSL_SPAN], M[ZDSL_SPAN], V[ZDSL_SPAN], S[ZDSL_SPAN];
+        for (int k = 0; k < ZDSL_SPAN; k++) G[k] = _mm512_loadu_ps(g + i + 16 * k);
+        for (int k = 0; k < ZDSL_SPAN; k++) M[k] = _mm512_loadu_ps(m + i + 16 * k);
+        for (int k = 0; k < ZDSL_SPAN; k++) V[k] = _mm512_loadu_ps(v + i + 16 * k);
+        for (int k = 0; k < ZDSL_SPAN; k++) P[k] = _mm512_loadu_ps(p + i + 16 * k);
+        int needs_mkl = 0;
+        for (int k = 0; k < ZDSL_SPAN; k++) {
+            if (decays) P[k] = _mm512_mul_ps(P[k], vdec);
+            if (l2) G[k] = fma_alpha ? _mm512_fmadd_ps(vwd, P[k], G[k]) : _mm512_add_ps(G[k], _mm512_mul_ps(vwd, P[k]));
+            const __m512 diff = _mm512_sub_ps(G[k], M[k]);
+            M[k] = big_w ? _mm512_fmadd_ps(vwm1, diff, G[k]) : _mm512_fmadd_ps(vw, diff, M[k]);
+            const __m512 vb = _mm512_mul_ps(V[k], vb2), og = _mm512_mul_ps(vomb2, G[k]);
+            V[k] = fma_cmul ? _mm512_fmadd_ps(og, G[k], vb) : _mm512_add_ps(vb, _mm512_mul_ps(og, G[k]));
+            int special;
+            S[k] = mkl_ex_sqrt_ps512(V[k], &special);
+            needs_mkl |= special;
         }
-        const __m512 d = _mm512_add_ps(_mm512_div_ps(S, vbc2s), veps);
-        P = _mm512_add_ps(P, _mm512_div_ps(_mm512_mul_ps(vneg, M), d));
-        _mm512_storeu_ps(p + i, P);
-        _mm512_storeu_ps(m + i, M);
-        _mm512_storeu_ps(v + i, V);
+        if (__builtin_expect(needs_mkl, 0)) {  /* MKL itself for the whole round */
+            float vs[16] __attribute__((aligned(64))), ss[16] __attribute__((aligned(64)));
+            for (int k = 0; k < ZDSL_SPAN; k++) {
+                _mm512_store_ps(vs, V[k]);
+                vsqrt(16, vs, ss, vmode);
+                S[k] = _mm512_load_ps(ss);
+            }
+        }
+        for (int k = 0; k < ZDSL_SPAN; k++) {
+            const __m512 d = _mm512_add_ps(_mm512_div_ps(S[k], vbc2s), veps);
+            P[k] = _mm512_add_ps(P[k], _mm512_div_ps(_mm512_mul_ps(vneg, M[k]), d));
+        }
+        for (int k = 0; k < ZDSL_SPAN; k++) _mm512_storeu_ps(p + i + 16 * k, P[k]);
+        for (int k = 0; k < ZDSL_SPAN; k++) _mm512_storeu_ps(m + i + 16 * k, M[k]);
+        for (int k = 0; k < ZDSL_SPAN; k++) _mm512_storeu_ps(v + i + 16 * k, V[k]);
     }
     return i;
 }
@@ -538,7 +553,7 @@ def _kernel_step(kernel: _Kernel, p, g, m, v, step, lr, b1, b2, eps, wd, adam_w,
     if threads == 1:
         run(0, n)
         return
-    per = ((n + threads - 1) // threads + 15) // 16 * 16  # whole 64-byte lines per thread
+    per = ((n + threads - 1) // threads + 127) // 128 * 128  # whole rounds of the kernel's loop per thread
     # The calling thread takes the first range itself: one fewer thread wake-up per step.
     futures = [_pool(threads - 1).submit(run, a, min(n, a + per)) for a in range(per, n, per)]
     try:
