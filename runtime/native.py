@@ -54,14 +54,14 @@ def _cpu_key() -> str:
     return f"{platform.machine()} {flags}"
 
 
-def _compile(stem: str, source: str) -> Path | None:
+def _compile(stem: str, source: str, extra: tuple[str, ...] = ()) -> Path | None:
     if os.environ.get("ZDSL_NO_NATIVE"):
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         log.warning("native.no_compiler", kernel=stem)
         return None
-    key = hashlib.sha256((source + " ".join(FLAGS) + _cpu_key()).encode()).hexdigest()[:16]
+    key = hashlib.sha256((source + " ".join((*FLAGS, *extra)) + _cpu_key()).encode()).hexdigest()[:16]
     target = cache_dir() / f"{stem}-{key}.so"
     if target.exists():
         return target
@@ -71,7 +71,7 @@ def _compile(stem: str, source: str) -> Path | None:
             src = Path(tmp) / f"{stem}.c"
             src.write_text(source)
             out = Path(tmp) / f"{stem}.so"
-            done = subprocess.run([cc, *FLAGS, str(src), "-o", str(out), "-lm"],
+            done = subprocess.run([cc, *FLAGS, *extra, str(src), "-o", str(out), "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 log.warning("native.compile_failed", kernel=stem, compiler=cc, stderr=done.stderr[-2000:])
@@ -83,11 +83,12 @@ def _compile(stem: str, source: str) -> Path | None:
     return target
 
 
-def build(stem: str, source: str) -> ctypes.CDLL | None:
-    """The loaded library for ``source`` (built once per process and cache), or None."""
+def build(stem: str, source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The loaded library for ``source`` (built once per process and cache), or None.
+    ``extra``: compiler flags beyond ``FLAGS`` (e.g. ``-fopenmp``)."""
     with _lock:
         if stem not in _loaded:
-            path = _compile(stem, source)
+            path = _compile(stem, source, extra)
             lib = None
             if path is not None:
                 try:

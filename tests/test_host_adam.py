@@ -62,6 +62,18 @@ def test_exact_matches_torch_single_tensor(n, adam_w):
             assert torch.equal(w, o), (hp, adam_w, (w != o).sum().item())
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_exact_on_several_threads_matches_torch(threads):
+    """Ranges split across threads (OpenMP in the kernel, or the Python pool without it)
+    with ragged ends and a special-value round inside one range."""
+    hp = HPS[0]
+    state = _state(3 * (1 << 16) + 77, seed=11)
+    want = _torch_steps(*state, 2, hp, True, foreach=False)
+    got = _ours(*state, 2, hp, True, threads=threads)
+    for w, o in zip(want, got):
+        assert torch.equal(w, o), (threads, (w != o).sum().item())
+
+
 def test_exact_matches_torch_foreach_too():
     hp = HPS[1]
     state = _state(70_001, seed=7)
