@@ -59,7 +59,7 @@ except ImportError:  # the front end is optional for measuring; these are its na
     _KEY_TO_FIELD = {"flops": "flops", "host_flops": "host_flops", "link": "link_bandwidth",
                      "latency": "link_latency", "pcie": "pcie_bandwidth", "disk_read": "disk_read",
                      "disk_write": "disk_write", "memory_bw": "memory_bandwidth",
-                     "overhead": "op_overhead"}
+                     "overhead": "op_overhead", "cores": "cores"}
 ZS_KEYS = {f: k for k, f in _KEY_TO_FIELD.items()}
 MiB = 1 << 20
 BLOCK = 1 * MiB          # NVMe block, the schedule default
@@ -588,7 +588,8 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         latency, link = defaults.link_latency, defaults.link_bandwidth
     profile = MachineProfile(name="cuda" if cuda else "cpu", flops=block, host_flops=host,
                              link_bandwidth=link, link_latency=latency, pcie_bandwidth=pcie,
-                             disk_read=d_read, disk_write=d_write, memory_bandwidth=adam)
+                             disk_read=d_read, disk_write=d_write, memory_bandwidth=adam,
+                             cores=_cores_per_rank(world))
     # A step lasts as long as its slowest rank: the reference step is the slowest rank's median.
     step_s = max(r["runtime"]["step_s"] for r in raw)
     profile.op_overhead, bare_s = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s)
@@ -619,6 +620,8 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                   f"averaged"]
     else:
         notes.append("  link        default (one rank: no collectives to measure)")
+    notes.append(f"  cores       {_num(profile.cores)} per rank ({os.cpu_count()} cores, {world} rank(s)): "
+                 "lanes running at once share them")
     notes.append(f"  overhead    fitted on a tiny ZeRO-3 GPT (width 64, 2 layers, {first['runtime']['ops']} ops) "
                  f"run by the executor: measured {step_s * 1e3:.1f} ms a step,")
     notes.append(f"              rates alone predict {bare_s * 1e3:.1f} ms")
@@ -629,6 +632,11 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     notes.append(f"              in {s.disk_folder or tempfile.gettempdir()}")
     details = {"notes": notes, "ranks": raw, "backend": backend, "mm_flops": mm, "block_flops": block}
     return Calibration(profile, details)
+
+
+def _cores_per_rank(world: int) -> float:
+    """The rank's share of this machine's cores (what its lanes compete for)."""
+    return round((os.cpu_count() or 1) / max(world, 1), 3)
 
 
 def _size(n: int) -> str:

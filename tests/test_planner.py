@@ -135,6 +135,46 @@ def test_list_scheduling_overlaps_lanes_and_honours_deps():
     assert dev.working_peak == 30 and dev.model_states == 10
 
 
+def _two_lane_ops():
+    """A 2 s gather beside a 3 s forward that does not need it, then a forward that does."""
+    B = lambda n, k="param_full": Buffer(n, k, 0, "device", 10)  # noqa: E731
+    bufs = [B("param_shard[0]", "param_shard"), B("param_full[0]"), B("act[0]", "act"), B("act[1]", "act")]
+    bufs[0].persistent = True
+    ops = [
+        Op(0, "comm.all_gather", "comm", 0, reads=["param_shard[0]"], writes=["param_full[0]"], bytes=4),
+        Op(1, "compute.forward", "compute", 0, reads=[], writes=["act[0]"], flops=3),
+        Op(2, "compute.forward", "compute", 1, reads=["param_full[0]", "act[0]"], writes=["act[1]"], flops=3,
+           deps=[0, 1]),
+    ]
+    return tiny_graph(ops, bufs)
+
+
+@pytest.mark.parametrize("name,cores,want_end", [
+    ("cpu", 0, [2, 3, 6]),        # no sharing model: lanes independent
+    ("cpu", 1, [4, 5, 8]),        # one core: both at half rate until the gather ends at 4; forward 0 then alone
+    ("cpu", 2, [3, 4, 7]),        # demand 2 + 1 on 2 cores: both at 2/3 rate until 3
+    ("cpu", 8, [2.25, 3.25, 6.25]),  # 8 compute threads and gloo's on 8 cores: both at 8/9 until 2.25
+    ("cuda", 1, [2, 3, 6]),       # GPU compute and NCCL need no host core
+])
+def test_lanes_share_the_ranks_cores(name, cores, want_end):
+    m = MachineProfile(name=name, flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=cores)
+    sim = simulate(_two_lane_ops(), m)
+    assert sim.end == pytest.approx(want_end)
+    assert sim.step_s == pytest.approx(want_end[-1])
+    assert sim.critical_path == [1, 2]   # the forward that ended last made the second one wait
+
+
+def test_sharing_without_host_work_matches_independent_lanes_on_a_program():
+    g = compiled(schedule(3, 2, "fp32", prefetch=2))
+    free = simulate(g, MachineProfile(name="cuda"))
+    shared = simulate(g, MachineProfile(name="cuda", cores=1.0))   # the event loop, nothing competing
+    assert shared.start == pytest.approx(free.start) and shared.end == pytest.approx(free.end)
+    assert shared.critical_path == free.critical_path
+    free = simulate(g, MachineProfile())
+    tight = simulate(g, MachineProfile(cores=1.0))
+    assert tight.step_s > free.step_s     # gathers overlap compute there: sharing one core costs time
+
+
 def test_deeper_prefetch_costs_device_memory():
     base = dict(stage=3, ranks=2, precision="bf16")
     peaks = [simulate(compiled(schedule(**base, prefetch=k))).memory.tiers["device"].working_peak

@@ -40,7 +40,7 @@ OPTIMIZERS = {
 # ``machine cpu(...)`` option -> MachineProfile field.
 MACHINE_FIELDS = dict(zip(MACHINE_KEYS, ("flops", "host_flops", "link_bandwidth", "link_latency",
                                          "pcie_bandwidth", "disk_read", "disk_write",
-                                         "memory_bandwidth", "op_overhead")))
+                                         "memory_bandwidth", "op_overhead", "cores")))
 CUDA_PROFILE = MachineProfile(name="cuda", flops=2e14, host_flops=5e10, link_bandwidth=1e11,
                               link_latency=1e-5, pcie_bandwidth=2.5e10, disk_read=3e9,
                               disk_write=2e9, memory_bandwidth=2e12)
@@ -369,8 +369,8 @@ class Checker(PlacementChecks):
         profile = MachineProfile(**{**vars(CUDA_PROFILE if base == "cuda" else CPU_PROFILE)})
         given = self.r.keywords(call.args, MACHINE_KEYS, f"machine {base}")
         for key, arg in given.items():
-            # rates must be > 0; a fixed cost per op may be 0
-            value = self.r.real(arg.value, key, 0.0, None, lo_open=key != "overhead")
+            # rates must be > 0; a fixed cost per op may be 0, and cores 0 turns sharing off
+            value = self.r.real(arg.value, key, 0.0, None, lo_open=key not in ("overhead", "cores"))
             if value is not None:
                 setattr(profile, MACHINE_FIELDS[key], value)
                 self.span(f"machine.{key}", arg.span)

@@ -21,7 +21,7 @@ OVERRIDE_FILE = "--set"
 TRAIN_KEYS = ("steps", "batch", "accumulate", "precision", "seed")
 OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "clip")
 MACHINE_KEYS = ("flops", "host_flops", "link", "latency", "pcie", "disk_read", "disk_write",
-                "memory_bw", "overhead")
+                "memory_bw", "overhead", "cores")
 OFFLOAD_KEYS = ("pinned", "ratio", "block", "depth")
 TIERS = ("device", "host", "nvme")
 # Statements replaced whole by ``--set KEYWORD=REST`` (the rest of the statement's line).

@@ -22,7 +22,7 @@ _UNIT_VERBS = ("compute", "recompute", "step")
 _MACHINE_OPTIONS = (("flops", "flops"), ("host_flops", "host_flops"), ("link", "link_bandwidth"),
                     ("latency", "link_latency"), ("pcie", "pcie_bandwidth"),
                     ("disk_read", "disk_read"), ("disk_write", "disk_write"),
-                    ("memory_bw", "memory_bandwidth"), ("overhead", "op_overhead"))
+                    ("memory_bw", "memory_bandwidth"), ("overhead", "op_overhead"), ("cores", "cores"))
 
 
 def print_schedule(schedule: Schedule, pipelines: dict[str, Pipeline] | None = None) -> str:

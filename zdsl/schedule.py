@@ -86,6 +86,7 @@ class MachineProfile:
     disk_write: float = 2e9
     memory_bandwidth: float = 1e10         # elementwise work (optimizer step)
     op_overhead: float = 0.0               # seconds the runtime spends starting and finishing an op
+    cores: float = 0.0                     # CPU cores per rank that lanes share; 0: lanes independent
 
 
 @dataclass

@@ -192,9 +192,38 @@ def cycle_member(deps, lane_prev, indeg) -> int:
     return i
 
 
+# Share of a core the NVMe swapper's threads keep busy while a transfer runs: they wait
+# on O_DIRECT requests and checksum each block (~20 GB/s a core against 1-2 GB/s of disk).
+NVME_CPU_SHARE = 0.1
+
+
+def cpu_demand(op, machine: MachineProfile) -> float:
+    """Cores of its rank's share an op keeps busy while it runs (the sharing model's weight).
+
+    On a ``cpu`` machine every lane runs on the host: compute and the optimizer step use
+    all of torch's threads (the whole share), a gloo collective or a memcpy one thread.
+    On ``cuda`` only host work competes: the host optimizer step and the swapper.
+    """
+    kind = op.kind
+    on_host = machine.name == "cpu" or op.lane == "host"
+    if kind.startswith("compute."):
+        return machine.cores if on_host else 0.0
+    if kind.startswith(("comm.", "copy.")):
+        return min(1.0, machine.cores) if machine.name == "cpu" else 0.0
+    if kind.startswith("nvme."):
+        return NVME_CPU_SHARE
+    return 0.0
+
+
 def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
              index: GraphIndex | None = None) -> Simulation:
-    """Predict one step of ``graph`` on ``machine`` (default: the graph's own profile)."""
+    """Predict one step of ``graph`` on ``machine`` (default: the graph's own profile).
+
+    With ``machine.cores`` set, lanes running at once share the rank's cores: while the
+    running ops' demand (:func:`cpu_demand`) exceeds ``cores``, each op that needs a core
+    progresses at ``cores / demand`` of its rate (the OS's fair share). Without it, lanes
+    are independent (a GPU's streams, or a host with cores to spare).
+    """
     if machine is None:
         machine = machine_of(graph)
     duration = op_durations(graph, machine)
@@ -202,25 +231,26 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     deps, lane_prev, order = index.deps, index.lane_prev, index.order
     if isinstance(order, int):
         raise CyclicGraphError(order)
+    if machine.cores > 0:
+        demand = [cpu_demand(op, machine) for op in graph.ops]
+        start, end = _shared_schedule(graph, duration, deps, demand, machine.cores)
+        dur = [e - s for s, e in zip(start, end)]
+    else:
+        start, end = _independent_schedule(duration, deps, lane_prev, order)
+        dur = duration
     n = len(graph.ops)
-    dur = duration
-    end = [0.0] * n
-    start = [0.0] * n
-    binding = [-1] * n          # the predecessor that made the op wait
+    binding = [-1] * n          # the predecessor that made the op wait (ended last)
     chain = [0.0] * n           # longest dependency chain ending here (no lane contention)
     for i in order:
-        t, b, c = 0.0, -1, 0.0
+        b, t, c = -1, -1.0, 0.0
         p = lane_prev[i]
         if p >= 0:
-            t, b = end[p], p
+            b, t = p, end[p]
         for d in deps[i]:
-            e = end[d]
-            if e > t:
-                t, b = e, d
+            if end[d] > t:
+                b, t = d, end[d]
             if chain[d] > c:
                 c = chain[d]
-        start[i] = t
-        end[i] = t + dur[i]
         binding[i] = b
         chain[i] = c + dur[i]
     step_s = max(end, default=0.0)
@@ -239,6 +269,64 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     return Simulation(step_s=step_s, start=start, end=end, duration=dur, lane_busy=lane_busy,
                       critical_path=critical, bound_s=bound,
                       memory=memory_timeline(graph, start, end), order=order)
+
+
+def _independent_schedule(dur, deps, lane_prev, order) -> tuple[list[float], list[float]]:
+    """Start and end per op when lanes never slow each other: one pass in topological order."""
+    n = len(dur)
+    start, end = [0.0] * n, [0.0] * n
+    for i in order:
+        p = lane_prev[i]
+        t = end[p] if p >= 0 else 0.0
+        for d in deps[i]:
+            if end[d] > t:
+                t = end[d]
+        start[i] = t
+        end[i] = t + dur[i]
+    return start, end
+
+
+def _shared_schedule(graph: TaskGraph, dur, deps, demand, cores: float) -> tuple[list[float], list[float]]:
+    """Start and end per op when running ops share ``cores``: an event loop over op
+    completions; between two events every running op progresses at a fixed rate."""
+    n = len(dur)
+    lanes: dict[str, list[int]] = {}
+    for i, op in enumerate(graph.ops):
+        lanes.setdefault(op.lane, []).append(i)
+    queues = list(lanes.values())
+    head = [0] * len(queues)                 # next op to start, per lane
+    waiting = [len(ds) for ds in deps]       # unfinished deps per op
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for i, ds in enumerate(deps):
+        for d in ds:
+            succ[d].append(i)
+    start, end = [0.0] * n, [0.0] * n
+    left = list(dur)                         # seconds of work left at full rate
+    running: dict[int, int] = {}             # lane queue -> op running on it
+    t, done = 0.0, 0
+    while done < n:
+        for q, queue in enumerate(queues):
+            if q not in running and head[q] < len(queue) and waiting[queue[head[q]]] == 0:
+                i = queue[head[q]]
+                running[q] = i
+                start[i] = t
+        if not running:
+            raise CyclicGraphError(next(i for i in range(n) if waiting[i] > 0))
+        load = sum(demand[i] for i in running.values())
+        slow = cores / load if load > cores else 1.0
+        rate = {q: (slow if demand[i] > 0 else 1.0) for q, i in running.items()}
+        dt = min(left[i] / rate[q] for q, i in running.items())
+        t += dt
+        for q, i in list(running.items()):
+            left[i] -= dt * rate[q]
+            if left[i] <= 1e-12 * (1.0 + dur[i]):
+                end[i] = t
+                del running[q]
+                head[q] += 1
+                done += 1
+                for s_ in succ[i]:
+                    waiting[s_] -= 1
+    return start, end
 
 
 def machine_of(graph: TaskGraph) -> MachineProfile:
