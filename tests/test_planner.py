@@ -164,6 +164,13 @@ def test_lanes_share_the_ranks_cores(name, cores, want_end):
     assert sim.critical_path == [1, 2]   # the forward that ended last made the second one wait
 
 
+def test_the_fixed_cost_per_op_takes_no_core():
+    # each op first waits its 1 s overhead at full rate, then shares the one core
+    m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, op_overhead=1.0)
+    sim = simulate(_two_lane_ops(), m)
+    assert sim.end == pytest.approx([5, 6, 10])   # both wait 0..1; half rate 1..5; forward 0 alone 5..6
+
+
 def test_sharing_without_host_work_matches_independent_lanes_on_a_program():
     g = compiled(schedule(3, 2, "fp32", prefetch=2))
     free = simulate(g, MachineProfile(name="cuda"))

@@ -233,7 +233,10 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
         raise CyclicGraphError(order)
     if machine.cores > 0:
         demand = [cpu_demand(op, machine) for op in graph.ops]
-        start, end = _shared_schedule(graph, duration, deps, demand, machine.cores)
+        # The fixed cost per op is waiting (a thread's wake-up, a completion poll), not work:
+        # it runs at full rate and takes no core; only the rated part is shared.
+        fixed = [d - rated_duration(graph, op, machine) for op, d in zip(graph.ops, duration)]
+        start, end = _shared_schedule(graph, duration, fixed, deps, demand, machine.cores)
         dur = [e - s for s, e in zip(start, end)]
     else:
         start, end = _independent_schedule(duration, deps, lane_prev, order)
@@ -286,9 +289,11 @@ def _independent_schedule(dur, deps, lane_prev, order) -> tuple[list[float], lis
     return start, end
 
 
-def _shared_schedule(graph: TaskGraph, dur, deps, demand, cores: float) -> tuple[list[float], list[float]]:
+def _shared_schedule(graph: TaskGraph, dur, fixed, deps, demand, cores: float) -> tuple[list[float], list[float]]:
     """Start and end per op when running ops share ``cores``: an event loop over op
-    completions; between two events every running op progresses at a fixed rate."""
+    completions; between two events every running op progresses at a fixed rate. An op
+    first spends its ``fixed`` seconds (full rate, no core), then the rest of ``dur``
+    (shared)."""
     n = len(dur)
     lanes: dict[str, list[int]] = {}
     for i, op in enumerate(graph.ops):
@@ -312,10 +317,13 @@ def _shared_schedule(graph: TaskGraph, dur, deps, demand, cores: float) -> tuple
                 start[i] = t
         if not running:
             raise CyclicGraphError(next(i for i in range(n) if waiting[i] > 0))
-        load = sum(demand[i] for i in running.values())
+        working = {q: dur[i] - left[i] >= fixed[i] - 1e-15 and demand[i] > 0 for q, i in running.items()}
+        load = sum(demand[i] for q, i in running.items() if working[q])
         slow = cores / load if load > cores else 1.0
-        rate = {q: (slow if demand[i] > 0 else 1.0) for q, i in running.items()}
-        dt = min(left[i] / rate[q] for q, i in running.items())
+        rate = {q: (slow if working[q] else 1.0) for q in running}
+        # next event: an op ends, or one leaves its fixed part (and starts competing)
+        dt = min(min(left[i] / rate[q], (left[i] - (dur[i] - fixed[i])) if not working[q] and
+                     left[i] > dur[i] - fixed[i] else float("inf")) for q, i in running.items())
         t += dt
         for q, i in list(running.items()):
             left[i] -= dt * rate[q]
