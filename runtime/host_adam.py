@@ -167,10 +167,10 @@ static inline __m512 mkl_ex_sqrt_ps512(__m512 x, int *needs_mkl)
 
 /* 16 floats a vector, ZDSL_SPAN vectors of each array a round: all loads of a round
    first, array by array (the shape of DeepSpeed's Step_AVX), then the arithmetic, then
-   the stores; no prefetch instructions. Against one vector and four prefetches a round,
-   ratio to DeepSpeedCPUAdam with the same threads (interleaved, same tensors, GPT-like
-   values), 1 thread / 2 threads: 1M 1.39/0.67 (span 2) vs ~1.0/0.5; 64M 1.0/1.1. Span 2
-   beat 4 and 8: eight rounds' worth of values spill registers (8: 0.7-0.8x at 16M). */
+   the stores; no prefetch instructions. The step is compute-bound (MKL's sqrt sequence
+   and two divisions), so the loop shape decides: on a cache-resident 256K shard one
+   vector and four prefetches a round ran at 1002 Mparams/s, eight vectors 1119-1450
+   (register spills), four 1768-2215, two 1872-2126; at 16M and 64M two was the best. */
 static inline __attribute__((always_inline)) int64_t adam_fused16_body(
     float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n,
     float decay, float wd, float w, float b2, float omb2, float bc2s, float eps, float neg_step,
