@@ -3,7 +3,7 @@
 Every rank runs the same graph, so one rank's timeline is the prediction for
 all. Each lane runs its ops in graph order; an op starts once its lane is free
 and every op it depends on has ended. Durations come from the schedule's
-machine profile (see :func:`op_durations`). The result is what ``zdsl plan``
+machine profile (see :func:`op_duration`). The result is what ``zdsl plan``
 reports: the predicted step time, per-op start and end, each lane's busy
 seconds, the critical path and the memory held per tier over time.
 
@@ -64,12 +64,15 @@ def touched_bytes(graph: TaskGraph, op, kind: str) -> int:
 
 
 def op_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
-    """Seconds one op takes on ``machine`` (the cost model): its rate-based time plus the
-    machine's fixed ``op_overhead`` per op that the runtime really runs (not ``mem.free``)."""
-    rated = rated_duration(graph, op, machine)
-    if op.kind == "mem.free":
-        return rated
-    return rated + op_overhead(machine)
+    """Seconds one op takes on ``machine`` (the cost model): its rate-based time plus its
+    fixed cost (:func:`op_fixed`)."""
+    return rated_duration(graph, op, machine) + op_fixed(op, machine)
+
+
+def op_fixed(op, machine: MachineProfile) -> float:
+    """The machine's fixed ``op_overhead`` for an op the runtime really runs; 0 for a
+    ``mem.free`` (bookkeeping)."""
+    return 0.0 if op.kind == "mem.free" else op_overhead(machine)
 
 
 def op_overhead(machine: MachineProfile) -> float:
@@ -111,10 +114,6 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
     if kind == "nvme.write":
         return op.bytes / machine.disk_write
     return 0.0                              # mem.free: bookkeeping
-
-
-def op_durations(graph: TaskGraph, machine: MachineProfile) -> list[float]:
-    return [op_duration(graph, op, machine) for op in graph.ops]
 
 
 def predecessors(graph: TaskGraph) -> tuple[list[list[int]], list[int]]:
@@ -226,21 +225,21 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     """
     if machine is None:
         machine = machine_of(graph)
-    duration = op_durations(graph, machine)
+    rated = [rated_duration(graph, op, machine) for op in graph.ops]
+    fixed = [op_fixed(op, machine) for op in graph.ops]
     index = index or index_graph(graph)
     deps, lane_prev, order = index.deps, index.lane_prev, index.order
     if isinstance(order, int):
         raise CyclicGraphError(order)
     if machine.cores > 0:
-        demand = [cpu_demand(op, machine) for op in graph.ops]
         # The fixed cost per op is waiting (a thread's wake-up, a completion poll), not work:
         # it runs at full rate and takes no core; only the rated part is shared.
-        fixed = [d - rated_duration(graph, op, machine) for op, d in zip(graph.ops, duration)]
-        start, end = _shared_schedule(graph, duration, fixed, deps, demand, machine.cores)
+        demand = [cpu_demand(op, machine) for op in graph.ops]
+        start, end = _shared_schedule(graph, fixed, rated, deps, demand, machine.cores)
         dur = [e - s for s, e in zip(start, end)]
     else:
-        start, end = _independent_schedule(duration, deps, lane_prev, order)
-        dur = duration
+        dur = [r + f for r, f in zip(rated, fixed)]
+        start, end = _independent_schedule(dur, deps, lane_prev, order)
     n = len(graph.ops)
     binding = [-1] * n          # the predecessor that made the op wait (ended last)
     chain = [0.0] * n           # longest dependency chain ending here (no lane contention)
@@ -289,12 +288,12 @@ def _independent_schedule(dur, deps, lane_prev, order) -> tuple[list[float], lis
     return start, end
 
 
-def _shared_schedule(graph: TaskGraph, dur, fixed, deps, demand, cores: float) -> tuple[list[float], list[float]]:
+def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float) -> tuple[list[float], list[float]]:
     """Start and end per op when running ops share ``cores``: an event loop over op
     completions; between two events every running op progresses at a fixed rate. An op
-    first spends its ``fixed`` seconds (full rate, no core), then the rest of ``dur``
-    (shared)."""
-    n = len(dur)
+    first spends its ``fixed`` seconds (full rate, no core), then its ``work`` seconds
+    (at full rate alone; shared with the other ops then working)."""
+    n = len(work)
     lanes: dict[str, list[int]] = {}
     for i, op in enumerate(graph.ops):
         lanes.setdefault(op.lane, []).append(i)
@@ -306,7 +305,7 @@ def _shared_schedule(graph: TaskGraph, dur, fixed, deps, demand, cores: float) -
         for d in ds:
             succ[d].append(i)
     start, end = [0.0] * n, [0.0] * n
-    left = list(dur)                         # seconds of work left at full rate
+    fixed_left, work_left = list(fixed), list(work)
     running: dict[int, int] = {}             # lane queue -> op running on it
     t, done = 0.0, 0
     while done < n:
@@ -317,17 +316,20 @@ def _shared_schedule(graph: TaskGraph, dur, fixed, deps, demand, cores: float) -
                 start[i] = t
         if not running:
             raise CyclicGraphError(next(i for i in range(n) if waiting[i] > 0))
-        working = {q: dur[i] - left[i] >= fixed[i] - 1e-15 and demand[i] > 0 for q, i in running.items()}
-        load = sum(demand[i] for q, i in running.items() if working[q])
+        load = sum(demand[i] for i in running.values() if fixed_left[i] == 0.0)
         slow = cores / load if load > cores else 1.0
-        rate = {q: (slow if working[q] else 1.0) for q in running}
-        # next event: an op ends, or one leaves its fixed part (and starts competing)
-        dt = min(min(left[i] / rate[q], (left[i] - (dur[i] - fixed[i])) if not working[q] and
-                     left[i] > dur[i] - fixed[i] else float("inf")) for q, i in running.items())
+        rate = {i: (slow if fixed_left[i] == 0.0 and demand[i] > 0 else 1.0) for i in running.values()}
+        # the next event: an op leaves its fixed part (and starts competing), or ends
+        dt = min(fixed_left[i] if fixed_left[i] > 0 else work_left[i] / rate[i] for i in running.values())
         t += dt
         for q, i in list(running.items()):
-            left[i] -= dt * rate[q]
-            if left[i] <= 1e-12 * (1.0 + dur[i]):
+            if fixed_left[i] > 0:
+                fixed_left[i] -= dt
+                if fixed_left[i] <= 1e-12 * (1.0 + fixed[i]):
+                    fixed_left[i] = 0.0
+            else:
+                work_left[i] -= dt * rate[i]
+            if fixed_left[i] == 0.0 and work_left[i] <= 1e-12 * (1.0 + work[i]):
                 end[i] = t
                 del running[q]
                 head[q] += 1
