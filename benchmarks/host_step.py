@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         # --threads 1 it ran on both cores); OpenMP reads OMP_NUM_THREADS when it loads,
         # so start again with it set and every candidate gets the same threads.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
-        os.execv(sys.executable, [sys.executable, *sys.argv])
+        given = sys.argv[1:] if argv is None else list(argv)
+        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *given])
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
