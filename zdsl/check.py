@@ -25,8 +25,8 @@ from .errors import (NOTE, Diagnostic, ZsError, attach_sources, did_you_mean, er
 from .include import expand_includes, path_exists, resolve_relative
 from .overrides import MACHINE_KEYS, apply_overrides
 from .parse import parse_text, read_source
-from .schedule import (ALL_OVERLAPS, DEVICES, PRECISIONS, CheckpointSpec, DataSpec,
-                       MachineProfile, ModelSpec, OptimizerSpec, Schedule, Span, TrainSpec)
+from .schedule import (ALL_OVERLAPS, DEVICES, MACHINE_MAY_BE_ZERO, MACHINE_OPTIONS, PRECISIONS,
+                       CheckpointSpec, DataSpec, MachineProfile, ModelSpec, OptimizerSpec, Schedule, Span, TrainSpec)
 from .units import GPT_DEFAULTS, UnitSpec, gpt_units
 from .values import Reader, describe
 
@@ -38,9 +38,7 @@ OPTIMIZERS = {
     "sgd": ("lr", "momentum", "weight_decay", "clip"),
 }
 # ``machine cpu(...)`` option -> MachineProfile field.
-MACHINE_FIELDS = dict(zip(MACHINE_KEYS, ("flops", "host_flops", "link_bandwidth", "link_latency",
-                                         "pcie_bandwidth", "disk_read", "disk_write",
-                                         "memory_bandwidth", "op_overhead", "cores")))
+MACHINE_FIELDS = dict(MACHINE_OPTIONS)
 CUDA_PROFILE = MachineProfile(name="cuda", flops=2e14, host_flops=5e10, link_bandwidth=1e11,
                               link_latency=1e-5, pcie_bandwidth=2.5e10, disk_read=3e9,
                               disk_write=2e9, memory_bandwidth=2e12)
@@ -369,8 +367,9 @@ class Checker(PlacementChecks):
         profile = MachineProfile(**{**vars(CUDA_PROFILE if base == "cuda" else CPU_PROFILE)})
         given = self.r.keywords(call.args, MACHINE_KEYS, f"machine {base}")
         for key, arg in given.items():
-            # rates must be > 0; a fixed cost per op may be 0, and cores 0 turns sharing off
-            value = self.r.real(arg.value, key, 0.0, None, lo_open=key not in ("overhead", "cores"))
+            # rates must be > 0; a fixed cost per op may be 0, cores 0 turns sharing off, and
+            # the per-collective and host rates 0 mean "derived from the others"
+            value = self.r.real(arg.value, key, 0.0, None, lo_open=key not in MACHINE_MAY_BE_ZERO)
             if value is not None:
                 setattr(profile, MACHINE_FIELDS[key], value)
                 self.span(f"machine.{key}", arg.span)

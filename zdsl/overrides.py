@@ -13,15 +13,14 @@ import dataclasses
 
 from . import ast
 from .errors import UsageError, ZsError, did_you_mean, error
-from .schedule import STATES
+from .schedule import MACHINE_OPTIONS, STATES
 from .units import GPT_DEFAULTS
 
 OVERRIDE_FILE = "--set"
 
 TRAIN_KEYS = ("steps", "batch", "accumulate", "precision", "seed")
 OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "clip")
-MACHINE_KEYS = ("flops", "host_flops", "link", "latency", "pcie", "disk_read", "disk_write",
-                "memory_bw", "overhead", "cores")
+MACHINE_KEYS = tuple(key for key, _ in MACHINE_OPTIONS)
 OFFLOAD_KEYS = ("pinned", "ratio", "block", "depth")
 TIERS = ("device", "host", "nvme")
 # Statements replaced whole by ``--set KEYWORD=REST`` (the rest of the statement's line).

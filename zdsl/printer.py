@@ -13,16 +13,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from .schedule import (ALL_OVERLAPS, OVERLAP_VERBS, PHASES, STATES, OptimizerSpec,
+from .schedule import (ALL_OVERLAPS, MACHINE_OPTIONS, OVERLAP_VERBS, PHASES, STATES, OptimizerSpec,
                        Pipeline, Placement, PipeStmt, Ref, Schedule)
 from .sizes import format_size
 
 _PREPOSITIONS = {"read": "from", "write": "to", "copy": "to", "step": "on"}
 _UNIT_VERBS = ("compute", "recompute", "step")
-_MACHINE_OPTIONS = (("flops", "flops"), ("host_flops", "host_flops"), ("link", "link_bandwidth"),
-                    ("latency", "link_latency"), ("pcie", "pcie_bandwidth"),
-                    ("disk_read", "disk_read"), ("disk_write", "disk_write"),
-                    ("memory_bw", "memory_bandwidth"), ("overhead", "op_overhead"), ("cores", "cores"))
 
 
 def print_schedule(schedule: Schedule, pipelines: dict[str, Pipeline] | None = None) -> str:
@@ -202,7 +198,7 @@ def _machine(s: Schedule) -> str | None:
         return None
     base_name = m.name if m.name in ("cpu", "cuda") else "cpu"
     base = CUDA_PROFILE if base_name == "cuda" else CPU_PROFILE
-    items = [(opt, getattr(m, fld)) for opt, fld in _MACHINE_OPTIONS
+    items = [(opt, getattr(m, fld)) for opt, fld in MACHINE_OPTIONS
              if getattr(m, fld) != getattr(base, fld)]
     return base_name + (f"({_kwargs(items)})" if items else "")
 

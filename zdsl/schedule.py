@@ -78,15 +78,37 @@ class MachineProfile:
     """Rates the cost model uses. Bytes per second and flop per second."""
     name: str = "cpu"
     flops: float = 5e10                    # device matmul rate
-    host_flops: float = 5e10               # host rate (optimizer step on the host)
-    link_bandwidth: float = 2e9            # collective bus bandwidth per rank
-    link_latency: float = 5e-5             # per collective
+    host_flops: float = 5e10               # host compute rate (forward/backward on the host lane)
+    link_bandwidth: float = 2e9            # collective bus bandwidth per rank (all-gather)
+    link_latency: float = 5e-5             # per collective (all-gather)
     pcie_bandwidth: float = 1e10           # host<->device copies
     disk_read: float = 1.5e9
     disk_write: float = 2e9
-    memory_bandwidth: float = 1e10         # elementwise work (optimizer step)
+    memory_bandwidth: float = 1e10         # elementwise work on the device (optimizer step)
     op_overhead: float = 0.0               # seconds the runtime spends starting and finishing an op
+    comm_overhead: float = -1.0            # the same for a collective; < 0: op_overhead
     cores: float = 0.0                     # CPU cores per rank that lanes share; 0: lanes independent
+    # 0 below: derived from the fields above (see zdsl.planner.simulate.rated_duration)
+    scatter_bandwidth: float = 0.0         # reduce-scatter; 0: link_bandwidth
+    scatter_latency: float = 0.0           # reduce-scatter; 0: link_latency
+    reduce_bandwidth: float = 0.0          # all-reduce; 0: a ring, reduce-scatter then all-gather
+    reduce_latency: float = 0.0            # all-reduce; 0: as above
+    host_memory_bandwidth: float = 0.0     # the optimizer step on the host; 0: memory_bandwidth
+
+
+# ``machine cpu(KEY=...)`` keyword -> MachineProfile field, in the order they are written.
+MACHINE_OPTIONS = (
+    ("flops", "flops"), ("host_flops", "host_flops"),
+    ("link", "link_bandwidth"), ("latency", "link_latency"),
+    ("scatter_link", "scatter_bandwidth"), ("scatter_latency", "scatter_latency"),
+    ("reduce_link", "reduce_bandwidth"), ("reduce_latency", "reduce_latency"),
+    ("pcie", "pcie_bandwidth"), ("disk_read", "disk_read"), ("disk_write", "disk_write"),
+    ("memory_bw", "memory_bandwidth"), ("host_memory_bw", "host_memory_bandwidth"),
+    ("overhead", "op_overhead"), ("comm_overhead", "comm_overhead"), ("cores", "cores"),
+)
+# Keywords that may be 0 (a fixed cost, sharing off, or "derive it"); other rates must be > 0.
+MACHINE_MAY_BE_ZERO = ("overhead", "comm_overhead", "cores", "scatter_link", "scatter_latency", "reduce_link",
+                       "reduce_latency", "host_memory_bw")
 
 
 @dataclass
