@@ -319,6 +319,21 @@ def test_a_user_model_needs_the_data_shape():
     assert at == (1, 1) and "context and vocab" in d.message
 
 
+@pytest.mark.parametrize("key, field", [("comm_overhead", "comm_overhead"), ("scatter_link", "scatter_bandwidth"),
+                                        ("reduce_latency", "reduce_latency"),
+                                        ("host_memory_bw", "host_memory_bandwidth")])
+def test_machine_derived_rates_and_collective_overhead_may_be_zero_not_negative(tmp_path, key, field):
+    (tmp_path / "ok.zs").write_text(HEADER + f"machine cpu({key}=0.002)\n")
+    assert getattr(load_schedule(str(tmp_path / "ok.zs"))[0].machine, field) == 0.002
+    (tmp_path / "zero.zs").write_text(HEADER + f"machine cpu({key}=0)\n")
+    assert getattr(load_schedule(str(tmp_path / "zero.zs"))[0].machine, field) == 0.0
+    (tmp_path / "bad.zs").write_text(HEADER + f"machine cpu({key}=-1)\n")
+    with pytest.raises(ZsError) as exc:
+        load_schedule(str(tmp_path / "bad.zs"))
+    d = exc.value.diagnostics[0]
+    assert key in d.message and d.span.line == HEADER.count("\n") + 1 and d.span.column > len("machine cpu(")
+
+
 def test_machine_overhead_is_a_time_that_may_be_zero(tmp_path):
     (tmp_path / "ok.zs").write_text(HEADER + "machine cpu(flops=1e9, overhead=0.0012)\n")
     assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.op_overhead == 0.0012

@@ -106,6 +106,29 @@ def test_durations_follow_the_machine_profile():
     m.op_overhead = 0.25                 # a fixed cost per op the runtime runs; a free is bookkeeping
     for op, want in cases:
         assert op_duration(g, op, m) == pytest.approx(want + (op.kind != "mem.free") * 0.25), op.kind
+    m.comm_overhead = 0.0                # collectives' own fixed cost, apart from the lane ops'
+    for op, want in cases:
+        extra = 0.0 if op.kind == "mem.free" or op.kind.startswith("comm.") else 0.25
+        assert op_duration(g, op, m) == pytest.approx(want + extra), op.kind
+
+
+def test_each_collective_and_the_host_step_have_their_own_rates_where_given():
+    m = MachineProfile(link_bandwidth=1e6, link_latency=0.5, scatter_bandwidth=5e5, scatter_latency=0.25,
+                       memory_bandwidth=1e3, host_memory_bandwidth=3e3)
+    g = tiny_graph([], [], ranks=4)
+    wire = 4e6 * 3 / 4
+    gather = Op(0, "comm.all_gather", "comm", 0, bytes=4e6)
+    scatter = Op(0, "comm.reduce_scatter", "comm", 0, bytes=4e6)
+    reduce = Op(0, "comm.all_reduce", "comm", 0, bytes=4e6)
+    assert op_duration(g, gather, m) == pytest.approx(0.5 + wire / 1e6)
+    assert op_duration(g, scatter, m) == pytest.approx(0.25 + wire / 5e5)
+    # no all-reduce rate given: a ring, this machine's reduce-scatter then its all-gather
+    assert op_duration(g, reduce, m) == pytest.approx(0.25 + wire / 5e5 + 0.5 + wire / 1e6)
+    m.reduce_bandwidth, m.reduce_latency = 2e6, 0.1
+    assert op_duration(g, reduce, m) == pytest.approx(0.1 + wire / 2e6)
+    # the optimizer step on the host lane at the host's rate; on the device lane at the device's
+    assert op_duration(g, Op(0, "compute.step", "host", 0, bytes=3000), m) == pytest.approx(1.0)
+    assert op_duration(g, Op(0, "compute.step", "compute", 0, bytes=3000), m) == pytest.approx(3.0)
 
 
 def test_list_scheduling_overlaps_lanes_and_honours_deps():
@@ -164,11 +187,18 @@ def test_lanes_share_the_ranks_cores(name, cores, want_end):
     assert sim.critical_path == [1, 2]   # the forward that ended last made the second one wait
 
 
-def test_the_fixed_cost_per_op_takes_no_core():
-    # each op first waits its 1 s overhead at full rate, then shares the one core
+def test_the_fixed_cost_per_op_is_host_work_shared_like_the_rest():
+    # each op first does its 1 s of dispatch on one thread, then its rated work; one core for all
     m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, op_overhead=1.0)
     sim = simulate(_two_lane_ops(), m)
-    assert sim.end == pytest.approx([5, 6, 10])   # both wait 0..1; half rate 1..5; forward 0 alone 5..6
+    # both dispatch at half rate 0..2; both work at half rate 2..6 (gather done); forward 0's last
+    # second alone 6..7; forward 1 alone: 1 s dispatch and 3 s work, 7..11
+    assert sim.end == pytest.approx([6, 7, 11])
+    m.comm_overhead = 0.0       # collectives without the fixed cost: the gather works from 0 at half rate
+    sim = simulate(_two_lane_ops(), m)
+    # gather 0..? at half rate beside forward 0's dispatch (0..2) and work: gather done at 4;
+    # forward 0: dispatch 0..2, work 2..4 at half (1 s done), 4..6 alone; forward 1: 6..7, 7..10
+    assert sim.end == pytest.approx([4, 6, 10])
 
 
 def test_sharing_without_host_work_matches_independent_lanes_on_a_program():

@@ -70,19 +70,20 @@ def op_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
 
 
 def op_fixed(op, machine: MachineProfile) -> float:
-    """The machine's fixed ``op_overhead`` for an op the runtime really runs; 0 for a
-    ``mem.free`` (bookkeeping)."""
-    return 0.0 if op.kind == "mem.free" else op_overhead(machine)
-
-
-def op_overhead(machine: MachineProfile) -> float:
     """Fixed seconds per executed op: dispatch, thread hand-off, completion polling.
 
     Rates alone price a tiny op at microseconds, but the runtime pays a roughly
-    constant cost to start and finish each op (on CPU: a worker-thread hand-off
-    and, for a collective, a watcher's wake-up), which dominates small models.
-    0 unless the profile sets it (``overhead``; ``zdsl calibrate`` measures it).
+    constant cost to start and finish each op, which dominates small models: on
+    CPU a worker thread's hand-off and wake-up for an op run in a lane's thread
+    (``overhead``), and for a collective its watcher's wake-up and the wait for
+    the peer that arrives last (``comm_overhead``, else ``overhead``). 0 for a
+    ``mem.free`` (bookkeeping) and unless the profile sets them (``zdsl
+    calibrate`` measures both).
     """
+    if op.kind == "mem.free":
+        return 0.0
+    if op.kind.startswith("comm.") and machine.comm_overhead >= 0:
+        return machine.comm_overhead
     return machine.op_overhead
 
 
@@ -100,13 +101,11 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
             / machine.memory_bandwidth
     if kind == "compute.step":
         optimizer_bytes = op.bytes or touched_bytes(graph, op, "optim")
-        return optimizer_bytes / machine.memory_bandwidth
+        rate = (machine.host_memory_bandwidth or machine.memory_bandwidth) if host else machine.memory_bandwidth
+        return optimizer_bytes / rate
     if kind.startswith("comm."):
-        payload = collective_payload(graph, op)
-        wire = payload * (n - 1) / n / machine.link_bandwidth if n > 1 else 0.0
-        if kind == "comm.all_reduce":       # ring: reduce-scatter then all-gather
-            return 2 * (machine.link_latency + wire)
-        return machine.link_latency + wire
+        wire = collective_payload(graph, op) * (n - 1) / n if n > 1 else 0.0
+        return collective_seconds(kind, wire, machine)
     if kind in ("copy.h2d", "copy.d2h"):
         return op.bytes / machine.pcie_bandwidth
     if kind == "nvme.read":
@@ -114,6 +113,26 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
     if kind == "nvme.write":
         return op.bytes / machine.disk_write
     return 0.0                              # mem.free: bookkeeping
+
+
+def collective_seconds(kind: str, wire_bytes: float, machine: MachineProfile) -> float:
+    """``latency + wire / bandwidth`` with the profile's rates for this kind of collective.
+
+    ``link``/``latency`` are the all-gather's; a reduce-scatter and an all-reduce have their own
+    where the profile gives them (on gloo the runtime reduce-scatters with an all-reduce, so
+    ``zdsl calibrate`` measures each), else a reduce-scatter costs an all-gather and an
+    all-reduce a ring's reduce-scatter then all-gather.
+    """
+    gather = machine.link_latency + wire_bytes / machine.link_bandwidth
+    scatter = (machine.scatter_latency or machine.link_latency) \
+        + wire_bytes / (machine.scatter_bandwidth or machine.link_bandwidth)
+    if kind == "comm.reduce_scatter":
+        return scatter
+    if kind == "comm.all_reduce":
+        if machine.reduce_bandwidth:
+            return (machine.reduce_latency or machine.link_latency) + wire_bytes / machine.reduce_bandwidth
+        return scatter + gather
+    return gather
 
 
 def predecessors(graph: TaskGraph) -> tuple[list[list[int]], list[int]]:
@@ -232,8 +251,10 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     if isinstance(order, int):
         raise CyclicGraphError(order)
     if machine.cores > 0:
-        # The fixed cost per op is waiting (a thread's wake-up, a completion poll), not work:
-        # it runs at full rate and takes no core; only the rated part is shared.
+        # The fixed cost per op is the host's work of running it (Python dispatch, a thread's
+        # wake-up, a collective's completion): one thread's worth, shared like the rest. (As
+        # waiting that takes no core, fitted on the reference step, it over-predicted the
+        # programs whose lanes overlap most: on one core per rank their work only adds up.)
         demand = [cpu_demand(op, machine) for op in graph.ops]
         start, end = _shared_schedule(graph, fixed, rated, deps, demand, machine.cores)
         dur = [e - s for s, e in zip(start, end)]
@@ -291,8 +312,9 @@ def _independent_schedule(dur, deps, lane_prev, order) -> tuple[list[float], lis
 def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float) -> tuple[list[float], list[float]]:
     """Start and end per op when running ops share ``cores``: an event loop over op
     completions; between two events every running op progresses at a fixed rate. An op
-    first spends its ``fixed`` seconds (full rate, no core), then its ``work`` seconds
-    (at full rate alone; shared with the other ops then working)."""
+    first spends its ``fixed`` seconds (one thread of host work), then its ``work`` seconds
+    (``demand`` cores); each takes that long alone and is slowed by the share while the
+    running ops' demand exceeds ``cores``."""
     n = len(work)
     lanes: dict[str, list[int]] = {}
     for i, op in enumerate(graph.ops):
@@ -306,6 +328,7 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float) 
             succ[d].append(i)
     start, end = [0.0] * n, [0.0] * n
     fixed_left, work_left = list(fixed), list(work)
+    fixed_demand = min(1.0, cores)
     running: dict[int, int] = {}             # lane queue -> op running on it
     t, done = 0.0, 0
     while done < n:
@@ -316,15 +339,16 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float) 
                 start[i] = t
         if not running:
             raise CyclicGraphError(next(i for i in range(n) if waiting[i] > 0))
-        load = sum(demand[i] for i in running.values() if fixed_left[i] == 0.0)
+        need = {i: (demand[i] if fixed_left[i] == 0.0 else fixed_demand) for i in running.values()}
+        load = sum(need.values())
         slow = cores / load if load > cores else 1.0
-        rate = {i: (slow if fixed_left[i] == 0.0 and demand[i] > 0 else 1.0) for i in running.values()}
+        rate = {i: (slow if need[i] > 0 else 1.0) for i in running.values()}
         # the next event: an op leaves its fixed part (and starts competing), or ends
-        dt = min(fixed_left[i] if fixed_left[i] > 0 else work_left[i] / rate[i] for i in running.values())
+        dt = min((fixed_left[i] if fixed_left[i] > 0 else work_left[i]) / rate[i] for i in running.values())
         t += dt
         for q, i in list(running.items()):
             if fixed_left[i] > 0:
-                fixed_left[i] -= dt
+                fixed_left[i] -= dt * rate[i]
                 if fixed_left[i] <= 1e-12 * (1.0 + fixed[i]):
                     fixed_left[i] = 0.0
             else:
