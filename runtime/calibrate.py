@@ -48,19 +48,11 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from zdsl.schedule import MachineProfile
+from zdsl.schedule import MACHINE_OPTIONS, MachineProfile
 
 from .launch import free_port
 
-# MachineProfile field -> keyword in the .zs ``machine`` statement (the checker's table when present).
-try:
-    from zdsl.check import MACHINE_FIELDS as _KEY_TO_FIELD
-except ImportError:  # the front end is optional for measuring; these are its names
-    _KEY_TO_FIELD = {"flops": "flops", "host_flops": "host_flops", "link": "link_bandwidth",
-                     "latency": "link_latency", "pcie": "pcie_bandwidth", "disk_read": "disk_read",
-                     "disk_write": "disk_write", "memory_bw": "memory_bandwidth",
-                     "overhead": "op_overhead", "cores": "cores"}
-ZS_KEYS = {f: k for k, f in _KEY_TO_FIELD.items()}
+ZS_KEYS = {field: key for key, field in MACHINE_OPTIONS}   # MachineProfile field -> .zs keyword
 MiB = 1 << 20
 BLOCK = 1 * MiB          # NVMe block, the schedule default
 DEPTH = 8                # NVMe requests in flight, the schedule default
@@ -204,17 +196,40 @@ def measure_compute(device, s: Settings, dtype) -> dict:
 
 
 def measure_optimizer(device, s: Settings) -> dict:
-    """An AdamW step on a flat fp32 shard; bytes counted as the planner's compute.step does.
+    """AdamW steps on a flat fp32 shard, bytes counted as the planner's compute.step does:
+    the step the runtime runs on the host (``host_adam``: what a CPU run and an offloaded
+    optimizer use) and, on CUDA, the step on the device.
 
-    The step is ATen's own single-tensor AdamW (what ``torch.optim.AdamW(foreach=False)``
+    The device step is ATen's own single-tensor AdamW (what ``torch.optim.AdamW(foreach=False)``
     runs, kernel for kernel), written out so calibration does not pay torch.optim's
     first-use import (seconds) for a number that takes milliseconds.
     """
     import torch
+    from .host_adam import host_adamw_
     n = (1 << 20) if s.quick else (4 << 20)
-    p, g = torch.randn(n, device=device), torch.randn(n, device=device)
-    m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
-    lr, wd, b1, b2, eps, t = 1e-3, 0.1, 0.9, 0.95, 1e-8, 1
+    state_bytes = n * (8 + 2 * 4)          # two fp32 moments + fp32 parameter and gradient
+    lr, wd, b1, b2, eps = 1e-3, 0.1, 0.9, 0.95, 1e-8
+    budget = s.budget(1.0, 0.25)
+
+    def tensors(where):
+        g = torch.Generator().manual_seed(0)
+        p = (torch.randn(n, generator=g) * 0.02).to(where)
+        grad = (torch.randn(n, generator=g) * 1e-3).to(where)
+        return p, grad, torch.zeros(n, device=where), torch.zeros(n, device=where)
+
+    hp, hg, hm, hv = tensors("cpu")
+    count = [0]
+
+    def host_step():
+        count[0] += 1
+        host_adamw_(hp, hg, hm, hv, count[0], lr, b1, b2, eps, wd, threads=torch.get_num_threads())
+    host_sec = _median_time(host_step, lambda: None, budget)
+    out = {"host_adam_bandwidth": state_bytes / host_sec, "adam_numel": n}
+    if device.type != "cuda":
+        out["adam_bandwidth"] = out["host_adam_bandwidth"]
+        return out
+    p, g, m, v = tensors(device)
+    t = 1
 
     def step():
         p.mul_(1 - lr * wd)
@@ -224,9 +239,9 @@ def measure_optimizer(device, s: Settings) -> dict:
         denom = (v.sqrt() / (bc2 ** 0.5)).add_(eps)
         p.addcdiv_(m, denom, value=-lr / bc1)
     with torch.no_grad():
-        sec = _median_time(step, _sync_for(device), s.budget(1.0, 0.25))
-    state_bytes = n * (8 + 2 * 4)          # two fp32 moments + fp32 parameter and gradient
-    return {"adam_bandwidth": state_bytes / sec, "adam_numel": n}
+        sec = _median_time(step, _sync_for(device), budget)
+    out["adam_bandwidth"] = state_bytes / sec
+    return out
 
 
 def measure_copy(device, s: Settings) -> dict:
@@ -249,10 +264,10 @@ def measure_copy(device, s: Settings) -> dict:
 
 
 def _collective_fns():
-    """The runtime's own all-gather and reduce-scatter (on gloo not torch's flat ones: see
-    ``runtime/collectives.py``), so the link rate is the one a run sees."""
+    """The runtime's own all-gather, reduce-scatter and all-reduce (on gloo a reduce-scatter is
+    an all-reduce: see ``runtime/collectives.py``), so each rate is the one a run sees."""
     from . import collectives
-    return collectives.all_gather, collectives.reduce_scatter
+    return collectives.all_gather, collectives.reduce_scatter, collectives.all_reduce
 
 
 def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -278,21 +293,26 @@ def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, flo
     return latency, 1.0 / slope
 
 
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
 def measure_collectives(device, s: Settings, rank: int, world: int) -> dict:
-    """all_gather and reduce_scatter of several payloads; every rank runs the same loop."""
+    """Each kind of collective at several payloads, fitted to ``latency + payload*(n-1)/n / link``;
+    every rank runs the same loop."""
     import torch
     import torch.distributed as dist
-    gather, scatter = _collective_fns()
+    gather, scatter, reduce = _collective_fns()
     sync = _sync_for(device)
     sizes = [64 << 10, 1 * MiB, 8 * MiB] if s.quick else [64 << 10, 512 << 10, 4 * MiB, 16 * MiB]
-    results: dict[str, list[tuple[float, float]]] = {"all_gather": [], "reduce_scatter": []}
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in COLLECTIVES}
     for size in sizes:
         numel = size // 4 // world * world
         full = torch.zeros(numel, device=device)
         shard = torch.ones(numel // world, device=device)
         reps = max(3, min(20 if s.quick else 40, int((4 if s.quick else 16) * MiB / size)))
         for name, call in (("all_gather", lambda: gather(full, shard)),
-                           ("reduce_scatter", lambda: scatter(shard, full))):
+                           ("reduce_scatter", lambda: scatter(shard, full)),
+                           ("all_reduce", lambda: reduce(full))):
             call()
             sync()
             dist.barrier()
@@ -304,13 +324,7 @@ def measure_collectives(device, s: Settings, rank: int, world: int) -> dict:
                 times.append(time.perf_counter() - t0)
             payload = numel * 4 * (world - 1) / world
             results[name].append((payload, statistics.median(times)))
-    out = {}
-    for name, pts in results.items():
-        out[name] = fit_latency_bandwidth(pts)
-    # One link for both kinds: mean latency and mean seconds per byte (a pooled fit
-    # can land outside both when the kinds differ in latency).
-    (la, ba), (lr, br) = out["all_gather"], out["reduce_scatter"]
-    out["link"] = ((la + lr) / 2, 2.0 / (1.0 / ba + 1.0 / br))
+    out: dict = {name: fit_latency_bandwidth(pts) for name, pts in results.items()}
     out["sizes"] = sizes
     out["points"] = results
     return out
@@ -433,38 +447,78 @@ def measure_runtime(device, s: Settings, rank: int, world: int) -> dict:
     executor = Executor(graph, state, rank, streams=lane_streams(graph, device))
     t = schedule.train
 
-    async def loop() -> list[float]:
-        times = []
+    async def loop() -> list:
+        records = []
         for step in range(steps):
             batches = [tuple(x.to(device) for x in make_batch(schedule.data, t.seed, step, m, rank, world, t.batch))
                        for m in range(t.accumulate)]
             state.step_begin(step, batches)
-            times.append((await executor.run_step()).seconds)
+            records.append(await executor.run_step())
             state.step_end()
-        return times
+        return records
 
-    times = trio.run(loop)[2:]                # the first steps allocate and warm up
+    records = trio.run(loop)[2:]              # the first steps allocate and warm up
     del state, executor
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"step_s": statistics.median(times), "steps": times, "ops": len(graph.ops)}
+    return {"step_s": statistics.median(t.seconds for t in records), "steps": [t.seconds for t in records],
+            "lane_work_s": statistics.median(
+                lane_work_seconds(graph, [x.end - x.start for x in t.timings]) for t in records),
+            "ops": len(graph.ops)}
 
 
-def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: float) -> tuple[float, float]:
-    """(seconds per op, predicted step without it) that make the reference prediction equal ``measured_s``."""
+@dataclass
+class OverheadFit:
+    """The fixed costs per op that make the reference's prediction match its measurement."""
+    op: float                   # seconds per op run in a lane's thread (compute, copy, I/O)
+    comm: float                 # seconds per collective (< 0: not fitted apart, ``op`` applies)
+    bare_s: float               # the predicted step with no fixed cost at all
+
+
+def lane_work_seconds(graph, durations) -> float:
+    """Seconds a step's ops other than collectives and frees take, summed (per op durations)."""
+    return sum(d for op, d in zip(graph.ops, durations)
+               if op.kind != "mem.free" and not op.kind.startswith("comm."))
+
+
+def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: float,
+                 lane_work_s: float | None = None) -> OverheadFit:
+    """Fixed costs per op that make the reference step's prediction equal ``measured_s``.
+
+    With ``lane_work_s`` (the measured seconds a step's non-collective ops take, summed) and
+    collectives in the graph, two costs are fitted: the one per lane op makes the predicted
+    ``lane_work_s`` match, the one per collective then makes the step match; alternated until
+    both hold (each prediction grows with its cost: bisection). Without it, one cost for
+    every op makes the step match.
+    """
     from zdsl.planner.simulate import simulate
     graph = reference_graph(ranks, device, 2).graph
+    bare = simulate(graph, dataclasses.replace(profile, op_overhead=0.0, comm_overhead=-1.0)).step_s
+    has_comm = any(op.kind.startswith("comm.") for op in graph.ops)
+    costs = {"op": 0.0, "comm": -1.0}
 
-    def predict(overhead: float) -> float:
-        return simulate(graph, dataclasses.replace(profile, op_overhead=overhead)).step_s
-    bare = predict(0.0)
-    if measured_s <= bare:
-        return 0.0, bare
-    lo, hi = 0.0, measured_s               # the prediction grows with the overhead: bisect
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predict(mid) < measured_s else (lo, mid)
-    return (lo + hi) / 2, bare
+    def predict(**changed) -> tuple[float, float]:
+        sim = simulate(graph, dataclasses.replace(profile, op_overhead=changed.get("op", costs["op"]),
+                                                  comm_overhead=changed.get("comm", costs["comm"])))
+        return sim.step_s, lane_work_seconds(graph, sim.duration)
+
+    def bisect(key: str, which: int, target: float) -> float:
+        lo, hi = 0.0, max(target, 1e-6)
+        if predict(**{key: lo})[which] >= target:
+            return 0.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if predict(**{key: mid})[which] < target else (lo, mid)
+        return (lo + hi) / 2
+
+    if lane_work_s is None or not has_comm:
+        costs["op"] = bisect("op", 0, measured_s)
+        return OverheadFit(costs["op"], -1.0, bare)
+    costs["comm"] = 0.0
+    for _ in range(12):
+        costs["op"] = bisect("op", 1, lane_work_s)
+        costs["comm"] = bisect("comm", 0, measured_s)
+    return OverheadFit(costs["op"], costs["comm"], bare)
 
 
 def _device_for(rank: int, backend: str):
@@ -581,22 +635,26 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     pcie = mean(lambda r: r["copy"]["pcie"])
     d_read = mean(lambda r: r["disk"]["disk_read"])
     d_write = mean(lambda r: r["disk"]["disk_write"])
-    defaults = MachineProfile()
-    if world > 1:
-        latency, link = mean(lambda r: r["collectives"]["link"][0]), mean(lambda r: r["collectives"]["link"][1])
-    else:
-        latency, link = defaults.link_latency, defaults.link_bandwidth
+    host_adam = mean(lambda r: r["optimizer"]["host_adam_bandwidth"])
     profile = MachineProfile(name="cuda" if cuda else "cpu", flops=block, host_flops=host,
-                             link_bandwidth=link, link_latency=latency, pcie_bandwidth=pcie,
-                             disk_read=d_read, disk_write=d_write, memory_bandwidth=adam,
-                             cores=_cores_per_rank(world))
-    # A step lasts as long as its slowest rank: the reference step is the slowest rank's median.
-    step_s = max(r["runtime"]["step_s"] for r in raw)
-    profile.op_overhead, bare_s = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s)
+                             pcie_bandwidth=pcie, disk_read=d_read, disk_write=d_write, memory_bandwidth=adam,
+                             host_memory_bandwidth=host_adam, cores=_cores_per_rank(world))
+    if world > 1:   # each kind of collective its own (latency, bandwidth); one rank keeps the defaults
+        fit = {name: (mean(lambda r: r["collectives"][name][0]), mean(lambda r: r["collectives"][name][1]))
+               for name in COLLECTIVES}
+        profile.link_latency, profile.link_bandwidth = fit["all_gather"]
+        profile.scatter_latency, profile.scatter_bandwidth = fit["reduce_scatter"]
+        profile.reduce_latency, profile.reduce_bandwidth = fit["all_reduce"]
+    # A step lasts as long as its slowest rank: the reference step is the median over steps of the
+    # slowest rank's time, the figure `zdsl run --metrics` reports (its ``step_s``).
+    step_s = statistics.median(max(times) for times in zip(*(r["runtime"]["steps"] for r in raw)))
+    lane_work_s = mean(lambda r: r["runtime"]["lane_work_s"])
+    fit = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s, lane_work_s)
+    profile.op_overhead, bare_s = fit.op, fit.bare_s
+    profile.comm_overhead = fit.comm if fit.comm >= 0 else fit.op
     import torch
     shape = comp["shape"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    us = lambda sec: f"{sec * 1e6:.0f} us"  # noqa: E731
     notes = [
         f"machine profile measured by `zdsl calibrate{' --quick' if s.quick else ''}` "
         f"on {platform.node() or 'this machine'}, {when}",
@@ -607,24 +665,25 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         f"              (torch.mm alone at its shapes: {_num(mm)} flop/s"
         + (f"; {comp['block_note']})" if comp.get("block_note") else ")"),
         f"  memory_bw   AdamW step on {first['optimizer']['adam_numel']} fp32 elements, "
-        f"counted as 16 bytes each (moments, parameter, gradient)",
+        f"counted as 16 bytes each (moments, parameter, gradient)"
+        + (": the device's; host_memory_bw the host's (runtime/host_adam.py)" if cuda
+           else ", the runtime's host step (runtime/host_adam.py)"),
         f"  pcie        {first['copy']['copy_note']}"
         + (f"; h2d {_num(first['copy']['h2d'])} B/s, d2h {_num(first['copy']['d2h'])} B/s" if cuda else ""),
     ]
     if world > 1:
         c = first["collectives"]
-        (la, ba), (lr, br) = c["all_gather"], c["reduce_scatter"]
-        notes += [f"  link        all_gather and reduce_scatter of {_size(c['sizes'][0])} to {_size(c['sizes'][-1])}, "
-                  f"fitted to latency + payload*(n-1)/n / link:",
-                  f"              all_gather {_num(ba)} B/s + {us(la)}, reduce_scatter {_num(br)} B/s + {us(lr)}, "
-                  f"averaged"]
+        notes += [f"  link        all_gather (link, latency), reduce_scatter (scatter_*) and all_reduce (reduce_*) "
+                  f"of {_size(c['sizes'][0])} to {_size(c['sizes'][-1])},",
+                  "              each fitted to latency + payload*(n-1)/n / link (the runtime's own collectives)"]
     else:
         notes.append("  link        default (one rank: no collectives to measure)")
     notes.append(f"  cores       {_num(profile.cores)} per rank ({os.cpu_count()} cores, {world} rank(s)): "
                  "lanes running at once share them")
-    notes.append(f"  overhead    fitted on a tiny ZeRO-3 GPT (width 64, 2 layers, {first['runtime']['ops']} ops) "
-                 f"run by the executor: measured {step_s * 1e3:.1f} ms a step,")
-    notes.append(f"              rates alone predict {bare_s * 1e3:.1f} ms")
+    notes.append(f"  overhead    per op run in a lane's thread, and comm_overhead per collective, fitted on a tiny "
+                 f"ZeRO-3 GPT (width 64, 2 layers, {first['runtime']['ops']} ops)")
+    notes.append(f"              run by the executor: measured {step_s * 1e3:.1f} ms a step, of which its "
+                 f"non-collective ops {lane_work_s * 1e3:.1f} ms; rates alone predict {bare_s * 1e3:.1f} ms")
     disk = first["disk"]
     notes.append(f"  disk        {'O_DIRECT' if disk['direct'] else 'buffered (no O_DIRECT here)'}, "
                  f"{_size(s.block)} requests, {s.depth} in flight, {_size(disk['disk_bytes'][0])} written, "

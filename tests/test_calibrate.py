@@ -31,7 +31,7 @@ def test_quick_profile_parses(tmp_path, capsys):
     checked, _ = check_text(schedule.read_text(), str(schedule))
     for name in MachineProfile.__dataclass_fields__:
         value = getattr(checked.machine, name)
-        assert name == "name" or value > 0 or (name == "op_overhead" and value == 0)
+        assert name == "name" or value > 0 or (name in ("op_overhead", "comm_overhead") and value == 0)
     assert checked.machine.name == "cpu"
 
 
@@ -46,6 +46,37 @@ def test_the_per_op_overhead_fit_recovers_a_known_one():
     graph = reference_graph(2, "cpu", 2).graph
     truth = 7e-4
     measured = simulate(graph, MachineProfile(**{**vars(profile), "op_overhead": truth})).step_s
-    fitted, bare = fit_overhead(profile, 2, "cpu", measured)
-    assert fitted == pytest.approx(truth, rel=1e-6) and bare < measured
-    assert fit_overhead(profile, 2, "cpu", bare / 2)[0] == 0.0      # faster than the rates: no overhead
+    fit = fit_overhead(profile, 2, "cpu", measured)
+    assert fit.op == pytest.approx(truth, rel=1e-6) and fit.comm < 0 and fit.bare_s < measured
+    assert fit_overhead(profile, 2, "cpu", fit.bare_s / 2).op == 0.0      # faster than the rates: no overhead
+
+
+@pytest.mark.parametrize("op_cost, comm_cost", [(3e-4, 1.5e-3), (1e-3, 2e-4), (5e-4, 0.0)])
+def test_the_two_cost_fit_recovers_lane_and_collective_costs(op_cost, comm_cost):
+    """Given the step and the lane ops' summed time a known pair of costs produces, the fit
+    returns that pair (lanes independent: each measurement pins one of them)."""
+    from zdsl.planner.simulate import simulate
+    from zdsl.runtime.calibrate import lane_work_seconds
+    profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
+    graph = reference_graph(2, "cpu", 2).graph
+    sim = simulate(graph, MachineProfile(**{**vars(profile), "op_overhead": op_cost, "comm_overhead": comm_cost}))
+    fit = fit_overhead(profile, 2, "cpu", sim.step_s, lane_work_seconds(graph, sim.duration))
+    assert fit.op == pytest.approx(op_cost, rel=1e-4, abs=1e-9)
+    assert fit.comm == pytest.approx(comm_cost, rel=1e-4, abs=1e-8)
+
+
+def test_the_two_cost_fit_on_a_shared_core_reproduces_both_measurements():
+    """On one core the lane ops slow with the collectives' fixed cost too; the alternating fit
+    still lands on costs that give back the measured step and lane time."""
+    import dataclasses
+    from zdsl.planner.simulate import simulate
+    from zdsl.runtime.calibrate import lane_work_seconds
+    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                             scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=1)
+    graph = reference_graph(2, "cpu", 2).graph
+    step, work = 0.030, 0.011                     # what this VM's reference measured, about
+    fit = fit_overhead(profile, 2, "cpu", step, work)
+    sim = simulate(graph, dataclasses.replace(profile, op_overhead=fit.op, comm_overhead=fit.comm))
+    assert sim.step_s == pytest.approx(step, rel=1e-3)
+    assert lane_work_seconds(graph, sim.duration) == pytest.approx(work, rel=1e-2)
+    assert fit.op > 0 and fit.comm > fit.op      # the collectives carry the larger fixed cost
