@@ -464,8 +464,8 @@ def measure_runtime(device, s: Settings, rank: int, world: int) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"step_s": statistics.median(t.seconds for t in records), "steps": [t.seconds for t in records],
-            "lane_work_s": statistics.median(
-                lane_work_seconds(graph, [x.end - x.start for x in t.timings]) for t in records),
+            "lane_op_s": {i: statistics.median(t.timings[i].end - t.timings[i].start for t in records)
+                          for i in lane_ops(graph)},
             "ops": len(graph.ops)}
 
 
@@ -477,50 +477,43 @@ class OverheadFit:
     bare_s: float               # the predicted step with no fixed cost at all
 
 
-def lane_work_seconds(graph, durations) -> float:
-    """Seconds a step's ops other than collectives and frees take, summed (per op durations)."""
-    return sum(d for op, d in zip(graph.ops, durations)
-               if op.kind != "mem.free" and not op.kind.startswith("comm."))
+def lane_ops(graph) -> list[int]:
+    """Positions of the ops a lane's thread runs (not collectives, not frees)."""
+    return [i for i, op in enumerate(graph.ops) if op.kind != "mem.free" and not op.kind.startswith("comm.")]
 
 
 def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: float,
-                 lane_work_s: float | None = None) -> OverheadFit:
+                 lane_op_s: dict[int, float] | None = None) -> OverheadFit:
     """Fixed costs per op that make the reference step's prediction equal ``measured_s``.
 
-    With ``lane_work_s`` (the measured seconds a step's non-collective ops take, summed) and
-    collectives in the graph, two costs are fitted: the one per lane op makes the predicted
-    ``lane_work_s`` match, the one per collective then makes the step match; alternated until
-    both hold (each prediction grows with its cost: bisection). Without it, one cost for
-    every op makes the step match.
+    With ``lane_op_s`` (the measured seconds of each lane op of the reference, by position)
+    and collectives in the graph, the cost per lane op is the median of what each took beyond
+    its rated time (the intercept of measured against rated: a 0.03 ms step and a 1 ms backward
+    alike), and the cost per collective is then the one that makes the step match. Without it,
+    one cost for every op makes the step match. Each prediction grows with its cost: bisection.
     """
-    from zdsl.planner.simulate import simulate
+    from zdsl.planner.simulate import rated_duration, simulate
     graph = reference_graph(ranks, device, 2).graph
     bare = simulate(graph, dataclasses.replace(profile, op_overhead=0.0, comm_overhead=-1.0)).step_s
     has_comm = any(op.kind.startswith("comm.") for op in graph.ops)
-    costs = {"op": 0.0, "comm": -1.0}
 
-    def predict(**changed) -> tuple[float, float]:
-        sim = simulate(graph, dataclasses.replace(profile, op_overhead=changed.get("op", costs["op"]),
-                                                  comm_overhead=changed.get("comm", costs["comm"])))
-        return sim.step_s, lane_work_seconds(graph, sim.duration)
-
-    def bisect(key: str, which: int, target: float) -> float:
-        lo, hi = 0.0, max(target, 1e-6)
-        if predict(**{key: lo})[which] >= target:
+    def bisect(key: str, fixed: dict) -> float:
+        def step(x: float) -> float:
+            return simulate(graph, dataclasses.replace(profile, **fixed, **{key: x})).step_s
+        lo, hi = 0.0, max(measured_s, 1e-6)
+        if step(lo) >= measured_s:
             return 0.0
         for _ in range(50):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if predict(**{key: mid})[which] < target else (lo, mid)
+            lo, hi = (mid, hi) if step(mid) < measured_s else (lo, mid)
         return (lo + hi) / 2
 
-    if lane_work_s is None or not has_comm:
-        costs["op"] = bisect("op", 0, measured_s)
-        return OverheadFit(costs["op"], -1.0, bare)
-    costs["comm"] = 0.0
-    for _ in range(12):
-        costs["op"] = bisect("op", 1, lane_work_s)
-        costs["comm"] = bisect("comm", 0, measured_s)
-    return OverheadFit(costs["op"], costs["comm"], bare)
+    if not lane_op_s or not has_comm:
+        return OverheadFit(bisect("op_overhead", {"comm_overhead": -1.0}), -1.0, bare)
+    excess = [sec - rated_duration(graph, graph.ops[i], profile) for i, sec in lane_op_s.items()
+              if i < len(graph.ops)]
+    op_cost = max(0.0, statistics.median(excess)) if excess else 0.0
+    return OverheadFit(op_cost, bisect("comm_overhead", {"op_overhead": op_cost}), bare)
 
 
 def _device_for(rank: int, backend: str):
@@ -654,8 +647,10 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     # A step lasts as long as its slowest rank: the reference step is the median over steps of the
     # slowest rank's time, the figure `zdsl run --metrics` reports (its ``step_s``).
     step_s = statistics.median(max(times) for times in zip(*(r["runtime"]["steps"] for r in raw)))
-    lane_work_s = mean(lambda r: r["runtime"]["lane_work_s"])
-    fit = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s, lane_work_s)
+    # each lane op's seconds, the mean of the ranks' medians (JSON between ranks made keys strings)
+    lane_op_s = {int(i): statistics.fmean(float(r["runtime"]["lane_op_s"][i]) for r in raw)
+                 for i in raw[0]["runtime"]["lane_op_s"]}
+    fit = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s, lane_op_s)
     profile.op_overhead, bare_s = fit.op, fit.bare_s
     profile.comm_overhead = fit.comm if fit.comm >= 0 else fit.op
     import torch
@@ -686,10 +681,11 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         notes.append("  link        default (one rank: no collectives to measure)")
     notes.append(f"  cores       {_num(profile.cores)} per rank ({os.cpu_count()} cores, {world} rank(s)): "
                  "lanes running at once share them")
-    notes.append(f"  overhead    per op run in a lane's thread, and comm_overhead per collective, fitted on a tiny "
+    notes.append(f"  overhead    per op run in a lane's thread (the median of each one's time beyond its rated time), "
+                 "and comm_overhead per collective (then fitted to the step), on a tiny "
                  f"ZeRO-3 GPT (width 64, 2 layers, {first['runtime']['ops']} ops)")
     notes.append(f"              run by the executor: measured {step_s * 1e3:.1f} ms a step, of which its "
-                 f"non-collective ops {lane_work_s * 1e3:.1f} ms; rates alone predict {bare_s * 1e3:.1f} ms")
+                 f"lane ops {sum(lane_op_s.values()) * 1e3:.1f} ms; rates alone predict {bare_s * 1e3:.1f} ms")
     disk = first["disk"]
     notes.append(f"  disk        {'O_DIRECT' if disk['direct'] else 'buffered (no O_DIRECT here)'}, "
                  f"{_size(s.block)} requests, {s.depth} in flight, {_size(disk['disk_bytes'][0])} written, "
