@@ -303,8 +303,8 @@ def measure_collectives(device, s: Settings, rank: int, world: int) -> dict:
     import torch.distributed as dist
     gather, scatter, reduce = _collective_fns()
     sync = _sync_for(device)
-    # 4 KiB carries the latency (a step's small collectives: a gradient norm is 8 bytes); gloo's
-    # algorithms change with size, and a latency extrapolated from 64 KiB up was 3x too long.
+    # 4 KiB carries the latency: a step's small collectives (a gradient norm is 8 bytes, a tiny
+    # unit's shard a few KiB) sit below the sizes that carry the bandwidth.
     sizes = [4 << 10, 64 << 10, 1 * MiB, 8 * MiB] if s.quick else [4 << 10, 64 << 10, 512 << 10, 4 * MiB, 16 * MiB]
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in COLLECTIVES}
     for size in sizes:
@@ -325,7 +325,10 @@ def measure_collectives(device, s: Settings, rank: int, world: int) -> dict:
                 sync()
                 times.append(time.perf_counter() - t0)
             payload = numel * 4 * (world - 1) / world
-            results[name].append((payload, statistics.median(times)))
+            # The mean, not the median: on shared cores a small collective takes either ~0.3 ms
+            # or ~3 ms (a wake-up missed), and which mode holds the median flips from size to
+            # size and run to run; the mean is what a step pays per call on average.
+            results[name].append((payload, statistics.fmean(times)))
     out: dict = {name: fit_latency_bandwidth(pts) for name, pts in results.items()}
     out["sizes"] = sizes
     out["points"] = results
