@@ -236,7 +236,8 @@ def print_table(rows: list[dict], baseline: str, out=sys.stdout) -> None:
 
 
 TARGETS = [   # (zdsl row, peer row, target ratio of step times): the issues' goals
-    ("zdsl3", "fsdp2", 1.0), ("zdsl3", "ds3", 1.0), ("zdsl1", "ddp", 1.0), ("zdsl2", "ddp", 1.0),
+    ("zdsl3", "fsdp2", 0.9), ("zdsl3", "ds3", 0.9),          # issue 5: overlap to beat them by 10%
+    ("zdsl1", "ddp", 1.0), ("zdsl2", "ddp", 1.0),
 ]
 
 
