@@ -14,7 +14,7 @@ from zdsl.runtime.affinity import rank_cores
     (1, 2, [0, 1, 2, 3], [2, 3]),
     (0, 3, [0, 1, 2, 3], [0]),
     (2, 3, [0, 1, 2, 3], [2, 3]),          # uneven: every core used, shares differ by at most one
-    (2, 3, [4, 6], [4]),                   # fewer cores than ranks: one core each, taken in turn
+    (2, 3, [4, 6], [4, 6]),                # fewer cores than ranks: left unbound
     (0, 1, [0, 1], [0, 1]),
 ])
 def test_each_rank_gets_an_even_contiguous_share(rank, world, available, want):
