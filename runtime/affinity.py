@@ -1,4 +1,4 @@
-"""Each rank of a CPU run on its own share of the host's cores.
+"""Each rank of a CPU run on its own share of the host's cores, with torch's threads sized to it.
 
 Ranks left to float over every core of a host trade places all the time: one
 rank's compute thread lands on the core where the other rank's collective
@@ -58,3 +58,16 @@ def local_rank_and_world(rank: int, world: int) -> tuple[int, int]:
         return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     except (KeyError, ValueError):
         return rank, world
+
+
+def set_cpu_threads(rank: int, world: int) -> int:
+    """Bind this rank to its share of the host's cores and give torch as many threads as that
+    share; an explicit OMP_NUM_THREADS wins for the thread count (the peers benchmark).
+    Returns torch's thread count."""
+    import torch
+    local_rank, local_world = local_rank_and_world(rank, world)
+    cores = bind_rank(local_rank, local_world)
+    if "OMP_NUM_THREADS" not in os.environ:
+        share = len(cores) if cores else (os.cpu_count() or 1) // max(1, local_world)
+        torch.set_num_threads(max(1, share))
+    return torch.get_num_threads()

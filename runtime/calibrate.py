@@ -12,10 +12,13 @@ planner uses it*, under the conditions of a real run:
   the block's shapes is reported beside it (the ceiling). fp32 on CPU,
   bf16 on CUDA.
 * ``host_flops``: the same on the host CPU (the device rate on a CPU box).
-* ``memory_bw``: an AdamW step on a flat fp32 shard, counted as the planner
-  counts a ``compute.step`` (moments + parameter + gradient bytes).
-* ``link``/``latency``: ``all_gather`` and ``reduce_scatter`` of several
-  sizes between the ranks, fitted to ``latency + payload*(n-1)/n / link``.
+* ``memory_bw``/``host_memory_bw``: an AdamW step on a flat fp32 shard,
+  counted as the planner counts a ``compute.step`` (moments + parameter +
+  gradient bytes): the runtime's host kernel (``host_adam``), and on CUDA
+  the device's step for ``memory_bw``.
+* ``link``/``latency``, ``scatter_*``, ``reduce_*``: ``all_gather``,
+  ``reduce_scatter`` and ``all_reduce`` (the runtime's own) of several sizes
+  between the ranks, each fitted to ``latency + payload*(n-1)/n / link``.
 * ``pcie``: pinned host<->device copies on CUDA; a memory copy on CPU
   (what a "copy to device" costs there).
 * ``disk_read``/``disk_write``: ``O_DIRECT`` positional I/O of 1 MiB
@@ -23,9 +26,11 @@ planner uses it*, under the conditions of a real run:
 * ``overhead``: what the runtime itself costs per op (dispatch, worker
   hand-off, completion, a collective's wake-up), which rates cannot see and
   which dominates small models. Measured by training a tiny ZeRO-3 GPT
-  (``REFERENCE``) through the real executor for a few steps, then fitted:
-  the seconds per op that make the planner's prediction of that graph,
-  with the rates above, equal the measured median step.
+  (``REFERENCE``) through the real executor for a few steps: ``overhead``
+  per lane op is the median of each op's time beyond its rated time, and
+  ``comm_overhead`` per collective the cost that then makes the planner's
+  prediction of that graph equal the measured median step.
+* ``cores``: the rank's share of the host's cores (ranks are bound to it).
 
 All ranks measure at once (one process per rank, the runtime's thread
 count per rank), because that is how they contend for cores, memory and
@@ -513,8 +518,7 @@ def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: f
 
     if not lane_op_s or not has_comm:
         return OverheadFit(bisect("op_overhead", {"comm_overhead": -1.0}), -1.0, bare)
-    excess = [sec - rated_duration(graph, graph.ops[i], profile) for i, sec in lane_op_s.items()
-              if i < len(graph.ops)]
+    excess = [sec - rated_duration(graph, graph.ops[i], profile) for i, sec in lane_op_s.items()]
     op_cost = max(0.0, statistics.median(excess)) if excess else 0.0
     return OverheadFit(op_cost, bisect("comm_overhead", {"op_overhead": op_cost}), bare)
 
@@ -535,7 +539,7 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if device.type == "cpu":              # bound to its cores, with their threads: as `zdsl run` does
-        from .train import set_cpu_threads
+        from .affinity import set_cpu_threads
         threads = set_cpu_threads(rank, world)
     else:
         threads = max(1, (os.cpu_count() or 1) // world)
@@ -650,12 +654,12 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     # A step lasts as long as its slowest rank: the reference step is the median over steps of the
     # slowest rank's time, the figure `zdsl run --metrics` reports (its ``step_s``).
     step_s = statistics.median(max(times) for times in zip(*(r["runtime"]["steps"] for r in raw)))
-    # each lane op's seconds, the mean of the ranks' medians (JSON between ranks made keys strings)
-    lane_op_s = {int(i): statistics.fmean(float(r["runtime"]["lane_op_s"][i]) for r in raw)
+    # each lane op's seconds, the mean of the ranks' medians
+    lane_op_s = {i: statistics.fmean(r["runtime"]["lane_op_s"][i] for r in raw)
                  for i in raw[0]["runtime"]["lane_op_s"]}
     fit = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s, lane_op_s)
     profile.op_overhead, bare_s = fit.op, fit.bare_s
-    profile.comm_overhead = fit.comm if fit.comm >= 0 else fit.op
+    profile.comm_overhead = fit.comm if fit.comm >= 0 else fit.op   # written out: the statement has no "unset"
     import torch
     shape = comp["shape"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

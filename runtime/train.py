@@ -22,7 +22,7 @@ import trio
 from zdsl.ir import TaskGraph
 from zdsl.overlap import analyze
 
-from .affinity import bind_rank, local_rank_and_world
+from .affinity import set_cpu_threads
 from .collectives import all_gather, check_settings
 from .executor import Executor, StepRecord
 from .streams import lane_streams
@@ -57,18 +57,6 @@ class StepMetrics:
     grad_norm: float | None
     peak_bytes: dict = field(default_factory=dict)   # rank -> tier -> bytes
     overlap: dict | None = None                      # efficiency, lower bound, rank 0's lanes and critical path
-
-
-def set_cpu_threads(rank: int, world: int) -> int:
-    """Bind this rank to its share of the host's cores (runtime/affinity.py) and give torch as
-    many threads as that share; an explicit OMP_NUM_THREADS wins for the thread count (the peers
-    benchmark). Returns torch's thread count."""
-    local_rank, local_world = local_rank_and_world(rank, world)
-    cores = bind_rank(local_rank, local_world)
-    if "OMP_NUM_THREADS" not in os.environ:
-        share = len(cores) if cores else (os.cpu_count() or 1) // max(1, local_world)
-        torch.set_num_threads(max(1, share))
-    return torch.get_num_threads()
 
 
 def env_rank() -> tuple[int, int]:

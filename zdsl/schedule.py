@@ -88,7 +88,7 @@ class MachineProfile:
     op_overhead: float = 0.0               # seconds the runtime spends starting and finishing an op
     comm_overhead: float = -1.0            # the same for a collective; < 0: op_overhead
     cores: float = 0.0                     # CPU cores per rank that lanes share; 0: lanes independent
-    # 0 below: derived from the fields above (see zdsl.planner.simulate.rated_duration)
+    # 0 below: derived from the fields above (zdsl.planner.simulate.collective_seconds, rated_duration)
     scatter_bandwidth: float = 0.0         # reduce-scatter; 0: link_bandwidth
     scatter_latency: float = 0.0           # reduce-scatter; 0: link_latency
     reduce_bandwidth: float = 0.0          # all-reduce; 0: a ring, reduce-scatter then all-gather
