@@ -547,6 +547,9 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
     if world > 1:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=s.timeout_s))
+        if backend == "gloo":             # gloo's loop threads as a run has them
+            from .affinity import calm_gloo_loops
+            calm_gloo_loops()
     try:
         out: dict = {"threads": threads, "device": str(device), "seconds": {}}
         clock = [time.perf_counter()]
@@ -726,9 +729,11 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     s = Settings(ranks=ranks, backend=backend, disk_folder=disk_folder, quick=quick, **shape)
+    from .affinity import check_loop_policy
     from .collectives import check_settings
     try:
         check_settings()
+        check_loop_policy()
     except ValueError as e:
         raise CalibrationError(str(e)) from None
     if ranks < 1:

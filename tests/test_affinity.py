@@ -53,3 +53,42 @@ print(json.dumps([allowed, cores, sorted(set(map(tuple, masks.values())))]))
         assert cores == allowed[n // 2:] and masks == [cores]   # every thread, the older one too
     else:
         assert cores is None and masks == [allowed]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="needs Linux scheduling policies")
+@pytest.mark.parametrize("setting, policy", [(None, "SCHED_BATCH"), ("normal", "SCHED_OTHER")])
+def test_gloo_loop_threads_stop_preempting_unless_told_not_to(setting, policy):
+    code = """
+import json, os, socket
+import torch, torch.distributed as dist
+from zdsl.runtime.train import init_group
+free = socket.socket(); free.bind(('127.0.0.1', 0)); port = free.getsockname()[1]; free.close()
+os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+init_group(0, 1, torch.device('cpu'), 30)
+names = {}
+for tid in os.listdir('/proc/self/task'):
+    name = open(f'/proc/self/task/{tid}/comm').read().strip()
+    names.setdefault(name, set()).add(os.sched_getscheduler(int(tid)))
+dist.destroy_process_group()
+print(json.dumps({k: sorted(v) for k, v in names.items()}))
+"""
+    env = dict(os.environ)
+    env.pop("ZDSL_GLOO_LOOP_POLICY", None)
+    if setting:
+        env["ZDSL_GLOO_LOOP_POLICY"] = setting
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    policies = json.loads(out.strip().splitlines()[-1])
+    assert policies["gloo_tcp_loop"] == [getattr(os, policy)]
+    others = {p for name, ps in policies.items() if name != "gloo_tcp_loop" for p in ps}
+    assert others == {os.SCHED_OTHER}                  # only the loop threads move
+
+
+def test_a_bad_loop_policy_is_named():
+    from zdsl.runtime.affinity import check_loop_policy
+    os.environ["ZDSL_GLOO_LOOP_POLICY"] = "fast"
+    try:
+        with pytest.raises(ValueError, match="ZDSL_GLOO_LOOP_POLICY='fast'.*batch, idle, normal"):
+            check_loop_policy()
+    finally:
+        del os.environ["ZDSL_GLOO_LOOP_POLICY"]
+    check_loop_policy()
