@@ -448,14 +448,19 @@ def measure_runtime(device, s: Settings, rank: int, world: int) -> dict:
     from .executor import Executor
     from .models.protocol import build_model
     from .state import RankState
+    from .collectives import all_gather
     from .streams import lane_streams
-    steps = 24 if s.quick else 48          # ~25 ms each here: the median settles
+    # ~15 ms each here; the host's speed moves from one half second to the next, so the full
+    # measurement spans a few seconds (48 steps put the reference 50% off the programs run beside it)
+    steps = 24 if s.quick else 200
     compiled = reference_graph(world, device.type, steps)
     graph, schedule = compiled.graph, compiled.schedule
     state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device,
                       group=None)
     executor = Executor(graph, state, rank, streams=lane_streams(graph, device))
     t = schedule.train
+    mine = torch.zeros(8)
+    gathered = torch.zeros(8 * world)
 
     async def loop() -> list:
         records = []
@@ -465,6 +470,8 @@ def measure_runtime(device, s: Settings, rank: int, world: int) -> dict:
             state.step_begin(step, batches)
             records.append(await executor.run_step())
             state.step_end()
+            if world > 1:                 # `zdsl run` gathers each step's metrics: ranks start aligned
+                all_gather(gathered, mine)
         return records
 
     records = trio.run(loop)[2:]              # the first steps allocate and warm up
