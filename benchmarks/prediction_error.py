@@ -1,6 +1,6 @@
 """How far ``zdsl plan``'s step time is from measurement, after calibration, per program.
 
-    python benchmarks/prediction_error.py                   # calibrate --quick, then every program
+    python benchmarks/prediction_error.py                   # each round: calibrate, then every program
     python benchmarks/prediction_error.py --machine /tmp/machine.zs --repeat 3 --explain
 
 1. ``zdsl calibrate --out /tmp/machine.zs`` (or ``--machine FILE`` to reuse
@@ -197,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         if profile is None:                            # each round's runs against a profile of that moment
             profile = f"{args.out}.{r}" if args.repeat > 1 else args.out
             calibrate(profile, args.disk)
-        machine = machine_statement(profile)
-        print(f"round {r + 1}: machine {machine}" + (f" (reference step {reference_step(profile)})"
-                                                      if reference_step(profile) else ""), flush=True)
+        machine, reference = machine_statement(profile), reference_step(profile)
+        print(f"round {r + 1}: machine {machine}" + (f" (reference step {reference})" if reference else ""),
+              flush=True)
         if r == 0:
             for program in programs:
                 compiled, why = plan(program, machine, args.steps, args.max_step)

@@ -40,11 +40,7 @@ def bind_rank(local_rank: int, local_world: int) -> list[int] | None:
     mine = rank_cores(local_rank, local_world, available)
     if not mine or mine == available:
         return None
-    try:
-        threads = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]
-    for tid in threads:          # threads started before this (torch's, gloo's) keep their own mask
+    for tid in _thread_ids():    # threads started before this (torch's, gloo's) keep their own mask
         try:
             os.sched_setaffinity(tid, mine)
         except OSError:
@@ -83,11 +79,20 @@ def loop_policy_wanted() -> str:
     return os.environ.get("ZDSL_GLOO_LOOP_POLICY", "batch")
 
 
-def check_loop_policy() -> None:
-    """Raise ValueError naming a ZDSL_GLOO_LOOP_POLICY that is not one of ours."""
+def loop_policy_error() -> str | None:
+    """What is wrong with ZDSL_GLOO_LOOP_POLICY, or None (checked with the other ZDSL_GLOO_*
+    variables: ``collectives.check_settings``)."""
     if loop_policy_wanted() not in LOOP_POLICIES:
-        raise ValueError(f"ZDSL_GLOO_LOOP_POLICY={loop_policy_wanted()!r}: use one of "
-                         f"{', '.join(LOOP_POLICIES)}")
+        return f"ZDSL_GLOO_LOOP_POLICY={loop_policy_wanted()!r}: use one of {', '.join(LOOP_POLICIES)}"
+    return None
+
+
+def _thread_ids() -> list[int]:
+    """This process's threads (just the caller's where /proc is not there)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 def calm_gloo_loops() -> int:
@@ -105,16 +110,12 @@ def calm_gloo_loops() -> int:
     if policy is None or not hasattr(os, "sched_setscheduler"):
         return 0
     moved = 0
-    try:
-        threads = os.listdir("/proc/self/task")
-    except OSError:
-        return 0
-    for tid in threads:
+    for tid in _thread_ids():
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if f.read().strip() != GLOO_LOOP_THREAD:
                     continue
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
             moved += 1
         except OSError:
             pass                 # a thread that has just ended, or a policy not allowed here

@@ -736,11 +736,9 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     s = Settings(ranks=ranks, backend=backend, disk_folder=disk_folder, quick=quick, **shape)
-    from .affinity import check_loop_policy
     from .collectives import check_settings
     try:
         check_settings()
-        check_loop_policy()
     except ValueError as e:
         raise CalibrationError(str(e)) from None
     if ranks < 1:

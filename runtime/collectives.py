@@ -73,9 +73,12 @@ GLOO_ALL_GATHER, GLOO_REDUCE_SCATTER, GLOO_NATIVE_BELOW, SETTING_ERRORS = _read_
 
 
 def check_settings() -> None:
-    """Raise ValueError naming every bad ZDSL_GLOO_* variable (called before a run or a calibration)."""
-    if SETTING_ERRORS:
-        raise ValueError("; ".join(SETTING_ERRORS))
+    """Raise ValueError naming every bad ZDSL_GLOO_* variable (called before a run or a calibration),
+    the event-loop policy (runtime/affinity.py) included."""
+    from .affinity import loop_policy_error
+    errors = SETTING_ERRORS + [e for e in (loop_policy_error(),) if e]
+    if errors:
+        raise ValueError("; ".join(errors))
 
 # Collectives the backend lacked, served by a fallback: name -> times used.
 FALLBACKS: dict[str, int] = {}

@@ -22,7 +22,7 @@ import trio
 from zdsl.ir import TaskGraph
 from zdsl.overlap import analyze
 
-from .affinity import calm_gloo_loops, check_loop_policy, set_cpu_threads
+from .affinity import calm_gloo_loops, set_cpu_threads
 from .collectives import all_gather, check_settings
 from .executor import Executor, StepRecord
 from .streams import lane_streams
@@ -119,7 +119,6 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         set_cpu_threads(rank, world)
     try:
         check_settings()
-        check_loop_policy()
     except ValueError as e:
         raise LaunchError(str(e)) from None
     init_group(rank, world, device, options.timeout_s)

@@ -84,11 +84,11 @@ print(json.dumps({k: sorted(v) for k, v in names.items()}))
 
 
 def test_a_bad_loop_policy_is_named():
-    from zdsl.runtime.affinity import check_loop_policy
+    from zdsl.runtime.collectives import check_settings
     os.environ["ZDSL_GLOO_LOOP_POLICY"] = "fast"
     try:
         with pytest.raises(ValueError, match="ZDSL_GLOO_LOOP_POLICY='fast'.*batch, idle, normal"):
-            check_loop_policy()
+            check_settings()
     finally:
         del os.environ["ZDSL_GLOO_LOOP_POLICY"]
-    check_loop_policy()
+    check_settings()
