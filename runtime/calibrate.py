@@ -26,7 +26,8 @@ planner uses it*, under the conditions of a real run:
 * ``overhead``: what the runtime itself costs per op (dispatch, worker
   hand-off, completion, a collective's wake-up), which rates cannot see and
   which dominates small models. Measured by training a tiny ZeRO-3 GPT
-  (``REFERENCE``) through the real executor for a few steps: ``overhead``
+  (``REFERENCE``) through the real executor, in three blocks of steps spread
+  over the calibration (first, middle, last; their median): ``overhead``
   per lane op is the median of each op's time beyond its rated time, and
   ``comm_overhead`` per collective the cost that then makes the planner's
   prediction of that graph equal the measured median step.
@@ -413,6 +414,10 @@ def measure_disk(folder: str, s: Settings, rank: int) -> dict:
 # -- one rank ---------------------------------------------------------------------------------
 
 STEPS = ("compute", "optimizer", "copy", "collectives", "disk", "runtime")
+# Reference steps (full, quick), ~15 ms each here. The host's speed moves from one half second to
+# the next: 48 steps in one block put the reference 50% off the programs run beside it.
+RUNTIME_STEPS = {False: 240, True: 24}
+RUNTIME_BLOCKS = 3
 
 # The graph the per-op overhead is fitted on: small enough that fixed costs dominate.
 REFERENCE = """schedule calibrate_reference "zdsl calibrate: a tiny ZeRO-3 step, what the runtime costs per op"
@@ -439,8 +444,8 @@ def reference_graph(ranks: int, device: str, steps: int):
     return compiled
 
 
-def measure_runtime(device, s: Settings, rank: int, world: int) -> dict:
-    """Step times of the reference schedule through the real executor (all ranks at once)."""
+def measure_runtime(device, s: Settings, rank: int, world: int, steps: int) -> dict:
+    """Step times of ``steps`` steps of the reference schedule through the real executor (all ranks at once)."""
     import torch
     import trio
 
@@ -450,9 +455,6 @@ def measure_runtime(device, s: Settings, rank: int, world: int) -> dict:
     from .state import RankState
     from .collectives import all_gather
     from .streams import lane_streams
-    # ~15 ms each here; the host's speed moves from one half second to the next, so the full
-    # measurement spans a few seconds (48 steps put the reference 50% off the programs run beside it)
-    steps = 24 if s.quick else 200
     compiled = reference_graph(world, device.type, steps)
     graph, schedule = compiled.graph, compiled.schedule
     state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device,
@@ -568,6 +570,11 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
                 out["seconds"][done] = time.perf_counter() - clock[0]
                 clock[0] = time.perf_counter()
         barrier("start")
+        # The reference step in blocks spread over the calibration (first, middle, last), so that a
+        # burst of outside load during one of them moves the median less
+        block_steps = RUNTIME_STEPS[s.quick] // RUNTIME_BLOCKS
+        early = [measure_runtime(device, s, rank, world, block_steps)]
+        barrier("runtime (first block)")
         report("compute")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         out["compute"] = measure_compute(device, s, dtype)
@@ -586,11 +593,13 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
             out["collectives"] = measure_collectives(device if backend == "nccl" else torch.device("cpu"),
                                                      s, rank, world)
         barrier("collectives")
+        early.append(measure_runtime(device, s, rank, world, block_steps))
+        barrier("runtime (middle block)")
         report("disk")
         out["disk"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank)
         barrier("disk")
         report("runtime")
-        out["runtime"] = measure_runtime(device, s, rank, world)
+        out["runtime"] = [*early, measure_runtime(device, s, rank, world, block_steps)]
         barrier("runtime")
         if world > 1:
             every: list = [None] * world
@@ -661,12 +670,8 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         profile.link_latency, profile.link_bandwidth = fit["all_gather"]
         profile.scatter_latency, profile.scatter_bandwidth = fit["reduce_scatter"]
         profile.reduce_latency, profile.reduce_bandwidth = fit["all_reduce"]
-    # A step lasts as long as its slowest rank: the reference step is the median over steps of the
-    # slowest rank's time, the figure `zdsl run --metrics` reports (its ``step_s``).
-    step_s = statistics.median(max(times) for times in zip(*(r["runtime"]["steps"] for r in raw)))
-    # each lane op's seconds, the mean of the ranks' medians
-    lane_op_s = {i: statistics.fmean(r["runtime"]["lane_op_s"][i] for r in raw)
-                 for i in raw[0]["runtime"]["lane_op_s"]}
+    step_s, block_s, lane_op_s = reference_times(raw)
+    blocks = len(block_s)
     fit = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s, lane_op_s)
     profile.op_overhead, bare_s = fit.op, fit.bare_s
     profile.comm_overhead = fit.comm if fit.comm >= 0 else fit.op   # written out: the statement has no "unset"
@@ -700,9 +705,11 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                  "lanes running at once share them")
     notes.append(f"  overhead    per op run in a lane's thread (the median of each one's time beyond its rated time), "
                  "and comm_overhead per collective (then fitted to the step), on a tiny "
-                 f"ZeRO-3 GPT (width 64, 2 layers, {first['runtime']['ops']} ops)")
+                 f"ZeRO-3 GPT (width 64, 2 layers, {first['runtime'][0]['ops']} ops)")
     notes.append(f"              run by the executor: measured {step_s * 1e3:.1f} ms a step, of which its "
                  f"lane ops {sum(lane_op_s.values()) * 1e3:.1f} ms; rates alone predict {bare_s * 1e3:.1f} ms")
+    notes.append(f"              (the median of {blocks} blocks of {len(first['runtime'][0]['steps'])} steps, "
+                 f"spread over the calibration: {', '.join(f'{b * 1e3:.1f}' for b in block_s)} ms)")
     disk = first["disk"]
     notes.append(f"  disk        {'O_DIRECT' if disk['direct'] else 'buffered (no O_DIRECT here)'}, "
                  f"{_size(s.block)} requests, {s.depth} in flight, {_size(disk['disk_bytes'][0])} written, "
@@ -710,6 +717,22 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     notes.append(f"              in {s.disk_folder or tempfile.gettempdir()}")
     details = {"notes": notes, "ranks": raw, "backend": backend, "mm_flops": mm, "block_flops": block}
     return Calibration(profile, details)
+
+
+def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, float]]:
+    """(reference step, each block's step, each lane op's seconds) from the ranks' runtime blocks.
+
+    A step lasts as long as its slowest rank: a block's step is the median over its steps of the
+    slowest rank's time, the figure `zdsl run --metrics` reports (its ``step_s``). The reference
+    step is the median of the blocks' steps, so one block caught in a burst of outside load does
+    not move it. A lane op's seconds: the mean over ranks of the median over blocks of its medians.
+    """
+    blocks = len(raw[0]["runtime"])
+    block_s = [statistics.median(max(times) for times in zip(*(r["runtime"][b]["steps"] for r in raw)))
+               for b in range(blocks)]
+    lane_op_s = {i: statistics.fmean(statistics.median(blk["lane_op_s"][i] for blk in r["runtime"]) for r in raw)
+                 for i in raw[0]["runtime"][0]["lane_op_s"]}
+    return statistics.median(block_s), block_s, lane_op_s
 
 
 def _cores_per_rank(world: int) -> float:

@@ -79,3 +79,17 @@ def test_lane_ops_faster_than_their_rate_give_no_negative_cost():
     measured = {i: rated_duration(graph, graph.ops[i], profile) / 2 for i in lane_ops(graph)}
     fit = fit_overhead(profile, 2, "cpu", 1.0, measured)
     assert fit.op == 0.0 and fit.comm > 0
+
+
+def test_the_reference_step_is_the_median_block_of_the_slowest_rank():
+    from zdsl.runtime.calibrate import reference_times
+
+    def block(steps, op):
+        return {"steps": steps, "lane_op_s": {3: op}}
+    # Three blocks; the middle one caught a burst (3x slower). Per step, the slower rank counts.
+    rank0 = {"runtime": [block([1.0, 1.0, 1.2], 0.1), block([3.0, 3.0, 3.0], 0.3), block([1.1, 1.1, 1.1], 0.1)]}
+    rank1 = {"runtime": [block([1.0, 1.4, 1.4], 0.2), block([3.0, 3.0, 3.0], 0.6), block([1.0, 1.0, 1.0], 0.2)]}
+    step, blocks, ops = reference_times([rank0, rank1])
+    assert blocks == [1.4, 3.0, 1.1]
+    assert step == 1.4                              # the burst moved nothing
+    assert ops == {3: pytest.approx(0.15)}          # mean over ranks of each rank's median block
