@@ -28,9 +28,11 @@ planner uses it*, under the conditions of a real run:
   which dominates small models. Measured by training a tiny ZeRO-3 GPT
   (``REFERENCE``) through the real executor, in three blocks of steps spread
   over the calibration (first, middle, last; their median): ``overhead``
-  per lane op is the median of each op's time beyond its rated time, and
+  per lane op is the median of each op's time beyond its rated time,
   ``comm_overhead`` per collective the cost that then makes the planner's
-  prediction of that graph equal the measured median step.
+  prediction of that graph equal the measured median step, and
+  ``scatter_overhead`` per reduce-scatter that plus what a reduce-scatter
+  took beyond its rated time more than the other collectives did.
 * ``cores``: the rank's share of the host's cores (ranks are bound to it).
 
 All ranks measure at once (one process per rank, the runtime's thread
@@ -480,9 +482,11 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int) -> d
     del state, executor
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    services = [comm_service(graph, t) for t in records]
     return {"step_s": statistics.median(t.seconds for t in records), "steps": [t.seconds for t in records],
             "lane_op_s": {i: statistics.median(t.timings[i].end - t.timings[i].start for t in records)
                           for i in lane_ops(graph)},
+            "comm_service_s": {i: statistics.median(s[i] for s in services) for i in comm_ops(graph)},
             "ops": len(graph.ops)}
 
 
@@ -492,6 +496,7 @@ class OverheadFit:
     op: float                   # seconds per op run in a lane's thread (compute, copy, I/O)
     comm: float                 # seconds per collective (< 0: not fitted apart, ``op`` applies)
     bare_s: float               # the predicted step with no fixed cost at all
+    scatter: float = -1.0       # seconds per reduce-scatter (< 0: ``comm`` applies)
 
 
 def lane_ops(graph) -> list[int]:
@@ -499,8 +504,27 @@ def lane_ops(graph) -> list[int]:
     return [i for i, op in enumerate(graph.ops) if op.kind != "mem.free" and not op.kind.startswith("comm.")]
 
 
+def comm_ops(graph) -> list[int]:
+    """Positions of the collectives."""
+    return [i for i, op in enumerate(graph.ops) if op.kind.startswith("comm.")]
+
+
+def comm_service(graph, record) -> dict[int, float]:
+    """Each collective's service time in one measured step: from when it was issued, or when the
+    collective before it on its lane ended if that was later, to its end. The runtime issues a
+    lane's collectives without waiting, the backend runs them in order; the planner runs them one
+    after another, so this is the measured time comparable to its duration."""
+    service, last_end = {}, {}
+    for i in comm_ops(graph):
+        lane, t = graph.ops[i].lane, record.timings[i]
+        service[i] = t.end - max(t.start, last_end.get(lane, 0.0))
+        last_end[lane] = t.end
+    return service
+
+
 def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: float,
-                 lane_op_s: dict[int, float] | None = None) -> OverheadFit:
+                 lane_op_s: dict[int, float] | None = None,
+                 comm_service_s: dict[int, float] | None = None) -> OverheadFit:
     """Fixed costs per op that make the reference step's prediction equal ``measured_s``.
 
     With ``lane_op_s`` (the measured seconds of each lane op of the reference, by position)
@@ -508,15 +532,25 @@ def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: f
     its rated time (the intercept of measured against rated: a 0.03 ms step and a 1 ms backward
     alike), and the cost per collective is then the one that makes the step match. Without it,
     one cost for every op makes the step match. Each prediction grows with its cost: bisection.
+
+    With ``comm_service_s`` (each collective's measured service time, :func:`comm_service`) a
+    reduce-scatter costs what it took beyond its rated time more than the other collectives did
+    (the medians' difference): its reduction runs on the backend's threads, on the cores the
+    backward it overlaps is using, which its isolated rate does not see. Here it came to ~0.5 ms
+    more than an all-gather, and one cost for both put ZeRO-1 and -2 programs, whose steps
+    reduce-scatter as often as they gather or more, 12-17% under their measured steps.
     """
     from zdsl.planner.simulate import rated_duration, simulate
     graph = reference_graph(ranks, device, 2).graph
     bare = simulate(graph, dataclasses.replace(profile, op_overhead=0.0, comm_overhead=-1.0)).step_s
     has_comm = any(op.kind.startswith("comm.") for op in graph.ops)
 
-    def bisect(key: str, fixed: dict) -> float:
+    def bisect(key, fixed: dict | None = None) -> float:
+        """The x that makes the step match; ``key`` names the field x sets, or maps x to fields."""
+        fields = key if callable(key) else (lambda x: {**fixed, key: x})
+
         def step(x: float) -> float:
-            return simulate(graph, dataclasses.replace(profile, **fixed, **{key: x})).step_s
+            return simulate(graph, dataclasses.replace(profile, **fields(x))).step_s
         lo, hi = 0.0, max(measured_s, 1e-6)
         if step(lo) >= measured_s:
             return 0.0
@@ -529,7 +563,26 @@ def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: f
         return OverheadFit(bisect("op_overhead", {"comm_overhead": -1.0}), -1.0, bare)
     excess = [sec - rated_duration(graph, graph.ops[i], profile) for i, sec in lane_op_s.items()]
     op_cost = max(0.0, statistics.median(excess)) if excess else 0.0
-    return OverheadFit(op_cost, bisect("comm_overhead", {"op_overhead": op_cost}), bare)
+    extra = scatter_extra(graph, profile, comm_service_s or {})
+    if extra is None:
+        return OverheadFit(op_cost, bisect("comm_overhead", {"op_overhead": op_cost}), bare)
+    comm = bisect(lambda x: {"op_overhead": op_cost, "comm_overhead": x, "scatter_overhead": max(0.0, x + extra)})
+    if comm == 0.0:             # the extra alone overshoots the step: the reduce-scatter's cost is fitted instead
+        return OverheadFit(op_cost, 0.0, bare, bisect("scatter_overhead", {"op_overhead": op_cost, "comm_overhead": 0.0}))
+    return OverheadFit(op_cost, comm, bare, max(0.0, comm + extra))
+
+
+def scatter_extra(graph, profile: MachineProfile, comm_service_s: dict[int, float]) -> float | None:
+    """Seconds a reduce-scatter took beyond its rated time more than the other collectives did
+    (median against median), or None without both kinds measured."""
+    from zdsl.planner.simulate import rated_duration
+    scatter, other = [], []
+    for i, sec in comm_service_s.items():
+        op = graph.ops[i]
+        (scatter if op.kind == "comm.reduce_scatter" else other).append(sec - rated_duration(graph, op, profile))
+    if not scatter or not other:
+        return None
+    return statistics.median(scatter) - statistics.median(other)
 
 
 def _device_for(rank: int, backend: str):
@@ -670,11 +723,12 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         profile.link_latency, profile.link_bandwidth = fit["all_gather"]
         profile.scatter_latency, profile.scatter_bandwidth = fit["reduce_scatter"]
         profile.reduce_latency, profile.reduce_bandwidth = fit["all_reduce"]
-    step_s, block_s, lane_op_s = reference_times(raw)
+    step_s, block_s, lane_op_s, comm_service_s = reference_times(raw)
     blocks = len(block_s)
-    fit = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s, lane_op_s)
+    fit = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s, lane_op_s, comm_service_s)
     profile.op_overhead, bare_s = fit.op, fit.bare_s
     profile.comm_overhead = fit.comm if fit.comm >= 0 else fit.op   # written out: the statement has no "unset"
+    profile.scatter_overhead = fit.scatter if fit.scatter >= 0 else profile.comm_overhead
     import torch
     shape = comp["shape"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -704,8 +758,9 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     notes.append(f"  cores       {_num(profile.cores)} per rank ({os.cpu_count()} cores, {world} rank(s)): "
                  "lanes running at once share them")
     notes.append(f"  overhead    per op run in a lane's thread (the median of each one's time beyond its rated time), "
-                 "and comm_overhead per collective (then fitted to the step), on a tiny "
-                 f"ZeRO-3 GPT (width 64, 2 layers, {first['runtime'][0]['ops']} ops)")
+                 "comm_overhead per collective (then fitted to the step) and scatter_overhead per reduce-scatter "
+                 "(comm_overhead plus the median of what each took beyond its rated time less the other "
+                 f"collectives' median), on a tiny ZeRO-3 GPT (width 64, 2 layers, {first['runtime'][0]['ops']} ops)")
     notes.append(f"              run by the executor: measured {step_s * 1e3:.1f} ms a step, of which its "
                  f"lane ops {sum(lane_op_s.values()) * 1e3:.1f} ms; rates alone predict {bare_s * 1e3:.1f} ms")
     notes.append(f"              (the median of {blocks} blocks of {len(first['runtime'][0]['steps'])} steps, "
@@ -719,20 +774,23 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     return Calibration(profile, details)
 
 
-def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, float]]:
-    """(reference step, each block's step, each lane op's seconds) from the ranks' runtime blocks.
+def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, float], dict[int, float]]:
+    """(reference step, each block's step, each lane op's seconds, each collective's service
+    seconds) from the ranks' runtime blocks.
 
     A step lasts as long as its slowest rank: a block's step is the median over its steps of the
     slowest rank's time, the figure `zdsl run --metrics` reports (its ``step_s``). The reference
     step is the median of the blocks' steps, so one block caught in a burst of outside load does
-    not move it. A lane op's seconds: the mean over ranks of the median over blocks of its medians.
+    not move it. A lane op's (or collective's) seconds: the mean over ranks of the median over
+    blocks of its medians.
     """
     blocks = len(raw[0]["runtime"])
     block_s = [statistics.median(max(times) for times in zip(*(r["runtime"][b]["steps"] for r in raw)))
                for b in range(blocks)]
-    lane_op_s = {i: statistics.fmean(statistics.median(blk["lane_op_s"][i] for blk in r["runtime"]) for r in raw)
-                 for i in raw[0]["runtime"][0]["lane_op_s"]}
-    return statistics.median(block_s), block_s, lane_op_s
+    def per_op(key: str) -> dict[int, float]:
+        return {i: statistics.fmean(statistics.median(blk[key][i] for blk in r["runtime"]) for r in raw)
+                for i in raw[0]["runtime"][0].get(key, {})}
+    return statistics.median(block_s), block_s, per_op("lane_op_s"), per_op("comm_service_s")
 
 
 def _cores_per_rank(world: int) -> float:

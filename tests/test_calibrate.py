@@ -89,7 +89,63 @@ def test_the_reference_step_is_the_median_block_of_the_slowest_rank():
     # Three blocks; the middle one caught a burst (3x slower). Per step, the slower rank counts.
     rank0 = {"runtime": [block([1.0, 1.0, 1.2], 0.1), block([3.0, 3.0, 3.0], 0.3), block([1.1, 1.1, 1.1], 0.1)]}
     rank1 = {"runtime": [block([1.0, 1.4, 1.4], 0.2), block([3.0, 3.0, 3.0], 0.6), block([1.0, 1.0, 1.0], 0.2)]}
-    step, blocks, ops = reference_times([rank0, rank1])
+    step, blocks, ops, comm = reference_times([rank0, rank1])
     assert blocks == [1.4, 3.0, 1.1]
     assert step == 1.4                              # the burst moved nothing
     assert ops == {3: pytest.approx(0.15)}          # mean over ranks of each rank's median block
+    assert comm == {}                               # no collectives' service times in these blocks
+
+
+@pytest.mark.parametrize("scatter_extra", [6e-4, 0.0])
+def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took_beyond_the_others(scatter_extra):
+    """Collectives whose service times exceed their rated times by a fixed cost, reduce-scatters by
+    ``scatter_extra`` more, and the step the three costs predict: the fit returns all three."""
+    import dataclasses
+    from zdsl.planner.simulate import rated_duration, simulate
+    from zdsl.runtime.calibrate import comm_ops, lane_ops
+    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                             scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=1)
+    graph = reference_graph(2, "cpu", 2).graph
+    op_cost, comm_cost = 2e-4, 3e-4
+    truth = dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost,
+                                scatter_overhead=comm_cost + scatter_extra)
+    step = simulate(graph, truth).step_s
+    lane = {i: rated_duration(graph, graph.ops[i], profile) + op_cost for i in lane_ops(graph)}
+    base = 0.4e-3               # what every collective took beyond its rate, whatever the fitted cost
+    service = {i: rated_duration(graph, graph.ops[i], profile) + base
+               + (scatter_extra if graph.ops[i].kind == "comm.reduce_scatter" else 0.0) for i in comm_ops(graph)}
+    assert {graph.ops[i].kind for i in service} >= {"comm.reduce_scatter", "comm.all_gather"}
+    fit = fit_overhead(profile, 2, "cpu", step, lane, service)
+    assert fit.op == pytest.approx(op_cost, rel=1e-6)
+    assert fit.comm == pytest.approx(comm_cost, rel=1e-4)
+    assert fit.scatter == pytest.approx(comm_cost + scatter_extra, rel=1e-4)
+    # and the prediction with the fitted costs is the step they were fitted to
+    fitted = dataclasses.replace(profile, op_overhead=fit.op, comm_overhead=fit.comm, scatter_overhead=fit.scatter)
+    assert simulate(graph, fitted).step_s == pytest.approx(step, rel=1e-6)
+
+
+def test_a_collectives_service_time_starts_when_the_one_before_it_on_its_lane_ends():
+    from types import SimpleNamespace as NS
+
+    from zdsl.runtime.calibrate import comm_service
+    graph = NS(ops=[NS(kind="comm.all_gather", lane="comm"), NS(kind="compute.forward", lane="compute"),
+                    NS(kind="comm.reduce_scatter", lane="comm"), NS(kind="comm.all_gather", lane="comm")])
+    # issued together at 1.0: the second queues behind the first; the third issued after both ended
+    timings = [NS(start=1.0, end=2.0), NS(start=0.0, end=9.0), NS(start=1.0, end=2.5), NS(start=3.0, end=3.25)]
+    assert comm_service(graph, NS(timings=timings)) == {0: 1.0, 2: 0.5, 3: 0.25}
+
+
+def test_a_scatter_extra_that_alone_overshoots_the_step_is_fitted_to_it():
+    import dataclasses
+    from zdsl.planner.simulate import rated_duration, simulate
+    from zdsl.runtime.calibrate import comm_ops, lane_ops
+    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                             memory_bandwidth=1.4e10, cores=1)
+    graph = reference_graph(2, "cpu", 2).graph
+    step = simulate(graph, dataclasses.replace(profile, op_overhead=2e-4, comm_overhead=0.0,
+                                               scatter_overhead=1e-3)).step_s
+    lane = {i: rated_duration(graph, graph.ops[i], profile) + 2e-4 for i in lane_ops(graph)}
+    service = {i: rated_duration(graph, graph.ops[i], profile)
+               + (5e-3 if graph.ops[i].kind == "comm.reduce_scatter" else 0.0) for i in comm_ops(graph)}
+    fit = fit_overhead(profile, 2, "cpu", step, lane, service)
+    assert fit.comm == 0.0 and fit.scatter == pytest.approx(1e-3, rel=1e-4)

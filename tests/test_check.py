@@ -319,7 +319,8 @@ def test_a_user_model_needs_the_data_shape():
     assert at == (1, 1) and "context and vocab" in d.message
 
 
-@pytest.mark.parametrize("key, field", [("comm_overhead", "comm_overhead"), ("scatter_link", "scatter_bandwidth"),
+@pytest.mark.parametrize("key, field", [("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),
+                                        ("scatter_link", "scatter_bandwidth"),
                                         ("reduce_latency", "reduce_latency"),
                                         ("host_memory_bw", "host_memory_bandwidth")])
 def test_machine_derived_rates_and_collective_overhead_may_be_zero_not_negative(tmp_path, key, field):

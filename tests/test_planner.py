@@ -94,6 +94,7 @@ def test_durations_follow_the_machine_profile():
     cases = [
         (Op(0, "compute.forward", "compute", 0, flops=2e9), 2.0),
         (Op(0, "comm.all_gather", "comm", 0, bytes=4e6), 0.5 + 4e6 * 3 / 4 / 1e6),
+        (Op(0, "comm.reduce_scatter", "comm", 0, bytes=4e6), 0.5 + 4e6 * 3 / 4 / 1e6),
         (Op(0, "comm.all_reduce", "comm", 0, bytes=4e6), 2 * (0.5 + 4e6 * 3 / 4 / 1e6)),
         (Op(0, "copy.h2d", "h2d", 0, bytes=4e6), 2.0),
         (Op(0, "nvme.read", "nvme", 0, bytes=4e6), 1.0),
@@ -109,6 +110,11 @@ def test_durations_follow_the_machine_profile():
     m.comm_overhead = 0.0                # collectives' own fixed cost, apart from the lane ops'
     for op, want in cases:
         extra = 0.0 if op.kind == "mem.free" or op.kind.startswith("comm.") else 0.25
+        assert op_duration(g, op, m) == pytest.approx(want + extra), op.kind
+    m.scatter_overhead = 0.125           # a reduce-scatter's own, apart from the other collectives'
+    for op, want in cases:
+        extra = (0.0 if op.kind == "mem.free" or op.kind.startswith("comm.") else 0.25) \
+            + (0.125 if op.kind == "comm.reduce_scatter" else 0.0)
         assert op_duration(g, op, m) == pytest.approx(want + extra), op.kind
 
 

@@ -76,12 +76,16 @@ def op_fixed(op, machine: MachineProfile) -> float:
     constant cost to start and finish each op, which dominates small models: on
     CPU a worker thread's hand-off and wake-up for an op run in a lane's thread
     (``overhead``), and for a collective its watcher's wake-up and the wait for
-    the peer that arrives last (``comm_overhead``, else ``overhead``). 0 for a
-    ``mem.free`` (bookkeeping) and unless the profile sets them (``zdsl
-    calibrate`` measures both).
+    the peer that arrives last (``comm_overhead``, else ``overhead``); a
+    reduce-scatter, whose reduction runs on the backend's threads beside the
+    backward it overlaps, its own (``scatter_overhead``, else ``comm_overhead``).
+    0 for a ``mem.free`` (bookkeeping) and unless the profile sets them (``zdsl
+    calibrate`` measures them).
     """
     if op.kind == "mem.free":
         return 0.0
+    if op.kind == "comm.reduce_scatter" and machine.scatter_overhead >= 0:
+        return machine.scatter_overhead
     if op.kind.startswith("comm.") and machine.comm_overhead >= 0:
         return machine.comm_overhead
     return machine.op_overhead
