@@ -1,6 +1,6 @@
 """How far ``zdsl plan``'s step time is from measurement, after calibration, per program.
 
-    python benchmarks/prediction_error.py                   # each round: calibrate, then every program
+    python benchmarks/prediction_error.py                   # calibrate, run a program; the next ...
     python benchmarks/prediction_error.py --machine /tmp/machine.zs --repeat 3 --explain
 
 1. ``zdsl calibrate --out /tmp/machine.zs`` (or ``--machine FILE`` to reuse
@@ -13,13 +13,15 @@
 3. Print predicted vs measured median step time (the first step excluded)
    and the error; target |error| <= 15% (issue 5).
 
-Each round calibrates afresh (unless ``--machine``) and its runs are
-predicted with that round's profile: on a shared host the machine's own
-speed drifts (here the same step took 12 ms in one quarter hour and 18 in
-the next), and a profile is only a claim about the machine as it was when
-measured. The error per program is the median over rounds of each round's
-prediction against its own measurement; the reference step of each
-calibration is printed, which shows the drift.
+Each program's run is predicted with a profile calibrated just before it
+(``--calibrate-each round``: one calibration a round; ``--machine``: one
+profile for all): on a shared host the machine's own speed drifts (here the
+same step took 12 ms in one quarter hour and 18 in the next; in one round the
+calibration's reference step took 10.9 ms and two programs run a minute later
+ran 40% slower than it, three others not), and a profile is only a claim about
+the machine as it was when measured. The error per program is the median over
+rounds of each run's prediction against its own measurement; the reference
+step of each calibration is printed, which shows the drift.
 
 ``--explain`` also records both traces and compares them op kind by op kind:
 predicted and measured mean duration per op, and the time a step spends
@@ -67,9 +69,10 @@ def machine_statement(path: str) -> str:
     raise SystemExit(f"error: {path} has no `machine` statement")
 
 
-def calibrate(out: str, disk: str | None = None) -> None:
+def calibrate(out: str, disk: str | None = None, quiet: bool = False) -> None:
     args = ["calibrate", "--out", out, "--no-progress"] + (["--disk", disk] if disk else [])
-    print(f"calibrating: zdsl {' '.join(args[:3])}" + (f" --disk {disk}" if disk else ""), flush=True)
+    if not quiet:
+        print(f"calibrating: zdsl {' '.join(args[:3])}" + (f" --disk {disk}" if disk else ""), flush=True)
     proc = zdsl(*args)
     if proc.returncode != 0:
         raise SystemExit(f"error: zdsl calibrate failed ({proc.returncode}): {proc.stderr.strip()[-600:]}")
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-step", type=float, default=30.0, metavar="SECONDS",
                     help="skip programs predicted slower than this per step (default 30)")
     ap.add_argument("--repeat", type=int, default=3, help="measured runs per program (median of medians)")
+    ap.add_argument("--calibrate-each", choices=("program", "round"), default="program",
+                    help="calibrate afresh before each program's run (default) or once a round")
     ap.add_argument("--explain", action="store_true", help="compare predicted and measured traces op by op")
     ap.add_argument("--op-overhead", default=None, metavar="SECONDS|auto",
                     help="also predict with a fixed cost per op; 'auto' fits it on the first program")
@@ -192,17 +197,25 @@ def main(argv: list[str] | None = None) -> int:
     preds: dict[str, list[float]] = {p: [] for p in programs}
     traces: dict[str, str] = {}
     tmp = tempfile.mkdtemp(prefix="zdsl-prederr-traces-")
-    for r in range(args.repeat):                       # alternate programs: load hits all alike
+    def profile_now(r: int, label: str) -> str:
+        """The machine statement to predict with: a fresh calibration of this moment, or --machine."""
         profile = args.machine
-        if profile is None:                            # each round's runs against a profile of that moment
+        if profile is None:
             profile = f"{args.out}.{r}" if args.repeat > 1 else args.out
-            calibrate(profile, args.disk)
+            calibrate(profile, args.disk, quiet=each)
         machine, reference = machine_statement(profile), reference_step(profile)
-        print(f"round {r + 1}: machine {machine}" + (f" (reference step {reference})" if reference else ""),
-              flush=True)
-        if r == 0:
+        said = f"reference step {reference}" if each and reference else f"machine {machine}" + (
+            f" (reference step {reference})" if reference else "")
+        print(f"{label}: {said}", flush=True)
+        return machine
+
+    each = args.machine is None and args.calibrate_each == "program"
+    for r in range(args.repeat):                       # alternate programs: load hits all alike
+        machine = None if each else profile_now(r, f"round {r + 1}")
+        if r == 0:                                     # which programs can run here at all
+            first = machine or profile_now(r, "planning")
             for program in programs:
-                compiled, why = plan(program, machine, args.steps, args.max_step)
+                compiled, why = plan(program, first, args.steps, args.max_step)
                 if compiled is None:
                     skipped.append((program, f"cannot plan: {why}"))
                 else:
@@ -210,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         for program, compiled in planned:
             if program in dict(skipped):
                 continue
-            if r > 0 and args.machine is None:
+            if each:                                   # this run against a profile of this moment
+                machine = profile_now(r, f"round {r + 1}, {Path(program).stem}")
+            if each or (r > 0 and args.machine is None):
                 compiled, why = plan(program, machine, args.steps, float("inf"))
                 if compiled is None:
                     skipped.append((program, f"cannot plan: {why}"))
