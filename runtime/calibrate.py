@@ -536,8 +536,8 @@ def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: f
     With ``comm_service_s`` (each collective's measured service time, :func:`comm_service`) a
     reduce-scatter costs what it took beyond its rated time more than the other collectives did
     (the medians' difference): its reduction runs on the backend's threads, on the cores the
-    backward it overlaps is using, which its isolated rate does not see. Here it came to ~0.5 ms
-    more than an all-gather, and one cost for both put ZeRO-1 and -2 programs, whose steps
+    backward it overlaps is using, which its isolated rate does not see. Here it came to 0.9-1.3 ms
+    more than the others, and one cost for all put ZeRO-1 and -2 programs, whose steps
     reduce-scatter as often as they gather or more, 12-17% under their measured steps.
     """
     from zdsl.planner.simulate import rated_duration, simulate
@@ -568,7 +568,8 @@ def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: f
         return OverheadFit(op_cost, bisect("comm_overhead", {"op_overhead": op_cost}), bare)
     comm = bisect(lambda x: {"op_overhead": op_cost, "comm_overhead": x, "scatter_overhead": max(0.0, x + extra)})
     if comm == 0.0:             # the extra alone overshoots the step: the reduce-scatter's cost is fitted instead
-        return OverheadFit(op_cost, 0.0, bare, bisect("scatter_overhead", {"op_overhead": op_cost, "comm_overhead": 0.0}))
+        scatter = bisect("scatter_overhead", {"op_overhead": op_cost, "comm_overhead": 0.0})
+        return OverheadFit(op_cost, 0.0, bare, scatter)
     return OverheadFit(op_cost, comm, bare, max(0.0, comm + extra))
 
 
@@ -787,6 +788,7 @@ def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, floa
     blocks = len(raw[0]["runtime"])
     block_s = [statistics.median(max(times) for times in zip(*(r["runtime"][b]["steps"] for r in raw)))
                for b in range(blocks)]
+
     def per_op(key: str) -> dict[int, float]:
         return {i: statistics.fmean(statistics.median(blk[key][i] for blk in r["runtime"]) for r in raw)
                 for i in raw[0]["runtime"][0].get(key, {})}
