@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     preds: dict[str, list[float]] = {p: [] for p in programs}
     traces: dict[str, str] = {}
     tmp = tempfile.mkdtemp(prefix="zdsl-prederr-traces-")
+    each = args.machine is None and args.calibrate_each == "program"
+
     def profile_now(r: int, label: str) -> str:
         """The machine statement to predict with: a fresh calibration of this moment, or --machine."""
         profile = args.machine
@@ -209,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label}: {said}", flush=True)
         return machine
 
-    each = args.machine is None and args.calibrate_each == "program"
     for r in range(args.repeat):                       # alternate programs: load hits all alike
         machine = None if each else profile_now(r, f"round {r + 1}")
         if r == 0:                                     # which programs can run here at all

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import mmap
 import os
 import platform
@@ -421,7 +422,8 @@ STEPS = ("compute", "optimizer", "copy", "collectives", "disk", "runtime")
 RUNTIME_STEPS = {False: 240, True: 24}
 RUNTIME_BLOCKS = 3
 
-# The graph the per-op overhead is fitted on: small enough that fixed costs dominate.
+# The graph the per-op overhead is fitted on: small enough that fixed costs dominate. Its step
+# count only has to be valid: measure_runtime runs as many steps as each block needs.
 REFERENCE = """schedule calibrate_reference "zdsl calibrate: a tiny ZeRO-3 step, what the runtime costs per op"
 model     gpt(layers=2, width=64, heads=4, vocab=256, context=32)
 data      synthetic(vocab=256, context=32)
@@ -432,13 +434,15 @@ zero      3
 """
 
 
-def reference_graph(ranks: int, device: str, steps: int):
-    """The compiled reference schedule."""
+@functools.lru_cache(maxsize=None)
+def reference_graph(ranks: int, device: str):
+    """The compiled reference schedule: once per process, for the runtime blocks and the fit
+    alike (nothing that runs it changes it)."""
     from zdsl.cli import compile_file
     with tempfile.TemporaryDirectory(prefix="zdsl-calibrate-") as tmp:
         path = os.path.join(tmp, "reference.zs")
         with open(path, "w", encoding="utf-8") as f:
-            f.write(REFERENCE.format(steps=steps, ranks=ranks, device=device))
+            f.write(REFERENCE.format(steps=RUNTIME_STEPS[False], ranks=ranks, device=device))
         compiled = compile_file(path, {}, simulate=False)
     if not compiled.ok:
         raise CalibrationError("the reference schedule does not compile: "
@@ -457,7 +461,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int) -> d
     from .state import RankState
     from .collectives import all_gather
     from .streams import lane_streams
-    compiled = reference_graph(world, device.type, steps)
+    compiled = reference_graph(world, device.type)
     graph, schedule = compiled.graph, compiled.schedule
     state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device,
                       group=None)
@@ -541,7 +545,7 @@ def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: f
     reduce-scatter as often as they gather or more, 12-17% under their measured steps.
     """
     from zdsl.planner.simulate import rated_duration, simulate
-    graph = reference_graph(ranks, device, 2).graph
+    graph = reference_graph(ranks, device).graph
     bare = simulate(graph, dataclasses.replace(profile, op_overhead=0.0, comm_overhead=-1.0)).step_s
     has_comm = any(op.kind.startswith("comm.") for op in graph.ops)
 

@@ -43,7 +43,7 @@ def test_bad_disk_folder_is_a_clear_error(tmp_path, capsys):
 def test_the_per_op_overhead_fit_recovers_a_known_one():
     from zdsl.planner.simulate import simulate
     profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
-    graph = reference_graph(2, "cpu", 2).graph
+    graph = reference_graph(2, "cpu").graph
     truth = 7e-4
     measured = simulate(graph, MachineProfile(**{**vars(profile), "op_overhead": truth})).step_s
     fit = fit_overhead(profile, 2, "cpu", measured)
@@ -61,7 +61,7 @@ def test_the_two_cost_fit_recovers_lane_and_collective_costs(op_cost, comm_cost,
     from zdsl.runtime.calibrate import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=cores)
-    graph = reference_graph(2, "cpu", 2).graph
+    graph = reference_graph(2, "cpu").graph
     step = simulate(graph, dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost)).step_s
     noise = [0.9, 1.1, 1.0]         # a few ops off their rate either way: the median is not moved
     measured = {i: rated_duration(graph, graph.ops[i], profile) + op_cost * noise[k % 3]
@@ -75,7 +75,7 @@ def test_lane_ops_faster_than_their_rate_give_no_negative_cost():
     from zdsl.planner.simulate import rated_duration
     from zdsl.runtime.calibrate import lane_ops
     profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
-    graph = reference_graph(2, "cpu", 2).graph
+    graph = reference_graph(2, "cpu").graph
     measured = {i: rated_duration(graph, graph.ops[i], profile) / 2 for i in lane_ops(graph)}
     fit = fit_overhead(profile, 2, "cpu", 1.0, measured)
     assert fit.op == 0.0 and fit.comm > 0
@@ -105,7 +105,7 @@ def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took
     from zdsl.runtime.calibrate import comm_ops, lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=1)
-    graph = reference_graph(2, "cpu", 2).graph
+    graph = reference_graph(2, "cpu").graph
     op_cost, comm_cost = 2e-4, 3e-4
     truth = dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost,
                                 scatter_overhead=comm_cost + scatter_extra)
@@ -141,7 +141,7 @@ def test_a_scatter_extra_that_alone_overshoots_the_step_is_fitted_to_it():
     from zdsl.runtime.calibrate import comm_ops, lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              memory_bandwidth=1.4e10, cores=1)
-    graph = reference_graph(2, "cpu", 2).graph
+    graph = reference_graph(2, "cpu").graph
     step = simulate(graph, dataclasses.replace(profile, op_overhead=2e-4, comm_overhead=0.0,
                                                scatter_overhead=1e-3)).step_s
     lane = {i: rated_duration(graph, graph.ops[i], profile) + 2e-4 for i in lane_ops(graph)}
