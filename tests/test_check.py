@@ -335,6 +335,19 @@ def test_machine_derived_rates_and_collective_overhead_may_be_zero_not_negative(
     assert key in d.message and d.span.line == HEADER.count("\n") + 1 and d.span.column > len("machine cpu(")
 
 
+def test_comm_slots_is_a_whole_number_of_threads(tmp_path):
+    (tmp_path / "ok.zs").write_text(HEADER + "machine cpu(comm_slots=4)\n")
+    assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.comm_slots == 4
+    (tmp_path / "default.zs").write_text(HEADER)
+    assert load_schedule(str(tmp_path / "default.zs"))[0].machine.comm_slots == 2     # gloo's two threads
+    for bad in ("0", "1.5"):
+        (tmp_path / "bad.zs").write_text(HEADER + f"machine cpu(comm_slots={bad})\n")
+        with pytest.raises(ZsError) as exc:
+            load_schedule(str(tmp_path / "bad.zs"))
+        d = exc.value.diagnostics[0]
+        assert "comm_slots" in d.message and d.span.line == HEADER.count("\n") + 1
+
+
 def test_machine_overhead_is_a_time_that_may_be_zero(tmp_path):
     (tmp_path / "ok.zs").write_text(HEADER + "machine cpu(flops=1e9, overhead=0.0012)\n")
     assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.op_overhead == 0.0012

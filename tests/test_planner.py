@@ -138,7 +138,7 @@ def test_each_collective_and_the_host_step_have_their_own_rates_where_given():
 
 
 def test_list_scheduling_overlaps_lanes_and_honours_deps():
-    m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0)
+    m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, comm_slots=1)   # a lane: one op at a time
     B = lambda n, k="param_full": Buffer(n, k, 0, "device", 10)  # noqa: E731
     bufs = [B("param_shard[0]", "param_shard"), B("param_full[0]"), B("param_full[1]"), B("act[0]", "act"),
             B("act[1]", "act")]
@@ -162,6 +162,45 @@ def test_list_scheduling_overlaps_lanes_and_honours_deps():
     # memory: param_full[0] lives 0..5, param_full[1] 2.., act[0] 2.., act[1] from 5 (reusing param_full[0])
     dev = sim.memory.tiers["device"]
     assert dev.working_peak == 30 and dev.model_states == 10
+
+
+def _gathers(first_s: float, wait_for_compute: float = 0.0):
+    """Three all-gathers on the comm lane (the first ``first_s`` long, the others 2 s) and, with
+    ``wait_for_compute``, a forward of that many seconds the second gather must wait for."""
+    B = lambda n, k="param_full": Buffer(n, k, 0, "device", 10)  # noqa: E731
+    bufs = [B("param_shard[0]", "param_shard"), *(B(f"param_full[{u}]") for u in range(3)), B("act[0]", "act")]
+    bufs[0].persistent = True
+    gather = lambda i, u, nbytes, deps=(): Op(i, "comm.all_gather", "comm", u, reads=["param_shard[0]"],  # noqa: E731
+                                              writes=[f"param_full[{u}]"], bytes=nbytes, deps=list(deps))
+    ops = [Op(0, "compute.forward", "compute", 0, writes=["act[0]"], flops=wait_for_compute),
+           gather(1, 0, 2 * first_s), gather(2, 1, 4, deps=[0] if wait_for_compute else []), gather(3, 2, 4)]
+    return tiny_graph(ops, bufs)
+
+
+@pytest.mark.parametrize("slots, cores, want_start, want_end", [
+    (1, 0, [0, 2, 4], [2, 4, 6]),      # one at a time, as NCCL's stream runs them
+    (2, 0, [0, 0, 2], [2, 2, 4]),      # gloo's two threads: the third starts when one is free
+    (2, 1, [0, 0, 4], [4, 4, 6]),      # ... but on one core the two running share it
+])
+def test_a_backend_with_two_threads_runs_two_collectives_at_once(slots, cores, want_start, want_end):
+    m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, comm_slots=slots, cores=cores)
+    sim = simulate(_gathers(2.0), m)
+    assert sim.start[1:] == pytest.approx(want_start) and sim.end[1:] == pytest.approx(want_end)
+
+
+@pytest.mark.parametrize("cores", [0, 1])
+def test_collectives_start_in_issue_order_and_a_short_one_frees_its_thread_first(cores):
+    m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, comm_slots=2, cores=cores)
+    # a 6 s gather beside a 2 s one: the third takes the thread the short one leaves at 2
+    sim = simulate(_gathers(6.0), m)
+    if cores == 0:
+        assert sim.start[1:] == pytest.approx([0, 0, 2]) and sim.end[1:] == pytest.approx([6, 2, 4])
+        assert sim.critical_path == [1]                   # the long gather ends the step
+        three = simulate(_gathers(1.0), m)                # the third waited for the first gather's end
+        assert three.critical_path == [1, 3]
+    # the second gather waits for a 5 s forward; the third, issued behind it, may not overtake it
+    sim = simulate(_gathers(1.0, wait_for_compute=5.0), m)
+    assert sim.start[2] == pytest.approx(sim.end[0]) and sim.start[3] >= sim.start[2]
 
 
 def _two_lane_ops():

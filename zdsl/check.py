@@ -41,7 +41,7 @@ OPTIMIZERS = {
 MACHINE_FIELDS = dict(MACHINE_OPTIONS)
 CUDA_PROFILE = MachineProfile(name="cuda", flops=2e14, host_flops=5e10, link_bandwidth=1e11,
                               link_latency=1e-5, pcie_bandwidth=2.5e10, disk_read=3e9,
-                              disk_write=2e9, memory_bandwidth=2e12)
+                              disk_write=2e9, memory_bandwidth=2e12, comm_slots=1)
 CPU_PROFILE = MachineProfile()
 MAX_RANKS = 1 << 16
 STATEMENT_ORDER = ("schedule", "model", "data", "train", "optimizer", "ranks", "machine", "zero",
@@ -369,7 +369,10 @@ class Checker(PlacementChecks):
         for key, arg in given.items():
             # rates must be > 0; a fixed cost per op may be 0, cores 0 turns sharing off, and
             # the per-collective and host rates 0 mean "derived from the others"
-            value = self.r.real(arg.value, key, 0.0, None, lo_open=key not in MACHINE_MAY_BE_ZERO)
+            if key == "comm_slots":     # a count of the backend's threads, not a rate
+                value = self.r.integer(arg.value, key, 1, 1024)
+            else:
+                value = self.r.real(arg.value, key, 0.0, None, lo_open=key not in MACHINE_MAY_BE_ZERO)
             if value is not None:
                 setattr(profile, MACHINE_FIELDS[key], value)
                 self.span(f"machine.{key}", arg.span)

@@ -13,9 +13,11 @@ would cost more to import than the whole pass), so a 1,000-unit graph of
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from zdsl.ir import LANES, TaskGraph
+from zdsl.overlap import union_length
 from zdsl.schedule import MachineProfile
 from zdsl.planner.memory import MemoryTimeline, memory_timeline
 
@@ -254,23 +256,24 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     deps, lane_prev, order = index.deps, index.lane_prev, index.order
     if isinstance(order, int):
         raise CyclicGraphError(order)
+    slots = lane_slots(machine)
     if machine.cores > 0:
         # The fixed cost per op is the host's work of running it (Python dispatch, a thread's
         # wake-up, a collective's completion): one thread's worth, shared like the rest. (As
         # waiting that takes no core, fitted on the reference step, it over-predicted the
         # programs whose lanes overlap most: on one core per rank their work only adds up.)
         demand = [cpu_demand(op, machine) for op in graph.ops]
-        start, end = _shared_schedule(graph, fixed, rated, deps, demand, machine.cores)
+        start, end, gate = _shared_schedule(graph, fixed, rated, deps, demand, machine.cores, slots)
         dur = [e - s for s, e in zip(start, end)]
     else:
         dur = [r + f for r, f in zip(rated, fixed)]
-        start, end = _independent_schedule(dur, deps, lane_prev, order)
+        start, end, gate = _independent_schedule(graph, dur, deps, lane_prev, order, slots)
     n = len(graph.ops)
     binding = [-1] * n          # the predecessor that made the op wait (ended last)
     chain = [0.0] * n           # longest dependency chain ending here (no lane contention)
     for i in order:
         b, t, c = -1, -1.0, 0.0
-        p = lane_prev[i]
+        p = gate[i]
         if p >= 0:
             b, t = p, end[p]
         for d in deps[i]:
@@ -284,6 +287,9 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     lane_busy: dict[str, float] = {}
     for op, d in zip(graph.ops, dur):
         lane_busy[op.lane] = lane_busy.get(op.lane, 0.0) + d
+    for lane in slots:                  # ops that ran at once count once: the time it had one running
+        if lane in lane_busy:
+            lane_busy[lane] = union_length([(start[i], end[i]) for i, op in enumerate(graph.ops) if op.lane == lane])
     lane_busy = {lane: lane_busy[lane] for lane in (*LANES, *sorted(set(lane_busy) - set(LANES)))
                  if lane in lane_busy}
     critical = []
@@ -298,59 +304,92 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
                       memory=memory_timeline(graph, start, end), order=order)
 
 
-def _independent_schedule(dur, deps, lane_prev, order) -> tuple[list[float], list[float]]:
-    """Start and end per op when lanes never slow each other: one pass in topological order."""
+def lane_slots(machine: MachineProfile) -> dict[str, int]:
+    """Ops a lane runs at once, where more than one: the collectives lane runs ``comm_slots``
+    (gloo works off a queue with two threads, so a collective issued behind another starts
+    when either is free; NCCL's one stream runs them one at a time)."""
+    n = int(machine.comm_slots)
+    return {"comm": n} if n > 1 else {}
+
+
+def _independent_schedule(graph: TaskGraph, dur, deps, lane_prev, order, slots: dict[str, int]):
+    """Start and end per op when lanes never slow each other: one pass in topological order.
+    Also each op's lane gate (-1: none): the lane op whose end let it start, the one before it,
+    or on a lane that runs k at once the k-th latest end before it (starts stay in order)."""
     n = len(dur)
-    start, end = [0.0] * n, [0.0] * n
+    start, end, gate = [0.0] * n, [0.0] * n, [-1] * n
+    recent: dict[str, list[tuple[float, int]]] = {lane: [] for lane in slots}   # the k latest ends (a heap)
     for i in order:
         p = lane_prev[i]
-        t = end[p] if p >= 0 else 0.0
+        lane = graph.ops[i].lane
+        k = slots.get(lane, 1)
+        if k == 1:
+            t = end[p] if p >= 0 else 0.0
+            gate[i] = p
+        else:
+            heap = recent[lane]
+            t = start[p] if p >= 0 else 0.0
+            if len(heap) == k:
+                t, gate[i] = max(t, heap[0][0]), heap[0][1]
         for d in deps[i]:
             if end[d] > t:
                 t = end[d]
         start[i] = t
         end[i] = t + dur[i]
-    return start, end
+        if k > 1:
+            heapq.heappush(recent[lane], (end[i], i))
+            if len(recent[lane]) > k:
+                heapq.heappop(recent[lane])
+    return start, end, gate
 
 
-def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float) -> tuple[list[float], list[float]]:
+def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, slots: dict[str, int]):
     """Start and end per op when running ops share ``cores``: an event loop over op
     completions; between two events every running op progresses at a fixed rate. An op
     first spends its ``fixed`` seconds (one thread of host work), then its ``work`` seconds
     (``demand`` cores); each takes that long alone and is slowed by the share while the
-    running ops' demand exceeds ``cores``."""
+    running ops' demand exceeds ``cores``. A lane runs one op at a time, or ``slots[lane]``,
+    started in lane order. Also returns each op's lane gate (see _independent_schedule)."""
     n = len(work)
     lanes: dict[str, list[int]] = {}
     for i, op in enumerate(graph.ops):
         lanes.setdefault(op.lane, []).append(i)
     queues = list(lanes.values())
+    capacity = [slots.get(lane, 1) for lane in lanes]
     head = [0] * len(queues)                 # next op to start, per lane
+    ended: list[list[int]] = [[] for _ in queues]   # per lane, its ops in the order they ended
     waiting = [len(ds) for ds in deps]       # unfinished deps per op
     succ: list[list[int]] = [[] for _ in range(n)]
     for i, ds in enumerate(deps):
         for d in ds:
             succ[d].append(i)
-    start, end = [0.0] * n, [0.0] * n
+    start, end, gate = [0.0] * n, [0.0] * n, [-1] * n
     fixed_left, work_left = list(fixed), list(work)
     fixed_demand = min(1.0, cores)
-    running: dict[int, int] = {}             # lane queue -> op running on it
+    running: dict[int, int] = {}             # op running -> its lane queue
+    busy = [0] * len(queues)                 # ops running per lane
     t, done = 0.0, 0
     while done < n:
         for q, queue in enumerate(queues):
-            if q not in running and head[q] < len(queue) and waiting[queue[head[q]]] == 0:
+            while busy[q] < capacity[q] and head[q] < len(queue) and waiting[queue[head[q]]] == 0:
                 i = queue[head[q]]
-                running[q] = i
+                # the k-th latest end among the lane's earlier ops, as _independent_schedule's
+                free = capacity[q] - busy[q]
+                gate[i] = ended[q][-free] if len(ended[q]) >= free else -1
+                head[q] += 1
+                busy[q] += 1
+                running[i] = q
                 start[i] = t
         if not running:
             raise CyclicGraphError(next(i for i in range(n) if waiting[i] > 0))
-        need = {i: (demand[i] if fixed_left[i] == 0.0 else fixed_demand) for i in running.values()}
+        need = {i: (demand[i] if fixed_left[i] == 0.0 else fixed_demand) for i in running}
         load = sum(need.values())
         slow = cores / load if load > cores else 1.0
-        rate = {i: (slow if need[i] > 0 else 1.0) for i in running.values()}
+        rate = {i: (slow if need[i] > 0 else 1.0) for i in running}
         # the next event: an op leaves its fixed part (and starts competing), or ends
-        dt = min((fixed_left[i] if fixed_left[i] > 0 else work_left[i]) / rate[i] for i in running.values())
+        dt = min((fixed_left[i] if fixed_left[i] > 0 else work_left[i]) / rate[i] for i in running)
         t += dt
-        for q, i in list(running.items()):
+        for i, q in list(running.items()):
             if fixed_left[i] > 0:
                 fixed_left[i] -= dt * rate[i]
                 if fixed_left[i] <= 1e-12 * (1.0 + fixed[i]):
@@ -359,12 +398,13 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float) 
                 work_left[i] -= dt * rate[i]
             if fixed_left[i] == 0.0 and work_left[i] <= 1e-12 * (1.0 + work[i]):
                 end[i] = t
-                del running[q]
-                head[q] += 1
+                del running[i]
+                busy[q] -= 1
+                ended[q].append(i)
                 done += 1
                 for s_ in succ[i]:
                     waiting[s_] -= 1
-    return start, end
+    return start, end, gate
 
 
 def machine_of(graph: TaskGraph) -> MachineProfile:
