@@ -486,7 +486,9 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int) -> d
     del state, executor
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    services = [comm_service(graph, t) for t in records]
+    from .collectives import comm_slots
+    slots = comm_slots()
+    services = [comm_service(graph, t, slots) for t in records]
     return {"step_s": statistics.median(t.seconds for t in records), "steps": [t.seconds for t in records],
             "lane_op_s": {i: statistics.median(t.timings[i].end - t.timings[i].start for t in records)
                           for i in lane_ops(graph)},
@@ -513,16 +515,22 @@ def comm_ops(graph) -> list[int]:
     return [i for i, op in enumerate(graph.ops) if op.kind.startswith("comm.")]
 
 
-def comm_service(graph, record) -> dict[int, float]:
+def comm_service(graph, record, slots: int = 1) -> dict[int, float]:
     """Each collective's service time in one measured step: from when it was issued, or when the
-    collective before it on its lane ended if that was later, to its end. The runtime issues a
-    lane's collectives without waiting, the backend runs them in order; the planner runs them one
-    after another, so this is the measured time comparable to its duration."""
-    service, last_end = {}, {}
+    backend had a thread free for it if that was later, to its end. The runtime issues a lane's
+    collectives without waiting; the backend runs ``slots`` at once, in issue order (gloo: two
+    threads), so one issued behind others starts when the ``slots``-th latest end before it has
+    passed. The planner runs a lane's collectives the same way (``comm_slots``), so this is the
+    measured time comparable to its duration."""
+    service, recent = {}, {}
     for i in comm_ops(graph):
         lane, t = graph.ops[i].lane, record.timings[i]
-        service[i] = t.end - max(t.start, last_end.get(lane, 0.0))
-        last_end[lane] = t.end
+        ends = recent.setdefault(lane, [])
+        free = ends[0] if len(ends) >= slots else 0.0
+        service[i] = t.end - max(t.start, free)
+        ends.append(t.end)
+        ends.sort()
+        del ends[:-slots]          # the latest ends, earliest first: only these can hold a thread
     return service
 
 
@@ -618,7 +626,8 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
             from .affinity import calm_gloo_loops
             calm_gloo_loops()
     try:
-        out: dict = {"threads": threads, "device": str(device), "seconds": {}}
+        from .collectives import comm_slots
+        out: dict = {"threads": threads, "device": str(device), "seconds": {}, "comm_slots": comm_slots()}
         clock = [time.perf_counter()]
 
         def barrier(done: str | None = None) -> None:
@@ -721,7 +730,8 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     host_adam = mean(lambda r: r["optimizer"]["host_adam_bandwidth"])
     profile = MachineProfile(name="cuda" if cuda else "cpu", flops=block, host_flops=host,
                              pcie_bandwidth=pcie, disk_read=d_read, disk_write=d_write, memory_bandwidth=adam,
-                             host_memory_bandwidth=host_adam, cores=_cores_per_rank(world))
+                             host_memory_bandwidth=host_adam, cores=_cores_per_rank(world),
+                             comm_slots=first.get("comm_slots", 1))
     if world > 1:   # each kind of collective its own (latency, bandwidth); one rank keeps the defaults
         fit = {name: (mean(lambda r: r["collectives"][name][0]), mean(lambda r: r["collectives"][name][1]))
                for name in COLLECTIVES}
@@ -762,6 +772,8 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         notes.append("  link        default (one rank: no collectives to measure)")
     notes.append(f"  cores       {_num(profile.cores)} per rank ({os.cpu_count()} cores, {world} rank(s)): "
                  "lanes running at once share them")
+    notes.append(f"  comm_slots  {profile.comm_slots}: collectives the {backend} backend runs at once"
+                 + (" (its worker threads)" if backend == "gloo" else " (one stream)"))
     notes.append(f"  overhead    per op run in a lane's thread (the median of each one's time beyond its rated time), "
                  "comm_overhead per collective (then fitted to the step) and scatter_overhead per reduce-scatter "
                  "(comm_overhead plus the median of what each took beyond its rated time less the other "

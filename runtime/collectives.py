@@ -194,3 +194,18 @@ def _global_rank(group, group_rank: int) -> int:
 def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``tensor`` over ranks in place."""
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+GLOO_DEFAULT_THREADS = 2     # torch's ProcessGroupGloo default
+
+
+def comm_slots() -> int:
+    """Collectives the default group's backend runs at once: gloo takes them off a queue with its
+    worker threads (two unless set), so one issued behind another starts as soon as either is
+    free; NCCL runs a group's collectives one after another on its stream."""
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return 1
+    try:
+        return max(1, int(dist.group.WORLD._get_backend(torch.device("cpu")).options._threads))
+    except (AttributeError, RuntimeError, TypeError, ValueError):   # a torch without the private field
+        return GLOO_DEFAULT_THREADS

@@ -135,6 +135,17 @@ def test_a_collectives_service_time_starts_when_the_one_before_it_on_its_lane_en
     assert comm_service(graph, NS(timings=timings)) == {0: 1.0, 2: 0.5, 3: 0.25}
 
 
+def test_with_two_backend_threads_a_collective_waits_only_for_one_of_them():
+    from types import SimpleNamespace as NS
+
+    from zdsl.runtime.calibrate import comm_service
+    graph = NS(ops=[NS(kind="comm.all_gather", lane="comm")] * 4)
+    # issued together at 1.0: the first two start at once; the third when the second's thread is
+    # free (2.0), the fourth when the third's is (2.5: the first holds the other until 4.0)
+    timings = [NS(start=1.0, end=4.0), NS(start=1.0, end=2.0), NS(start=1.0, end=2.5), NS(start=1.0, end=3.0)]
+    assert comm_service(graph, NS(timings=timings), slots=2) == {0: 3.0, 1: 1.0, 2: 0.5, 3: 0.5}
+
+
 def test_a_scatter_extra_that_alone_overshoots_the_step_is_fitted_to_it():
     import dataclasses
     from zdsl.planner.simulate import rated_duration, simulate
