@@ -55,6 +55,20 @@ def test_known_answer():
     assert m["critical_path_ops"] == 4 and m["overlap_efficiency"] == pytest.approx(5 / 7)
 
 
+@pytest.mark.parametrize("slots, own_second, queued", [(1, 1.0, 1), (2, 3.0, 0)])
+def test_a_collective_queued_behind_another_runs_at_once_where_the_backend_has_two_threads(
+        slots, own_second, queued):
+    # two gathers issued together at 0 (ends 2 and 3), a forward that needs the second
+    g = graph_of([op(0, "comm.all_gather", "comm", 0), op(1, "comm.all_gather", "comm", 1),
+                  op(2, "compute.forward", "compute", 1, deps=[1])])
+    g.config = {"machine": {"comm_slots": slots}}
+    r = analyze(g, {0: (0.0, 2.0), 1: (0.0, 3.0), 2: (3.0, 4.0)})
+    # one thread: the second's own time starts when the first ends; two: it ran from its issue
+    assert r.dep_chain == pytest.approx(own_second + 1.0)
+    assert r.lane_busy["comm"] == pytest.approx(3.0)
+    assert sum("issued before" in n for n in r.notes) == queued
+
+
 def test_dependency_chain_bounds_a_serial_graph():
     # A chain alternating lanes: nothing can overlap, the chain is the bound.
     g = graph_of([op(i, "comm.all_gather" if i % 2 == 0 else "compute.forward",

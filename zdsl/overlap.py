@@ -102,7 +102,16 @@ class OverlapReport:
         return "\n".join(lines)
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
+def comm_slots(graph: TaskGraph) -> int:
+    """Collectives the graph's machine runs at once (``machine ...(comm_slots=)``; 1 if unset)."""
+    machine = (graph.config or {}).get("machine")
+    try:
+        return max(1, int(machine.get("comm_slots", 1))) if isinstance(machine, dict) else 1
+    except (TypeError, ValueError):
+        return 1
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by intervals (ops of one lane may touch or, measured, overlap)."""
     total, cur_s, cur_e = 0.0, None, None
     for s, e in sorted(intervals):
@@ -183,6 +192,9 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
     dur = [0.0] * n
     lane_intervals: dict[str, list[tuple[float, float]]] = {}
     lane_end: dict[str, float] = {}
+    slots = comm_slots(graph)
+    held: dict[str, list[tuple[float, int]]] = {}   # a lane that runs k ops at once: its k latest ends
+    gate: list[int | None] = [None] * n             # there: the op whose end freed the slot an op took
     first, last = float("inf"), float("-inf")
     missing = 0
     queued = 0
@@ -198,7 +210,19 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
             raise ValueError(f"op {op.id} ({op.kind}) ends before it starts: {s} > {e}")
         # An op issued while the one before it in its lane is still running (an async
         # collective) waits in the lane's queue: only the time after that op ends is its own.
-        own_start = max(s, lane_end.get(op.lane, s))
+        # Where the backend runs k collectives at once (gloo's threads), it waits only while k
+        # issued before it are still running: until the k-th latest end.
+        k = slots if op.lane == "comm" else 1
+        if k == 1:
+            own_start = max(s, lane_end.get(op.lane, s))
+        else:
+            ends = held.setdefault(op.lane, [])
+            own_start = s
+            if len(ends) >= k and ends[0][0] > s:
+                own_start, gate[i] = ends[0]
+            ends.append((e, i))
+            ends.sort()
+            del ends[:-k]
         if own_start > s:
             queued += 1
         dur[i] = max(0.0, e - own_start)
@@ -218,14 +242,14 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
     lane_preds: list[list[int]] = []
     prev_in_lane: dict[str, int] = {}
     for i, op in enumerate(ops):
-        p = prev_in_lane.get(op.lane)
+        p = prev_in_lane.get(op.lane) if not (slots > 1 and op.lane == "comm") else gate[i]
         lane_preds.append(dep_preds[i] + [p] if p is not None else dep_preds[i])
         prev_in_lane[op.lane] = i
 
     dep_chain, _ = _longest_path(_topological_order(n, dep_preds), dep_preds, dur)
     crit_len, crit_path = _longest_path(_topological_order(n, lane_preds), lane_preds, dur)
 
-    lane_busy = {lane: _union_length(iv) for lane, iv in lane_intervals.items()}
+    lane_busy = {lane: union_length(iv) for lane, iv in lane_intervals.items()}
     busiest = max(lane_busy, key=lane_busy.__getitem__) if lane_busy else "compute"
     lane_share = {lane: (b / step if step > 0 else 0.0) for lane, b in lane_busy.items()}
     lower = max(lane_busy.get(busiest, 0.0), dep_chain)
