@@ -129,9 +129,11 @@ def test_typical_is_the_median_step():
 
 
 def test_async_ops_queued_in_a_lane_count_from_their_turn():
-    # Two collectives issued together at t=0; the second completes at 2 after waiting for the first.
+    # Two collectives issued together at t=0 on a backend that runs one at a time (NCCL's
+    # stream); the second completes at 2 after waiting for the first.
     g = graph_of([op(0, "comm.all_gather", "comm", 0), op(1, "comm.all_gather", "comm", 1),
                   op(2, "compute.forward", "compute", 1, deps=[1])])
+    g.config = {"machine": {"comm_slots": 1}}
     r = analyze(g, {0: (0.0, 1.0), 1: (0.0, 2.0), 2: (2.0, 3.0)})
     assert r.lane_busy["comm"] == pytest.approx(2.0)
     assert r.critical_length == pytest.approx(3.0)        # not 1 + 2 + 1: the queue is not work

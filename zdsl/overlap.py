@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from .ir import TaskGraph
+from .schedule import MachineProfile
 
 Times = Mapping[int, tuple[float, float]]
 
@@ -103,12 +104,14 @@ class OverlapReport:
 
 
 def comm_slots(graph: TaskGraph) -> int:
-    """Collectives the graph's machine runs at once (``machine ...(comm_slots=)``; 1 if unset)."""
+    """Collectives the graph's machine runs at once (``machine ...(comm_slots=)``; where the
+    graph carries no machine, the default profile's, as the planner's ``machine_of``)."""
+    default = MachineProfile.comm_slots
     machine = (graph.config or {}).get("machine")
     try:
-        return max(1, int(machine.get("comm_slots", 1))) if isinstance(machine, dict) else 1
+        return max(1, int(machine.get("comm_slots", default) if isinstance(machine, dict) else default))
     except (TypeError, ValueError):
-        return 1
+        return default
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
