@@ -450,8 +450,9 @@ def reference_graph(ranks: int, device: str):
     return compiled
 
 
-def measure_runtime(device, s: Settings, rank: int, world: int, steps: int) -> dict:
-    """Step times of ``steps`` steps of the reference schedule through the real executor (all ranks at once)."""
+def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slots: int = 1) -> dict:
+    """Step times of ``steps`` steps of the reference schedule through the real executor (all ranks
+    at once); ``slots``: collectives the backend runs at once (for their service times)."""
     import torch
     import trio
 
@@ -486,8 +487,6 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int) -> d
     del state, executor
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    from .collectives import comm_slots
-    slots = comm_slots()
     services = [comm_service(graph, t, slots) for t in records]
     return {"step_s": statistics.median(t.seconds for t in records), "steps": [t.seconds for t in records],
             "lane_op_s": {i: statistics.median(t.timings[i].end - t.timings[i].start for t in records)
@@ -522,15 +521,12 @@ def comm_service(graph, record, slots: int = 1) -> dict[int, float]:
     threads), so one issued behind others starts when the ``slots``-th latest end before it has
     passed. The planner runs a lane's collectives the same way (``comm_slots``), so this is the
     measured time comparable to its duration."""
-    service, recent = {}, {}
+    from zdsl.overlap import BackendThreads
+    service, lanes = {}, {}
     for i in comm_ops(graph):
-        lane, t = graph.ops[i].lane, record.timings[i]
-        ends = recent.setdefault(lane, [])
-        free = ends[0] if len(ends) >= slots else 0.0
-        service[i] = t.end - max(t.start, free)
-        ends.append(t.end)
-        ends.sort()
-        del ends[:-slots]          # the latest ends, earliest first: only these can hold a thread
+        t = record.timings[i]
+        start, _ = lanes.setdefault(graph.ops[i].lane, BackendThreads(slots)).take(t.start, t.end)
+        service[i] = t.end - start
     return service
 
 
@@ -627,7 +623,8 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
             calm_gloo_loops()
     try:
         from .collectives import comm_slots
-        out: dict = {"threads": threads, "device": str(device), "seconds": {}, "comm_slots": comm_slots()}
+        slots = comm_slots()
+        out: dict = {"threads": threads, "device": str(device), "seconds": {}, "comm_slots": slots}
         clock = [time.perf_counter()]
 
         def barrier(done: str | None = None) -> None:
@@ -640,7 +637,7 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         # The reference step in blocks spread over the calibration (first, middle, last), so that a
         # burst of outside load during one of them moves the median less
         block_steps = RUNTIME_STEPS[s.quick] // RUNTIME_BLOCKS
-        early = [measure_runtime(device, s, rank, world, block_steps)]
+        early = [measure_runtime(device, s, rank, world, block_steps, slots)]
         barrier("runtime (first block)")
         report("compute")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -660,13 +657,13 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
             out["collectives"] = measure_collectives(device if backend == "nccl" else torch.device("cpu"),
                                                      s, rank, world)
         barrier("collectives")
-        early.append(measure_runtime(device, s, rank, world, block_steps))
+        early.append(measure_runtime(device, s, rank, world, block_steps, slots))
         barrier("runtime (middle block)")
         report("disk")
         out["disk"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank)
         barrier("disk")
         report("runtime")
-        out["runtime"] = [*early, measure_runtime(device, s, rank, world, block_steps)]
+        out["runtime"] = [*early, measure_runtime(device, s, rank, world, block_steps, slots)]
         barrier("runtime")
         if world > 1:
             every: list = [None] * world

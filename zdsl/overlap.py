@@ -114,6 +114,27 @@ def comm_slots(graph: TaskGraph) -> int:
         return default
 
 
+class BackendThreads:
+    """A backend that runs ``slots`` of a lane's collectives at once, in issue order (gloo's
+    worker threads), replayed from measured times: an op issued while ``slots`` issued before it
+    are still running starts when the first of them ends (the ``slots``-th latest end)."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.ends: list[tuple[float, int | None]] = []   # the latest ``slots`` ends, earliest first
+
+    def take(self, issued: float, ended: float, op: int | None = None) -> tuple[float, int | None]:
+        """When the op issued at ``issued`` (ended at ``ended``) had a thread, and the op whose end
+        freed it (None where one was free at issue)."""
+        start, freed_by = issued, None
+        if len(self.ends) >= self.slots and self.ends[0][0] > issued:
+            start, freed_by = self.ends[0]
+        self.ends.append((ended, op))
+        self.ends.sort(key=lambda end: end[0])
+        del self.ends[:-self.slots]
+        return start, freed_by
+
+
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by intervals (ops of one lane may touch or, measured, overlap)."""
     total, cur_s, cur_e = 0.0, None, None
@@ -196,7 +217,7 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
     lane_intervals: dict[str, list[tuple[float, float]]] = {}
     lane_end: dict[str, float] = {}
     slots = comm_slots(graph)
-    held: dict[str, list[tuple[float, int]]] = {}   # a lane that runs k ops at once: its k latest ends
+    held: dict[str, BackendThreads] = {}            # a lane that runs k ops at once
     gate: list[int | None] = [None] * n             # there: the op whose end freed the slot an op took
     first, last = float("inf"), float("-inf")
     missing = 0
@@ -219,13 +240,7 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
         if k == 1:
             own_start = max(s, lane_end.get(op.lane, s))
         else:
-            ends = held.setdefault(op.lane, [])
-            own_start = s
-            if len(ends) >= k and ends[0][0] > s:
-                own_start, gate[i] = ends[0]
-            ends.append((e, i))
-            ends.sort()
-            del ends[:-k]
+            own_start, gate[i] = held.setdefault(op.lane, BackendThreads(k)).take(s, e, i)
         if own_start > s:
             queued += 1
         dur[i] = max(0.0, e - own_start)
