@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -217,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     reference = reference_program(tmp, args.steps) if args.control else None
     controls: dict[str, list[float]] = {p: [] for p in programs}   # measured / predicted reference step
 
+    @functools.lru_cache(maxsize=None)
+    def reference_predicted(machine: str) -> float | None:
+        """The profile's predicted step of the reference (once per profile)."""
+        compiled, _ = plan(reference, machine, args.steps, float("inf"))
+        return compiled.sim.step_s if compiled is not None else None
+
     def profile_now(r: int, label: str) -> str:
         """The machine statement to predict with: a fresh calibration of this moment, or --machine."""
         profile = args.machine
@@ -260,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if reference:
                 after = measure(reference, args.steps, None)[0]
-                ref_pred, _ = plan(reference, machine, args.steps, float("inf"))
-                if before and after and ref_pred is not None:
-                    controls[program].append((before * after) ** 0.5 / ref_pred.sim.step_s)
+                ref_pred = reference_predicted(machine)
+                if before and after and ref_pred:
+                    controls[program].append((before * after) ** 0.5 / ref_pred)
                 before = None if each else after      # a fresh calibration comes between otherwise
             runs[program].append(med)
             preds[program].append(compiled.sim.step_s)
