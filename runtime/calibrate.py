@@ -6,11 +6,12 @@ are only as good as those rates, so each is measured here *the way the
 planner uses it*, under the conditions of a real run:
 
 * ``flops``: forward + backward of the schedule's GPT (``--schedule``), or
-  of one GPT block of the given size, divided by the flops the compiler
+  of one GPT block of the given size, against the flops the compiler
   charges for it (3x the analytic forward flops), i.e. the rate
-  ``op.flops / flops`` needs: tiny models run far below the matmul peak. Plain ``torch.mm`` at
-  the block's shapes is reported beside it (the ceiling). fp32 on CPU,
-  bf16 on CUDA.
+  ``op.flops / flops`` needs: on CPU the slope of its time over several
+  batch sizes (each kernel's fixed cost is charged apart, below), on CUDA
+  one batch's flops over its time. Plain ``torch.mm`` at the block's shapes
+  is reported beside it (the ceiling). fp32 on CPU, bf16 on CUDA.
 * ``host_flops``: the same on the host CPU (the device rate on a CPU box).
 * ``memory_bw``/``host_memory_bw``: an AdamW step on a flat fp32 shard,
   counted as the planner counts a ``compute.step`` (moments + parameter +
@@ -28,7 +29,9 @@ planner uses it*, under the conditions of a real run:
   which dominates small models. Measured by training a tiny ZeRO-3 GPT
   (``REFERENCE``) through the real executor, in three blocks of steps spread
   over the calibration (first, middle, last; their median): ``overhead``
-  per lane op is the median of each op's time beyond its rated time,
+  per lane op and ``kernel_overhead`` per kernel a compute op dispatches
+  are the line through each op's time beyond its rated time against its
+  kernels,
   ``comm_overhead`` per collective the cost that then makes the planner's
   prediction of that graph equal the measured median step, and
   ``scatter_overhead`` per reduce-scatter that plus what a reduce-scatter
@@ -178,29 +181,40 @@ def measure_compute(device, s: Settings, dtype) -> dict:
         return out
     torch.manual_seed(0)
     b, T, heads = shape["batch"], shape["context"], shape["heads"]
-    if shape.get("layers"):
-        # The whole model, embedding and head included: what a step's compute lane runs.
+    whole = bool(shape.get("layers"))
+    if whole:   # the whole model, embedding and head included: what a step's compute lane runs
         layers, vocab = shape["layers"], shape["vocab"]
         model = GPT(layers, d, heads, vocab, T, device=device).to(dtype=dtype)
-        idx = torch.randint(vocab, (b, T), device=device)
-        tgt = torch.randint(vocab, (b, T), device=device)
-
-        def fwd_bwd():
-            model(idx, tgt).backward()
         specs = gpt_units(layers, d, heads, vocab, T)
         out["measured"] = f"GPT forward+backward: layers {layers}, vocab {vocab}, "
     else:
         block = Block(d, heads).to(device=device, dtype=dtype)
-        x = torch.randn(b, T, d, device=device, dtype=dtype, requires_grad=True)
-        g = torch.randn_like(x)
-
-        def fwd_bwd():
-            block(x).backward(g)
         specs = gpt_units(1, d, heads, 256, T)[1:2]
         out["measured"] = "GPT block forward+backward: "
-    t_model = _median_time(fwd_bwd, sync, budget)
-    charged = 3.0 * b * sum(u.fwd_flops_per_seq for u in specs)   # forward + 2x for backward
-    out["block_flops"] = charged / t_model
+
+    def fwd_bwd_at(batch: int):
+        if whole:
+            idx = torch.randint(vocab, (batch, T), device=device)
+            tgt = torch.randint(vocab, (batch, T), device=device)
+            return lambda: model(idx, tgt).backward()
+        x = torch.randn(batch, T, d, device=device, dtype=dtype, requires_grad=True)
+        g = torch.randn_like(x)
+        return lambda: block(x).backward(g)
+
+    per_seq = 3.0 * sum(u.fwd_flops_per_seq for u in specs)      # forward + 2x for backward
+    t_model = _median_time(fwd_bwd_at(b), sync, budget)
+    out["block_flops"] = per_seq * b / t_model
+    if device.type == "cpu":
+        # Eager PyTorch pays a fixed cost per kernel, as large here as the block's arithmetic,
+        # which the planner charges apart (kernel_overhead, fitted on the runtime's own ops in
+        # fit_overhead): the rate is the slope of forward+backward's time over several batch
+        # sizes (the same kernels, flops in proportion), not one batch's flops over its time.
+        # (On CUDA, launches overlap the device's work: one batch's rate.)
+        batches = sorted({max(1, b // 4), max(1, b // 2), b, 2 * b})
+        points = [(per_seq * n, _median_time(fwd_bwd_at(n), sync, s.budget(1.5, 0.2)) if n != b else t_model)
+                  for n in batches]
+        fixed_s, rate = fit_latency_bandwidth(points)
+        out.update(block_flops=rate, fixed_s=fixed_s, batches=batches, flops_at_batch=per_seq * b / t_model)
     return out
 
 
@@ -502,6 +516,7 @@ class OverheadFit:
     comm: float                 # seconds per collective (< 0: not fitted apart, ``op`` applies)
     bare_s: float               # the predicted step with no fixed cost at all
     scatter: float = -1.0       # seconds per reduce-scatter (< 0: ``comm`` applies)
+    kernel: float = 0.0         # seconds per kernel a compute op dispatches
 
 
 def lane_ops(graph) -> list[int]:
@@ -536,9 +551,9 @@ def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: f
     """Fixed costs per op that make the reference step's prediction equal ``measured_s``.
 
     With ``lane_op_s`` (the measured seconds of each lane op of the reference, by position)
-    and collectives in the graph, the cost per lane op is the median of what each took beyond
-    its rated time (the intercept of measured against rated: a 0.03 ms step and a 1 ms backward
-    alike), and the cost per collective is then the one that makes the step match. Without it,
+    and collectives in the graph, the cost per lane op and per kernel come from what each lane
+    op took beyond its rated time (:func:`lane_costs`), and the cost per collective is then the
+    one that makes the step match. Without it,
     one cost for every op makes the step match. Each prediction grows with its cost: bisection.
 
     With ``comm_service_s`` (each collective's measured service time, :func:`comm_service`) a
@@ -550,7 +565,8 @@ def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: f
     """
     from zdsl.planner.simulate import rated_duration, simulate
     graph = reference_graph(ranks, device).graph
-    bare = simulate(graph, dataclasses.replace(profile, op_overhead=0.0, comm_overhead=-1.0)).step_s
+    bare = simulate(graph, dataclasses.replace(profile, op_overhead=0.0, comm_overhead=-1.0,
+                                               kernel_overhead=0.0)).step_s
     has_comm = any(op.kind.startswith("comm.") for op in graph.ops)
 
     def bisect(key, fixed: dict | None = None) -> float:
@@ -569,16 +585,40 @@ def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: f
 
     if not lane_op_s or not has_comm:
         return OverheadFit(bisect("op_overhead", {"comm_overhead": -1.0}), -1.0, bare)
-    excess = [sec - rated_duration(graph, graph.ops[i], profile) for i, sec in lane_op_s.items()]
-    op_cost = max(0.0, statistics.median(excess)) if excess else 0.0
+    op_cost, kernel_cost = lane_costs(graph, profile, lane_op_s)
+    profile = dataclasses.replace(profile, op_overhead=op_cost, kernel_overhead=kernel_cost)
     extra = scatter_extra(graph, profile, comm_service_s or {})
     if extra is None:
-        return OverheadFit(op_cost, bisect("comm_overhead", {"op_overhead": op_cost}), bare)
-    comm = bisect(lambda x: {"op_overhead": op_cost, "comm_overhead": x, "scatter_overhead": max(0.0, x + extra)})
+        return OverheadFit(op_cost, bisect("comm_overhead", {}), bare, kernel=kernel_cost)
+    comm = bisect(lambda x: {"comm_overhead": x, "scatter_overhead": max(0.0, x + extra)})
     if comm == 0.0:             # the extra alone overshoots the step: the reduce-scatter's cost is fitted instead
-        scatter = bisect("scatter_overhead", {"op_overhead": op_cost, "comm_overhead": 0.0})
-        return OverheadFit(op_cost, 0.0, bare, scatter)
-    return OverheadFit(op_cost, comm, bare, max(0.0, comm + extra))
+        scatter = bisect("scatter_overhead", {"comm_overhead": 0.0})
+        return OverheadFit(op_cost, 0.0, bare, scatter, kernel_cost)
+    return OverheadFit(op_cost, comm, bare, max(0.0, comm + extra), kernel_cost)
+
+
+def lane_costs(graph, profile: MachineProfile, lane_op_s: dict[int, float]) -> tuple[float, float]:
+    """(seconds per lane op, seconds per kernel of a compute op) from the measured lane ops: the
+    least-squares line through each op's time beyond its rated time against the kernels it
+    dispatches (``op.kernels``; 0 for a step or a copy). In the executor a kernel costs about
+    twice what it does in a bare forward+backward (the runtime's saved-tensor hooks, a core
+    shared with the collectives' threads): 8 us here against 4. Without two kernel counts to
+    draw a line through, or with a line that falls, the median excess per op and no kernel cost;
+    a line that would start below 0 goes through the origin."""
+    from zdsl.planner.simulate import rated_duration
+    points = [(graph.ops[i].kernels, sec - rated_duration(graph, graph.ops[i], profile))
+              for i, sec in lane_op_s.items()]
+    if not points:
+        return 0.0, 0.0
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    if slope <= 0:
+        return max(0.0, statistics.median(y for _, y in points)), 0.0
+    if my - slope * mx < 0:
+        return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    return my - slope * mx, slope
 
 
 def scatter_extra(graph, profile: MachineProfile, comm_service_s: dict[int, float]) -> float | None:
@@ -738,7 +778,7 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     step_s, block_s, lane_op_s, comm_service_s = reference_times(raw)
     blocks = len(block_s)
     fit = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s, lane_op_s, comm_service_s)
-    profile.op_overhead, bare_s = fit.op, fit.bare_s
+    profile.op_overhead, profile.kernel_overhead, bare_s = fit.op, fit.kernel, fit.bare_s
     profile.comm_overhead = fit.comm if fit.comm >= 0 else fit.op   # written out: the statement has no "unset"
     profile.scatter_overhead = fit.scatter if fit.scatter >= 0 else profile.comm_overhead
     import torch
@@ -771,7 +811,12 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                  "lanes running at once share them")
     notes.append(f"  comm_slots  {profile.comm_slots}: collectives the {backend} backend runs at once"
                  + (" (its worker threads)" if backend == "gloo" else " (one stream)"))
-    notes.append(f"  overhead    per op run in a lane's thread (the median of each one's time beyond its rated time), "
+    if comp.get("batches"):
+        notes.append(f"              the slope of its time over batch {', '.join(str(n) for n in comp['batches'])} "
+                     f"(kernels are charged apart; batch {shape['batch']}'s flops over its time: "
+                     f"{_num(comp['flops_at_batch'])} flop/s)")
+    notes.append(f"  overhead    per op run in a lane's thread and kernel_overhead per kernel a compute op dispatches "
+                 "(the line through each one's time beyond its rated time against its kernels), "
                  "comm_overhead per collective (then fitted to the step) and scatter_overhead per reduce-scatter "
                  "(comm_overhead plus the median of what each took beyond its rated time less the other "
                  f"collectives' median), on a tiny ZeRO-3 GPT (width 64, 2 layers, {first['runtime'][0]['ops']} ops)")

@@ -3,7 +3,8 @@
 The compiler works on ``list[zdsl.units.UnitSpec]``: per unit, its
 parameters (names and shapes, registration order), the units it reads tied
 parameters from, and per-sequence forward flops, saved-activation elements
-and input elements. The built-in GPT is sized analytically in ``zdsl/``
+and input elements, and the kernels (aten ops) its forward and backward
+dispatch. The built-in GPT is sized analytically in ``zdsl/``
 (instant, no torch); a user's model is built under ``torch.device("meta")``
 (no memory, no init) and one sequence of ``context`` tokens is pushed
 through its units on meta tensors: flops come from torch's
@@ -37,6 +38,7 @@ def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
                       uses=uses[i]) for i, u in enumerate(units)]
     try:
         _measure(units, specs, context)
+        _count_kernels(model, units, specs, context)
     except Exception as exc:   # the user's forward cannot run on meta: keep exact sizes, estimate the rest
         warnings.warn(f"{where}: could not trace one sequence on the meta device "
                       f"({type(exc).__name__}: {exc}); flops and activations are estimates")
@@ -44,7 +46,14 @@ def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
             s.fwd_flops_per_seq = 2.0 * s.numel * context
             s.input_elems_per_seq = s.input_elems_per_seq or context
             s.act_elems_per_seq = s.act_elems_per_seq or context
+            s.fwd_kernels = s.fwd_kernels or ESTIMATED_KERNELS[0] * len(s.params)
+            s.bwd_kernels = s.bwd_kernels or ESTIMATED_KERNELS[1] * len(s.params)
     return specs
+
+
+# Kernels per parameter tensor when a model cannot be traced: a biased linear layer's (forward: a
+# transpose and an addmm for its 2 tensors; backward: a transpose, 2 matmuls, a sum, 2 accumulations).
+ESTIMATED_KERNELS = (1, 3)
 
 
 def _measure(units, specs: list[UnitSpec], context: int) -> None:
@@ -72,6 +81,13 @@ def _measure(units, specs: list[UnitSpec], context: int) -> None:
         spec.fwd_flops_per_seq = float(counter.get_total_flops())
         spec.act_elems_per_seq = int(sum(saved.values()))
         x = out.detach()
+
+
+def _count_kernels(model, units, specs: list[UnitSpec], context: int) -> None:
+    from .kernel_count import model_kernels
+    x = torch.zeros(1, context, dtype=torch.long, device="meta")
+    for spec, (fwd, bwd) in zip(specs, model_kernels(model, units, x, x.clone())):
+        spec.fwd_kernels, spec.bwd_kernels = fwd, bwd
 
 
 DEFAULT_CONTEXT = 64

@@ -55,6 +55,7 @@ from zdsl.ir import Buffer, Op, TaskGraph, parse_buffer_name
 from . import collectives
 from .flat import FlatParam, alloc_storage, free_storage, layout_of
 from .memory import MemoryMeter
+from .models.protocol import tied_indices
 from .optim import UnitOptimizer, clip_coefficient, state_names
 from .precision import LossScaler, compute_dtype, overflowed
 
@@ -120,16 +121,6 @@ class _Collective:
         return True
 
 
-def _normalize_tied(model: nn.Module, units: list[nn.Module]) -> dict[int, list[tuple[int, int]]]:
-    """``model.tied`` -> {user unit: [(owner unit, index of the parameter in the owner)]}."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    for (user, owner), names in dict(getattr(model, "tied", {}) or {}).items():
-        owned = [n for n, _ in units[owner].named_parameters()]
-        for name in ([names] if isinstance(names, str) else list(names)):
-            out.setdefault(user, []).append((owner, owned.index(name)))
-    return out
-
-
 class RankState:
     """All buffers of one rank and the execution of single ops on them.
 
@@ -162,7 +153,7 @@ class RankState:
         if len(self.modules) != len(graph.units):
             raise StateError(f"rank {rank}: the model has {len(self.modules)} units, the compiled graph "
                              f"{len(graph.units)}")
-        self.tied = _normalize_tied(model, self.modules)
+        self.tied = tied_indices(model, self.modules)
         names = {id(p): n for n, p in model.named_parameters()}
         self.param_names = [[names.get(id(p), f"units.{u}.{n}") for n, p in m.named_parameters()]
                             for u, m in enumerate(self.modules)]

@@ -52,23 +52,52 @@ def test_the_per_op_overhead_fit_recovers_a_known_one():
 
 
 @pytest.mark.parametrize("cores", [0, 1])
+@pytest.mark.parametrize("kernel_cost", [0.0, 8e-6])
 @pytest.mark.parametrize("op_cost, comm_cost", [(3e-4, 1.5e-3), (1e-3, 2e-4), (5e-4, 0.0)])
-def test_the_two_cost_fit_recovers_lane_and_collective_costs(op_cost, comm_cost, cores):
-    """Lane ops that each took their rated time plus a fixed cost, and the step a known pair of
-    costs predicts: the fit returns that pair (the lane ops pin the first, the step the second)."""
+def test_the_fit_recovers_lane_kernel_and_collective_costs(op_cost, comm_cost, kernel_cost, cores):
+    """Lane ops that each took their rated time plus a fixed cost plus one per kernel, and the
+    step the known costs predict: the fit returns them (the lane ops pin the first two, the step
+    the third)."""
     import dataclasses
     from zdsl.planner.simulate import rated_duration, simulate
     from zdsl.runtime.calibrate import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=cores)
     graph = reference_graph(2, "cpu").graph
-    step = simulate(graph, dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost)).step_s
-    noise = [0.9, 1.1, 1.0]         # a few ops off their rate either way: the median is not moved
-    measured = {i: rated_duration(graph, graph.ops[i], profile) + op_cost * noise[k % 3]
-                for k, i in enumerate(lane_ops(graph))}
+    assert len({graph.ops[i].kernels for i in lane_ops(graph)}) > 3      # steps (none) and units' compute
+    truth = dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost, kernel_overhead=kernel_cost)
+    step = simulate(graph, truth).step_s
+    measured = {i: rated_duration(graph, graph.ops[i], profile) + op_cost + graph.ops[i].kernels * kernel_cost
+                for i in lane_ops(graph)}
     fit = fit_overhead(profile, 2, "cpu", step, measured)
     assert fit.op == pytest.approx(op_cost, rel=1e-6)
+    assert fit.kernel == pytest.approx(kernel_cost, rel=1e-6, abs=1e-12)
     assert fit.comm == pytest.approx(comm_cost, rel=1e-4, abs=1e-8)
+
+
+def test_the_lane_cost_line_stands_noise():
+    """Each lane op 10% off its fixed costs either way: the costs come back within 10%."""
+    from zdsl.planner.simulate import rated_duration
+    from zdsl.runtime.calibrate import lane_costs, lane_ops
+    profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
+    graph = reference_graph(2, "cpu").graph
+    noise = [0.9, 1.1, 1.0]
+    measured = {i: rated_duration(graph, graph.ops[i], profile)
+                + (2e-4 + graph.ops[i].kernels * 8e-6) * noise[k % 3] for k, i in enumerate(lane_ops(graph))}
+    op, kernel = lane_costs(graph, profile, measured)
+    assert op == pytest.approx(2e-4, rel=0.1) and kernel == pytest.approx(8e-6, rel=0.1)
+
+
+def test_the_lane_cost_line_never_starts_below_zero():
+    from zdsl.planner.simulate import rated_duration
+    from zdsl.runtime.calibrate import lane_costs, lane_ops
+    profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
+    graph = reference_graph(2, "cpu").graph
+    # ops with no kernels took no more than their rates; the others 10 us a kernel, less 50 us
+    measured = {i: rated_duration(graph, graph.ops[i], profile) + max(0.0, graph.ops[i].kernels * 1e-5 - 5e-5)
+                for i in lane_ops(graph)}
+    op, kernel = lane_costs(graph, profile, measured)
+    assert op == 0.0 and 0 < kernel < 1e-5
 
 
 def test_lane_ops_faster_than_their_rate_give_no_negative_cost():

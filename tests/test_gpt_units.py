@@ -144,6 +144,31 @@ def test_a_user_model_file_loads_builds_and_sizes_on_meta(model_file):
     assert all(s.act_elems_per_seq > 0 for s in specs)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_gpt_kernel_counts_are_what_its_units_dispatch(cfg, device):
+    """zdsl.units.GPT_KERNELS against a count of the runtime's GPT, run on CPU, and on meta as a
+    user's model is sized (where attention must count as the fused kernel a run dispatches)."""
+    from zdsl.runtime.kernel_count import model_kernels
+    with torch.device(device):
+        model = GPT(**cfg)
+        ids = torch.zeros(2, cfg["context"], dtype=torch.long)
+    counts = model_kernels(model, model.units(), ids, ids.clone())
+    assert counts == [(s.fwd_kernels, s.bwd_kernels) for s in gpt_units(**cfg)]
+
+
+def test_a_user_models_kernels_counted_on_meta_are_those_it_runs_on_cpu(model_file):
+    from zdsl.runtime.kernel_count import model_kernels
+    spec = ModelSpec("user", {"hidden": 8}, factory=f"{model_file.name}:build")
+    model = build_model(spec, seed=0, base_dir=model_file.parent)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    on_cpu = model_kernels(model, model.units(), ids, ids.clone())
+    sized = unit_specs(spec, context=4, base_dir=model_file.parent)
+    assert [(s.fwd_kernels, s.bwd_kernels) for s in sized] == on_cpu
+    # Mix: addmm (+ t), tanh, add; backward adds 2 gradient accumulations to autograd's kernels
+    assert on_cpu[1][0] >= 3 and on_cpu[1][1] > on_cpu[1][0]
+
+
 def test_builtin_gpt_sizing_is_the_analytic_one():
     assert unit_specs(ModelSpec("gpt", dict(CONFIGS[0])), 16) == gpt_units(**CONFIGS[0])
 

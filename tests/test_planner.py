@@ -116,6 +116,25 @@ def test_durations_follow_the_machine_profile():
         extra = (0.0 if op.kind == "mem.free" or op.kind.startswith("comm.") else 0.25) \
             + (0.125 if op.kind == "comm.reduce_scatter" else 0.0)
         assert op_duration(g, op, m) == pytest.approx(want + extra), op.kind
+    m.kernel_overhead = 0.001            # and a compute op one per kernel it dispatches
+    fwd = Op(0, "compute.forward", "compute", 0, flops=2e9, kernels=32)
+    assert op_duration(g, fwd, m) == pytest.approx(2.0 + 0.25 + 0.032)
+
+
+def test_compute_ops_carry_their_units_kernels():
+    """Forward and recompute: the unit's forward kernels; backward: its backward kernels (the
+    GPT's, zdsl.units.GPT_KERNELS); no other op has any."""
+    from zdsl.units import GPT_KERNELS
+    from pathlib import Path
+    from zdsl.cli import compile_file
+    program = Path(__file__).resolve().parent.parent / "programs" / "pipelines.zs"    # recomputes its blocks
+    graph = compile_file(str(program), {}, simulate=False).graph
+    for op in graph.ops:
+        name = graph.units[op.unit].name.split(".")[0] if op.unit is not None else None
+        want = {"compute.forward": "fwd_kernels", "compute.recompute": "fwd_kernels",
+                "compute.backward": "bwd_kernels"}.get(op.kind)
+        assert op.kernels == (GPT_KERNELS[name][want] if want else 0), (op.kind, name)
+    assert {op.kind for op in graph.ops} >= {"compute.forward", "compute.recompute", "compute.backward"}
 
 
 def test_each_collective_and_the_host_step_have_their_own_rates_where_given():

@@ -68,6 +68,7 @@ class _Draft:
     micro: int
     bytes: int = 0
     flops: float = 0.0
+    kernels: int = 0
     part: int = 0
     parts: int = 1
     accumulate: bool = False
@@ -271,7 +272,7 @@ class _Builder:
                 reads = [buffer_name("act", u), *self.param_reads(u)]
                 self.emit(self.d("compute.recompute", u, reads, [buffer_name("act_inner", u)], phase, micro, st,
                                  flops=self.specs[u].fwd_flops_per_seq * self.batch,
-                                 fresh={buffer_name("act_inner", u)}))
+                                 kernels=self.specs[u].fwd_kernels, fresh={buffer_name("act_inner", u)}))
         elif verb == "step":
             self.step(u, micro, st)
         elif verb == "gather":
@@ -330,7 +331,7 @@ class _Builder:
             reads = ([buffer_name("act", u - 1)] if u > 0 else []) + self.param_reads(u)
             writes = [buffer_name("act", u)] + (["loss"] if u == L - 1 else [])
             self.emit(self.d("compute.forward", u, reads, writes, phase, micro, st, flops=flops,
-                             fresh={buffer_name("act", u)}))
+                             kernels=spec.fwd_kernels, fresh={buffer_name("act", u)}))
         elif phase == "backward":
             reads = [buffer_name("act", u)]
             if u in self.recompute:
@@ -342,7 +343,7 @@ class _Builder:
             writes = grads + ([buffer_name("act_grad", u)] if u > 0 else [])
             # backward accumulates into full gradients, so it also reads them
             self.emit(self.d("compute.backward", u, reads + [g for g in grads if self.is_valid(g)], writes,
-                             phase, micro, st, flops=2 * flops,
+                             phase, micro, st, flops=2 * flops, kernels=spec.bwd_kernels,
                              fresh={buffer_name("act_grad", u)} | {g for g in grads if not self.is_valid(g)}))
         else:
             raise LoweringError("`compute` belongs in a forward or backward template", st,
@@ -626,7 +627,7 @@ class _Builder:
                 readers[name] = []
             deps.discard(i)
             ops.append(Op(id=i, kind=d.kind, lane=d.lane, unit=d.unit, reads=d.reads, writes=d.writes,
-                          bytes=d.bytes, flops=d.flops, deps=sorted(deps), micro=d.micro, phase=d.phase,
+                          bytes=d.bytes, flops=d.flops, kernels=d.kernels, deps=sorted(deps), micro=d.micro, phase=d.phase,
                           part=d.part, parts=d.parts, accumulate=d.accumulate, span=d.span))
         return ops
 

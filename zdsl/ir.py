@@ -101,6 +101,7 @@ class Op:
     writes: list[str] = field(default_factory=list)
     bytes: int = 0            # bytes moved (comm: per rank sent+received payload; copy/nvme: bytes)
     flops: float = 0.0        # compute ops
+    kernels: int = 0          # compute ops: aten ops the runtime dispatches for it (fixed cost each)
     deps: list[int] = field(default_factory=list)  # op ids, derived from reads/writes
     micro: int = 0            # micro-batch index (gradient accumulation)
     phase: str = ""           # "forward", "backward", "step"

@@ -86,6 +86,7 @@ class MachineProfile:
     disk_write: float = 2e9
     memory_bandwidth: float = 1e10         # elementwise work on the device (optimizer step)
     op_overhead: float = 0.0               # seconds the runtime spends starting and finishing an op
+    kernel_overhead: float = 0.0           # seconds per kernel (aten op) a compute op dispatches
     comm_overhead: float = -1.0            # the same for a collective; < 0: op_overhead
     scatter_overhead: float = -1.0         # the same for a reduce-scatter; < 0: comm_overhead
     cores: float = 0.0                     # CPU cores per rank that lanes share; 0: lanes independent
@@ -106,11 +107,11 @@ MACHINE_OPTIONS = (
     ("reduce_link", "reduce_bandwidth"), ("reduce_latency", "reduce_latency"),
     ("pcie", "pcie_bandwidth"), ("disk_read", "disk_read"), ("disk_write", "disk_write"),
     ("memory_bw", "memory_bandwidth"), ("host_memory_bw", "host_memory_bandwidth"),
-    ("overhead", "op_overhead"), ("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),
+    ("overhead", "op_overhead"), ("kernel_overhead", "kernel_overhead"), ("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),
     ("cores", "cores"), ("comm_slots", "comm_slots"),
 )
 # Keywords that may be 0 (a fixed cost, sharing off, or "derive it"); other rates must be > 0.
-MACHINE_MAY_BE_ZERO = ("overhead", "comm_overhead", "scatter_overhead", "cores", "scatter_link", "scatter_latency",
+MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "comm_overhead", "scatter_overhead", "cores", "scatter_link", "scatter_latency",
                        "reduce_link", "reduce_latency", "host_memory_bw")
 
 

@@ -19,6 +19,8 @@ class UnitSpec:
     fwd_flops_per_seq: float = 0.0                 # forward flops for one sequence
     act_elems_per_seq: int = 0                     # elements autograd keeps for backward, one sequence
     input_elems_per_seq: int = 0                   # elements of the unit's input, one sequence
+    fwd_kernels: int = 0                           # aten ops its forward dispatches (runtime/kernel_count.py)
+    bwd_kernels: int = 0                           # the same for its backward, gradient accumulation included
 
     @property
     def numel(self) -> int:
@@ -26,6 +28,14 @@ class UnitSpec:
 
 
 GPT_DEFAULTS = dict(layers=4, width=128, heads=4, vocab=256, context=64)
+
+# Kernels (aten ops) per unit of runtime/models/gpt.py, forward and backward, counted by
+# runtime/kernel_count.py (the same for every size; tests/test_gpt_units.py recounts them).
+GPT_KERNELS = {
+    "embedding": dict(fwd_kernels=4, bwd_kernels=6),
+    "block": dict(fwd_kernels=32, bwd_kernels=68),
+    "head": dict(fwd_kernels=10, bwd_kernels=17),
+}
 
 
 def gpt_units(layers: int, width: int, heads: int, vocab: int, context: int) -> list[UnitSpec]:
@@ -37,6 +47,7 @@ def gpt_units(layers: int, width: int, heads: int, vocab: int, context: int) -> 
         fwd_flops_per_seq=2.0 * T * d,
         act_elems_per_seq=T,                       # the token ids (dropout-free: nothing else kept)
         input_elems_per_seq=T,
+        **GPT_KERNELS["embedding"],
     )
     block_params = [
         ("ln_1.weight", (d,)), ("ln_1.bias", (d,)),
@@ -52,7 +63,7 @@ def gpt_units(layers: int, width: int, heads: int, vocab: int, context: int) -> 
     block_act = T * d * 19 + heads * T  # sdpa keeps its logsumexp per head and position
     blocks = [
         UnitSpec(f"block.{i}", list(block_params), fwd_flops_per_seq=block_flops,
-                 act_elems_per_seq=block_act, input_elems_per_seq=T * d)
+                 act_elems_per_seq=block_act, input_elems_per_seq=T * d, **GPT_KERNELS["block"])
         for i in range(layers)
     ]
     head = UnitSpec(
@@ -62,6 +73,7 @@ def gpt_units(layers: int, width: int, heads: int, vocab: int, context: int) -> 
         fwd_flops_per_seq=2.0 * T * d * V,
         act_elems_per_seq=T * d * 2 + T * V,       # ln_f in/out and the logits for cross-entropy
         input_elems_per_seq=T * d,
+        **GPT_KERNELS["head"],
     )
     return [embedding, *blocks, head]
 

@@ -125,6 +125,16 @@ def tied_uses(model, n_units: int) -> list[list[int]]:
     return uses
 
 
+def tied_indices(model: nn.Module, units: list[nn.Module]) -> dict[int, list[tuple[int, int]]]:
+    """``model.tied`` -> {user unit: [(owner unit, index of the parameter in the owner)]}."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for (user, owner), names in dict(getattr(model, "tied", {}) or {}).items():
+        owned = [n for n, _ in units[owner].named_parameters()]
+        for name in ([names] if isinstance(names, str) else list(names)):
+            out.setdefault(user, []).append((owner, owned.index(name)))
+    return out
+
+
 def build_model(model_spec, seed: int = 0, device=None, base_dir=None) -> nn.Module:
     """The model a schedule's ``model`` statement names, initialised from ``seed``.
 

@@ -81,11 +81,15 @@ def op_fixed(op, machine: MachineProfile) -> float:
     the peer that arrives last (``comm_overhead``, else ``overhead``); a
     reduce-scatter, whose reduction runs on the backend's threads beside the
     backward it overlaps, its own (``scatter_overhead``, else ``comm_overhead``).
-    0 for a ``mem.free`` (bookkeeping) and unless the profile sets them (``zdsl
+    A compute op also pays ``kernel_overhead`` for each kernel it dispatches
+    (``op.kernels``): eager PyTorch's cost per aten op, which makes a unit of
+    many small ops slower than its flops say. 0 for a ``mem.free`` (bookkeeping) and unless the profile sets them (``zdsl
     calibrate`` measures them).
     """
     if op.kind == "mem.free":
         return 0.0
+    if op.kernels:
+        return machine.op_overhead + op.kernels * machine.kernel_overhead
     if op.kind == "comm.reduce_scatter" and machine.scatter_overhead >= 0:
         return machine.scatter_overhead
     if op.kind.startswith("comm.") and machine.comm_overhead >= 0:
