@@ -37,6 +37,10 @@ planner uses it*, under the conditions of a real run:
   ``scatter_overhead`` per reduce-scatter that plus what a reduce-scatter
   took beyond its rated time more than the other collectives did.
 * ``cores``: the rank's share of the host's cores (ranks are bound to it).
+* ``comm_under_load``: on CPU, the share of its rate a collective keeps
+  while compute fills those cores: gloo's threads wait for a core rather
+  than take a fair share. The slope of each reference collective's time
+  beyond its rate against the seconds a compute op ran beside it.
 
 All ranks measure at once (one process per rank, the runtime's thread
 count per rank), because that is how they contend for cores, memory and
@@ -502,10 +506,12 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     if device.type == "cuda":
         torch.cuda.empty_cache()
     services = [comm_service(graph, t, slots) for t in records]
+    loaded = [comm_under_compute(graph, t, slots) for t in records]
     return {"step_s": statistics.median(t.seconds for t in records), "steps": [t.seconds for t in records],
             "lane_op_s": {i: statistics.median(t.timings[i].end - t.timings[i].start for t in records)
                           for i in lane_ops(graph)},
             "comm_service_s": {i: statistics.median(s[i] for s in services) for i in comm_ops(graph)},
+            "comm_loaded_s": {i: statistics.median(x[i] for x in loaded) for i in comm_ops(graph)},
             "ops": len(graph.ops)}
 
 
@@ -517,6 +523,7 @@ class OverheadFit:
     bare_s: float               # the predicted step with no fixed cost at all
     scatter: float = -1.0       # seconds per reduce-scatter (< 0: ``comm`` applies)
     kernel: float = 0.0         # seconds per kernel a compute op dispatches
+    under_load: float = 0.0     # a collective's rate while compute fills the cores (0: fair share)
 
 
 def lane_ops(graph) -> list[int]:
@@ -529,25 +536,41 @@ def comm_ops(graph) -> list[int]:
     return [i for i, op in enumerate(graph.ops) if op.kind.startswith("comm.")]
 
 
-def comm_service(graph, record, slots: int = 1) -> dict[int, float]:
-    """Each collective's service time in one measured step: from when it was issued, or when the
-    backend had a thread free for it if that was later, to its end. The runtime issues a lane's
-    collectives without waiting; the backend runs ``slots`` at once, in issue order (gloo: two
-    threads), so one issued behind others starts when the ``slots``-th latest end before it has
-    passed. The planner runs a lane's collectives the same way (``comm_slots``), so this is the
-    measured time comparable to its duration."""
+def comm_intervals(graph, record, slots: int = 1) -> dict[int, tuple[float, float]]:
+    """Each collective's service interval in one measured step: from when it was issued, or when
+    the backend had a thread free for it if that was later, to its end. The runtime issues a
+    lane's collectives without waiting; the backend runs ``slots`` at once, in issue order (gloo:
+    two threads), so one issued behind others starts when the ``slots``-th latest end before it
+    has passed. The planner runs a lane's collectives the same way (``comm_slots``), so this is
+    the measured time comparable to its duration."""
     from zdsl.overlap import BackendThreads
-    service, lanes = {}, {}
+    intervals, lanes = {}, {}
     for i in comm_ops(graph):
         t = record.timings[i]
         start, _ = lanes.setdefault(graph.ops[i].lane, BackendThreads(slots)).take(t.start, t.end)
-        service[i] = t.end - start
-    return service
+        intervals[i] = (start, t.end)
+    return intervals
+
+
+def comm_service(graph, record, slots: int = 1) -> dict[int, float]:
+    """Each collective's service seconds in one measured step (:func:`comm_intervals`)."""
+    return {i: end - start for i, (start, end) in comm_intervals(graph, record, slots).items()}
+
+
+def comm_under_compute(graph, record, slots: int = 1) -> dict[int, float]:
+    """Seconds of each collective's service interval during which a compute op ran on the rank
+    (the cores were full: what ``comm_under_load`` is fitted on)."""
+    from zdsl.overlap import union_length
+    compute = [(record.timings[i].start, record.timings[i].end)
+               for i, op in enumerate(graph.ops) if op.kind.startswith("compute.")]
+    return {i: union_length([(max(s, cs), min(e, ce)) for cs, ce in compute if cs < e and ce > s])
+            for i, (s, e) in comm_intervals(graph, record, slots).items()}
 
 
 def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: float,
                  lane_op_s: dict[int, float] | None = None,
-                 comm_service_s: dict[int, float] | None = None) -> OverheadFit:
+                 comm_service_s: dict[int, float] | None = None,
+                 comm_loaded_s: dict[int, float] | None = None) -> OverheadFit:
     """Fixed costs per op that make the reference step's prediction equal ``measured_s``.
 
     With ``lane_op_s`` (the measured seconds of each lane op of the reference, by position)
@@ -586,15 +609,50 @@ def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: f
     if not lane_op_s or not has_comm:
         return OverheadFit(bisect("op_overhead", {"comm_overhead": -1.0}), -1.0, bare)
     op_cost, kernel_cost = lane_costs(graph, profile, lane_op_s)
-    profile = dataclasses.replace(profile, op_overhead=op_cost, kernel_overhead=kernel_cost)
-    extra = scatter_extra(graph, profile, comm_service_s or {})
+    under = 0.0
+    service = dict(comm_service_s or {})
+    if comm_loaded_s and profile.cores > 0 and profile.name == "cpu":
+        under = rate_under_load(graph, profile, service, comm_loaded_s)
+        # what remains of each service time once the wait for a core is taken out
+        service = {i: sec - (1.0 - under) * comm_loaded_s.get(i, 0.0) for i, sec in service.items()}
+    profile = dataclasses.replace(profile, op_overhead=op_cost, kernel_overhead=kernel_cost, comm_under_load=under)
+    extra = scatter_extra(graph, profile, service)
     if extra is None:
-        return OverheadFit(op_cost, bisect("comm_overhead", {}), bare, kernel=kernel_cost)
+        return OverheadFit(op_cost, bisect("comm_overhead", {}), bare, kernel=kernel_cost, under_load=under)
     comm = bisect(lambda x: {"comm_overhead": x, "scatter_overhead": max(0.0, x + extra)})
     if comm == 0.0:             # the extra alone overshoots the step: the reduce-scatter's cost is fitted instead
         scatter = bisect("scatter_overhead", {"comm_overhead": 0.0})
-        return OverheadFit(op_cost, 0.0, bare, scatter, kernel_cost)
-    return OverheadFit(op_cost, comm, bare, max(0.0, comm + extra), kernel_cost)
+        return OverheadFit(op_cost, 0.0, bare, scatter, kernel_cost, under)
+    return OverheadFit(op_cost, comm, bare, max(0.0, comm + extra), kernel_cost, under)
+
+
+# A collective that took 50x its rate under load is waiting, not moving: the floor of the fit.
+MIN_UNDER_LOAD = 0.02
+
+
+def rate_under_load(graph, profile: MachineProfile, service_s: dict[int, float],
+                    loaded_s: dict[int, float]) -> float:
+    """The share of its rate a collective keeps while compute fills the rank's cores.
+
+    A collective needs ``W`` seconds of progress (rated time plus a fixed cost); it makes them at
+    rate 1 while the cores are free and at ``a`` while compute runs beside it (``loaded`` of its
+    ``service`` seconds), so ``service - rated = cost + (1 - a) x loaded``: the least-squares
+    slope over the reference's collectives gives ``a``. 1 (no effect) without a rising line."""
+    from zdsl.planner.simulate import rated_duration
+    points = [(loaded_s.get(i, 0.0), sec - rated_duration(graph, graph.ops[i], profile))
+              for i, sec in service_s.items()]
+    _, slope = least_squares_line(points)
+    return min(1.0, max(MIN_UNDER_LOAD, 1.0 - slope))
+
+
+def least_squares_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (x, y) points; slope 0 (and the
+    mean) where the x do not vary."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / var if var > 0 else 0.0
+    return my - slope * mx, slope
 
 
 def lane_costs(graph, profile: MachineProfile, lane_op_s: dict[int, float]) -> tuple[float, float]:
@@ -610,15 +668,12 @@ def lane_costs(graph, profile: MachineProfile, lane_op_s: dict[int, float]) -> t
               for i, sec in lane_op_s.items()]
     if not points:
         return 0.0, 0.0
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    var = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    intercept, slope = least_squares_line(points)
     if slope <= 0:
         return max(0.0, statistics.median(y for _, y in points)), 0.0
-    if my - slope * mx < 0:
+    if intercept < 0:
         return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
-    return my - slope * mx, slope
+    return intercept, slope
 
 
 def scatter_extra(graph, profile: MachineProfile, comm_service_s: dict[int, float]) -> float | None:
@@ -775,10 +830,11 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         profile.link_latency, profile.link_bandwidth = fit["all_gather"]
         profile.scatter_latency, profile.scatter_bandwidth = fit["reduce_scatter"]
         profile.reduce_latency, profile.reduce_bandwidth = fit["all_reduce"]
-    step_s, block_s, lane_op_s, comm_service_s = reference_times(raw)
+    step_s, block_s, lane_op_s, comm_service_s, comm_loaded_s = reference_times(raw)
     blocks = len(block_s)
-    fit = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s, lane_op_s, comm_service_s)
+    fit = fit_overhead(profile, world, "cuda" if cuda else "cpu", step_s, lane_op_s, comm_service_s, comm_loaded_s)
     profile.op_overhead, profile.kernel_overhead, bare_s = fit.op, fit.kernel, fit.bare_s
+    profile.comm_under_load = fit.under_load
     profile.comm_overhead = fit.comm if fit.comm >= 0 else fit.op   # written out: the statement has no "unset"
     profile.scatter_overhead = fit.scatter if fit.scatter >= 0 else profile.comm_overhead
     import torch
@@ -793,6 +849,9 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         f"context {shape['context']}, batch {shape['batch']}, {comp['dtype']}",
         f"              (torch.mm alone at its shapes: {_num(mm)} flop/s"
         + (f"; {comp['block_note']})" if comp.get("block_note") else ")"),
+        *([f"              the slope of its time over batch {', '.join(str(n) for n in comp['batches'])} "
+            f"(kernels are charged apart; batch {shape['batch']}'s flops over its time: "
+            f"{_num(comp['flops_at_batch'])} flop/s)"] if comp.get("batches") else []),
         f"  memory_bw   AdamW step on {first['optimizer']['adam_numel']} fp32 elements, "
         f"counted as 16 bytes each (moments, parameter, gradient)"
         + (": the device's; host_memory_bw the host's (runtime/host_adam.py)" if cuda
@@ -811,10 +870,10 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                  "lanes running at once share them")
     notes.append(f"  comm_slots  {profile.comm_slots}: collectives the {backend} backend runs at once"
                  + (" (its worker threads)" if backend == "gloo" else " (one stream)"))
-    if comp.get("batches"):
-        notes.append(f"              the slope of its time over batch {', '.join(str(n) for n in comp['batches'])} "
-                     f"(kernels are charged apart; batch {shape['batch']}'s flops over its time: "
-                     f"{_num(comp['flops_at_batch'])} flop/s)")
+    if profile.comm_under_load:
+        notes.append(f"  comm_under_load  {_num(profile.comm_under_load)}: the share of its rate a collective keeps "
+                     "while compute fills the cores (the slope of each reference collective's time beyond its rate "
+                     "against the time compute ran beside it)")
     notes.append(f"  overhead    per op run in a lane's thread and kernel_overhead per kernel a compute op dispatches "
                  "(the line through each one's time beyond its rated time against its kernels), "
                  "comm_overhead per collective (then fitted to the step) and scatter_overhead per reduce-scatter "
@@ -833,9 +892,10 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     return Calibration(profile, details)
 
 
-def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, float], dict[int, float]]:
+def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, float], dict[int, float],
+                                               dict[int, float]]:
     """(reference step, each block's step, each lane op's seconds, each collective's service
-    seconds) from the ranks' runtime blocks.
+    seconds, and of those the seconds a compute op ran beside it) from the ranks' runtime blocks.
 
     A step lasts as long as its slowest rank: a block's step is the median over its steps of the
     slowest rank's time, the figure `zdsl run --metrics` reports (its ``step_s``). The reference
@@ -850,7 +910,8 @@ def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, floa
     def per_op(key: str) -> dict[int, float]:
         return {i: statistics.fmean(statistics.median(blk[key][i] for blk in r["runtime"]) for r in raw)
                 for i in raw[0]["runtime"][0].get(key, {})}
-    return statistics.median(block_s), block_s, per_op("lane_op_s"), per_op("comm_service_s")
+    return (statistics.median(block_s), block_s, per_op("lane_op_s"), per_op("comm_service_s"),
+            per_op("comm_loaded_s"))
 
 
 def _cores_per_rank(world: int) -> float:

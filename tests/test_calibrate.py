@@ -1,7 +1,8 @@
 """`zdsl calibrate --quick` measures 2 ranks and writes a profile the checker accepts."""
 import pytest
 
-from zdsl.runtime.calibrate import ZS_KEYS, fit_latency_bandwidth, fit_overhead, main, reference_graph
+from zdsl.runtime.calibrate import (MIN_UNDER_LOAD, ZS_KEYS, fit_latency_bandwidth, fit_overhead, main,
+                                    reference_graph)
 from zdsl.schedule import MachineProfile
 
 
@@ -118,11 +119,11 @@ def test_the_reference_step_is_the_median_block_of_the_slowest_rank():
     # Three blocks; the middle one caught a burst (3x slower). Per step, the slower rank counts.
     rank0 = {"runtime": [block([1.0, 1.0, 1.2], 0.1), block([3.0, 3.0, 3.0], 0.3), block([1.1, 1.1, 1.1], 0.1)]}
     rank1 = {"runtime": [block([1.0, 1.4, 1.4], 0.2), block([3.0, 3.0, 3.0], 0.6), block([1.0, 1.0, 1.0], 0.2)]}
-    step, blocks, ops, comm = reference_times([rank0, rank1])
+    step, blocks, ops, comm, loaded = reference_times([rank0, rank1])
     assert blocks == [1.4, 3.0, 1.1]
     assert step == 1.4                              # the burst moved nothing
     assert ops == {3: pytest.approx(0.15)}          # mean over ranks of each rank's median block
-    assert comm == {}                               # no collectives' service times in these blocks
+    assert comm == {} and loaded == {}              # no collectives' service times in these blocks
 
 
 @pytest.mark.parametrize("scatter_extra", [6e-4, 0.0])
@@ -189,3 +190,38 @@ def test_a_scatter_extra_that_alone_overshoots_the_step_is_fitted_to_it():
                + (5e-3 if graph.ops[i].kind == "comm.reduce_scatter" else 0.0) for i in comm_ops(graph)}
     fit = fit_overhead(profile, 2, "cpu", step, lane, service)
     assert fit.comm == 0.0 and fit.scatter == pytest.approx(1e-3, rel=1e-4)
+
+
+@pytest.mark.parametrize("under", [0.3, 1.0, MIN_UNDER_LOAD])
+def test_a_collectives_rate_under_load_is_fitted_from_the_time_compute_ran_beside_it(under):
+    """Collectives that took their rated time plus a fixed cost plus (1 - a) of the seconds compute
+    ran beside them: the fit returns a, and the fixed cost then matches the step."""
+    import dataclasses
+    from zdsl.planner.simulate import rated_duration, simulate
+    from zdsl.runtime.calibrate import comm_ops, lane_ops
+    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                             memory_bandwidth=1.4e10, cores=1)
+    graph = reference_graph(2, "cpu").graph
+    op_cost, comm_cost = 2e-4, 3e-4
+    truth = dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost, scatter_overhead=comm_cost,
+                                comm_under_load=under)
+    step = simulate(graph, truth).step_s
+    lane = {i: rated_duration(graph, graph.ops[i], profile) + op_cost for i in lane_ops(graph)}
+    loaded = {i: 1e-4 * (k % 5) for k, i in enumerate(comm_ops(graph))}
+    service = {i: rated_duration(graph, graph.ops[i], profile) + comm_cost + (1 - under) * loaded[i]
+               for i in comm_ops(graph)}
+    fit = fit_overhead(profile, 2, "cpu", step, lane, service, loaded)
+    assert fit.under_load == pytest.approx(under, rel=1e-6)
+    assert fit.comm == pytest.approx(comm_cost, rel=1e-4) and fit.scatter == pytest.approx(comm_cost, rel=1e-3)
+    # no sharing model (cores 0): nothing to fit, the fair-share default stays
+    assert fit_overhead(dataclasses.replace(profile, cores=0), 2, "cpu", step, lane, service, loaded).under_load == 0
+
+
+def test_collectives_slower_than_waiting_out_the_compute_floor_the_rate():
+    from zdsl.planner.simulate import rated_duration
+    from zdsl.runtime.calibrate import comm_ops, rate_under_load
+    profile = MachineProfile(link_bandwidth=1.3e9, link_latency=3.5e-4, cores=1)
+    graph = reference_graph(2, "cpu").graph
+    loaded = {i: 1e-4 * (k % 5) for k, i in enumerate(comm_ops(graph))}
+    service = {i: rated_duration(graph, graph.ops[i], profile) + 1.5 * loaded[i] for i in comm_ops(graph)}
+    assert rate_under_load(graph, profile, service, loaded) == MIN_UNDER_LOAD

@@ -348,6 +348,16 @@ def test_comm_slots_is_a_whole_number_of_threads(tmp_path):
         assert "comm_slots" in d.message and d.span.line == HEADER.count("\n") + 1
 
 
+def test_machine_comm_under_load_is_a_share_of_a_rate(tmp_path):
+    (tmp_path / "ok.zs").write_text(HEADER + "machine cpu(comm_under_load=0.25)\n")
+    assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.comm_under_load == 0.25
+    (tmp_path / "bad.zs").write_text(HEADER + "machine cpu(cores=1, comm_under_load=1.5)\n")
+    with pytest.raises(ZsError) as exc:
+        load_schedule(str(tmp_path / "bad.zs"))
+    d = exc.value.diagnostics[0]
+    assert "comm_under_load" in d.message and "1.5" in d.message and d.span.column > 1
+
+
 def test_machine_overhead_is_a_time_that_may_be_zero(tmp_path):
     (tmp_path / "ok.zs").write_text(HEADER + "machine cpu(flops=1e9, overhead=0.0012)\n")
     assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.op_overhead == 0.0012

@@ -251,6 +251,22 @@ def test_lanes_share_the_ranks_cores(name, cores, want_end):
     assert sim.critical_path == [1, 2]   # the forward that ended last made the second one wait
 
 
+@pytest.mark.parametrize("under, overhead, want_end", [
+    (0.25, 0.0, [4.25, 3, 7.25]),  # the gather moves at 1/4 while forward 0 fills the core (3 s: 0.75
+                                   # of its 2 s), the rest alone; forward 0 is not slowed
+    (1.0, 0.0, [2, 3, 6]),        # unaffected by the load: independent lanes
+    (0.25, 1.0, [6, 4, 10]),      # its 1 s fixed cost moves at 1/4 too (1 of its 3 s by 4, when
+                                  # forward 0's dispatch and work end), and takes no share either
+])
+def test_a_collective_under_load_takes_no_share_and_moves_at_its_own_rate(under, overhead, want_end):
+    m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, comm_under_load=under,
+                       op_overhead=overhead)
+    sim = simulate(_two_lane_ops(), m)
+    assert sim.end == pytest.approx(want_end)
+    m.name = "cuda"               # cpu machines only: on cuda the host work (fixed costs) is shared as before
+    assert simulate(_two_lane_ops(), m).end == pytest.approx([4, 5, 9] if overhead else [2, 3, 6])
+
+
 def test_the_fixed_cost_per_op_is_host_work_shared_like_the_rest():
     # each op first does its 1 s of dispatch on one thread, then its rated work; one core for all
     m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, op_overhead=1.0)

@@ -371,6 +371,8 @@ class Checker(PlacementChecks):
             # the per-collective and host rates 0 mean "derived from the others"
             if key == "comm_slots":     # a count of the backend's threads, not a rate
                 value = self.r.integer(arg.value, key, 1, 1024)
+            elif key == "comm_under_load":  # a share of a collective's rate
+                value = self.r.real(arg.value, key, 0.0, 1.0)
             else:
                 value = self.r.real(arg.value, key, 0.0, None, lo_open=key not in MACHINE_MAY_BE_ZERO)
             if value is not None:
