@@ -306,18 +306,11 @@ def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, flo
     if len(points) < 2:
         x, t = points[0]
         return 0.0, x / t
-    w = [1.0 / (t * t) for _, t in points]
-    sw = sum(w)
-    mx = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
-    mt = sum(wi * t for wi, (_, t) in zip(w, points)) / sw
-    var = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points))
-    cov = sum(wi * (x - mx) * (t - mt) for wi, (x, t) in zip(w, points))
-    slope = cov / var if var > 0 else 0.0
+    intercept, slope = least_squares_line(points, [1.0 / (t * t) for _, t in points])
     if slope <= 0:                                   # noise: bandwidth from the largest size alone
         x, t = max(points)
         return min(t for _, t in points), x / t
-    latency = max(mt - slope * mx, 1e-6)
-    return latency, 1.0 / slope
+    return max(intercept, 1e-6), 1.0 / slope
 
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -505,12 +498,12 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     del state, executor
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    services = [comm_service(graph, t, slots) for t in records]
-    loaded = [comm_under_compute(graph, t, slots) for t in records]
+    intervals = [comm_intervals(graph, t, slots) for t in records]       # once a step, for both below
+    loaded = [comm_under_compute(graph, t, iv) for t, iv in zip(records, intervals)]
     return {"step_s": statistics.median(t.seconds for t in records), "steps": [t.seconds for t in records],
             "lane_op_s": {i: statistics.median(t.timings[i].end - t.timings[i].start for t in records)
                           for i in lane_ops(graph)},
-            "comm_service_s": {i: statistics.median(s[i] for s in services) for i in comm_ops(graph)},
+            "comm_service_s": {i: statistics.median(iv[i][1] - iv[i][0] for iv in intervals) for i in comm_ops(graph)},
             "comm_loaded_s": {i: statistics.median(x[i] for x in loaded) for i in comm_ops(graph)},
             "ops": len(graph.ops)}
 
@@ -552,19 +545,14 @@ def comm_intervals(graph, record, slots: int = 1) -> dict[int, tuple[float, floa
     return intervals
 
 
-def comm_service(graph, record, slots: int = 1) -> dict[int, float]:
-    """Each collective's service seconds in one measured step (:func:`comm_intervals`)."""
-    return {i: end - start for i, (start, end) in comm_intervals(graph, record, slots).items()}
-
-
-def comm_under_compute(graph, record, slots: int = 1) -> dict[int, float]:
-    """Seconds of each collective's service interval during which a compute op ran on the rank
-    (the cores were full: what ``comm_under_load`` is fitted on)."""
+def comm_under_compute(graph, record, intervals: dict[int, tuple[float, float]]) -> dict[int, float]:
+    """Seconds of each collective's service interval (:func:`comm_intervals`) during which a
+    compute op ran on the rank (the cores were full: what ``comm_under_load`` is fitted on)."""
     from zdsl.overlap import union_length
     compute = [(record.timings[i].start, record.timings[i].end)
                for i, op in enumerate(graph.ops) if op.kind.startswith("compute.")]
     return {i: union_length([(max(s, cs), min(e, ce)) for cs, ce in compute if cs < e and ce > s])
-            for i, (s, e) in comm_intervals(graph, record, slots).items()}
+            for i, (s, e) in intervals.items()}
 
 
 def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: float,
@@ -579,7 +567,7 @@ def fit_overhead(profile: MachineProfile, ranks: int, device: str, measured_s: f
     one that makes the step match. Without it,
     one cost for every op makes the step match. Each prediction grows with its cost: bisection.
 
-    With ``comm_service_s`` (each collective's measured service time, :func:`comm_service`) a
+    With ``comm_service_s`` (each collective's measured service time, :func:`comm_intervals`) a
     reduce-scatter costs what it took beyond its rated time more than the other collectives did
     (the medians' difference): its reduction runs on the backend's threads, on the cores the
     backward it overlaps is using, which its isolated rate does not see. Here it came to 0.9-1.3 ms
@@ -645,13 +633,16 @@ def rate_under_load(graph, profile: MachineProfile, service_s: dict[int, float],
     return min(1.0, max(MIN_UNDER_LOAD, 1.0 - slope))
 
 
-def least_squares_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line through (x, y) points; slope 0 (and the
-    mean) where the x do not vary."""
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    var = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / var if var > 0 else 0.0
+def least_squares_line(points: list[tuple[float, float]],
+                       weights: list[float] | None = None) -> tuple[float, float]:
+    """(intercept, slope) of the (weighted) least-squares line through (x, y) points; slope 0
+    (and the mean) where the x do not vary."""
+    w = weights or [1.0] * len(points)
+    sw = sum(w)
+    mx = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
+    my = sum(wi * y for wi, (_, y) in zip(w, points)) / sw
+    var = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points))
+    slope = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, points)) / var if var > 0 else 0.0
     return my - slope * mx, slope
 
 

@@ -6,7 +6,7 @@ Eager PyTorch pays a roughly fixed cost for every aten op it dispatches
 width 64. A unit's time is therefore ``flops / rate + kernels x cost``, and
 two models of equal flops can differ by half their step when one launches
 twice the kernels (a GPT block: 32 forward, 68 backward; an MLP block: 11
-and 27). The planner charges ``machine.kernel_overhead`` per kernel of a
+and 29). The planner charges ``machine.kernel_overhead`` per kernel of a
 compute op; ``zdsl calibrate`` measures it; this module counts the kernels.
 
 A kernel is one op seen by a ``TorchDispatchMode``: below autograd, after

@@ -38,7 +38,6 @@ def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
                       uses=uses[i]) for i, u in enumerate(units)]
     try:
         _measure(units, specs, context)
-        _count_kernels(model, units, specs, context)
     except Exception as exc:   # the user's forward cannot run on meta: keep exact sizes, estimate the rest
         warnings.warn(f"{where}: could not trace one sequence on the meta device "
                       f"({type(exc).__name__}: {exc}); flops and activations are estimates")
@@ -46,8 +45,14 @@ def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
             s.fwd_flops_per_seq = 2.0 * s.numel * context
             s.input_elems_per_seq = s.input_elems_per_seq or context
             s.act_elems_per_seq = s.act_elems_per_seq or context
-            s.fwd_kernels = s.fwd_kernels or ESTIMATED_KERNELS[0] * len(s.params)
-            s.bwd_kernels = s.bwd_kernels or ESTIMATED_KERNELS[1] * len(s.params)
+    try:                       # apart: a backward that cannot run on meta leaves the forward's figures exact
+        _count_kernels(model, units, specs, context)
+    except Exception as exc:
+        warnings.warn(f"{where}: could not count its kernels on the meta device "
+                      f"({type(exc).__name__}: {exc}); kernel counts are estimates")
+        for s in specs:
+            s.fwd_kernels = ESTIMATED_KERNELS[0] * len(s.params)
+            s.bwd_kernels = ESTIMATED_KERNELS[1] * len(s.params)
     return specs
 
 

@@ -157,23 +157,40 @@ def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took
 def test_a_collectives_service_time_starts_when_the_one_before_it_on_its_lane_ends():
     from types import SimpleNamespace as NS
 
-    from zdsl.runtime.calibrate import comm_service
+    from zdsl.runtime.calibrate import comm_intervals
     graph = NS(ops=[NS(kind="comm.all_gather", lane="comm"), NS(kind="compute.forward", lane="compute"),
                     NS(kind="comm.reduce_scatter", lane="comm"), NS(kind="comm.all_gather", lane="comm")])
     # issued together at 1.0: the second queues behind the first; the third issued after both ended
     timings = [NS(start=1.0, end=2.0), NS(start=0.0, end=9.0), NS(start=1.0, end=2.5), NS(start=3.0, end=3.25)]
-    assert comm_service(graph, NS(timings=timings)) == {0: 1.0, 2: 0.5, 3: 0.25}
+    intervals = comm_intervals(graph, NS(timings=timings))
+    assert {i: e - s for i, (s, e) in intervals.items()} == {0: 1.0, 2: 0.5, 3: 0.25}
 
 
 def test_with_two_backend_threads_a_collective_waits_only_for_one_of_them():
     from types import SimpleNamespace as NS
 
-    from zdsl.runtime.calibrate import comm_service
+    from zdsl.runtime.calibrate import comm_intervals
     graph = NS(ops=[NS(kind="comm.all_gather", lane="comm")] * 4)
     # issued together at 1.0: the first two start at once; the third when the second's thread is
     # free (2.0), the fourth when the third's is (2.5: the first holds the other until 4.0)
     timings = [NS(start=1.0, end=4.0), NS(start=1.0, end=2.0), NS(start=1.0, end=2.5), NS(start=1.0, end=3.0)]
-    assert comm_service(graph, NS(timings=timings), slots=2) == {0: 3.0, 1: 1.0, 2: 0.5, 3: 0.5}
+    intervals = comm_intervals(graph, NS(timings=timings), slots=2)
+    assert {i: e - s for i, (s, e) in intervals.items()} == {0: 3.0, 1: 1.0, 2: 0.5, 3: 0.5}
+
+
+def test_the_time_compute_ran_beside_a_collective_is_counted_once_and_only_inside_its_service():
+    from types import SimpleNamespace as NS
+
+    from zdsl.runtime.calibrate import comm_intervals, comm_under_compute
+    graph = NS(ops=[NS(kind="comm.all_gather", lane="comm"), NS(kind="compute.forward", lane="compute"),
+                    NS(kind="compute.step", lane="host"), NS(kind="comm.all_gather", lane="comm"),
+                    NS(kind="copy.h2d", lane="h2d")])
+    # the second gather queues behind the first (served 2..4); compute 1..3 and a host step 2.5..3.5
+    # overlap each other; a copy is not compute
+    timings = [NS(start=0.0, end=2.0), NS(start=1.0, end=3.0), NS(start=2.5, end=3.5),
+               NS(start=0.5, end=4.0), NS(start=0.0, end=4.0)]
+    record = NS(timings=timings)
+    assert comm_under_compute(graph, record, comm_intervals(graph, record)) == {0: 1.0, 3: 1.5}
 
 
 def test_a_scatter_extra_that_alone_overshoots_the_step_is_fitted_to_it():

@@ -121,6 +121,18 @@ def shared():
 def bad_tie():
     m = Tiny(); m.tied = {(2, 0): "nope.weight"}; return m
 def raises(): raise RuntimeError("boom")
+
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x): return x * 2
+    @staticmethod
+    def backward(ctx, g): raise RuntimeError("no backward here")
+
+class MixNoBackward(Mix):
+    def forward(self, x): return _NoBackward.apply(super().forward(x))
+
+def no_backward():
+    m = Tiny(); m.mix = MixNoBackward(16); return m
 '''
 
 
@@ -167,6 +179,16 @@ def test_a_user_models_kernels_counted_on_meta_are_those_it_runs_on_cpu(model_fi
     assert [(s.fwd_kernels, s.bwd_kernels) for s in sized] == on_cpu
     # Mix: addmm (+ t), tanh, add; backward adds 2 gradient accumulations to autograd's kernels
     assert on_cpu[1][0] >= 3 and on_cpu[1][1] > on_cpu[1][0]
+
+
+def test_a_model_whose_backward_cannot_run_on_meta_keeps_its_forward_figures(model_file):
+    from zdsl.runtime.sizing import ESTIMATED_KERNELS
+    spec = ModelSpec("user", {}, factory=f"{model_file.name}:no_backward")
+    with pytest.warns(UserWarning, match="kernel counts are estimates"):
+        specs = unit_specs(spec, context=4, base_dir=model_file.parent)
+    assert specs[1].fwd_flops_per_seq == 2 * 4 * 16 * 16          # measured, not the 2-per-parameter estimate
+    assert [(s.fwd_kernels, s.bwd_kernels) for s in specs] == \
+        [(ESTIMATED_KERNELS[0] * len(s.params), ESTIMATED_KERNELS[1] * len(s.params)) for s in specs]
 
 
 def test_builtin_gpt_sizing_is_the_analytic_one():

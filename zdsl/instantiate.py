@@ -627,8 +627,8 @@ class _Builder:
                 readers[name] = []
             deps.discard(i)
             ops.append(Op(id=i, kind=d.kind, lane=d.lane, unit=d.unit, reads=d.reads, writes=d.writes,
-                          bytes=d.bytes, flops=d.flops, kernels=d.kernels, deps=sorted(deps), micro=d.micro, phase=d.phase,
-                          part=d.part, parts=d.parts, accumulate=d.accumulate, span=d.span))
+                          bytes=d.bytes, flops=d.flops, kernels=d.kernels, deps=sorted(deps), micro=d.micro,
+                          phase=d.phase, part=d.part, parts=d.parts, accumulate=d.accumulate, span=d.span))
         return ops
 
     def unit_infos(self) -> list[UnitInfo]:

@@ -83,8 +83,9 @@ def op_fixed(op, machine: MachineProfile) -> float:
     backward it overlaps, its own (``scatter_overhead``, else ``comm_overhead``).
     A compute op also pays ``kernel_overhead`` for each kernel it dispatches
     (``op.kernels``): eager PyTorch's cost per aten op, which makes a unit of
-    many small ops slower than its flops say. 0 for a ``mem.free`` (bookkeeping) and unless the profile sets them (``zdsl
-    calibrate`` measures them).
+    many small ops slower than its flops say. 0 for a ``mem.free``
+    (bookkeeping) and unless the profile sets them (``zdsl calibrate``
+    measures them).
     """
     if op.kind == "mem.free":
         return 0.0
@@ -363,7 +364,7 @@ def _independent_schedule(graph: TaskGraph, dur, deps, lane_prev, order, slots: 
 
 
 def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, slots: dict[str, int],
-                     under: list[float] | None = None):
+                     under: list[float]):
     """Start and end per op when running ops share ``cores``: an event loop over op
     completions; between two events every running op progresses at a fixed rate. An op
     first spends its ``fixed`` seconds (one thread of host work), then its ``work`` seconds
@@ -372,7 +373,6 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
     takes no share and moves at ``under[i]`` of its rate while the others fill the cores.
     A lane runs one op at a time, or ``slots[lane]``, started in lane order. Also returns
     each op's lane gate (see _independent_schedule)."""
-    under = under or [0.0] * len(work)
     n = len(work)
     lanes: dict[str, list[int]] = {}
     for i, op in enumerate(graph.ops):
