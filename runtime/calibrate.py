@@ -22,8 +22,12 @@ planner uses it*, under the conditions of a real run:
   between the ranks, each fitted to ``latency + payload*(n-1)/n / link``.
 * ``pcie``: pinned host<->device copies on CUDA; a memory copy on CPU
   (what a "copy to device" costs there).
-* ``disk_read``/``disk_write``: ``O_DIRECT`` positional I/O of 1 MiB
-  aligned blocks, several in flight, as the NVMe tier does it.
+* ``disk_read``/``disk_write`` and their ``*_latency``: the NVMe tier's
+  own swapper writing and reading transfers of 256 KiB to 16 MiB
+  (``O_DIRECT`` requests of the schedule's block size, several in flight),
+  each direction fitted to ``latency + bytes / rate``; ``disk_*_cpu``
+  the share of a core a transfer takes from a GPT block's forward+backward
+  run beside it.
 * ``overhead``: what the runtime itself costs per op (dispatch, worker
   hand-off, completion, a collective's wake-up), which rates cannot see and
   which dominates small models. Measured by training a tiny ZeRO-3 GPT
@@ -53,15 +57,14 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import mmap
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from zdsl.schedule import MACHINE_OPTIONS, MachineProfile
@@ -355,74 +358,101 @@ def measure_collectives(device, s: Settings, rank: int, world: int) -> dict:
     return out
 
 
-def _aligned(nbytes: int) -> mmap.mmap:
-    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+# Transfer sizes of the disk test: a small unit's shard to a large one's optimizer state. At the
+# sizes a schedule moves, a transfer's fixed cost is much of its time (traced: a 1.5 MiB shard's
+# read took 3-5 ms in a run against 1.4 ms at the streaming rate).
+DISK_SIZES = (256 << 10, 1 * MiB, 4 * MiB, 16 * MiB)
+MIN_DISK_CPU = 0.01     # a share of a core: noise can make compute beside a transfer faster
 
 
-def measure_disk(folder: str, s: Settings, rank: int) -> dict:
-    """O_DIRECT write then read of ``block``-sized requests, ``depth`` in flight, capped in time."""
-    block, depth = s.block, s.depth
-    total = max((32 if s.quick else 256) * MiB // block, depth) * block
-    cap = s.budget(3.0, 0.8)
-    path = os.path.join(folder, f".zdsl-calibrate-{os.getpid()}-{rank}.bin")
-    direct = getattr(os, "O_DIRECT", 0)
+def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None) -> dict:
+    """The runtime's own swapper (``runtime/swap.py``: ``block``-sized direct-I/O requests, up to
+    ``depth`` in flight, every block checksummed) writing then reading transfers of several
+    sizes from a plain thread, as a lane does; each direction fitted to ``latency + bytes / rate``.
+    Then the share of the rank's core a transfer takes from compute beside it
+    (:func:`_disk_beside_compute`). ``barrier`` keeps the ranks at the same size, as they share
+    the disk in a run."""
+    import torch
+
+    from .swap import Swapper, SwapError
+    sizes = DISK_SIZES[:-1] if s.quick else DISK_SIZES
+    budget = s.budget(0.4, 0.1)
+    where = os.path.join(folder, f".zdsl-calibrate-{os.getpid()}-{rank}")
+    points: dict[str, list[tuple[float, float]]] = {"write": [], "read": []}
+    direct = True
     try:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | direct, 0o600)
-        except OSError:
-            direct = 0
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, total)        # swap files are reserved before use
-            except OSError as e:
-                raise CalibrationError(f"cannot reserve {total // MiB} MiB in {folder}: {e.strerror}") from None
-            src = _aligned(block)
-            src.write(os.urandom(4096) * (block // 4096))
-            bufs = [_aligned(block) for _ in range(depth)]
-            blocks = total // block
-
-            def run(op) -> tuple[int, float]:
-                deadline = time.perf_counter() + cap
-                done = [0]
-
-                def worker(i: int) -> None:
-                    for b in range(i, blocks, depth):
-                        if time.perf_counter() > deadline:
-                            return
-                        n = op(i, b)
-                        if n != block:
-                            raise CalibrationError(f"short {'read' if op is rd else 'write'} in {path}")
-                        done[0] += n
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(depth) as pool:
-                    list(pool.map(worker, range(depth)))
-                if op is wr:
-                    os.fsync(fd)
-                return done[0], time.perf_counter() - t0
-
-            def wr(i, b):
-                return os.pwritev(fd, [src], b * block)
-
-            def rd(i, b):
-                return os.preadv(fd, [bufs[i]], b * block)
-
-            try:
-                wrote, t_w = run(wr)
-                if not direct:   # without O_DIRECT, drop the cache so reads touch the disk
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                read, t_r = run(rd)
-            except OSError as e:
-                raise CalibrationError(f"disk test in {folder} failed: {e.strerror or e}") from None
-        finally:
-            os.close(fd)
+        with Swapper(where, s.block, s.depth) as swapper:
+            for size in sizes:
+                data = torch.randint(0, 256, (size,), dtype=torch.uint8)
+                out = torch.empty_like(data)
+                name = f"transfer-{size}"
+                swapper.reserve({name: size})
+                barrier()
+                points["write"].append((size, _median_time(lambda: swapper.write_sync(name, data),
+                                                           lambda: None, budget)))
+                direct = direct and swapper.direct(name)
+                barrier()
+                points["read"].append((size, _median_time(lambda: swapper.read_sync(name, out),
+                                                          lambda: None, budget)))
+                if not torch.equal(out, data):
+                    raise CalibrationError(f"disk test in {folder}: a read returned other bytes than were written")
+                swapper.discard(name)
+            barrier()
+            cpu = _disk_beside_compute(swapper, s)
+    except SwapError as e:
+        raise CalibrationError(f"disk test in {folder} failed: {e}") from None
     finally:
+        shutil.rmtree(where, ignore_errors=True)
+    result = {"direct": direct, "sizes": list(sizes), "points": points, "beside_compute": cpu}
+    for way in ("read", "write"):
+        latency, rate = fit_latency_bandwidth(points[way])
+        result.update({f"disk_{way}": rate, f"disk_{way}_latency": latency, f"disk_{way}_cpu": cpu[way]})
+    return result
+
+
+def _disk_beside_compute(swapper, s: Settings) -> dict:
+    """How much of the core a disk transfer takes from compute: a GPT block's forward+backward
+    on the host alone, then beside back-to-back reads, then writes, then alone again; the share
+    is ``1 - alone / beside``. The swapper's threads wake for each request and checksum each
+    block, and the scheduler runs them first: traced, a block's forward+backward took 1.4x its
+    time beside reads and 2x beside writes while the transfers kept their rate."""
+    import threading
+
+    import torch
+
+    from .models.gpt import Block
+    shape = _model_shape(s, torch.device("cpu"))
+    block = Block(shape["width"], shape["heads"])
+    x = torch.randn(shape["batch"], shape["context"], shape["width"], requires_grad=True)
+    g = torch.randn_like(x)
+    fwd_bwd = lambda: block(x).backward(g)      # noqa: E731
+    size = DISK_SIZES[2]
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    out = torch.empty_like(data)
+    swapper.write_sync("beside", data)
+    budget = s.budget(0.5, 0.15)
+    nothing = lambda: None                     # noqa: E731
+    alone = [_median_time(fwd_bwd, nothing, budget)]
+    beside = {}
+    for way, transfer in (("read", lambda: swapper.read_sync("beside", out)),
+                          ("write", lambda: swapper.write_sync("beside", data))):
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                transfer()
+        thread = threading.Thread(target=loop, name="zdsl-calibrate-disk", daemon=True)
+        thread.start()
         try:
-            os.unlink(path)
-        except OSError:
-            pass
-    return {"disk_write": wrote / t_w, "disk_read": read / t_r, "direct": bool(direct),
-            "disk_bytes": (wrote, read)}
+            beside[way] = _median_time(fwd_bwd, nothing, budget)
+        finally:
+            stop.set()
+            thread.join()
+    alone.append(_median_time(fwd_bwd, nothing, budget))
+    swapper.discard("beside")
+    base = statistics.fmean(alone)
+    return {way: min(1.0, max(MIN_DISK_CPU, 1.0 - base / t)) for way, t in beside.items()} | \
+        {"alone_s": base, "beside_s": beside}
 
 
 # -- one rank ---------------------------------------------------------------------------------
@@ -746,7 +776,8 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         early.append(measure_runtime(device, s, rank, world, block_steps, slots))
         barrier("runtime (middle block)")
         report("disk")
-        out["disk"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank)
+        out["disk"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank,
+                                   dist.barrier if world > 1 else (lambda: None))
         barrier("disk")
         report("runtime")
         out["runtime"] = [*early, measure_runtime(device, s, rank, world, block_steps, slots)]
@@ -765,6 +796,8 @@ def _child(rank: int, world: int, port: int, s: Settings, errors) -> None:
     """A spawned rank (1..world-1). Failures go back to rank 0 in words."""
     code = 0
     try:
+        from .cli_run import configure_rank_logging
+        configure_rank_logging(rank)      # warnings only, as rank 0's (the swapper logs its opening)
         _run_rank(rank, world, port, s, _pick_backend(s), lambda step: None)
     except BaseException as e:  # noqa: BLE001 - reported, then the process exits non-zero
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
@@ -808,11 +841,12 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                 or (r.get("host_compute") or r["compute"])["mm_flops"])
     adam = mean(lambda r: r["optimizer"]["adam_bandwidth"])
     pcie = mean(lambda r: r["copy"]["pcie"])
-    d_read = mean(lambda r: r["disk"]["disk_read"])
-    d_write = mean(lambda r: r["disk"]["disk_write"])
+    disk = {key: mean(lambda r: r["disk"][key])
+            for key in ("disk_read", "disk_write", "disk_read_latency", "disk_write_latency",
+                        "disk_read_cpu", "disk_write_cpu")}
     host_adam = mean(lambda r: r["optimizer"]["host_adam_bandwidth"])
     profile = MachineProfile(name="cuda" if cuda else "cpu", flops=block, host_flops=host,
-                             pcie_bandwidth=pcie, disk_read=d_read, disk_write=d_write, memory_bandwidth=adam,
+                             pcie_bandwidth=pcie, **disk, memory_bandwidth=adam,
                              host_memory_bandwidth=host_adam, cores=_cores_per_rank(world),
                              comm_slots=first.get("comm_slots", 1))
     if world > 1:   # each kind of collective its own (latency, bandwidth); one rank keeps the defaults
@@ -875,10 +909,14 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     notes.append(f"              (the median of {blocks} blocks of {len(first['runtime'][0]['steps'])} steps, "
                  f"spread over the calibration: {', '.join(f'{b * 1e3:.1f}' for b in block_s)} ms)")
     disk = first["disk"]
-    notes.append(f"  disk        {'O_DIRECT' if disk['direct'] else 'buffered (no O_DIRECT here)'}, "
-                 f"{_size(s.block)} requests, {s.depth} in flight, {_size(disk['disk_bytes'][0])} written, "
-                 f"{_size(disk['disk_bytes'][1])} read per rank")
-    notes.append(f"              in {s.disk_folder or tempfile.gettempdir()}")
+    notes.append(f"  disk        the runtime's swapper ({'O_DIRECT' if disk['direct'] else 'buffered: no O_DIRECT here'}, "
+                 f"{_size(s.block)} requests, {s.depth} in flight) writing and reading "
+                 f"{', '.join(_size(n) for n in disk['sizes'])} per rank, each direction fitted to "
+                 "latency + bytes / rate")
+    notes.append(f"              in {s.disk_folder or tempfile.gettempdir()}; disk_read_cpu, disk_write_cpu: "
+                 f"1 - (a GPT block's forward+backward alone) / (beside back-to-back {_size(DISK_SIZES[2])} "
+                 f"transfers): {disk['beside_compute']['alone_s'] * 1e3:.2f} ms alone, "
+                 + ", ".join(f"{t * 1e3:.2f} beside {w}s" for w, t in disk['beside_compute']['beside_s'].items()))
     details = {"notes": notes, "ranks": raw, "backend": backend, "mm_flops": mm, "block_flops": block}
     return Calibration(profile, details)
 

@@ -41,6 +41,24 @@ def test_bad_disk_folder_is_a_clear_error(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_the_disk_test_runs_the_swapper_and_fits_each_direction(tmp_path):
+    """Transfers of each size through the runtime's swapper, both directions fitted to latency +
+    bytes / rate; its files go; a folder it cannot use is a CalibrationError, not a traceback."""
+    from zdsl.runtime.calibrate import DISK_SIZES, CalibrationError, Settings, measure_disk
+    disk = measure_disk(str(tmp_path), Settings(quick=True), rank=0)
+    for way in ("read", "write"):
+        sizes = [n for n, _ in disk["points"][way]]
+        assert sizes == list(DISK_SIZES[:-1]) == disk["sizes"]
+        latency, rate = fit_latency_bandwidth(disk["points"][way])
+        assert disk[f"disk_{way}_latency"] == latency > 0 and disk[f"disk_{way}"] == rate > 0
+        small, large = disk["points"][way][0][1], disk["points"][way][-1][1]
+        assert large > small                                   # 16x the bytes
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(CalibrationError, match="disk test"):
+        measure_disk(str(tmp_path / "a_file"), Settings(quick=True), rank=0)
+
+
 def test_the_per_op_overhead_fit_recovers_a_known_one():
     from zdsl.planner.simulate import simulate
     profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)

@@ -322,7 +322,9 @@ def test_a_user_model_needs_the_data_shape():
 @pytest.mark.parametrize("key, field", [("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),
                                         ("scatter_link", "scatter_bandwidth"),
                                         ("reduce_latency", "reduce_latency"),
-                                        ("host_memory_bw", "host_memory_bandwidth")])
+                                        ("host_memory_bw", "host_memory_bandwidth"),
+                                        ("disk_read_latency", "disk_read_latency"),
+                                        ("disk_write_latency", "disk_write_latency")])
 def test_machine_derived_rates_and_collective_overhead_may_be_zero_not_negative(tmp_path, key, field):
     (tmp_path / "ok.zs").write_text(HEADER + f"machine cpu({key}=0.002)\n")
     assert getattr(load_schedule(str(tmp_path / "ok.zs"))[0].machine, field) == 0.002

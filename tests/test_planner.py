@@ -119,6 +119,10 @@ def test_durations_follow_the_machine_profile():
     m.kernel_overhead = 0.001            # and a compute op one per kernel it dispatches
     fwd = Op(0, "compute.forward", "compute", 0, flops=2e9, kernels=32)
     assert op_duration(g, fwd, m) == pytest.approx(2.0 + 0.25 + 0.032)
+    m.disk_read_latency, m.disk_write_latency = 0.5, 0.0625   # and a disk transfer its own latency
+    read, write = (Op(0, f"nvme.{k}", "nvme", 0, bytes=4e6) for k in ("read", "write"))
+    assert op_duration(g, read, m) == pytest.approx(0.5 + 1.0 + 0.25)
+    assert op_duration(g, write, m) == pytest.approx(0.0625 + 0.5 + 0.25)
 
 
 def test_compute_ops_carry_their_units_kernels():
@@ -265,6 +269,43 @@ def test_a_collective_under_load_takes_no_share_and_moves_at_its_own_rate(under,
     assert sim.end == pytest.approx(want_end)
     m.name = "cuda"               # cpu machines only: on cuda the host work (fixed costs) is shared as before
     assert simulate(_two_lane_ops(), m).end == pytest.approx([4, 5, 9] if overhead else [2, 3, 6])
+
+
+def _beside_a_transfer(kind: str, other: str):
+    """A 1 s disk transfer (``kind``) beside a 1 s op on another lane (``other``: a forward or a
+    gather), neither needing the other."""
+    B = lambda n, k: Buffer(n, k, 0, "device", 10)  # noqa: E731
+    bufs = [B("param_shard[0]", "param_shard"), B("param_full[0]", "param_full"), B("act[0]", "act"),
+            B("optim[0]", "optim"), B("optim_host[0]", "optim")]
+    bufs[0].persistent = True
+    ops = [Op(0, kind, "nvme", 0, reads=["optim[0]"], writes=["optim_host[0]"], bytes=1),
+           Op(1, "compute.forward", "compute", 0, writes=["act[0]"], flops=1) if other == "forward" else
+           Op(1, "comm.all_gather", "comm", 0, reads=["param_shard[0]"], writes=["param_full[0]"], bytes=2)]
+    return tiny_graph(ops, bufs)
+
+
+@pytest.mark.parametrize("kind", ["nvme.read", "nvme.write"])
+def test_a_disk_transfer_takes_its_share_of_the_core_first(kind):
+    """Its threads wake first: the transfer keeps its rate and the forward gets what is left
+    (0.5 of the core for 1 s, then alone: ends at 1.5). A fair share would slow both to 2/3."""
+    m = MachineProfile(flops=1.0, disk_read=1.0, disk_write=1.0, cores=1, disk_read_cpu=0.5, disk_write_cpu=0.5)
+    assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.0, 1.5])
+    m.disk_read_cpu = m.disk_write_cpu = 0.0           # no host work: independent
+    assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.0, 1.0])
+    m.cores = 0                                        # no sharing model
+    m.disk_read_cpu = m.disk_write_cpu = 0.5
+    assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.0, 1.0])
+
+
+def test_a_collective_under_load_moves_in_what_the_others_leave():
+    """Beside a write holding 0.75 of the core, a gather (2 wire bytes on 2 ranks: 1 s) moves at
+    0.25 for 1 s and alone after it: ends at 1.75; beside a write that holds all of it, at its
+    ``comm_under_load`` share 0.1 (1 s: 0.1 done, 0.9 alone)."""
+    m = MachineProfile(disk_write=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, comm_under_load=0.1,
+                       disk_write_cpu=0.75)
+    assert simulate(_beside_a_transfer("nvme.write", "gather"), m).end == pytest.approx([1.0, 1.75])
+    m.disk_write_cpu = 1.0
+    assert simulate(_beside_a_transfer("nvme.write", "gather"), m).end == pytest.approx([1.0, 1.9])
 
 
 def test_the_fixed_cost_per_op_is_host_work_shared_like_the_rest():

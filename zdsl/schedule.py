@@ -84,6 +84,10 @@ class MachineProfile:
     pcie_bandwidth: float = 1e10           # host<->device copies
     disk_read: float = 1.5e9
     disk_write: float = 2e9
+    disk_read_latency: float = 0.0         # seconds per transfer (an nvme.read) beyond its bytes' time
+    disk_write_latency: float = 0.0        # the same per nvme.write
+    disk_read_cpu: float = 0.1             # cores an nvme.read keeps busy (system calls, checksums)
+    disk_write_cpu: float = 0.1            # the same for an nvme.write
     memory_bandwidth: float = 1e10         # elementwise work on the device (optimizer step)
     op_overhead: float = 0.0               # seconds the runtime spends starting and finishing an op
     kernel_overhead: float = 0.0           # seconds per kernel (aten op) a compute op dispatches
@@ -107,13 +111,16 @@ MACHINE_OPTIONS = (
     ("scatter_link", "scatter_bandwidth"), ("scatter_latency", "scatter_latency"),
     ("reduce_link", "reduce_bandwidth"), ("reduce_latency", "reduce_latency"),
     ("pcie", "pcie_bandwidth"), ("disk_read", "disk_read"), ("disk_write", "disk_write"),
+    ("disk_read_latency", "disk_read_latency"), ("disk_write_latency", "disk_write_latency"),
+    ("disk_read_cpu", "disk_read_cpu"), ("disk_write_cpu", "disk_write_cpu"),
     ("memory_bw", "memory_bandwidth"), ("host_memory_bw", "host_memory_bandwidth"),
     ("overhead", "op_overhead"), ("kernel_overhead", "kernel_overhead"), ("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),
     ("cores", "cores"), ("comm_slots", "comm_slots"), ("comm_under_load", "comm_under_load"),
 )
 # Keywords that may be 0 (a fixed cost, sharing off, or "derive it"); other rates must be > 0.
-MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "comm_overhead", "scatter_overhead", "cores", "comm_under_load", "scatter_link", "scatter_latency",
-                       "reduce_link", "reduce_latency", "host_memory_bw")
+MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "comm_overhead", "scatter_overhead", "cores", "comm_under_load",
+                       "scatter_link", "scatter_latency", "reduce_link", "reduce_latency", "host_memory_bw",
+                       "disk_read_latency", "disk_write_latency", "disk_read_cpu", "disk_write_cpu")
 
 
 @dataclass

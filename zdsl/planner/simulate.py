@@ -120,9 +120,9 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
     if kind in ("copy.h2d", "copy.d2h"):
         return op.bytes / machine.pcie_bandwidth
     if kind == "nvme.read":
-        return op.bytes / machine.disk_read
+        return machine.disk_read_latency + op.bytes / machine.disk_read
     if kind == "nvme.write":
-        return op.bytes / machine.disk_write
+        return machine.disk_write_latency + op.bytes / machine.disk_write
     return 0.0                              # mem.free: bookkeeping
 
 
@@ -221,17 +221,15 @@ def cycle_member(deps, lane_prev, indeg) -> int:
     return i
 
 
-# Share of a core the NVMe swapper's threads keep busy while a transfer runs: they wait
-# on O_DIRECT requests and checksum each block (~20 GB/s a core against 1-2 GB/s of disk).
-NVME_CPU_SHARE = 0.1
-
-
 def cpu_demand(op, machine: MachineProfile) -> float:
     """Cores of its rank's share an op keeps busy while it runs (the sharing model's weight).
 
     On a ``cpu`` machine every lane runs on the host: compute and the optimizer step use
     all of torch's threads (the whole share), a gloo collective or a memcpy one thread.
     On ``cuda`` only host work competes: the host optimizer step and the swapper.
+    A disk transfer keeps ``disk_read_cpu``/``disk_write_cpu`` busy on either: the swapper's
+    threads' system calls and the checksum of every block (measured here: a third of a core
+    reading at 0.75 GB/s, two thirds writing at 1.5 GB/s).
     """
     kind = op.kind
     on_host = machine.name == "cpu" or op.lane == "host"
@@ -239,8 +237,10 @@ def cpu_demand(op, machine: MachineProfile) -> float:
         return machine.cores if on_host else 0.0
     if kind.startswith(("comm.", "copy.")):
         return min(1.0, machine.cores) if machine.name == "cpu" else 0.0
-    if kind.startswith("nvme."):
-        return NVME_CPU_SHARE
+    if kind == "nvme.read":
+        return machine.disk_read_cpu
+    if kind == "nvme.write":
+        return machine.disk_write_cpu
     return 0.0
 
 
@@ -251,11 +251,19 @@ def under_load(op, machine: MachineProfile) -> float:
     Fair shares fit the compute lane and the host step, not gloo's threads: they wake for each
     message and, with compute filling the cores, wait for one, while taking next to nothing from
     the compute. Traced here: a backward beside a reduce-scatter 15% slower than alone, the
-    reduce-scatter 3-6 times. So such a collective takes no share and, while the cores are full,
-    moves at ``comm_under_load`` of its rate."""
+    reduce-scatter 3-6 times. So such a collective takes no share and moves in what the others
+    leave idle, at least at ``comm_under_load`` of its rate (while the cores are full)."""
     if machine.comm_under_load > 0 and machine.name == "cpu" and op.kind.startswith("comm."):
         return machine.comm_under_load
     return 0.0
+
+
+def takes_share_first(op) -> bool:
+    """Whether an op's threads get their share of the cores before the others divide the rest:
+    a disk transfer's. They sleep on each request and wake briefly, and the scheduler runs a
+    waking thread first; traced, compute beside a stream of reads took 1.4 times as long while
+    the reads kept their rate (a fair share would have slowed both)."""
+    return op.kind.startswith("nvme.")
 
 
 def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
@@ -283,7 +291,8 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
         # programs whose lanes overlap most: on one core per rank their work only adds up.)
         demand = [cpu_demand(op, machine) for op in graph.ops]
         under = [under_load(op, machine) for op in graph.ops]
-        start, end, gate = _shared_schedule(graph, fixed, rated, deps, demand, machine.cores, slots, under)
+        first = [takes_share_first(op) for op in graph.ops]
+        start, end, gate = _shared_schedule(graph, fixed, rated, deps, demand, machine.cores, slots, under, first)
         dur = [e - s for s, e in zip(start, end)]
     else:
         dur = [r + f for r, f in zip(rated, fixed)]
@@ -364,14 +373,15 @@ def _independent_schedule(graph: TaskGraph, dur, deps, lane_prev, order, slots: 
 
 
 def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, slots: dict[str, int],
-                     under: list[float]):
+                     under: list[float], first: list[bool]):
     """Start and end per op when running ops share ``cores``: an event loop over op
     completions; between two events every running op progresses at a fixed rate. An op
     first spends its ``fixed`` seconds (one thread of host work), then its ``work`` seconds
     (``demand`` cores); each takes that long alone and is slowed by the share while the
     running ops' demand exceeds ``cores``. An op with ``under[i] > 0`` (:func:`under_load`)
-    takes no share and moves at ``under[i]`` of its rate while the others fill the cores.
-    A lane runs one op at a time, or ``slots[lane]``, started in lane order. Also returns
+    takes no share and moves at ``under[i]`` of its rate while the others fill the cores;
+    one with ``first[i]`` (:func:`takes_share_first`) takes its share before the others
+    divide what is left. A lane runs one op at a time, or ``slots[lane]``, started in lane order. Also returns
     each op's lane gate (see _independent_schedule)."""
     n = len(work)
     lanes: dict[str, list[int]] = {}
@@ -407,11 +417,17 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
             raise CyclicGraphError(next(i for i in range(n) if waiting[i] > 0))
         need = {i: 0.0 if under[i] else (demand[i] if fixed_left[i] == 0.0 else fixed_demand) for i in running}
         load = sum(need.values())
-        slow = cores / load if load > cores else 1.0
-        full = load >= cores * (1 - 1e-9)
-        rate = {i: (slow if need[i] > 0 else (under[i] if under[i] and full else 1.0)) for i in running}
+        # disk transfers past their fixed part take their share first; the others share the rest
+        claim = sum(need[i] for i in running if first[i] and fixed_left[i] == 0.0)
+        first_rate = min(1.0, cores / claim) if claim > 0 else 1.0
+        room, rest = max(0.0, cores - claim), load - claim
+        slow = room / rest if rest > room else 1.0
+        # a collective under load moves in what the others leave idle, at least at ``under``
+        idle = max(0.0, cores - load)
+        rate = {i: (first_rate if first[i] and fixed_left[i] == 0.0 else slow) if need[i] > 0
+                else (max(under[i], min(1.0, idle / demand[i])) if under[i] else 1.0) for i in running}
         # the next event: an op leaves its fixed part (and starts competing), or ends
-        dt = min((fixed_left[i] if fixed_left[i] > 0 else work_left[i]) / rate[i] for i in running)
+        dt = min((fixed_left[i] if fixed_left[i] > 0 else work_left[i]) / rate[i] for i in running if rate[i] > 0)
         t += dt
         for i, q in list(running.items()):
             if fixed_left[i] > 0:
