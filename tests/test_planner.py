@@ -393,3 +393,24 @@ def test_predicted_trace_draws_as_a_timeline(tmp_path):
     g = compiled(schedule(3, 2, "bf16"))
     out = render_timeline(predicted_trace(g, simulate(g)), tmp_path / "t.svg")
     assert (tmp_path / "t.svg").read_text().startswith("<svg") or "svg" in open(out).read(200)
+
+
+def test_the_drift_correction_leaves_the_disk_as_measured():
+    """benchmarks/prediction_error.py's correction: a program without disk I/O predicted exactly
+    ``drift`` times slower; the NVMe program less, its transfers keeping their calibrated rates."""
+    import importlib.util
+    from pathlib import Path
+    from zdsl.cli import compile_file
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("prediction_error", root / "benchmarks" / "prediction_error.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    machine = ("cpu(flops=5e10, link=1e9, latency=2e-4, disk_read=6e8, disk_write=1.2e9, disk_read_latency=1e-4, "
+               "disk_read_cpu=0.3, disk_write_cpu=0.6, overhead=2e-4, kernel_overhead=8e-6, comm_overhead=6e-4, "
+               "cores=1, comm_under_load=0.02)")
+    steps = {}
+    for name in ("zero3", "nvme"):
+        compiled = compile_file(str(root / "programs" / f"{name}.zs"), {"machine": machine}, simulate=True)
+        steps[name] = compiled.sim.step_s, bench.drifted_step(compiled.graph, 1.3)
+    assert steps["zero3"][1] == pytest.approx(1.3 * steps["zero3"][0], rel=1e-9)
+    assert steps["nvme"][0] < steps["nvme"][1] < 1.3 * steps["nvme"][0] * (1 - 1e-3)
