@@ -437,10 +437,14 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
     for way, transfer in (("read", lambda: swapper.read_sync("beside", out)),
                           ("write", lambda: swapper.write_sync("beside", data))):
         stop = threading.Event()
+        failed: list[BaseException] = []
 
         def loop() -> None:
-            while not stop.is_set():
-                transfer()
+            try:
+                while not stop.is_set():
+                    transfer()
+            except BaseException as e:  # noqa: BLE001 - raised below, in the measuring thread
+                failed.append(e)
         thread = threading.Thread(target=loop, name="zdsl-calibrate-disk", daemon=True)
         thread.start()
         try:
@@ -448,6 +452,8 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
         finally:
             stop.set()
             thread.join()
+        if failed:                                 # else compute "beside" it ran alone
+            raise failed[0]
     alone.append(_median_time(fwd_bwd, nothing, budget))
     swapper.discard("beside")
     base = statistics.fmean(alone)

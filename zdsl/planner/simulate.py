@@ -228,8 +228,8 @@ def cpu_demand(op, machine: MachineProfile) -> float:
     all of torch's threads (the whole share), a gloo collective or a memcpy one thread.
     On ``cuda`` only host work competes: the host optimizer step and the swapper.
     A disk transfer keeps ``disk_read_cpu``/``disk_write_cpu`` busy on either: the swapper's
-    threads' system calls and the checksum of every block (measured here: a third of a core
-    reading at 0.75 GB/s, two thirds writing at 1.5 GB/s).
+    threads' system calls and the checksum of every block (traced here: compute beside
+    back-to-back reads took 1.4 times as long, beside writes twice).
     """
     kind = op.kind
     on_host = machine.name == "cpu" or op.lane == "host"
