@@ -105,13 +105,11 @@ class OverlapReport:
 
 def comm_slots(graph: TaskGraph) -> int:
     """Collectives the graph's machine runs at once (``machine ...(comm_slots=)``; where the
-    graph carries no machine, the default profile's, as the planner's ``machine_of``)."""
-    default = MachineProfile.comm_slots
-    machine = (graph.config or {}).get("machine")
+    graph carries no machine, the default profile's, as the planner reads it)."""
     try:
-        return max(1, int(machine.get("comm_slots", default) if isinstance(machine, dict) else default))
-    except (TypeError, ValueError):
-        return default
+        return max(1, int(MachineProfile.of_config(graph.config).comm_slots))
+    except (TypeError, ValueError):      # a graph file written by hand
+        return MachineProfile.comm_slots
 
 
 class BackendThreads:

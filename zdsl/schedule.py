@@ -103,6 +103,15 @@ class MachineProfile:
     reduce_latency: float = 0.0            # all-reduce; 0: as above
     host_memory_bandwidth: float = 0.0     # the optimizer step on the host; 0: memory_bandwidth
 
+    @classmethod
+    def of_config(cls, config: dict | None) -> "MachineProfile":
+        """The profile a compiled graph's config carries (the schedule's ``machine``, as a dict
+        of these fields), else the defaults."""
+        raw = (config or {}).get("machine")
+        if isinstance(raw, dict):
+            return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
+        return cls()
+
 
 # ``machine cpu(KEY=...)`` keyword -> MachineProfile field, in the order they are written.
 MACHINE_OPTIONS = (

@@ -449,8 +449,4 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
 
 def machine_of(graph: TaskGraph) -> MachineProfile:
     """The machine profile carried in the graph's config (the schedule's ``machine``), else defaults."""
-    raw = (graph.config or {}).get("machine")
-    if isinstance(raw, dict):
-        known = MachineProfile.__dataclass_fields__
-        return MachineProfile(**{k: v for k, v in raw.items() if k in known})
-    return MachineProfile()
+    return MachineProfile.of_config(graph.config)
