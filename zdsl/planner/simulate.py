@@ -418,14 +418,21 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
         need = {i: 0.0 if under[i] else (demand[i] if fixed_left[i] == 0.0 else fixed_demand) for i in running}
         load = sum(need.values())
         # disk transfers past their fixed part take their share first; the others share the rest
-        claim = sum(need[i] for i in running if first[i] and fixed_left[i] == 0.0)
-        first_rate = min(1.0, cores / claim) if claim > 0 else 1.0
+        claiming = {i for i in running if first[i] and fixed_left[i] == 0.0}
+        claim = sum(need[i] for i in claiming)
         room, rest = max(0.0, cores - claim), load - claim
         slow = room / rest if rest > room else 1.0
-        # a collective under load moves in what the others leave idle, at least at ``under``
         idle = max(0.0, cores - load)
-        rate = {i: (first_rate if first[i] and fixed_left[i] == 0.0 else slow) if need[i] > 0
-                else (max(under[i], min(1.0, idle / demand[i])) if under[i] else 1.0) for i in running}
+        rate = {}
+        for i in running:
+            if i in claiming:
+                rate[i] = min(1.0, cores / claim) if need[i] > 0 else 1.0
+            elif need[i] > 0:
+                rate[i] = slow
+            elif under[i]:      # a collective under load moves in what the others leave idle, at least at ``under``
+                rate[i] = max(under[i], min(1.0, idle / demand[i]))
+            else:
+                rate[i] = 1.0
         # the next event: an op leaves its fixed part (and starts competing), or ends
         dt = min((fixed_left[i] if fixed_left[i] > 0 else work_left[i]) / rate[i] for i in running if rate[i] > 0)
         t += dt
