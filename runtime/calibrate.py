@@ -164,6 +164,16 @@ def _model_shape(s: Settings, device) -> dict:
     }
 
 
+def _block_fwd_bwd(block, batch: int, context: int, width: int):
+    """A closure running a GPT ``block``'s forward and backward on one random batch, on the
+    block's device and in its dtype."""
+    import torch
+    p = next(block.parameters())
+    x = torch.randn(batch, context, width, device=p.device, dtype=p.dtype, requires_grad=True)
+    g = torch.randn_like(x)
+    return lambda: block(x).backward(g)
+
+
 def measure_compute(device, s: Settings, dtype) -> dict:
     """Matmul ceiling at the block's shapes, and the block's forward+backward rate."""
     import torch
@@ -204,9 +214,7 @@ def measure_compute(device, s: Settings, dtype) -> dict:
             idx = torch.randint(vocab, (batch, T), device=device)
             tgt = torch.randint(vocab, (batch, T), device=device)
             return lambda: model(idx, tgt).backward()
-        x = torch.randn(batch, T, d, device=device, dtype=dtype, requires_grad=True)
-        g = torch.randn_like(x)
-        return lambda: block(x).backward(g)
+        return _block_fwd_bwd(block, batch, T, d)
 
     per_seq = 3.0 * sum(u.fwd_flops_per_seq for u in specs)      # forward + 2x for backward
     t_model = _median_time(fwd_bwd_at(b), sync, budget)
@@ -422,10 +430,7 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
 
     from .models.gpt import Block
     shape = _model_shape(s, torch.device("cpu"))
-    block = Block(shape["width"], shape["heads"])
-    x = torch.randn(shape["batch"], shape["context"], shape["width"], requires_grad=True)
-    g = torch.randn_like(x)
-    fwd_bwd = lambda: block(x).backward(g)      # noqa: E731
+    fwd_bwd = _block_fwd_bwd(Block(shape["width"], shape["heads"]), shape["batch"], shape["context"], shape["width"])
     size = DISK_SIZES[2]
     data = torch.randint(0, 256, (size,), dtype=torch.uint8)
     out = torch.empty_like(data)
