@@ -34,11 +34,9 @@ calibration a round). The error per program is the median over rounds.
 ``--explain`` also records both traces and compares them op kind by op kind:
 predicted and measured mean duration per op, and the time a step spends
 between ops (measured step minus its critical path), which is what the rate
-model does not see. ``--op-overhead auto`` fits one per-op overhead (seconds
-added to every timed op, see ``zdsl.planner.simulate.op_duration``) on the
-reference program (``--fit-on``, default quickstart) and predicts the others
-with it (out of sample), printing both
-columns: the check whether a missing fixed cost per op explains the error.
+model does not see. (The fixed cost per op that an ``--op-overhead`` option
+once fitted here is in the profile now: ``overhead``, ``kernel_overhead``,
+``comm_overhead``, ``scatter_overhead``, measured by calibrate.)
 """
 from __future__ import annotations
 
@@ -153,17 +151,6 @@ def measure(program: str, steps: int, trace: str | None) -> tuple[float | None, 
     return statistics.median(times[1:] if len(times) > 1 else times), None, times
 
 
-def with_overhead(compiled, overhead: float):
-    """The prediction with ``overhead`` seconds added to every timed op, collectives included
-    (the profile's own ``comm_overhead`` set aside)."""
-    machine = dataclasses.replace(compiled.schedule.machine, op_overhead=overhead, comm_overhead=-1.0)
-    return simulate(compiled.graph, machine).step_s
-
-
-def timed_ops(graph) -> int:
-    return sum(op.kind != "mem.free" for op in graph.ops)
-
-
 def explain(compiled, trace_path: str) -> list[str]:
     """Predicted vs measured per op kind (mean ms per op, all ranks and traced steps)."""
     from zdsl.overlap import analyze, times_from_trace
@@ -221,10 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-control", dest="control", action="store_false",
                     help="do not run the reference schedule beside each program (no drift correction)")
     ap.add_argument("--explain", action="store_true", help="compare predicted and measured traces op by op")
-    ap.add_argument("--op-overhead", default=None, metavar="SECONDS|auto",
-                    help="also predict with a fixed cost per op; 'auto' fits it on the first program")
-    ap.add_argument("--fit-on", default="quickstart", metavar="PROGRAM",
-                    help="the program --op-overhead auto is fitted on (default quickstart)")
     ap.add_argument("--json", metavar="OUT.json", help="write the figures as JSON")
     args = ap.parse_args(argv)
 
@@ -302,33 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     skipped_names = dict(skipped)
     rows = [(p, c) for p, c in planned if p not in skipped_names and runs[p]]
 
-    overhead, fitted = None, None
-    if args.op_overhead and rows:
-        if args.op_overhead == "auto":
-            p0, c0 = next(((p, c) for p, c in rows if Path(p).stem == args.fit_on), rows[0])
-            meas0 = statistics.median(runs[p0])
-            overhead = max(0.0, (meas0 - c0.sim.step_s) / max(1, timed_ops(c0.graph)))
-            lo, hi = 0.0, max(overhead * 4, 1e-3)          # refine: the simulated step is monotone in it
-            for _ in range(40):
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if with_overhead(c0, mid) < meas0 else (lo, mid)
-            overhead = (lo + hi) / 2
-            fitted = Path(p0).stem
-            print(f"per-op overhead fitted on {fitted}: {overhead * 1e6:.0f} us/op")
-        else:
-            overhead = float(args.op_overhead)
-
     head = f"{'program':<20}{'predicted':>12}{'measured':>12}{'error':>9}"
     if args.control:
         head += f"{'drift':>8}{'corrected':>11}"
-    if overhead is not None:
-        head += f"{'+overhead':>12}{'error':>9}"
     print(head + "   rounds (predicted/measured ms)")
     results, worst = [], 0.0
     for program, compiled in rows:
         pred, meas = statistics.median(preds[program]), statistics.median(runs[program])
         err = statistics.median(p / m - 1 for p, m in zip(preds[program], runs[program]))
-        name = Path(program).stem + (" (fit)" if Path(program).stem == fitted else "")
+        name = Path(program).stem
         line = f"{name:<20}{pred * 1e3:10.2f}ms{meas * 1e3:10.2f}ms{err:+9.0%}"
         row = {"program": Path(program).stem, "predicted_s": pred, "measured_s": meas, "error": err,
                "runs_s": runs[program], "predicted_runs_s": preds[program]}
@@ -341,11 +306,6 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(raw_error=err, error=corrected, drift=drift, drifted_predicted_s=drifted[program])
             else:
                 line += f"{'-':>8}{'-':>11}"
-        if overhead is not None:
-            pred2 = with_overhead(compiled, overhead)
-            err2 = (pred2 - meas) / meas
-            line += f"{pred2 * 1e3:10.2f}ms{err2:+9.0%}"
-            row.update(predicted_with_overhead_s=pred2, error_with_overhead=err2, op_overhead_s=overhead)
         print(line + "   " + ", ".join(f"{p * 1e3:.1f}/{m * 1e3:.1f}" for p, m in zip(preds[program], runs[program])))
         if args.explain and program in traces:
             print("\n".join(explain(compiled, traces[program])))
@@ -361,11 +321,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"before the drift correction: {sum(e <= TARGET for e in raw)}/{len(raw)} within {TARGET:.0%} "
               f"(worst {max(raw):.0%}); drift = the reference schedule's step run beside each program over "
               f"the profile's prediction of it")
-    if overhead is not None:
-        out = [r for r in results if r["program"] != fitted]
-        ok2 = sum(abs(r["error_with_overhead"]) <= TARGET for r in out)
-        print(f"with the per-op overhead: {ok2}/{len(out)} programs other than {fitted or 'the fit'} "
-              f"within {TARGET:.0%}")
     spreads = [max(r["runs_s"]) / min(r["runs_s"]) - 1 for r in results if len(r["runs_s"]) > 1]
     load1 = os.getloadavg()[0]
     print(f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores; run-to-run spread "
