@@ -1,8 +1,9 @@
 """Overlap efficiency of the default policies, measured: ZeRO-3 and NVMe offload at 2 CPU ranks.
 
-    python benchmarks/overlap.py [--steps 8] [--program programs/zero3.zs ...] [--keep DIR]
+    python benchmarks/overlap.py [--steps 30] [--traced 20] [--program programs/zero3.zs ...] [--keep DIR]
 
-Each program runs with ``zdsl run --trace`` (the last 3 steps are traced);
+Each program runs with ``zdsl run --trace --trace-steps 20`` (the last 20 of 30
+steps are traced: with 3, one run's figure moved 0.70-0.92 between runs here);
 for every rank and traced step :func:`zdsl.overlap.analyze` gives
 
     overlap efficiency = max(busiest lane, dependency chain) / measured step time
@@ -36,10 +37,10 @@ TARGETS = {"zero3": 0.85, "nvme": 0.80}
 DEFAULT_PROGRAMS = ("programs/zero3.zs", "programs/nvme.zs")
 
 
-def run_traced(program: str, steps: int, folder: str, sets: list[str]) -> tuple[dict, list[dict]]:
+def run_traced(program: str, steps: int, traced: int, folder: str, sets: list[str]) -> tuple[dict, list[dict]]:
     trace, metrics = os.path.join(folder, "trace.json"), os.path.join(folder, "metrics.jsonl")
     cmd = [sys.executable, "-m", "zdsl.cli", "run", program, "--set", f"steps={steps}",
-           "--trace", trace, "--metrics", metrics, "--quiet"]
+           "--trace", trace, "--trace-steps", str(traced), "--metrics", metrics, "--quiet"]
     for s in sets:
         cmd += ["--set", s]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -117,7 +118,7 @@ def compute_idle(graph, times: dict[int, tuple[float, float]], top: int = 5) -> 
     return [text for _, text in sorted(rows, reverse=True)[:top]]
 
 
-def measure(program: str, steps: int, keep: str | None, sets: list[str]) -> dict:
+def measure(program: str, steps: int, traced: int, keep: str | None, sets: list[str]) -> dict:
     compiled = compile_file(program, {"steps": str(steps), **dict(s.split("=", 1) for s in sets)},
                             simulate=True)
     if not compiled.ok:
@@ -125,7 +126,7 @@ def measure(program: str, steps: int, keep: str | None, sets: list[str]) -> dict
     graph = compiled.graph
     folder = keep or tempfile.mkdtemp(prefix="zdsl-overlap-")
     os.makedirs(folder, exist_ok=True)
-    trace, rows = run_traced(program, steps, folder, sets)
+    trace, rows = run_traced(program, steps, traced, folder, sets)
     traced_steps = sorted(trace.get("metadata", {}).get("steps") or
                           {e["args"]["step"] for e in trace["traceEvents"]
                            if e.get("ph") == "X" and "step" in e.get("args", {})})
@@ -152,23 +153,26 @@ def measure(program: str, steps: int, keep: str | None, sets: list[str]) -> dict
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--program", action="append", help="schedule(s) to measure (default: zero3 and nvme)")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--traced", type=int, default=20, help="the last N steps traced (the first is warm-up)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per program; the median run is judged")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--keep", metavar="DIR", help="keep traces in DIR/<program>/ (default: temp folders)")
     ap.add_argument("--json", metavar="OUT.json", help="write the figures as JSON")
     args = ap.parse_args(argv)
     programs = args.program or [str(ROOT / p) for p in DEFAULT_PROGRAMS]
+    traced = max(1, min(args.traced, args.steps - 1))     # the first step warms up
     results, missed = [], 0
     load0 = os.getloadavg()[0]
     for program in programs:
         name = Path(program).stem
-        print(f"== {name}: {args.repeat} x zdsl run --set steps={args.steps} --trace", flush=True)
+        print(f"== {name}: {args.repeat} x zdsl run --set steps={args.steps} --trace --trace-steps {traced}",
+              flush=True)
         runs = []
         for r in range(args.repeat):
             keep = os.path.join(args.keep, name, str(r)) if args.keep else None
             try:
-                res = measure(program, args.steps, keep, args.set)
+                res = measure(program, args.steps, traced, keep, args.set)
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 print(f"   run {r}: failed: {exc}")
                 continue

@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a train or policy value (repeatable)")
     p.add_argument("--metrics", metavar="OUT.jsonl", help="one JSON line per step")
     p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the measured ops (Perfetto)")
+    p.add_argument("--trace-steps", type=int, default=3, metavar="N",
+                   help="steps the trace keeps, the last N (default 3)")
     p.add_argument("--timeline", metavar="OUT.svg", help="picture of one measured step")
     p.add_argument("--export", metavar="OUT.safetensors", help="final full fp32 state dict")
     p.add_argument("--checkpoint-every", type=int, metavar="N", help="save a checkpoint every N steps")
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     overrides = parse_sets(args.overrides, parser)
+    if args.trace_steps < 1:
+        parser.error("--trace-steps must be at least 1")
     compiled = compile_file(args.file, overrides, simulate=False)
     rank = os.environ.get("RANK")
     if rank in (None, "0") or not compiled.ok:
@@ -68,6 +72,7 @@ def run_one_rank(compiled, args) -> int:
     spec = compiled.schedule.checkpoint
     options = RunOptions(metrics=args.metrics, trace=args.trace, timeline=args.timeline, export=args.export,
                          progress=not args.quiet, timeout_s=args.timeout, resume=args.resume,
+                         trace_steps=args.trace_steps,
                          checkpoint_dir=args.checkpoint_dir or (spec.dir if spec else None),
                          checkpoint_every=args.checkpoint_every or (spec.every if spec else 0),
                          checkpoint_keep=args.keep if args.keep is not None else (spec.keep if spec else 0))

@@ -103,3 +103,32 @@ def test_nvme_swap_files_are_removed_after_a_run(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert swap.exists() and oct(swap.stat().st_mode & 0o777) == "0o700"
     assert [p for p in swap.rglob("*") if p.is_file()] == []
+
+
+def test_run_writes_a_measured_trace_and_timeline(tmp_path):
+    """``zdsl run --trace --trace-steps 2 --timeline``: one process per rank, one thread per lane,
+    every timed op of the last two steps once per rank, flow arrows, memory counters, a picture."""
+    from zdsl.cli import compile_file
+    trace, svg = tmp_path / "t.json", tmp_path / "t.svg"
+    proc, _ = zdsl("run", QUICK, "--set", "steps=5", "--trace", str(trace), "--trace-steps", "2",
+                   "--timeline", str(svg), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(trace.read_text())
+    assert data["metadata"]["steps"] == [3, 4]
+    events = data["traceEvents"]
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    graph = compile_file(QUICK, {}, simulate=False).graph
+    lanes = {op.lane for op in graph.ops if op.kind != "mem.free"}
+    assert names == {(rank, lane) for rank in (0, 1) for lane in lanes}
+    spans = [e for e in events if e["ph"] == "X"]
+    timed = sum(op.kind != "mem.free" for op in graph.ops)
+    for rank in (0, 1):
+        ops = [(e["args"]["step"], e["args"]["op"]) for e in spans if e["pid"] == rank]
+        assert sorted(ops) == sorted((s, op.id) for s in (3, 4) for op in graph.ops if op.kind != "mem.free")
+        assert len(ops) == 2 * timed
+    assert all(e["dur"] >= 0 for e in spans)
+    assert any(e["ph"] == "s" for e in events) and any(e["ph"] == "f" for e in events)
+    assert any(e["ph"] == "C" and e["name"].startswith("memory.") for e in events)
+    assert svg.read_text().lstrip().startswith("<svg") or "<svg" in svg.read_text()[:500]
+    proc, _ = zdsl("run", QUICK, "--trace", str(trace), "--trace-steps", "0")
+    assert proc.returncode == 2 and "--trace-steps must be at least 1" in proc.stderr
