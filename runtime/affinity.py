@@ -15,6 +15,7 @@ cores ran twice as slow bound). ``ZDSL_BIND_CORES=0`` leaves them unbound.
 from __future__ import annotations
 
 import os
+import time
 
 
 def rank_cores(local_rank: int, local_world: int, available: list[int]) -> list[int]:
@@ -95,7 +96,7 @@ def _thread_ids() -> list[int]:
         return [0]
 
 
-def calm_gloo_loops() -> int:
+def calm_gloo_loops(wait_s: float = 1.0) -> int:
     """Stop gloo's event-loop threads from preempting the threads they wake; returns how many moved.
 
     gloo's loop thread, woken by a socket, handles a pair's events only if it can take the pair's
@@ -105,18 +106,32 @@ def calm_gloo_loops() -> int:
     HZ=250) lets the holder run: a 0.2 ms collective took 4 ms in ~40% of calls. As SCHED_BATCH the
     loop thread keeps its full share of the core but never preempts on waking, so the holder
     finishes first.
+
+    The loop thread names itself once it runs, which can be after ``init_process_group`` returns
+    (on a loaded host a test found none so named): so this waits up to ``wait_s`` for one.
     """
     policy = LOOP_POLICIES.get(loop_policy_wanted())
     if policy is None or not hasattr(os, "sched_setscheduler"):
         return 0
+    deadline = time.monotonic() + wait_s
+    while True:
+        loops = [tid for tid in _thread_ids() if _thread_name(tid) == GLOO_LOOP_THREAD]
+        if loops or time.monotonic() >= deadline:
+            break
+        time.sleep(0.001)
     moved = 0
-    for tid in _thread_ids():
+    for tid in loops:
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != GLOO_LOOP_THREAD:
-                    continue
             os.sched_setscheduler(tid, policy, os.sched_param(0))
             moved += 1
         except OSError:
             pass                 # a thread that has just ended, or a policy not allowed here
     return moved
+
+
+def _thread_name(tid: int) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
