@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         err = statistics.median(p / m - 1 for p, m in zip(preds[program], runs[program]))
         name = Path(program).stem
         line = f"{name:<20}{pred * 1e3:10.2f}ms{meas * 1e3:10.2f}ms{err:+9.0%}"
-        row = {"program": Path(program).stem, "predicted_s": pred, "measured_s": meas, "error": err,
+        row = {"program": name, "predicted_s": pred, "measured_s": meas, "error": err,
                "runs_s": runs[program], "predicted_runs_s": preds[program]}
         if args.control:
             drift = controls[program]

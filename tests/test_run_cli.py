@@ -121,14 +121,12 @@ def test_run_writes_a_measured_trace_and_timeline(tmp_path):
     lanes = {op.lane for op in graph.ops if op.kind != "mem.free"}
     assert names == {(rank, lane) for rank in (0, 1) for lane in lanes}
     spans = [e for e in events if e["ph"] == "X"]
-    timed = sum(op.kind != "mem.free" for op in graph.ops)
-    for rank in (0, 1):
+    for rank in (0, 1):         # every timed op of each traced step, each exactly once
         ops = [(e["args"]["step"], e["args"]["op"]) for e in spans if e["pid"] == rank]
         assert sorted(ops) == sorted((s, op.id) for s in (3, 4) for op in graph.ops if op.kind != "mem.free")
-        assert len(ops) == 2 * timed
     assert all(e["dur"] >= 0 for e in spans)
     assert any(e["ph"] == "s" for e in events) and any(e["ph"] == "f" for e in events)
     assert any(e["ph"] == "C" and e["name"].startswith("memory.") for e in events)
-    assert svg.read_text().lstrip().startswith("<svg") or "<svg" in svg.read_text()[:500]
+    assert "<svg" in svg.read_text()[:500]
     proc, _ = zdsl("run", QUICK, "--trace", str(trace), "--trace-steps", "0")
     assert proc.returncode == 2 and "--trace-steps must be at least 1" in proc.stderr
