@@ -24,7 +24,8 @@ Semantics (the IR's, made concrete):
   autograd for that one unit with the gradient of its output and leaves the
   gradient of its input in ``act_grad[u]``. A recomputed unit's forward runs
   without autograd and keeps only its input and output; ``compute.recompute``
-  re-runs it with autograd (``act_inner[u]``).
+  re-runs it with autograd (``act_inner[u]``), with the random generators as
+  the forward found them (the same dropout masks, as torch.utils.checkpoint).
 * Backward accumulates into ``grad_full`` (zero when allocated; the
   persistent ones of stages 0-1 are zeroed by ``step_begin``). Gradients are
   averaged as DDP does: multiplied by 1/world just before they are reduced
@@ -44,6 +45,7 @@ Semantics (the IR's, made concrete):
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -73,6 +75,7 @@ class ActRecord:
     output: torch.Tensor | None         # its output (the scaled loss for the last unit)
     micro: int
     nbytes: int = 0
+    rng: tuple | None = None            # a recomputed unit's RNG state before its forward
 
 
 @dataclass
@@ -639,6 +642,7 @@ class RankState:
         x_in = x.detach()
         if x_in.is_floating_point() and not recompute:
             x_in.requires_grad_(True)
+        rng = rng_state(self.device) if recompute else None
         out, nbytes = self._run_unit(u, x_in, op.micro, grad=not recompute)
         if u == 0:
             nbytes += x.numel() * x.element_size()
@@ -647,7 +651,7 @@ class RankState:
         slot = self._slot(f"act[{u}]", op)
         if slot.live:
             self.meter.release(slot.buf.name)
-        slot.record, slot.live = ActRecord(x_in, out, op.micro, nbytes), True
+        slot.record, slot.live = ActRecord(x_in, out, op.micro, nbytes, rng), True
         self.meter.hold(slot.buf.name, slot.buf.tier, "act", "working", nbytes)
         if u == self.last and "loss" in self.slots:
             self._write("loss", op).copy_(self.losses[-1])
@@ -659,7 +663,8 @@ class RankState:
         if x_in.is_floating_point():
             x_in.requires_grad_(True)
         losses = list(self.losses)
-        out, nbytes = self._run_unit(u, x_in, op.micro, grad=True)
+        with replayed_rng(rec.rng, self.device):   # the forward's dropout masks, not new ones
+            out, nbytes = self._run_unit(u, x_in, op.micro, grad=True)
         self.losses = losses        # the loss was recorded by the forward
         slot = self._slot(f"act_inner[{u}]", op)
         slot.record, slot.live = ActRecord(x_in, out, op.micro, nbytes), True
@@ -902,6 +907,35 @@ class RankState:
                 raise self._error(op, f"frees {name}, which is model state (persistent)")
             if slot.live:
                 self._release(slot)
+
+
+def rng_state(device: torch.device) -> tuple:
+    """The generators a unit's forward draws from: the CPU's, and its CUDA device's (by index,
+    so a lane worker thread whose current CUDA device is another one still saves the right one)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+@contextlib.contextmanager
+def replayed_rng(saved: tuple | None, device: torch.device):
+    """Run with the generators as they were at ``saved`` (a recompute redraws the forward's random
+    numbers, as torch.utils.checkpoint does), then put back where they are now, so that the
+    draws after it are those of a run without recompute."""
+    if saved is None:
+        yield
+        return
+    now = rng_state(device)
+    _set_rng_state(saved, device)
+    try:
+        yield
+    finally:
+        _set_rng_state(now, device)
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -27,9 +27,13 @@ from zdsl.runtime.optim import make_torch_optimizer
 
 
 def ddp_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumulate: int,
-              optimizer: dict, rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Train with DDP inside an initialised process group; returns (final fp32 params, losses)."""
-    model = GPT(**model_kw, seed=seed)
+              optimizer: dict, rank: int, world: int, build=None,
+              norms: list | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Train with DDP inside an initialised process group; returns (final fp32 params, losses).
+
+    ``build()``: the model instead of ``GPT(**model_kw, seed=seed)`` (a user's model, built
+    from the run's seed). ``norms``: a list that gets each step's ``clip_grad_norm_`` total."""
+    model = build() if build is not None else GPT(**model_kw, seed=seed)
     ddp = DDP(model)
     opt = make_torch_optimizer(model.parameters(), optimizer)
     clip = optimizer.get("clip")
@@ -44,7 +48,9 @@ def ddp_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumu
                 (loss / accumulate if accumulate > 1 else loss).backward()
             step_losses.append(loss.detach())
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(float(total))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(torch.stack(step_losses).mean()))
