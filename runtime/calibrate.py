@@ -40,6 +40,16 @@ planner uses it*, under the conditions of a real run:
   prediction of that graph equal the measured median step, and
   ``scatter_overhead`` per reduce-scatter that plus what a reduce-scatter
   took beyond its rated time more than the other collectives did.
+  Each of these four fixed costs is clamped at 0, and 0 is a sensible,
+  valid result (the language allows a fixed cost of 0: ``MACHINE_MAY_BE_ZERO``
+  in ``zdsl/schedule.py``): it says the rates alone already account for
+  the measured time, and noise put the fitted line below 0. It happens
+  often on shared cores: ``kernel_overhead`` when the ops' excess does not
+  rise with their kernel count, ``scatter_overhead`` when reduce-scatters
+  took *less* beyond their own measured rate (``scatter_*``, which already
+  holds their reduction's cost) than the other collectives did. Rates are
+  never 0 and never negative (each fit keeps them positive), so the
+  statement written is always one the checker accepts.
 * ``cores``: the rank's share of the host's cores (ranks are bound to it).
 * ``comm_under_load``: on CPU, the share of its rate a collective keeps
   while compute fills those cores: gloo's threads wait for a core rather
