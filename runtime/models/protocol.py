@@ -7,10 +7,12 @@ next unit the previous one's output, the last ``(hidden, targets)`` and
 returns the loss; ``tied`` declares parameters a unit reads from another.
 
 A user's model is named in a schedule as ``model "file.py:build"(k=v)`` (a
-file, relative to the schedule's folder) or ``model "pkg.module:build"()``
-(an importable module). ``build(**kwargs)`` returns the module. Every way
-this can go wrong is a :class:`ModelProtocolError` whose message names the
-factory and says what to change; it never surfaces as a bare traceback.
+file, relative to the schedule's folder, whose folder goes on ``sys.path``
+as a script's does, so it can import the modules beside it) or
+``model "pkg.module:build"()`` (an importable module). ``build(**kwargs)``
+returns the module. Every way this can go wrong is a
+:class:`ModelProtocolError` whose message names the factory and says what to
+change; it never surfaces as a bare traceback.
 """
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ def load_factory(spec: str, base_dir: str | os.PathLike | None = None) -> Callab
             raise ModelProtocolError(f'model "{spec}": cannot load {path} as Python')
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module   # so the module pickles and dataclasses in it work
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:   # its own imports find the modules beside it, as for a script;
+            sys.path.insert(0, folder)   # kept: build() and forward() may import lazily
         try:
             module_spec.loader.exec_module(module)
         except Exception as exc:
