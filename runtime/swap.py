@@ -36,7 +36,9 @@ Why each choice (ZeRO-Infinity's recipe, made safe):
   killed without cleanup leaves its folder behind; the next Swapper on the
   same folder sees the lock is no longer held (its pid is dead), removes the
   folder and logs it. ``close()`` (also via ``with``, and at interpreter
-  exit) removes the run folder.
+  exit) removes the run folder, and the swap folder too when this Swapper
+  created it and nothing else is in it (a rank's ``rank<N>`` folder; never
+  a folder that was there before, never a file it did not write).
 """
 
 from __future__ import annotations
@@ -147,8 +149,8 @@ def remove_stale_runs(folder: Path) -> list[Path]:
     return removed
 
 
-def _make_private_dirs(folder: Path) -> None:
-    """Create ``folder`` and any missing parents with mode 0700.
+def _make_private_dirs(folder: Path) -> bool:
+    """Create ``folder`` and any missing parents with mode 0700; whether this call created ``folder``.
 
     Folders that already exist keep their mode (the user may have pointed us
     at a shared scratch root); every run folder inside is 0700 regardless.
@@ -159,12 +161,15 @@ def _make_private_dirs(folder: Path) -> None:
     while not path.exists():
         missing.append(path)
         path = path.parent
+    created = False
     for path in reversed(missing):
         try:
             path.mkdir(mode=0o700)
         except FileExistsError:
             continue
         os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+        created = path == folder
+    return created
 
 
 def _create_run_folder(folder: Path) -> tuple[Path, int]:
@@ -204,9 +209,10 @@ class _SwapFile:
 class _RunState:
     """What cleanup needs, kept apart from the Swapper so a finalizer can hold it."""
 
-    def __init__(self, run_dir: Path, lock_fd: int):
+    def __init__(self, run_dir: Path, lock_fd: int, made_folder: bool = False):
         self.run_dir = run_dir
         self.lock_fd = lock_fd
+        self.made_folder = made_folder  # the swap folder did not exist: it goes too, if left empty
         self.owner_pid = os.getpid()
         self.files: dict[str, _SwapFile] = {}
         self.closed = False
@@ -228,6 +234,11 @@ class _RunState:
             os.close(self.lock_fd)
         except OSError:
             pass
+        if self.made_folder:
+            try:
+                os.rmdir(self.run_dir.parent)  # only if empty: another run's folder or a user's file keeps it
+            except OSError:
+                pass
 
 
 # ----------------------------------------------------------------------------
@@ -354,13 +365,20 @@ class Swapper:
         self.queue_depth = queue_depth
         self.verify = verify
         self._checksum = block_checksum()
-        try:
-            _make_private_dirs(self.folder)
-            remove_stale_runs(self.folder)
-            run_dir, lock_fd = _create_run_folder(self.folder)
-        except OSError as e:
-            raise SwapError(f"swap folder {self.folder}: cannot create it: {e.strerror or e}") from e
-        self._state = _RunState(run_dir, lock_fd)
+        made = False
+        for attempt in range(3):
+            try:
+                made = _make_private_dirs(self.folder) or made
+                remove_stale_runs(self.folder)
+                run_dir, lock_fd = _create_run_folder(self.folder)
+                break
+            except FileNotFoundError:
+                if attempt == 2:  # else: a run closing as we started removed the folder it had made
+                    raise SwapError(f"swap folder {self.folder}: it keeps disappearing while being created") \
+                        from None
+            except OSError as e:
+                raise SwapError(f"swap folder {self.folder}: cannot create it: {e.strerror or e}") from e
+        self._state = _RunState(run_dir, lock_fd, made)
         self._finalizer = weakref.finalize(self, _RunState.close, self._state)
         # workers beyond the queue depth checksum while queue_depth requests stay in flight
         self.workers = queue_depth + (-(-queue_depth // 4) if verify else 0)
@@ -386,7 +404,8 @@ class Swapper:
         return self._state.closed
 
     def close(self) -> None:
-        """Close every file and remove the run folder. Idempotent."""
+        """Close every file and remove the run folder (and the folder, if this Swapper made it and it
+        is empty). Idempotent."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

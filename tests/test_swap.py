@@ -167,7 +167,7 @@ def test_close_removes_everything_also_on_error(tmp_path):
     assert any(run.iterdir())
     s.close()
     s.close()  # idempotent
-    assert not run.exists() and list(folder.iterdir()) == []
+    assert not run.exists() and not folder.exists()  # the swapper made the folder: it goes too
     with pytest.raises(SwapError, match="closed"):
         s.write_sync("x", torch.ones(3))
     with pytest.raises(RuntimeError, match="boom"):
@@ -175,7 +175,40 @@ def test_close_removes_everything_also_on_error(tmp_path):
             s2.write_sync("y", torch.ones(10))
             assert s2._finalizer.atexit  # the same cleanup runs at interpreter exit
             raise RuntimeError("boom")
-    assert list(folder.iterdir()) == []
+    assert not folder.exists()
+
+
+def test_close_keeps_a_folder_it_did_not_make_or_that_holds_more(tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    with Swapper(folder) as s:
+        s.write_sync("x", torch.ones(10))
+    assert folder.exists() and list(folder.iterdir()) == []  # the user's folder stays, emptied of ours
+    made = tmp_path / "made"
+    with Swapper(made) as s:
+        (made / "notes.txt").write_text("a user's file")
+        s.write_sync("x", torch.ones(10))
+    assert [p.name for p in made.iterdir()] == ["notes.txt"]  # never a file zdsl did not write
+    other = tmp_path / "shared"
+    with Swapper(other) as first, Swapper(other) as second:
+        first.write_sync("x", torch.ones(10))
+        second.write_sync("x", torch.ones(10))
+        first.close()                     # made the folder, but the other run is still in it
+        assert second.run_dir.exists()
+    assert other.exists()                 # the second did not make it: an empty folder, no files
+    assert list(other.iterdir()) == []
+
+
+def test_a_clean_nvme_run_leaves_the_swap_folder_as_it_found_it(tmp_path):
+    folder = tmp_path / "swap"            # the schedule's folder: kept, but no rank<N> folders in it
+    program = Path(__file__).parent.parent / "programs" / "nvme.zs"
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    proc = subprocess.run([sys.executable, "-m", "zdsl.cli", "run", str(program), "--quiet", "--set", "steps=1",
+                           "--set", f'offload.parameters=nvme("{folder}")',
+                           "--set", f'offload.optimizer=nvme("{folder}")'],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert folder.is_dir() and list(folder.iterdir()) == []
 
 
 def test_stale_run_of_a_dead_process_is_removed_and_logged(tmp_path):
