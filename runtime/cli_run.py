@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds a collective may wait for a peer before the run fails (default 120)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--ignore-limits", action="store_true",
+                   help="start the ranks even where they do not fit this machine's memory, cores or swap space")
     return p
 
 
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         report(compiled)          # errors and warnings once, not once per rank
     if not compiled.ok:
         return status_of(compiled)
+    from .preflight import preflight
+    refused = preflight(compiled, args, overrides)   # before any rank starts (or, in a rank, before step 1)
+    if refused is not None:
+        return refused
     if rank is None:
         from .launch import launch_local
         child = ["run", *(argv if argv is not None else sys.argv[2:])]

@@ -217,12 +217,14 @@ def cmd_plan(args, parser) -> int:
     report(compiled)
     if compiled.sim is None:                 # did not get as far as a simulated step
         return status_of(compiled)
+    from zdsl.planner.fits import render_fit, schedule_fit
     from zdsl.planner.report import build_plan, render_plan
     plan = build_plan(compiled.graph, compiled.schedule, compiled.sim)
+    fit = schedule_fit(compiled, overrides)          # what `zdsl run` compares before starting ranks
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
+        print(json.dumps({**plan.to_json(), "machine_fit": fit.to_json()}, indent=2))
     else:
-        sys.stdout.write(render_plan(plan, color=sys.stdout.isatty()))
+        sys.stdout.write(render_plan(plan, color=sys.stdout.isatty()) + render_fit(fit))
     if args.trace or args.timeline:
         from zdsl.trace import predicted_trace, write_trace
         g = compiled.graph

@@ -1,0 +1,288 @@
+"""Whether a schedule's ranks fit this machine: memory, cores and swap space, before any rank starts.
+
+``zdsl run`` starts one process per rank; ``ranks 1000 on cpu`` checks fine and
+then fills the machine's memory until the kernel's OOM killer stops it. So the
+launcher compares what the ranks need with what the machine has and refuses
+what cannot fit; ``zdsl plan`` shows the same comparison.
+
+What a rank needs in RAM: the planner's peak per rank on the host tier (and
+on the device tier where the device is the CPU), plus torch's own floor per
+process (libraries, allocator, gloo's threads: measured once by
+``zdsl.runtime.preflight``), whose shared-library pages count once. What the
+machine has: ``MemAvailable``, or less where a cgroup limits this process;
+the cores it may run on (``sched_getaffinity``).
+
+The rules: memory that cannot hold every rank is refused (the OOM killer would
+end the run, and often other processes with it). More ranks than cores is only
+slower, as under torchrun: a warning up to ``OVERSUBSCRIBE`` ranks per core,
+refused above, where each rank gets so little of a core that the run, and
+starting its ranks (seconds of CPU each to load torch), takes many times as long.
+Swap files of every local rank share their folder's filesystem: their sum must
+fit its free space.
+
+Torch-free: the floor is measured in a subprocess (``zdsl.runtime.preflight``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from zdsl.ir import TaskGraph
+from zdsl.planner.report import fmt_bytes
+
+OVERSUBSCRIBE = 8      # ranks per core above which a run is refused (a warning from 1 up to this)
+ALIGN = 4096           # a swap file is sized in whole 4 KiB blocks (O_DIRECT)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this machine offers the ranks: bytes of memory available now, cores this process may use."""
+    available: int | None       # None: unknown (no /proc/meminfo)
+    cores: int
+
+    @classmethod
+    def this(cls) -> "Machine":
+        return cls(available_memory(), usable_cores())
+
+
+@dataclass(frozen=True)
+class TorchFloor:
+    """Memory a rank holds before its model: ``private`` per process, ``shared`` (library pages) once."""
+    private: int
+    shared: int
+    source: str                 # how it was obtained, for the report ("measured, torch 2.13.0 ...")
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What one schedule's ranks need, from its plan."""
+    ranks: int
+    ram_per_rank: int           # planned peak bytes in RAM per rank
+    nvme_per_rank: int          # bytes of swap files per rank
+    swap_folder: str | None
+
+    def ram(self, floor: TorchFloor, ranks: int | None = None, ram_per_rank: int | None = None) -> int:
+        n = self.ranks if ranks is None else ranks
+        per = self.ram_per_rank if ram_per_rank is None else ram_per_rank
+        return n * (floor.private + per) + floor.shared
+
+
+def device_in_ram(device: str) -> bool:
+    """Whether the schedule's device tier is host memory: ``on cpu``, or ``auto`` with no GPU here."""
+    if device == "cpu":
+        return True
+    if device == "cuda":
+        return False
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return True
+    try:
+        gpus = os.listdir("/proc/driver/nvidia/gpus")
+    except OSError:
+        gpus = []
+    return not gpus and not os.path.exists("/dev/kfd")   # kfd: ROCm, which torch also calls cuda
+
+
+def swap_folder(config: dict) -> str | None:
+    """The folder the runtime puts its swap files in: the first nvme placement's (runtime/state.py)."""
+    for place in (config.get("placement") or {}).values():
+        if place.get("tier") == "nvme" and place.get("path"):
+            return place["path"]
+    return None
+
+
+def needs_of(graph: TaskGraph, memory: dict) -> Needs:
+    """``memory``: the plan's per-tier JSON (``Simulation.memory.to_json()``)."""
+    in_ram = device_in_ram(graph.config.get("device", "auto"))
+    ram = memory["host"]["peak"] + (memory["device"]["peak"] if in_ram else 0)
+    nvme = sum(-(-b.bytes // ALIGN) * ALIGN for b in graph.buffers.values() if b.tier == "nvme")
+    return Needs(graph.ranks, ram, nvme, swap_folder(graph.config) if nvme else None)
+
+
+@dataclass
+class Fit:
+    """The comparison and its verdict: ``refusals`` stop ``zdsl run`` (unless overridden)."""
+    needs: Needs
+    machine: Machine
+    floor: TorchFloor
+    swap_free: int | None = None
+    ranks_fitting: int | None = None      # most ranks whose memory fits, when all of them do not
+    refusals: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.refusals
+
+    def summary(self) -> list[str]:
+        """What was compared, one line per resource."""
+        n, floor = self.needs, self.floor
+        have = "unknown" if self.machine.available is None else fmt_bytes(self.machine.available)
+        lines = [f"memory: {n.ranks} ranks need {fmt_bytes(n.ram(floor))} "
+                 f"({n.ranks} x ({fmt_bytes(floor.private)} torch + {fmt_bytes(n.ram_per_rank)} planned) "
+                 f"+ {fmt_bytes(floor.shared)} shared libraries), {have} available",
+                 f"cores: {n.ranks} ranks on {self.machine.cores} cores",
+                 f"torch floor: {floor.source}"]
+        if n.swap_folder is not None:
+            free = "unknown" if self.swap_free is None else fmt_bytes(self.swap_free)
+            lines.insert(2, f"swap: {n.ranks} x {fmt_bytes(n.nvme_per_rank)} = "
+                            f"{fmt_bytes(n.ranks * n.nvme_per_rank)} in {n.swap_folder}, {free} free there")
+        return lines
+
+    def to_json(self) -> dict:
+        n = self.needs
+        return {"fits": self.fits, "ranks": n.ranks, "ram_per_rank": n.ram_per_rank,
+                "torch_floor": {"private": self.floor.private, "shared": self.floor.shared,
+                                "source": self.floor.source},
+                "ram_needed": n.ram(self.floor), "ram_available": self.machine.available,
+                "cores": self.machine.cores, "ranks_fitting": self.ranks_fitting,
+                "swap": None if n.swap_folder is None else
+                {"folder": n.swap_folder, "needed": n.ranks * n.nvme_per_rank, "free": self.swap_free},
+                "refusals": list(self.refusals), "warnings": list(self.warnings)}
+
+
+def judge(needs: Needs, machine: Machine, floor: TorchFloor, swap_free: int | None = None,
+          ram_at: Callable[[int], int] | None = None) -> Fit:
+    """Compare ``needs`` with ``machine``. ``ram_at(k)``: planned RAM per rank at ``k`` ranks (ZeRO's
+    shards grow as ranks shrink), to say how many ranks would fit; the same figure at every count if
+    not given."""
+    fit = Fit(needs, machine, floor, swap_free)
+    n, cores = needs.ranks, machine.cores
+    if machine.available is not None and needs.ram(floor) > machine.available:
+        at = ram_at or (lambda k: needs.ram_per_rank)
+        fit.ranks_fitting = most_ranks(lambda k: needs.ram(floor, k, at(k)) <= machine.available, n - 1)
+        fit.refusals.append(
+            f"{n} ranks do not fit this machine's memory: they need {fmt_bytes(needs.ram(floor))} "
+            f"({n} x ({fmt_bytes(floor.private)} torch + {fmt_bytes(needs.ram_per_rank)} planned per rank) + "
+            f"{fmt_bytes(floor.shared)} shared), {fmt_bytes(machine.available)} is available; "
+            + (f"at most {fit.ranks_fitting} ranks fit (--set ranks={fit.ranks_fitting})" if fit.ranks_fitting
+               else "not even one rank fits: offload state to cpu or nvme, or a smaller model"))
+    if n > OVERSUBSCRIBE * cores:
+        fit.refusals.append(
+            f"{n} ranks on {cores} cores is more than {OVERSUBSCRIBE} ranks per core: each rank would get "
+            f"less than 1/{OVERSUBSCRIBE} of a core, so the run (and starting it) would take over "
+            f"{OVERSUBSCRIBE} times as long as on enough cores; at most {OVERSUBSCRIBE * cores} ranks "
+            f"(--set ranks={min(OVERSUBSCRIBE * cores, fit.ranks_fitting or n)})")
+    elif n > cores:
+        fit.warnings.append(f"{n} ranks share {cores} cores: each rank gets {cores / n:.2g} of a core, "
+                            f"so the run is slower than with at most {cores} ranks")
+    if needs.swap_folder is not None and swap_free is not None and n * needs.nvme_per_rank > swap_free:
+        fit.refusals.append(
+            f"the swap folder {needs.swap_folder} has {fmt_bytes(swap_free)} ({swap_free} bytes) free, "
+            f"but {n} ranks need {fmt_bytes(n * needs.nvme_per_rank)} ({n * needs.nvme_per_rank} bytes: "
+            f"{needs.nvme_per_rank} each); free space there or point nvme(\"...\") at a larger disk")
+    return fit
+
+
+def most_ranks(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest k in 1..upper with ``fits(k)`` (which holds for every smaller k), 0 if none."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def free_bytes(folder: str | os.PathLike, statvfs: Callable = os.statvfs) -> int | None:
+    """Bytes free to this user on the filesystem ``folder`` is (or will be created) on."""
+    path = Path(folder).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def available_memory(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """``MemAvailable``, or this cgroup's headroom where that is smaller (a container's limit)."""
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    headroom = cgroup_headroom(Path(cgroup_root))
+    return available if headroom is None else min(available, headroom)
+
+
+def cgroup_headroom(root: Path, own: str = "/proc/self/cgroup") -> int | None:
+    """Limit minus usage of this process's memory cgroup (v2, else v1, as mounted in a container);
+    reclaimable file cache is not usage (the kernel drops it before it kills). None where no limit
+    is set or readable."""
+    try:
+        v2 = next((line.split("::", 1)[1].strip() for line in Path(own).read_text().splitlines()
+                   if line.startswith("0::")), "/")
+    except OSError:
+        v2 = "/"
+    for folder, limit_file, usage_file, inactive in (
+            (root / v2.lstrip("/"), "memory.max", "memory.current", "inactive_file"),
+            (root, "memory.max", "memory.current", "inactive_file"),
+            (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")):
+        try:
+            limit_text = (folder / limit_file).read_text().strip()
+            usage = int((folder / usage_file).read_text())
+            stat = (folder / "memory.stat").read_text() if (folder / "memory.stat").exists() else ""
+            if limit_text == "max" or int(limit_text) >= 1 << 60:
+                continue
+        except (OSError, ValueError):
+            continue
+        stats = dict(line.split() for line in stat.splitlines() if len(line.split()) == 2)
+        return int(limit_text) - max(0, usage - int(stats.get(inactive, 0)))
+    return None
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: TorchFloor | None = None,
+                 machine: Machine | None = None, statvfs: Callable = os.statvfs,
+                 local_ranks: int | None = None) -> Fit:
+    """The fit of a compiled schedule (``zdsl.cli.Compiled``, with a graph) on this machine, for
+    ``zdsl plan`` and ``zdsl run`` alike. ``floor``: torch's per-process floor, measured (or read
+    from its cache) by the runtime when not given. ``local_ranks``: the ranks on this host, where
+    another launcher spreads them over several (then how many would fit is not searched)."""
+    from zdsl.cli import compile_file
+    from zdsl.planner.simulate import simulate
+
+    graph = compiled.graph
+    sim = compiled.sim or simulate(graph, compiled.schedule.machine)
+    needs = needs_of(graph, sim.memory.to_json())
+    device = graph.config.get("device", "auto")
+
+    def ram_at(ranks: int) -> int:        # the same schedule at another rank count; its model as sized
+        other = compile_file(compiled.path, {**(overrides or {}), "ranks": f"{ranks} on {device}"},
+                             lambda spec: compiled.units, simulate=True)
+        return needs_of(other.graph, other.sim.memory.to_json()).ram_per_rank if other.sim else needs.ram_per_rank
+
+    if local_ranks is not None:
+        needs, ram_at = dataclasses.replace(needs, ranks=local_ranks), None
+    swap_free = free_bytes(needs.swap_folder, statvfs) if needs.swap_folder else None
+    return judge(needs, machine or Machine.this(), floor or default_floor(), swap_free, ram_at)
+
+
+def default_floor() -> TorchFloor:
+    try:
+        from zdsl.runtime.preflight import torch_floor    # measures in a subprocess: no torch here
+    except ImportError as exc:
+        return TorchFloor(0, 0, f"not counted: the runtime is not installed ({exc})")
+    return torch_floor()
+
+
+def render_fit(fit: Fit) -> str:
+    """The ``zdsl plan`` section."""
+    head = "fits this machine" if fit.fits else "does NOT fit this machine (zdsl run refuses it)"
+    lines = [head] + [f"  {line}" for line in fit.summary()]
+    lines += [f"  warning: {w}" for w in fit.warnings] + [f"  refused: {r}" for r in fit.refusals]
+    return "\n".join(lines) + "\n"
