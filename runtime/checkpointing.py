@@ -24,6 +24,7 @@ from zdsl.layout import FlatLayout
 
 from .checkpoint import (CheckpointError, apply_retention, checkpoint_path, latest_complete, load_for_rank,
                          read_index, remove_incomplete, unit_metas, write_index, write_rank_shards)
+from .checkpoint.export import BUFFER_PREFIX
 
 RNG_KEY = "rng.torch"
 
@@ -64,12 +65,14 @@ class Checkpointer:
         self.wait()
         shards = state.shard_state()
         shards[RNG_KEY] = torch.get_rng_state()
+        shards.update({BUFFER_PREFIX + name: t for name, t in state.buffers().items()})
         meta = {
             "units": unit_metas(self.units, graph_layouts(self.graph), self.prefixes(state)),
             "ranks": self.world,
             "schedule_hash": self.graph.digest(),
             "data_position": {"next_step": completed},
             "loss_scaler": state.scaler.__dict__.copy() if getattr(state.scaler, "enabled", False) else None,
+            "aliases": dict(state.aliases),
             "extra": {"optimizer_steps": state.optimizer_steps(), "stage": self.graph.stage,
                       "precision": self.graph.precision},
         }
@@ -84,6 +87,9 @@ class Checkpointer:
         """Each unit's module path in the model's state dict (``blocks.3``), for export."""
         out = []
         for u, spec in enumerate(self.units):
+            if not spec.params:
+                out.append(f"units.{u}")
+                continue
             full, local = state.param_names[u][0], spec.params[0][0]
             out.append(full[: -len(local) - 1] if full.endswith("." + local) else f"units.{u}")
         return out
@@ -156,6 +162,7 @@ def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print
     if index.ranks != world:
         say(f"resuming {path} (written by {index.ranks} ranks) on {world} ranks: shards re-cut")
     rng = shards.pop(RNG_KEY, None)
+    state.load_buffers({k[len(BUFFER_PREFIX):]: shards.pop(k) for k in list(shards) if k.startswith(BUFFER_PREFIX)})
     steps = int(index.extra.get("optimizer_steps", index.data_position.get("next_step", index.step)))
     state.load_shard_state(shards, steps)
     if index.loss_scaler and getattr(state.scaler, "enabled", False):

@@ -160,6 +160,14 @@ class RankState:
         names = {id(p): n for n, p in model.named_parameters()}
         self.param_names = [[names.get(id(p), f"units.{u}.{n}") for n, p in m.named_parameters()]
                             for u, m in enumerate(self.modules)]
+        # The rest of the model's state dict, for an export that loads with strict=True: a tied
+        # parameter registered a second time (``lm_head.weight is wte.weight``), and buffers.
+        self.aliases = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+                        if names[id(p)] != n}
+        self._buffer_homes = [(f"{prefix}.{key}" if prefix else key, sub, key)
+                              for prefix, sub in model.named_modules(remove_duplicate=False)
+                              for key, value in sub._buffers.items()
+                              if value is not None and key not in sub._non_persistent_buffers_set]
         for user, uses in self.tied.items():
             for owner, _ in uses:
                 if owner not in graph.units[user].uses:
@@ -463,9 +471,21 @@ class RankState:
             return t.float().to(self.device), self.stage > 0
         return t.float().to(self.device), slot.buf.kind == "param_shard"
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The model's persistent buffers by their state-dict names, on the CPU."""
+        return {name: sub._buffers[key].detach().cpu().clone() for name, sub, key in self._buffer_homes}
+
+    def load_buffers(self, values: dict[str, torch.Tensor]) -> None:
+        """Put back buffers saved by :meth:`buffers` (a name this model lacks is ignored)."""
+        with torch.no_grad():
+            for name, sub, key in self._buffer_homes:
+                if name in values:
+                    sub._buffers[key].copy_(values[name])
+
     def export_state(self) -> dict[str, torch.Tensor]:
-        """The full fp32 parameters by the model's own names (every rank must call it:
-        sharded units are all-gathered). Call between steps."""
+        """The model's state dict: full fp32 parameters by the model's own names, a tied
+        parameter under each of its names (as separate tensors), and the buffers. Every rank
+        must call it (sharded units are all-gathered). Call between steps."""
         out: dict[str, torch.Tensor] = {}
         for u, fp in enumerate(self.flats):
             t, is_shard = self._truth(u)
@@ -476,6 +496,9 @@ class RankState:
                 t = full
             for name, p, off in zip(self.param_names[u], fp.params, fp.offsets):
                 out[name] = t[off:off + p.numel()].view(p.shape).detach().cpu().clone()
+        for alias, owner in self.aliases.items():
+            out[alias] = out[owner].clone()
+        out.update(self.buffers())
         return out
 
     def export(self, path) -> None:

@@ -17,10 +17,10 @@ QUICK = str(ROOT / "programs" / "quickstart.zs")
 MODEL = dict(layers=2, width=64, heads=4, vocab=256, context=32)
 
 
-def run(*args, env=None, ok=True):
+def run(*args, env=None, ok=True, program=QUICK):
     e = dict(os.environ, **(env or {}))
     e.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "zdsl.cli", "run", QUICK, "--quiet", *args],
+    proc = subprocess.run([sys.executable, "-m", "zdsl.cli", "run", str(program), "--quiet", *args],
                           capture_output=True, text=True, env=e, timeout=300)
     if ok:
         assert proc.returncode == 0, proc.stderr
@@ -99,3 +99,39 @@ def test_export_and_inspect_commands(tmp_path):
     from zdsl.runtime.models.gpt import GPT
     model = GPT(**MODEL)
     model.load_state_dict({k: v.float() for k, v in load_file(str(out)).items()}, strict=True)
+
+
+def test_export_of_a_user_model_with_a_tied_weight_loads_strictly(tmp_path):
+    """A user's model whose state dict lists a weight twice (``lm_head.weight`` is the embedding's,
+    as in HF's GPT-2) and holds buffers: the run's ``--export`` and ``zdsl export`` of its
+    checkpoint both load with ``strict=True`` and hold the trained values."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from user_models import FACTORY, build
+
+    program = tmp_path / "tied.zs"
+    program.write_text(f'''schedule tied "a user's model with a tied weight"
+model     "{FACTORY}"(vocab=64, context=16, hidden=32, layers=2, tied=true)
+data      synthetic(vocab=64, context=16)
+train     steps=3, batch=4, precision=fp32
+optimizer adamw(lr=1e-2)
+ranks     2 on cpu
+zero      3
+''')
+    ck, live, exported = tmp_path / "ck", tmp_path / "live.safetensors", tmp_path / "exported.safetensors"
+    run("--checkpoint-every", "3", "--checkpoint-dir", str(ck), "--export", str(live), program=program)
+    export = subprocess.run([sys.executable, "-m", "zdsl.cli", "export", str(ck), "-o", str(exported)],
+                            capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stderr
+    torch.manual_seed(0)
+    initial = build(tied=True).state_dict()
+    for path in (live, exported):
+        sd = load_file(str(path))
+        model = build(tied=True)
+        model.load_state_dict(sd, strict=True)
+        assert model.lm_head.weight is model.embed.tokens.weight
+        assert torch.equal(sd["lm_head.weight"], sd["embed.tokens.weight"])
+        assert not torch.equal(sd["embed.tokens.weight"], initial["embed.tokens.weight"])   # trained
+        assert torch.equal(sd["embed.position_ids"], initial["embed.position_ids"])
+    live_sd, exported_sd = load_file(str(live)), load_file(str(exported))
+    assert live_sd.keys() == exported_sd.keys() == initial.keys()
+    assert all(torch.equal(live_sd[k], exported_sd[k]) for k in live_sd)

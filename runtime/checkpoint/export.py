@@ -7,7 +7,10 @@ without the ranks that wrote it::
 
 Keys are the model's state-dict names: the unit's module prefix from the
 index (``embedding``, ``blocks.0``, ``head``) and the parameter's name
-within the unit. The header is known from the index before any data is
+within the unit; a tied parameter the model registers twice under each of
+its names (the index's ``aliases``, each written as its own tensor); and the
+model's persistent buffers, which each rank saves as ``buffer.NAME`` (rank
+0's are exported). The header is known from the index before any data is
 read, so the file is written unit by unit: host memory holds one unit's
 full buffer and one saved shard at a time, whatever the model's size.
 """
@@ -22,8 +25,9 @@ import torch
 
 from .index import INDEX_NAME, CheckpointError, shard_key
 from .reader import full_unit, latest_complete, open_files, read_index
-from .stformat import build_header, byte_view, dtype_code, write_new_file
+from .stformat import build_header, byte_view, dtype_code, torch_dtype, write_new_file
 
+BUFFER_PREFIX = "buffer."    # a rank file's copy of one of the model's buffers, by its state-dict name
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -75,6 +79,13 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
                 specs.append((k, dtype_code(out_dtype), tuple(shape)))
             off += n
         plan.append(entries)
+    buffers = []        # (key in rank 0's file, state-dict name, dtype)
+    for key, entry in rec0.tensors.items():
+        if key.startswith(BUFFER_PREFIX):
+            saved = torch_dtype(entry.dtype, key)
+            out_dtype = _out_dtype(dtype, "") if dtype is not None and saved.is_floating_point else saved
+            buffers.append((key, key[len(BUFFER_PREFIX):], out_dtype))
+            specs.append((key[len(BUFFER_PREFIX):], dtype_code(out_dtype), tuple(entry.shape)))
     known = {k for k, _, _ in specs}
     dangling = [a for a, src in index.aliases.items() if src not in known]
     if dangling:
@@ -95,6 +106,8 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
                     cast[out_dtype] = flat if flat.dtype == out_dtype else flat.to(out_dtype)
                 yield byte_view(cast[out_dtype][off:off + n])
             del flat, cast
+        for key, _, out_dtype in buffers:
+            yield byte_view(files[0].read(key, rec0.tensors[key] if verify else None).to(out_dtype))
 
     try:
         write_new_file(str(tmp), header, tensors())
