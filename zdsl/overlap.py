@@ -2,16 +2,23 @@
 
 A step of a task graph cannot finish sooner than either of two bounds:
 
-* the **busiest lane**: ops within a lane run one after another, so the
-  step takes at least the sum of that lane's op times;
+* the **busiest serial lane**: ops within a lane that runs one op at a time
+  run one after another, so the step takes at least the sum of that lane's
+  op times (its own times: a wait in the lane's queue is not work). A lane
+  whose backend runs several ops at once (gloo's collective threads,
+  ``comm_slots`` > 1) bounds nothing by its busy time: its ops could have
+  overlapped more than they did;
 * the **dependency chain**: the longest chain of ops linked by ``deps``
   (cross-lane data dependencies), as if every op had a lane of its own.
 
-``lower bound = max(busiest lane, dependency chain)`` and
-``overlap efficiency = lower bound / step time``. An efficiency of 1 means
-the schedule is as overlapped as the op times allow; lower values say how
-much time went to waiting that no reordering of the given lanes' work
-explains away.
+``lower bound = max(busiest serial lane, dependency chain)`` and
+``overlap efficiency = lower bound / step time``. Both terms are paths of
+the critical path's graph, so for measured times
+``dependency chain <= lower bound <= critical path <= step time``: a lower
+bound never exceeds the step it bounds. An efficiency of 1 means the
+schedule is as overlapped as the op times allow; lower values say how much
+time went to waiting that no reordering of the given lanes' work explains
+away.
 
 The **critical path** is the longest path through deps *and* lane order
 (each op waits for the op before it in its lane), weighted by op durations
@@ -42,16 +49,17 @@ class OverlapReport:
     step_time: float                       # last end - first start over the graph's ops
     lane_busy: dict[str, float]            # lane -> time with an op running (union of intervals)
     lane_share: dict[str, float]           # lane -> busy / step time
-    busiest_lane: str
+    busiest_lane: str                      # by busy time (a lane of several threads included)
     dep_chain: float                       # longest chain through deps only
     critical_length: float                 # longest chain through deps + lane order
     critical_path: list[int]               # op ids along it, first to last
     critical_by_kind: dict[str, float]     # op kind -> seconds on the critical path
-    lower_bound: float
+    lower_bound: float                     # max(busiest serial lane's own op time, dep_chain)
     efficiency: float                      # lower_bound / step_time (1.0 for an empty step)
     rank: int | None = None
     ops: int = 0
     notes: list[str] = field(default_factory=list)
+    bound_by: str = "dependency chain"     # what sets lower_bound: "lane NAME" or "dependency chain"
 
     def to_metrics(self) -> dict:
         """Plain JSON for ``--metrics`` (the path as a count and its kinds, not 50k ids)."""
@@ -73,12 +81,9 @@ class OverlapReport:
         """A short text report for the end of a run."""
         ms = lambda s: f"{s * 1e3:9.2f} ms"  # noqa: E731
         who = "" if self.rank is None else f" (rank {self.rank})"
-        bound_by = ("lane " + self.busiest_lane
-                    if self.lower_bound == self.lane_busy.get(self.busiest_lane, -1.0)
-                    else "dependency chain")
         lines = [
             f"overlap{who}: step {ms(self.step_time).strip()}, "
-            f"efficiency {self.efficiency:.2f} (lower bound {ms(self.lower_bound).strip()}, set by {bound_by})",
+            f"efficiency {self.efficiency:.2f} (lower bound {ms(self.lower_bound).strip()}, set by {self.bound_by})",
             "  lane busy:",
         ]
         for lane, busy in sorted(self.lane_busy.items(), key=lambda kv: -kv[1]):
@@ -268,7 +273,17 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
     lane_busy = {lane: union_length(iv) for lane, iv in lane_intervals.items()}
     busiest = max(lane_busy, key=lane_busy.__getitem__) if lane_busy else "compute"
     lane_share = {lane: (b / step if step > 0 else 0.0) for lane, b in lane_busy.items()}
-    lower = max(lane_busy.get(busiest, 0.0), dep_chain)
+    # A serial lane's own op times all lie on one path of the critical path's graph (lane order),
+    # so their sum never exceeds the critical path; a lane of several threads is left out.
+    serial_work: dict[str, float] = {}
+    for i, op in enumerate(ops):
+        if not (slots > 1 and op.lane == "comm"):
+            serial_work[op.lane] = serial_work.get(op.lane, 0.0) + dur[i]
+    bound_lane = max(serial_work, key=serial_work.__getitem__) if serial_work else None
+    lower = dep_chain
+    bound_by = "dependency chain"
+    if bound_lane is not None and serial_work[bound_lane] > dep_chain:
+        lower, bound_by = serial_work[bound_lane], "lane " + bound_lane
     by_kind: dict[str, float] = {}
     for i in crit_path:
         by_kind[ops[i].kind] = by_kind.get(ops[i].kind, 0.0) + dur[i]
@@ -282,7 +297,8 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
     return OverlapReport(step_time=step, lane_busy=lane_busy, lane_share=lane_share,
                          busiest_lane=busiest, dep_chain=dep_chain, critical_length=crit_len,
                          critical_path=[ops[i].id for i in crit_path], critical_by_kind=by_kind,
-                         lower_bound=lower, efficiency=efficiency, rank=rank, ops=n, notes=notes)
+                         lower_bound=lower, efficiency=efficiency, rank=rank, ops=n, notes=notes,
+                         bound_by=bound_by)
 
 
 def typical(reports: Iterable[OverlapReport]) -> OverlapReport | None:
