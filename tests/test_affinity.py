@@ -59,16 +59,26 @@ print(json.dumps([allowed, cores, sorted(set(map(tuple, masks.values())))]))
 @pytest.mark.parametrize("setting, policy", [(None, "SCHED_BATCH"), ("normal", "SCHED_OTHER")])
 def test_gloo_loop_threads_stop_preempting_unless_told_not_to(setting, policy):
     code = """
-import json, os, socket
+import json, os, socket, time
 import torch, torch.distributed as dist
 from zdsl.runtime.train import init_group
 free = socket.socket(); free.bind(('127.0.0.1', 0)); port = free.getsockname()[1]; free.close()
 os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
 init_group(0, 1, torch.device('cpu'), 30)
-names = {}
-for tid in os.listdir('/proc/self/task'):
-    name = open(f'/proc/self/task/{tid}/comm').read().strip()
-    names.setdefault(name, set()).add(os.sched_getscheduler(int(tid)))
+def names_now():
+    names = {}
+    for tid in os.listdir('/proc/self/task'):
+        try:
+            name = open(f'/proc/self/task/{tid}/comm').read().strip()
+            names.setdefault(name, set()).add(os.sched_getscheduler(int(tid)))
+        except OSError:
+            pass                      # a thread that ended meanwhile
+    return names
+# gloo's loop thread names itself once it runs, which on a loaded host can be after init returns
+# (ZDSL_GLOO_LOOP_POLICY=normal waits for nothing): look once it has, not before
+deadline = time.monotonic() + 60
+while 'gloo_tcp_loop' not in (names := names_now()) and time.monotonic() < deadline:
+    time.sleep(0.01)
 dist.destroy_process_group()
 print(json.dumps({k: sorted(v) for k, v in names.items()}))
 """
