@@ -11,6 +11,7 @@ on N gloo ranks in fresh processes and returns each rank's result.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import tempfile
 import traceback
@@ -55,6 +56,64 @@ def ddp_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumu
         opt.zero_grad(set_to_none=True)
         losses.append(float(torch.stack(step_losses).mean()))
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def fp16_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumulate: int, optimizer: dict,
+               rank: int, world: int, scale: float = 2.0 ** 16, growth_interval: int = 2000
+               ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """fp16 mixed precision the textbook way, on DDP: returns (final fp32 master params, per step
+    ``loss``, ``grad_norm`` (of the unscaled gradients), ``skipped``, ``loss_scale`` (after the
+    step's update: the next step's scale)).
+
+    DDP trains an fp16 copy of the model; the loss is multiplied by the loss scale before
+    backward; the fp16 gradients (averaged by DDP) are checked for inf/nan, and on overflow the
+    step is skipped and the scale halved (never below 1); otherwise they become fp32 gradients of
+    an fp32 master copy, divided by the scale, clipped with ``clip_grad_norm_``, stepped by the
+    torch optimizer, and the master is copied back into the fp16 model. ``growth_interval``
+    clean steps in a row double the scale. As torch.amp's GradScaler, written out: GradScaler
+    refuses fp16 gradients."""
+    master = GPT(**model_kw, seed=seed)
+    model = copy.deepcopy(master).half()
+    ddp = DDP(model)
+    masters, halves = list(master.parameters()), list(model.parameters())
+    opt = make_torch_optimizer(masters, optimizer)
+    clip = optimizer.get("clip")
+    clean, out = 0, []
+    for step in range(steps):
+        losses = []
+        for micro in range(accumulate):
+            idx, targets = make_batch(data, seed, step, micro, rank, world, batch)
+            sync = contextlib.nullcontext() if micro == accumulate - 1 else ddp.no_sync()
+            with sync:
+                loss = ddp(idx, targets)
+                scaled = loss / accumulate if accumulate > 1 else loss
+                scaled.backward(torch.tensor(scale, dtype=scaled.dtype))
+            losses.append(loss.detach())
+        row = {"loss": float(torch.stack(losses).mean())}
+        overflow = not all(bool(torch.isfinite(h.grad).all()) for h in halves)
+        if overflow:
+            scale, clean = max(scale * 0.5, 1.0), 0
+            row.update(skipped=True, grad_norm=None)
+        else:
+            for m, h in zip(masters, halves):
+                m.grad = h.grad.float() * (1.0 / scale)
+            if clip is not None:
+                row["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(masters, clip))
+            else:
+                row["grad_norm"] = float(torch.nn.utils.get_total_norm([m.grad for m in masters]))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for m, h in zip(masters, halves):
+                    h.copy_(m)
+            row["skipped"] = False
+            clean += 1
+            if clean >= growth_interval:
+                scale, clean = scale * 2.0, 0
+        model.zero_grad(set_to_none=True)
+        row["loss_scale"] = scale      # the next step's
+        out.append(row)
+    return {n: p.detach().clone() for n, p in master.named_parameters()}, out
 
 
 def _entry(rank: int, world: int, port: int, fn, args: tuple, outdir: str) -> None:
