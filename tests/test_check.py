@@ -369,3 +369,11 @@ def test_machine_overhead_is_a_time_that_may_be_zero(tmp_path):
     with pytest.raises(ZsError) as exc:
         load_schedule(str(tmp_path / "bad.zs"))
     assert "overhead" in exc.value.diagnostics[0].message
+
+
+def test_a_statement_repeated_many_times_notes_its_first_place_once():
+    ds = diags(HEADER + "prefetch 1\n" * 5)
+    errors = [d for d in ds if d.is_error]
+    notes = [d for d in ds if d.severity == "note"]
+    assert [d.span.line for d in errors] == [3, 4, 5, 6] and all("twice" in d.message for d in errors)
+    assert [(d.span.line, ds.index(d)) for d in notes] == [(2, 1)]     # right after the first repeat

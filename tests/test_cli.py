@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +195,40 @@ def test_console_script_end_to_end(tmp_path):
     bad = write(tmp_path, "schedule x\nzero 7\n\x00\xff", "bad.zs")
     proc = subprocess.run([sys.executable, "-m", "zdsl.cli", "check", bad], capture_output=True, text=True)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "bad.zs:" in proc.stderr
+
+
+DIAGNOSTIC_HEADER = re.compile(r"^\S+:\d+:\d+: (error|warning|note): ")
+
+
+def test_a_file_of_200000_repeated_statements_checks_and_prints_a_capped_list(tmp_path):
+    """Checking is linear in the file (it was quadratic: this never finished) and the errors
+    stop after 50 with a count; the timeout only guards against a hang."""
+    path = write(tmp_path, SMALL.format(budget="1GiB") + "zero 3\n" * 200_000)
+    proc = subprocess.run([sys.executable, "-m", "zdsl.cli", "check", path], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    headers = [m.group(1) for m in map(DIAGNOSTIC_HEADER.match, lines) if m]
+    assert headers.count("error") == 50 and headers.count("note") == 1 and len(headers) == 51
+    assert lines[-1] == f"... and {200_000 - 50} more errors in {path}"
+    assert len(lines) < 10 * len(headers)
+
+
+def test_report_caps_errors_and_warnings_separately(tmp_path, capsys):
+    from zdsl.errors import error, note, warning
+    from zdsl.schedule import Span
+    path = write(tmp_path, "zero 3\n" * 200)
+    at = [Span(path, line, 1, 5) for line in range(1, 201)]
+    compiled = cli.Compiled(path, [error(at[0], "e0"), note(at[1], "n0"),
+                                   *(error(at[i], f"e{i}") for i in range(1, 60)),
+                                   note(at[2], "n59"),                 # belongs to e59: left out
+                                   *(warning(at[i], f"w{i}") for i in range(120))])
+    cli.report(compiled)
+    lines = capsys.readouterr().err.splitlines()
+    headers = [line.split(": ", 2)[1:] for line in lines if DIAGNOSTIC_HEADER.match(line)]
+    assert headers[:3] == [["error", "e0"], ["note", "n0"], ["error", "e1"]]
+    assert [m for s, m in headers if s == "error"] == [f"e{i}" for i in range(50)]
+    assert [m for s, m in headers if s == "warning"] == [f"w{i}" for i in range(50)]
+    assert [m for s, m in headers if s == "note"] == ["n0"]
+    assert lines[-2:] == [f"... and 10 more errors in {path}", f"... and 70 more warnings in {path}"]
+    assert "    zero 3" in lines and "    ^~~~" in lines        # still positioned, with the line

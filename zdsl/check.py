@@ -134,9 +134,11 @@ class Checker(PlacementChecks):
                                          program.file)
 
     def _index(self, statements: list[ast.Stmt]) -> dict[str, list[ast.Stmt]]:
-        """Statements by keyword; a statement given twice is an error at both places."""
+        """Statements by keyword; a statement given twice is an error at the repeat, with a
+        note at the first (once, however often it is repeated)."""
         by_key: dict[str, list[ast.Stmt]] = {}
         seen: dict[str, ast.Stmt] = {}
+        noted: set[str] = set()
         for stmt in statements:
             group = "pipeline" if isinstance(stmt, ast.PipelineStmt) else stmt.keyword
             key = stmt.keyword
@@ -152,7 +154,9 @@ class Checker(PlacementChecks):
                     f"the {stmt.keyword} pipeline" if group == "pipeline" else f"`{key}`"
                 self.r.error(stmt.key_span, f"{what} is set twice",
                              hint=f"the first is at {_where(first.key_span)}; keep one")
-                self.r.diagnostics.append(note(first.key_span, f"{what} first set here"))
+                if key not in noted:
+                    noted.add(key)
+                    self.r.diagnostics.append(note(first.key_span, f"{what} first set here"))
                 continue
             seen[key] = stmt
             by_key.setdefault(group, []).append(stmt)

@@ -163,14 +163,20 @@ def compile_file(path: str, overrides: dict[str, str] | None, units_for=None,
 
 
 def report(compiled: Compiled) -> None:
-    """Print a file's diagnostics (errors and warnings) to stderr, positioned."""
-    from zdsl.errors import render
+    """Print a file's diagnostics (errors and warnings) to stderr, positioned; past the first
+    50 of a severity only how many more there are."""
+    from zdsl.errors import attach_sources, capped, more_line, render
     try:
         source = Path(compiled.path).read_bytes().decode("utf-8", errors="replace")
     except OSError:
         source = None
-    for d in compiled.diagnostics:
-        print(render(d, source if d.span is None or d.span.file == compiled.path else None), file=sys.stderr)
+    shown, left_out = capped(compiled.diagnostics)
+    if source is not None:
+        attach_sources(shown, {compiled.path: source})
+    for d in shown:
+        print(render(d), file=sys.stderr)
+    for severity, count in left_out.items():
+        print(more_line(severity, count, compiled.path), file=sys.stderr)
 
 
 def status_of(compiled: Compiled) -> int:

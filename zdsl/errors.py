@@ -67,6 +67,36 @@ def note(span: Span | None, message: str) -> Diagnostic:
     return Diagnostic(NOTE, span, message)
 
 
+SHOWN_PER_SEVERITY = 50    # a file with thousands of errors prints the first ones and a count
+
+
+def capped(diagnostics: list[Diagnostic], limit: int = SHOWN_PER_SEVERITY
+           ) -> tuple[list[Diagnostic], dict[str, int]]:
+    """The first ``limit`` errors and the first ``limit`` warnings (each with the notes that
+    follow it), and how many of each severity were left out."""
+    shown: list[Diagnostic] = []
+    kept: dict[str, int] = {}
+    left_out: dict[str, int] = {}
+    keep_notes = True
+    for d in diagnostics:
+        if d.severity == NOTE:
+            if keep_notes:
+                shown.append(d)
+            continue
+        keep_notes = kept.get(d.severity, 0) < limit
+        if keep_notes:
+            kept[d.severity] = kept.get(d.severity, 0) + 1
+            shown.append(d)
+        else:
+            left_out[d.severity] = left_out.get(d.severity, 0) + 1
+    return shown, left_out
+
+
+def more_line(severity: str, count: int, file: str) -> str:
+    """``... and 15950 more errors in x.zs``: what :func:`capped` left out."""
+    return f"... and {count} more {severity}{'s' if count != 1 else ''} in {file}"
+
+
 def did_you_mean(word: str, choices, what: str | None = None) -> str | None:
     """``did you mean 'gradients'?`` for the nearest choice, else the list of choices."""
     choices = [c for c in choices if c]
@@ -82,13 +112,21 @@ def did_you_mean(word: str, choices, what: str | None = None) -> str | None:
 
 def attach_sources(diagnostics: list[Diagnostic], sources: dict[str, str]) -> None:
     """Remember the source line of each diagnostic so render needs no file access."""
+    split: dict[str, list[str]] = {}        # each file split once: a line per diagnostic is linear
     for d in diagnostics:
         if d.source_line is None and d.span is not None and d.span.file in sources:
-            d.source_line = line_of(sources[d.span.file], d.span.line)
+            file = d.span.file
+            if file not in split:
+                split[file] = sources[file].splitlines()
+            d.source_line = _line_in(split[file], d.span.line)
 
 
 def line_of(text: str, line: int) -> str | None:
-    lines = text.splitlines() or [""]
+    return _line_in(text.splitlines(), line)
+
+
+def _line_in(lines: list[str], line: int) -> str | None:
+    lines = lines or [""]
     if 1 <= line <= len(lines):
         return lines[line - 1]
     if line == len(lines) + 1:
