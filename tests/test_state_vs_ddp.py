@@ -96,10 +96,12 @@ def _case(rank: int, world: int, case: dict) -> dict:
     zdsl, steps, memory, taken = zdsl_train(sched, rank, world, inject, driver, resume_at)
     ref_sched = make_schedule(world, **reference)
     cfg = ref_sched.to_config()
+    ref_norms: list[float] = []
     ref, ref_losses = ddp_train(MODEL, ref_sched.data, seed=0, steps=STEPS, batch=BATCH,
                                accumulate=ref_sched.train.accumulate, optimizer=cfg["optimizer"],
-                               rank=rank, world=world)
-    return dict(zdsl=zdsl, ref=ref, steps=steps, ref_losses=ref_losses, memory=memory, taken=taken,
+                               rank=rank, world=world, norms=ref_norms)
+    return dict(zdsl=zdsl, ref=ref, steps=steps, ref_losses=ref_losses, ref_norms=ref_norms, memory=memory,
+                taken=taken,
                 init={n: p.detach() for n, p in GPT(**MODEL, seed=0).named_parameters()})
 
 
@@ -113,6 +115,9 @@ FP32_BITWISE = {
     "stage2": dict(stage=2),
     "stage3": dict(stage=3),
     "stage0_clip": dict(stage=0, clip=0.5),
+    "stage0_clip_inactive": dict(stage=0, clip=1e6),           # far above the norm: coefficient 1
+    "stage3_sgd_clip_inactive": dict(stage=3, kind="sgd", momentum=0.9, clip=1e6),
+    "stage1_accumulate_clip_inactive": dict(stage=1, accumulate=2, clip=1e6),
     "stage1_accumulate": dict(stage=1, accumulate=2),
     "stage3_recompute_buckets": dict(stage=3, recompute=(1, 2), bucket_bytes=4096),
     "stage3_sgd": dict(stage=3, kind="sgd", momentum=0.9),
@@ -183,6 +188,24 @@ def test_fp32_bitwise_equal_to_ddp(results, name):
         bad = [k for k in r["ref"] if not torch.equal(r["zdsl"][k], r["ref"][k])]
         assert not bad, f"rank {rank} {name}: differs from DDP in {bad[:4]} (max rel {_max_rel(r['zdsl'], r['ref']):.3g})"
         assert [s["loss"] for s in r["steps"]] == r["ref_losses"]
+
+
+@pytest.mark.parametrize("name, unclipped", [("stage0_clip_inactive", "stage0"),
+                                             ("stage3_sgd_clip_inactive", "stage3_sgd"),
+                                             ("stage1_accumulate_clip_inactive", "stage1_accumulate")])
+def test_clip_above_the_norm_changes_no_bit(results, name, unclipped):
+    """A clip that never binds gives the run without clipping (and DDP's, above), and reports the
+    norm clip_grad_norm_ finds: exactly at stage 0, to float32 rounding where it is summed over
+    shards (stages 1-3)."""
+    for by_case in results:
+        r, plain = by_case[name], by_case[unclipped]
+        assert all(torch.equal(r["zdsl"][k], plain["zdsl"][k]) for k in plain["zdsl"])
+        norms = [s["grad_norm"] for s in r["steps"]]
+        assert all(n < 1e6 for n in norms)
+        if name.startswith("stage0"):
+            assert norms == r["ref_norms"]
+        else:
+            assert norms == pytest.approx(r["ref_norms"], rel=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(FP32_CLOSE))
