@@ -30,7 +30,8 @@ Semantics (the IR's, made concrete):
   persistent ones of stages 0-1 are zeroed by ``step_begin``). Gradients are
   averaged as DDP does: multiplied by 1/world just before they are reduced
   (done by the last backward that writes them, so the comm lane only
-  communicates), then summed. The loss of a micro-batch is divided by
+  communicates), then summed; a gradient all-reduced a second time is
+  scaled in the collective (see ``_plan_prescale``). The loss of a micro-batch is divided by
   ``accumulate`` inside the graph, as the DDP reference does.
 * A tied parameter's gradient from its user (the head) reaches the owner's
   ``grad_full``; when that buffer already holds gradient (accumulation), the
@@ -253,28 +254,44 @@ class RankState:
                                           f"updated parameters would be lost")
 
     def _plan_prescale(self) -> tuple[dict[int, list[int]], set[int]]:
-        """Where each gradient's 1/world factor is applied: after the last backward that
-        writes ``grad_full[u]`` before a collective reduces it, else in the collective."""
+        """Where each gradient's 1/world factor is applied: after the last backward that writes
+        ``grad_full[u]`` before a collective reduces it; in an all-reduce of a gradient no
+        backward wrote since its last reduction (the pipeline reduces it twice: averaging
+        values every rank already holds leaves them as they are, as DDP's bits need).
+
+        A reduce-scatter has no such case: one with no backward before it since the step
+        began reads a stage-1 gradient that is still zero (nothing to scale), and one after
+        another reduce-scatter of the same gradient is refused, since a reduce-scatter may
+        consume its input (gloo's by all-reduce sums it in place, its own leaves it as it
+        was): the second one's result would depend on the algorithm."""
         after: dict[int, list[int]] = {}
         at_comm: set[int] = set()
         if self.world == 1:
             return after, at_comm
         writer: dict[str, int] = {}       # grad_full name -> last backward since its last reduction
+        scattered: dict[str, int] = {}    # grad_full name -> its reduce-scatter, if no backward since
         in_comm: dict[str, bool] = {}     # grad_full name -> this reduction scales in the collective
         for op in self.graph.ops:
             if op.kind == "compute.backward":
                 for w in op.writes:
                     if w.startswith("grad_full["):
                         writer[w] = op.id
+                        scattered.pop(w, None)
             elif op.kind in ("comm.reduce_scatter", "comm.all_reduce") and op.reads \
                     and op.reads[0].startswith("grad_full["):
                 name = op.reads[0]
                 if op.part == 0:
                     w = writer.pop(name, None)
-                    in_comm[name] = w is None
+                    if op.kind == "comm.reduce_scatter" and w is None and name in scattered:
+                        raise self._error(op, f"reduce-scatters {name} again with no backward since its "
+                                              f"reduce-scatter (op {scattered[name]}), which may have consumed "
+                                              f"it; scatter each gradient once, after its last backward")
+                    if op.kind == "comm.reduce_scatter":
+                        scattered[name] = op.id
+                    in_comm[name] = w is None and op.kind == "comm.all_reduce"
                     if w is not None:
                         after.setdefault(w, []).append(parse_buffer_name(name)[1])
-                if in_comm.get(name, True):
+                if in_comm[name]:
                     at_comm.add(op.id)
         return after, at_comm
 
@@ -868,9 +885,6 @@ class RankState:
             dst = self._write(dst_name, op)
             return _Collective(fp.gather(op.part, dst, src, g, async_op=True))
         if op.kind == "comm.reduce_scatter":
-            if op.id in self._prescale_at_comm:
-                a, b = fp.layout.full_range(op.part)
-                src[a:b].mul_(1.0 / self.world)
             dst = self._write(dst_name, op)
             if not op.accumulate:
                 return _Collective(fp.reduce_scatter(op.part, dst, src, g, async_op=True))
