@@ -1,4 +1,5 @@
-"""How long `zdsl check` and `zdsl plan` take on a 1,000-unit schedule (target: under 1 s each).
+"""How long `zdsl check` and `zdsl plan` take on a 1,000-unit schedule (target: under 1 s each),
+and how compile time grows with the model's depth and with a file's length (target: linear).
 
 The schedule is a GPT with 998 blocks (+ embedding and head = 1,000 units),
 ZeRO-3 over 8 ranks with prefetch, bucketing and a memory budget, so every
@@ -6,13 +7,21 @@ compiler stage has work to do. Each command is timed in-process (the
 compiler alone, best of a few runs after a warm-up) and as a subprocess
 (what a user waits for, interpreter start-up and imports included).
 
-    python benchmarks/compile_speed.py [--layers 998] [--repeat 3]
+The growth is the exponent k of a least-squares fit time ~ size^k over
+doubling sizes, each size compiled in a fresh process (CPU seconds of the
+compile alone, best of --repeat): the model's depth (--depths), with
+Python's cyclic collector paused during the compile as `zdsl` does and,
+for comparison, left on; and a schedule whose statement is repeated
+(--repeats lines, each an error): the checker's cost per line.
+
+    python benchmarks/compile_speed.py [--layers 998] [--repeat 3] [--depths 1000,2000,4000,8000]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import io
+import math
 import os
 import resource
 import subprocess
@@ -98,10 +107,84 @@ def stages(path: str) -> dict[str, float]:
     return out
 
 
+# In a fresh process: warm up (imports, the parser's tables), then time one compile_file.
+TIME_ONE = """\
+import contextlib, sys, time
+import zdsl.cli as cli
+if sys.argv[3] == "on":                       # the collector left on, for comparison
+    cli.gc_paused = contextlib.nullcontext
+cli.compile_file(sys.argv[1], None, simulate=False)
+t = time.process_time()
+cli.compile_file(sys.argv[2], None, simulate=sys.argv[4] == "plan")
+print(time.process_time() - t)
+"""
+
+
+def compile_cpu_seconds(warm: str, path: str, collector: str, what: str, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        proc = subprocess.run([sys.executable, "-c", TIME_ONE, warm, path, collector, what],
+                              capture_output=True, text=True, check=True)
+        best = min(best, float(proc.stdout.split()[-1]))
+    return best
+
+
+def exponent(sizes: list[int], seconds: list[float]) -> float:
+    """k in seconds ~ size^k, by least squares on the logarithms."""
+    xs, ys = [math.log(n) for n in sizes], [math.log(t) for t in seconds]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def growth(tmp: str, depths: list[int], repeats: list[int], repeat: int) -> None:
+    warm = os.path.join(tmp, "warm.zs")
+    with open(warm, "w") as f:
+        f.write(SCHEDULE.format(layers=4))
+    if len(depths) > 1:
+        by_depth(tmp, warm, depths, repeat)
+    if len(repeats) > 1:
+        by_length(tmp, warm, repeats, repeat)
+
+
+def by_depth(tmp: str, warm: str, depths: list[int], repeat: int) -> None:
+    print(f"\ncompile (check + lower + verify + simulate) by depth; CPU seconds, best of {repeat}")
+    print(f"{'layers':>8}{'collector paused':>18}{'collector on':>14}")
+    paused, on = [], []
+    for layers in depths:
+        path = os.path.join(tmp, f"deep{layers}.zs")
+        with open(path, "w") as f:
+            f.write(SCHEDULE.format(layers=layers))
+        paused.append(compile_cpu_seconds(warm, path, "paused", "plan", repeat))
+        on.append(compile_cpu_seconds(warm, path, "on", "plan", repeat))
+        print(f"{layers:>8}{paused[-1]:>18.2f}{on[-1]:>14.2f}")
+    print(f"exponent (linear = 1.0): collector paused {exponent(depths, paused):.2f}, "
+          f"on {exponent(depths, on):.2f}")
+
+
+def by_length(tmp: str, warm: str, repeats: list[int], repeat: int) -> None:
+    print(f"\ncheck of a schedule repeating `zero 3` (every repeat an error); CPU seconds, best of {repeat}")
+    seconds = []
+    for n in repeats:
+        path = os.path.join(tmp, f"repeat{n}.zs")
+        with open(path, "w") as f:
+            f.write(SCHEDULE.format(layers=2) + "zero 3\n" * n)
+        seconds.append(compile_cpu_seconds(warm, path, "paused", "check", repeat))
+        print(f"{n:>8} lines {seconds[-1]:8.2f}")
+    print(f"exponent (linear = 1.0): {exponent(repeats, seconds):.2f}")
+
+
+def sizes(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=998)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--depths", type=sizes, default=[1000, 2000, 4000, 8000],
+                    help="model depths for the growth exponent (comma-separated; empty to skip)")
+    ap.add_argument("--repeats", type=sizes, default=[25_000, 50_000, 100_000, 200_000],
+                    help="repeated-statement counts for the checker's exponent")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "big.zs")
@@ -124,6 +207,9 @@ def main() -> int:
         verdict = "ok" if max(inproc, sub) < 1 else ("ok on cpu time" if max(inproc_cpu, sub_cpu) < 1 else "SLOW")
         print(f"zdsl {name:<13}{inproc:>11.3f}{inproc_cpu:>8.3f}{sub:>12.3f}{sub_cpu:>8.3f}   {verdict}")
         worst = max(worst, inproc_cpu, sub_cpu)
+    if len(args.depths) > 1 or len(args.repeats) > 1:
+        with tempfile.TemporaryDirectory() as tmp:
+            growth(tmp, args.depths, args.repeats, args.repeat)
     return 0 if worst < 1.0 else 1
 
 

@@ -232,3 +232,40 @@ def test_report_caps_errors_and_warnings_separately(tmp_path, capsys):
     assert [m for s, m in headers if s == "note"] == ["n0"]
     assert lines[-2:] == [f"... and 10 more errors in {path}", f"... and 70 more warnings in {path}"]
     assert "    zero 3" in lines and "    ^~~~" in lines        # still positioned, with the line
+
+
+def test_compiling_runs_no_cyclic_collection_and_restores_the_collector(tmp_path, monkeypatch):
+    """Every collection walked the growing graph (compiling grew as depth^1.3); the compile pauses
+    the collector and leaves it as it found it, also when it fails."""
+    import gc
+    deep = write(tmp_path, SMALL.format(budget="1GiB").replace("layers=2", "layers=300"))
+    started, during = [], []
+    real = cli._compile_file
+
+    def compile_counted(*args):                    # the collections inside the compile itself
+        before = len(started)
+        out = real(*args)
+        during.extend(started[before:])
+        return out
+
+    def count(phase, info):
+        if phase == "start":
+            started.append(info["generation"])
+    monkeypatch.setattr(cli, "_compile_file", compile_counted)
+    gc.callbacks.append(count)
+    try:
+        compiled = cli.compile_file(deep, None)
+    finally:
+        gc.callbacks.remove(count)
+    assert compiled.ok and len(compiled.graph.units) == 302
+    assert during == [] and gc.isenabled()
+    gc.disable()
+    try:
+        cli.compile_file(deep, None, simulate=False)
+        assert not gc.isenabled()                  # a caller's choice is kept
+    finally:
+        gc.enable()
+    monkeypatch.setattr(cli, "_compile_file", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        cli.compile_file(deep, None)
+    assert gc.isenabled()
