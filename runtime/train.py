@@ -20,6 +20,7 @@ import torch.distributed as dist
 import trio
 
 from zdsl.ir import TaskGraph
+from zdsl.models import run_context as schedule_context   # the planner sizes the same context
 from zdsl.overlap import analyze
 
 from .affinity import calm_gloo_loops, set_cpu_threads
@@ -192,13 +193,6 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         from .tracing import write_measured_trace
         write_measured_trace(graph, records, rank, world, options, state)
     return history
-
-
-def schedule_context(schedule) -> int:
-    args = dict(schedule.data.args)
-    if "context" in args:
-        return int(args["context"])
-    return int(schedule.model.args.get("context", 64))
 
 
 TIERS = ("device", "host", "nvme")

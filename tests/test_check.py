@@ -377,3 +377,12 @@ def test_a_statement_repeated_many_times_notes_its_first_place_once():
     notes = [d for d in ds if d.severity == "note"]
     assert [d.span.line for d in errors] == [3, 4, 5, 6] and all("twice" in d.message for d in errors)
     assert [(d.span.line, ds.index(d)) for d in notes] == [(2, 1)]     # right after the first repeat
+
+
+def test_a_data_context_past_the_models_is_an_error_at_the_data_context():
+    """A GPT's position table has `context` rows: a longer sequence cannot be indexed."""
+    d, at = first(HEADER + 'data corpus("stdlib", context=64)\n')
+    assert at == (2, 23) and d.message == "data context 64 is longer than the model's context 32"
+    assert d.hint == "model gpt(context=64) or a shorter data context"
+    d, at = first(HEADER + "data synthetic(context=16)\n", overrides={"data.context": "33"})
+    assert d.span.file == "--set" and "data context 33 is longer" in d.message

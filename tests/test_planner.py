@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
-from zdsl.cli import compile_schedule_fn
+from zdsl.cli import compile_file, compile_schedule_fn
 from zdsl.ir import Buffer, Op, TaskGraph, UnitInfo
 from zdsl.planner.comm import comm_plan, zero_comm_elements
 from zdsl.planner.memory import model_states, zero_model_states
@@ -16,6 +17,7 @@ from zdsl.schedule import MachineProfile, OptimizerSpec, Placement, Schedule, Tr
 from zdsl.trace import predicted_trace, read_trace, write_trace
 from zdsl.units import gpt_units
 
+ROOT = Path(__file__).resolve().parent.parent
 UNITS = gpt_units(layers=3, width=63, heads=7, vocab=97, context=17)   # odd sizes: shards need padding
 PSI = sum(u.numel for u in UNITS)
 
@@ -348,6 +350,57 @@ def test_simulator_is_fast_on_1000_units():
     elapsed = time.perf_counter() - t
     assert len(g.units) == 1000 and sim.step_s > 0
     assert elapsed < 2.0, f"simulating {len(g.ops)} ops took {elapsed:.2f}s"   # a guard, not a benchmark
+
+
+# -- the context a run trains on --------------------------------------------------------
+
+def gpt_file(tmp_path, model_context: int, data_context: int | None) -> str:
+    path = tmp_path / f"gpt{model_context}-{data_context}.zs"
+    data = "" if data_context is None else f"data synthetic(context={data_context})\n"
+    path.write_text(f"model gpt(layers=2, width=64, heads=4, vocab=256, context={model_context})\n"
+                    f"{data}train batch=4\nranks 2 on cpu\nzero 3\n")
+    return str(path)
+
+
+def test_the_run_context_is_the_datas_else_the_models(tmp_path):
+    from zdsl.check import load_schedule
+    from zdsl.models import run_context
+    assert run_context(load_schedule(gpt_file(tmp_path, 1024, 16))[0]) == 16
+    assert run_context(load_schedule(gpt_file(tmp_path, 48, None))[0]) == 48
+    assert run_context(load_schedule(gpt_file(tmp_path, 48, 48))[0]) == 48
+
+
+def test_the_plan_sizes_activations_and_compute_by_the_data_context(tmp_path):
+    """A GPT's context only sizes its position table: with data context 16 a model of context 1024
+    runs (and is planned) like one of context 16, apart from the table's parameters."""
+    def plan_of(model_context):
+        c = compile_file(gpt_file(tmp_path, model_context, 16), None)
+        assert c.ok, [d.message for d in c.diagnostics]
+        return c, build_plan(c.graph, c.schedule, c.sim)
+    (long, long_plan), (short, short_plan) = plan_of(1024), plan_of(16)
+    flops = lambda c: [(op.kind, op.flops) for op in c.graph.ops                         # noqa: E731
+                       if op.kind in ("compute.forward", "compute.backward")]
+    activations = lambda c: {b.name: b.bytes for b in c.graph.buffers.values()          # noqa: E731
+                             if b.kind.startswith("act")}
+    assert flops(long) == flops(short) and activations(long) == activations(short)
+    assert len(activations(long)) >= 4 and sum(f for _, f in flops(long)) > 0
+    tables = [p.sim.memory.to_json()["device"]["working_at_peak"]["activations"]
+              for p in (long_plan, short_plan)]
+    assert tables[0] == tables[1] > 0
+    assert long_plan.parameters - short_plan.parameters == (1024 - 16) * 64     # wpe only
+    # the step differs only by the larger table's communication, not by a 64x longer sequence
+    assert long_plan.sim.step_s < 1.5 * short_plan.sim.step_s
+
+
+def test_a_user_model_is_sized_at_the_data_context():
+    pytest.importorskip("torch")
+    from zdsl.runtime.sizing import units_for_user_model
+    program = str(ROOT / "programs" / "user_model.zs")
+    for context in (8, 32):
+        c = compile_file(program, {"data.context": str(context)}, simulate=False)
+        assert c.ok, [d.message for d in c.diagnostics]
+        assert c.units == units_for_user_model(c.schedule.model, context)
+    assert c.units[1].input_elems_per_seq == 32 * 64      # hidden=64 per token
 
 
 def test_plan_json_and_table():

@@ -99,12 +99,12 @@ class Compiled:
 def memo_units_for():
     """units_for with a cache, so a user model is built on the meta device once per command."""
     from zdsl.models import units_for
-    cache: dict[str, list] = {}
+    cache: dict[tuple[str, int | None], list] = {}
 
-    def cached(spec):
-        key = repr(spec)
+    def cached(spec, context: int | None = None):
+        key = (repr(spec), context)
         if key not in cache:
-            cache[key] = units_for(spec)
+            cache[key] = units_for(spec, context)
         return cache[key]
     return cached
 
@@ -145,7 +145,7 @@ def _compile_file(path: str, overrides: dict[str, str] | None, units_for,
     from zdsl.check import load_schedule
     from zdsl.errors import Diagnostic, UsageError, ZsError
     from zdsl.instantiate import LoweringError
-    from zdsl.models import ModelSizingError
+    from zdsl.models import ModelSizingError, run_context
     from zdsl.verify import findings, to_diagnostic
 
     units_for = units_for or memo_units_for()
@@ -164,7 +164,7 @@ def _compile_file(path: str, overrides: dict[str, str] | None, units_for,
         return out
     model_span = schedule.spans.get("model")
     try:
-        out.units = units_for(schedule.model)
+        out.units = units_for(schedule.model, run_context(schedule))
     except ModelSizingError as exc:
         out.diagnostics.append(Diagnostic("error", model_span, str(exc)))
         return out

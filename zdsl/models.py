@@ -6,7 +6,7 @@ lazily: ``zdsl check``/``zdsl plan`` on built-in models never load torch.
 """
 from __future__ import annotations
 
-from zdsl.schedule import ModelSpec
+from zdsl.schedule import ModelSpec, Schedule
 from zdsl.units import GPT_DEFAULTS, UnitSpec, gpt_units
 
 
@@ -14,8 +14,16 @@ class ModelSizingError(Exception):
     """The model could not be sized (unknown kind, bad arguments, user factory failed)."""
 
 
-def units_for(spec: ModelSpec) -> list[UnitSpec]:
-    """The ordered units of the model ``spec`` describes, with parameter shapes and costs."""
+def run_context(schedule: Schedule) -> int:
+    """Tokens per sequence the run trains on: the data's context, else the model's (a GPT's
+    ``context`` is only the size of its position table; the data may use fewer)."""
+    value = schedule.data.args.get("context") or schedule.model.args.get("context")
+    return int(value) if value else GPT_DEFAULTS["context"]
+
+
+def units_for(spec: ModelSpec, context: int | None = None) -> list[UnitSpec]:
+    """The ordered units of the model ``spec`` describes, with parameter shapes and the costs
+    of one sequence of ``context`` tokens (default: the model's own context, see run_context)."""
     if spec.kind == "gpt":
         unknown = sorted(set(spec.args) - set(GPT_DEFAULTS))
         if unknown:
@@ -28,12 +36,12 @@ def units_for(spec: ModelSpec) -> list[UnitSpec]:
         if args["width"] % args["heads"]:
             raise ModelSizingError(
                 f"gpt(width={args['width']}) must be a multiple of heads={args['heads']}")
-        return gpt_units(**args)
+        return gpt_units(**args, tokens=context)
     if spec.kind == "user":
         try:
             from zdsl.runtime.sizing import units_for_user_model  # torch: only for user models
         except ImportError as exc:
             raise ModelSizingError(
                 f"sizing a user model needs the runtime (zdsl.runtime.sizing): {exc}") from exc
-        return units_for_user_model(spec)
+        return units_for_user_model(spec, context)
     raise ModelSizingError(f"unknown model kind {spec.kind!r}; expected gpt or a user factory")

@@ -38,12 +38,16 @@ GPT_KERNELS = {
 }
 
 
-def gpt_units(layers: int, width: int, heads: int, vocab: int, context: int) -> list[UnitSpec]:
-    """nanoGPT-class GPT: embedding, ``layers`` pre-LN blocks, head tied to wte."""
-    d, T, V = width, context, vocab
+def gpt_units(layers: int, width: int, heads: int, vocab: int, context: int,
+              tokens: int | None = None) -> list[UnitSpec]:
+    """nanoGPT-class GPT: embedding, ``layers`` pre-LN blocks, head tied to wte.
+
+    ``context`` sizes the position table; ``tokens`` (default: ``context``) is the
+    sequence length the run trains on, which sets the flops and activations."""
+    d, T, V = width, tokens or context, vocab
     embedding = UnitSpec(
         "embedding",
-        [("wte.weight", (V, d)), ("wpe.weight", (T, d))],
+        [("wte.weight", (V, d)), ("wpe.weight", (context, d))],
         fwd_flops_per_seq=2.0 * T * d,
         act_elems_per_seq=T,                       # the token ids (dropout-free: nothing else kept)
         input_elems_per_seq=T,
