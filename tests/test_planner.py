@@ -344,11 +344,11 @@ def test_deeper_prefetch_costs_device_memory():
 
 def test_simulating_1000_units_is_linear_work():
     """Counted in Python lines run, not seconds (benchmarks/compile_speed.py times it)."""
-    def simulation_of(layers):
-        g = compiled(schedule(3, 8, "bf16", prefetch=2),
-                     gpt_units(layers=layers, width=64, heads=4, vocab=96, context=16))
-        return lambda: simulate(g)
-    assert growth(simulation_of, 248, 998) < 1.5     # linear reads about 1, quadratic about 4
+    graphs = {layers: compiled(schedule(3, 8, "bf16", prefetch=2),
+                               gpt_units(layers=layers, width=64, heads=4, vocab=96, context=16))
+              for layers in (248, 998)}
+    assert len(graphs[998].units) == 1000 and simulate(graphs[998]).step_s > 0
+    assert growth(lambda layers: lambda: simulate(graphs[layers]), 248, 998) < 1.5   # quadratic: ~4
 
 
 # -- the context a run trains on --------------------------------------------------------
