@@ -234,6 +234,34 @@ def test_report_caps_errors_and_warnings_separately(tmp_path, capsys):
     assert "    zero 3" in lines and "    ^~~~" in lines        # still positioned, with the line
 
 
+def test_plan_says_which_rates_it_used_and_how_to_calibrate(tmp_path, capsys):
+    path = write(tmp_path, SMALL.format(budget="1GiB"))
+    status, out, err = run(["plan", path], capsys)
+    assert status == 0, err
+    rates = [line.strip() for line in out.splitlines() if line.strip().startswith("rates:")]
+    assert rates == ["rates: zdsl's uncalibrated default 'cpu' profile; calibrate: "
+                     "zdsl calibrate --out machine.zs, then include \"machine.zs\""]
+    (tmp_path / "machine.zs").write_text("# measured\nmachine cpu(flops=1e11, link=3e9)\n")
+    calibrated = write(tmp_path, SMALL.format(budget="1GiB") + 'include "machine.zs"\n', "c.zs")
+    status, out, err = run(["plan", calibrated], capsys)
+    assert status == 0, err
+    assert f"rates: the 'cpu' profile of the machine statement at {tmp_path / 'machine.zs'}:2" in out
+    assert "uncalibrated" not in out
+    status, out, _ = run(["plan", calibrated, "--json"], capsys)
+    assert json.loads(out)["machine"] == {"name": "cpu", "source": f"{tmp_path / 'machine.zs'}:2"}
+    status, out, _ = run(["plan", path, "--json"], capsys)
+    assert json.loads(out)["machine"] == {"name": "cpu", "source": "default"}
+
+
+def test_plan_explains_the_worst_order_column(tmp_path, capsys):
+    status, out, err = run(["plan", write(tmp_path, SMALL.format(budget="1GiB"))], capsys)
+    assert status == 0, err
+    header = next(line for line in out.splitlines() if "worst order" in line and "tier" in line)
+    legend = [line.strip() for line in out.splitlines() if line.strip().startswith("worst order:")]
+    assert header and legend == ["worst order: the working peak in the worst order the dependencies "
+                                 "allow, which a run's timings can reach"]
+
+
 def test_compiling_runs_no_cyclic_collection_and_restores_the_collector(tmp_path, monkeypatch):
     """Every collection walked the growing graph (compiling grew as depth^1.3); the compile pauses
     the collector and leaves it as it found it, also when it fails."""

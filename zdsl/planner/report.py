@@ -58,6 +58,25 @@ class Plan:
         return (f"worst-order working peak not computed: {len(self.graph.ops):,} ops is over "
                 f"{WORST_MAX_OPS:,}")
 
+    def machine_source(self) -> str | None:
+        """Where the rates came from: ``FILE:LINE`` of the machine statement that set some, or
+        None for zdsl's built-in defaults (not measured on any machine the user has)."""
+        spans = self.schedule.spans
+        at = spans.get("machine")
+        if at is None or not any(key.startswith("machine.") for key in spans):
+            return None
+        return "--set" if at.file == "--set" else f"{at.file}:{at.line}"
+
+    def machine_line(self) -> str:
+        name = self.schedule.machine.name
+        source = self.machine_source()
+        if source is None:
+            return (f"rates: zdsl's uncalibrated default {name!r} profile; calibrate: "
+                    f"zdsl calibrate --out machine.zs, then include \"machine.zs\"")
+        if source == "--set":
+            return f"rates: the {name!r} profile with the machine.* values given by --set"
+        return f"rates: the {name!r} profile of the machine statement at {source}"
+
     def critical_by_kind(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for i in self.sim.critical_path:
@@ -91,6 +110,7 @@ class Plan:
                              "comm_elements_per_step": zero_comm_elements(self.parameters, g.stage)},
             "comm_bytes_per_step": self.comm.payload_bytes,
             "comm": self.comm.to_json(),
+            "machine": {"name": self.schedule.machine.name, "source": self.machine_source() or "default"},
             "predicted_step_s": sim.step_s,
             "lower_bound_s": sim.bound_s,
             "overlap_efficiency": sim.overlap_efficiency,
@@ -163,6 +183,9 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
     mem.add_row("ZeRO formula", *(fmt_bytes(formula[s]) for s in STATES), fmt_bytes(sum(formula.values())),
                 *([""] * (4 if worst is not None else 3)), style="dim")
     console.print(mem)
+    if worst is not None:
+        console.print("  worst order: the working peak in the worst order the dependencies allow, "
+                      "which a run's timings can reach", style="dim")
     if plan.working_worst_note():
         console.print(f"  {plan.working_worst_note()}", style="dim")
     for tier in TIERS:
@@ -186,6 +209,7 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
 
     console.print(f"[bold]predicted step {fmt_s(sim.step_s)}[/bold] (lower bound {fmt_s(sim.bound_s)}, "
                   f"overlap efficiency {sim.overlap_efficiency:.2f}) on machine {plan.schedule.machine.name!r}")
+    console.print(f"  {plan.machine_line()}", style="dim", soft_wrap=True)    # a path stays whole
     lanes = Table(title="lanes", title_justify="left")
     for col in ("lane", "busy", "share", ""):
         lanes.add_column(col, justify="left" if col in ("lane", "") else "right")
