@@ -23,7 +23,8 @@ from zdsl.ir import TaskGraph
 from zdsl.layout import FlatLayout
 
 from .checkpoint import (CheckpointError, apply_retention, checkpoint_path, latest_complete, load_for_rank,
-                         read_index, remove_incomplete, unit_metas, write_index, write_rank_shards)
+                         parse_shard_key, read_index, remove_incomplete, unit_metas, write_index,
+                         write_rank_shards)
 from .checkpoint.export import BUFFER_PREFIX
 
 RNG_KEY = "rng.torch"
@@ -74,7 +75,7 @@ class Checkpointer:
             "loss_scaler": state.scaler.__dict__.copy() if getattr(state.scaler, "enabled", False) else None,
             "aliases": dict(state.aliases),
             "extra": {"optimizer_steps": state.optimizer_steps(), "stage": self.graph.stage,
-                      "precision": self.graph.precision},
+                      "precision": self.graph.precision, "optimizer": dict(state.opt_config)},
         }
         cost = SaveCost(completed, blocking_s=time.perf_counter() - t0,
                         bytes=sum(t.numel() * t.element_size() for t in shards.values()))
@@ -129,12 +130,42 @@ def find_checkpoint(where: str, say=print) -> Path:
     return found
 
 
-def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print) -> int:
+def describe_optimizer(config: dict | None, moments) -> str:
+    """``adamw(lr=0.003, ...)`` from a schedule's optimizer config; from the moments alone when a
+    checkpoint did not record its optimizer."""
+    if config:
+        keep = [k for k in ("lr", "momentum", "weight_decay") if config.get(k)]
+        return f"{config.get('kind', 'adamw')}({', '.join(f'{k}={config[k]:g}' for k in keep)})"
+    names = set(moments)
+    if {"exp_avg", "exp_avg_sq"} <= names:
+        return "adamw or adam"
+    return "sgd with momentum" if "momentum" in names else "sgd without momentum"
+
+
+def optimizer_mismatch(path, index, shards: dict, state) -> str | None:
+    """Why the checkpoint's optimizer state cannot continue this schedule's optimizer, or None."""
+    saved = sorted({parsed[1] for key in shards if (parsed := parse_shard_key(key)) and parsed[0] == 0
+                    and parsed[1] != "param"})
+    wanted = sorted(state.moment_names())
+    if saved == wanted:
+        return None
+    recorded = index.extra.get("optimizer")
+    held, asked = describe_optimizer(recorded, saved), describe_optimizer(state.opt_config, wanted)
+    same = f"--set optimizer='{held}'" if recorded else "the optimizer that wrote it"
+    return (f"checkpoint {path} holds the state of {held} ({', '.join(saved) or 'none'}); this schedule's "
+            f"{asked} needs {', '.join(wanted) or 'none'}. Resume with {same}, or add --fresh-optimizer to "
+            f"start {asked}'s state from zero with the checkpoint's weights")
+
+
+def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print,
+           fresh_optimizer: bool = False) -> int:
     """Load the checkpoint into ``state`` (re-cut to this run's ranks and layout); the next step to run.
 
     ``where`` is a step folder, or a root whose newest complete checkpoint is used. The ranks agree
     that every one of them could read its part; if one could not (a damaged file), all of them fall
-    back to the next older checkpoint under the root, and say why."""
+    back to the next older checkpoint under the root, and say why. ``fresh_optimizer``: take only
+    the weights and start the optimizer's state (moments, step count) from zero; without it, a
+    checkpoint whose optimizer state is not the schedule's optimizer's is refused."""
     import torch.distributed as dist
 
     root = Path(where)
@@ -143,7 +174,8 @@ def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print
     while True:
         problem, path, index, shards = "", None, None, None
         try:
-            path = find_checkpoint(where, say) if direct else latest_complete(root, verify=False, before=before)
+            path = find_checkpoint(where, say) if direct else \
+                latest_complete(root, verify=False, before=before, report=say)   # said once, by rank 0
             if path is None:
                 raise CheckpointError(f"{root}: no complete checkpoint to resume from")
             index = read_index(path)
@@ -164,7 +196,15 @@ def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print
     rng = shards.pop(RNG_KEY, None)
     state.load_buffers({k[len(BUFFER_PREFIX):]: shards.pop(k) for k in list(shards) if k.startswith(BUFFER_PREFIX)})
     steps = int(index.extra.get("optimizer_steps", index.data_position.get("next_step", index.step)))
-    state.load_shard_state(shards, steps)
+    if fresh_optimizer:
+        say(f"--fresh-optimizer: the weights of {path}, {describe_optimizer(state.opt_config, ())}'s state "
+            f"from zero (the checkpoint's optimizer state is not used)")
+        state.load_shard_state(shards, 0, moments=False)
+    else:
+        problem = optimizer_mismatch(path, index, shards, state)
+        if problem:
+            raise CheckpointError(problem)
+        state.load_shard_state(shards, steps)
     if index.loss_scaler and getattr(state.scaler, "enabled", False):
         for key, value in index.loss_scaler.items():
             setattr(state.scaler, key, value)

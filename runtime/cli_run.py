@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, metavar="K", help="keep the last K complete checkpoints")
     p.add_argument("--resume", metavar="DIR", help="resume from the newest complete checkpoint under DIR "
                    "(or from DIR itself, a step-N folder)")
+    p.add_argument("--fresh-optimizer", action="store_true", help="with --resume: take the checkpoint's weights "
+                   "and start the optimizer's state from zero (to resume with another optimizer)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds a collective may wait for a peer before the run fails (default 120)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = parse_sets(args.overrides, parser)
     if args.trace_steps < 1:
         parser.error("--trace-steps must be at least 1")
+    if args.fresh_optimizer and not args.resume:
+        parser.error("--fresh-optimizer starts a resumed run's optimizer afresh: give --resume CHECKPOINT")
     compiled = compile_file(args.file, overrides, simulate=False)
     rank = os.environ.get("RANK")
     if rank in (None, "0") or not compiled.ok:
@@ -78,6 +82,7 @@ def run_one_rank(compiled, args) -> int:
     spec = compiled.schedule.checkpoint
     options = RunOptions(metrics=args.metrics, trace=args.trace, timeline=args.timeline, export=args.export,
                          progress=not args.quiet, timeout_s=args.timeout, resume=args.resume,
+                         fresh_optimizer=args.fresh_optimizer,
                          trace_steps=args.trace_steps,
                          checkpoint_dir=args.checkpoint_dir or (spec.dir if spec else None),
                          checkpoint_every=args.checkpoint_every or (spec.every if spec else 0),

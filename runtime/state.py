@@ -555,12 +555,17 @@ class RankState:
                 out[f"u{u}.{self.SHARD_NAMES[name]}"] = (seg if self.stage > 0 else fp.shard_of(seg)).cpu().clone()
         return out
 
+    def moment_names(self) -> list[str]:
+        """The optimizer state this schedule's optimizer keeps, by checkpoint name (``exp_avg``...)."""
+        return [self.SHARD_NAMES[n] for n in (self.optims[0].names if self.optims else ())]
+
     def optimizer_steps(self) -> int:
         return self.optims[0].steps if self.optims else 0
 
-    def load_shard_state(self, shards: dict[str, torch.Tensor], steps: int) -> None:
+    def load_shard_state(self, shards: dict[str, torch.Tensor], steps: int, moments: bool = True) -> None:
         """Inverse of :meth:`shard_state` (all ranks call it: stage 0-2 parameters and
-        stage-0 moments are rebuilt by all-gathers). Between steps."""
+        stage-0 moments are rebuilt by all-gathers). Between steps. ``moments=False``: only the
+        parameters (and master copy) come from ``shards``; the optimizer's moments start at zero."""
         def full_of(u: int, shard: torch.Tensor) -> torch.Tensor:
             fp = self.flats[u]
             full = torch.empty(fp.layout.padded_numel, dtype=torch.float32, device=self.device)
@@ -581,8 +586,11 @@ class RankState:
                     flat[:opt.numel].copy_(full if self.stage == 0 else shard)
                 first = 1 if opt.master else 0
                 for k, name in enumerate(opt.names):
-                    m = shards[f"u{u}.{self.SHARD_NAMES[name]}"].float()
                     seg = flat[(first + k) * opt.numel:(first + k + 1) * opt.numel]
+                    if not moments:
+                        seg.zero_()
+                        continue
+                    m = shards[f"u{u}.{self.SHARD_NAMES[name]}"].float()
                     seg.copy_(full_of(u, m) if self.stage == 0 else m)
                 home = self._home("param_full", u) or self._home("param_shard", u)
                 value = full if home.buf.kind == "param_full" else shard

@@ -46,6 +46,7 @@ class RunOptions:
     checkpoint_every: int = 0
     checkpoint_keep: int = 0
     resume: str | None = None           # a checkpoint root (newest complete) or one step folder
+    fresh_optimizer: bool = False       # resume the weights only; the optimizer's state starts at zero
 
 
 @dataclass
@@ -157,8 +158,14 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
     first = 0
     if options.resume:
         from .checkpointing import resume
-        first = resume(options.resume, graph, state, rank, world, say)
-        say(f"resumed at step {first} from {options.resume}")
+        first = resume(options.resume, graph, state, rank, world, say, fresh_optimizer=options.fresh_optimizer)
+        say(f"resumed at step {first} from {options.resume}" if first < steps else
+            f"{options.resume} already completed {first} steps and the schedule trains {steps}: nothing left "
+            f"to train (--set steps=N with N > {first} trains on)")
+        if first >= steps:
+            if options.export:
+                state.export(options.export)
+            return history
     checkpointer = None
     if options.checkpoint_dir and options.checkpoint_every > 0:
         from .checkpointing import Checkpointer

@@ -135,3 +135,58 @@ zero      3
     live_sd, exported_sd = load_file(str(live)), load_file(str(exported))
     assert live_sd.keys() == exported_sd.keys() == initial.keys()
     assert all(torch.equal(live_sd[k], exported_sd[k]) for k in live_sd)
+
+
+def metrics_losses(path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in map(json.loads, Path(path).read_text().splitlines())}
+
+
+def test_resume_with_another_optimizer_is_explained_and_fresh_optimizer_continues(tmp_path):
+    """AdamW's checkpoint holds exp_avg and exp_avg_sq; SGD with momentum needs momentum. Without
+    --fresh-optimizer the run says so and how to go on; with it, it continues from the
+    checkpoint's weights (step 2's loss is the one the first run had at step 2) with SGD."""
+    ck, first, second = tmp_path / "ck", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    run("--set", "steps=3", "--checkpoint-every", "2", "--checkpoint-dir", str(ck), "--metrics", str(first))
+    sgd = ("--set", "optimizer=sgd(lr=0.1, momentum=0.9)", "--set", "steps=4", "--resume", str(ck))
+    refused = run(*sgd, ok=False)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    for words in ("holds the state of adamw(lr=0.003, weight_decay=0.1) (exp_avg, exp_avg_sq)",
+                  "sgd(lr=0.1, momentum=0.9) needs momentum", "--set optimizer='adamw(lr=0.003, weight_decay=0.1)'",
+                  "--fresh-optimizer"):
+        assert words in refused.stderr, refused.stderr
+    out = tmp_path / "sgd.safetensors"
+    fresh = run(*sgd, "--fresh-optimizer", "--metrics", str(second), "--export", str(out))
+    assert "--fresh-optimizer: the weights of" in fresh.stdout and "resumed at step 2" in fresh.stdout
+    before, after = metrics_losses(first), metrics_losses(second)
+    assert sorted(after) == [2, 3]
+    assert after[2] == before[2]                      # the checkpoint's weights, exactly
+    trained = load_file(str(out))
+    saved = tmp_path / "ck.safetensors"
+    subprocess.run([sys.executable, "-m", "zdsl.cli", "export", str(ck), "-o", str(saved)], check=True,
+                   capture_output=True, timeout=120)
+    assert any(not torch.equal(trained[k], v) for k, v in load_file(str(saved)).items())   # SGD trained on
+
+
+def test_fallback_is_said_once_and_nothing_left_to_train_is_said(tmp_path):
+    """A truncated newest checkpoint: the refusal and the fallback are said once (rank 0), with the
+    prefix; resuming at the schedule's last step says there is nothing to train and exits 0, and
+    --export still writes the checkpoint's weights."""
+    ck, out, saved = tmp_path / "ck", tmp_path / "out.safetensors", tmp_path / "ck.safetensors"
+    run("--set", "steps=4", "--checkpoint-every", "2", "--checkpoint-dir", str(ck))
+    newest = ck / "step-000004" / "rank-00000-of-00002.safetensors"
+    os.truncate(newest, 100)
+    proc = run("--set", "steps=2", "--resume", str(ck), "--export", str(out))
+    lines = proc.stdout.splitlines() + proc.stderr.splitlines()
+    refused = [ln for ln in lines if "step-000004 refused" in ln]
+    assert len(refused) == 1 and refused[0].startswith(f"zdsl: checkpoint step-000004 refused: {newest}: 100 bytes"), \
+        lines
+    assert [ln for ln in lines if "falling back" in ln] == \
+        ["zdsl: falling back to checkpoint step-000002 (newer step-000004 not usable)"]
+    assert any(ln.startswith("zdsl: ") and "already completed 2 steps" in ln and "nothing left to train" in ln
+               for ln in lines), lines
+    assert not any("resumed at step" in ln for ln in lines)
+    subprocess.run([sys.executable, "-m", "zdsl.cli", "export", str(ck / "step-000002"), "-o", str(saved)],
+                   check=True, capture_output=True, timeout=120)
+    expected = load_file(str(saved))
+    got = load_file(str(out))
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
