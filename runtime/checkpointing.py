@@ -28,6 +28,7 @@ from .checkpoint import (CheckpointError, apply_retention, checkpoint_path, late
 from .checkpoint.export import BUFFER_PREFIX
 
 RNG_KEY = "rng.torch"
+CUDA_RNG_KEY = "rng.cuda"       # the rank's CUDA device's generator (dropout on the GPU)
 
 
 @dataclass
@@ -66,6 +67,8 @@ class Checkpointer:
         self.wait()
         shards = state.shard_state()
         shards[RNG_KEY] = torch.get_rng_state()
+        if state.device.type == "cuda":
+            shards[CUDA_RNG_KEY] = torch.cuda.get_rng_state(state.device)
         shards.update({BUFFER_PREFIX + name: t for name, t in state.buffers().items()})
         meta = {
             "units": unit_metas(self.units, graph_layouts(self.graph), self.prefixes(state)),
@@ -193,7 +196,7 @@ def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print
         before = index.step
     if index.ranks != world:
         say(f"resuming {path} (written by {index.ranks} ranks) on {world} ranks: shards re-cut")
-    rng = shards.pop(RNG_KEY, None)
+    rng, cuda_rng = shards.pop(RNG_KEY, None), shards.pop(CUDA_RNG_KEY, None)
     state.load_buffers({k[len(BUFFER_PREFIX):]: shards.pop(k) for k in list(shards) if k.startswith(BUFFER_PREFIX)})
     steps = int(index.extra.get("optimizer_steps", index.data_position.get("next_step", index.step)))
     if fresh_optimizer:
@@ -210,6 +213,8 @@ def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print
             setattr(state.scaler, key, value)
     if rng is not None:
         torch.set_rng_state(rng.clone())   # a view into a shared read buffer crashes set_rng_state
+    if cuda_rng is not None and state.device.type == "cuda":
+        torch.cuda.set_rng_state(cuda_rng.clone(), state.device)
     return int(index.data_position.get("next_step", index.step))
 
 
