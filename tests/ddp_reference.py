@@ -6,7 +6,8 @@ The same model (``GPT(..., seed=seed)``), the same batches
 ``clip_grad_norm_``, gradient accumulation with ``no_sync`` and the loss
 divided by ``accumulate``. zdsl must reproduce its parameters (bitwise where
 the reduction order is the same). Also :func:`spawn`, which runs a function
-on N gloo ranks in fresh processes and returns each rank's result.
+on N gloo ranks in fresh processes and returns each rank's result, and
+:func:`run_steps`, zdsl's side of the comparisons.
 """
 from __future__ import annotations
 
@@ -114,6 +115,27 @@ def fp16_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accum
         row["loss_scale"] = scale      # the next step's
         out.append(row)
     return {n: p.detach().clone() for n, p in master.named_parameters()}, out
+
+
+def run_steps(graph, state, schedule, rank: int, world: int) -> list[dict]:
+    """zdsl's side, as ``zdsl run`` trains: the trio executor (compute in lane worker threads,
+    collectives in flight beside them) over the schedule's steps; each step's ``step_end()``."""
+    import trio
+
+    from zdsl.runtime.executor import Executor
+    executor = Executor(graph, state, rank)
+    t = schedule.train
+
+    async def loop():
+        rows = []
+        for step in range(t.steps):
+            state.step_begin(step, [make_batch(schedule.data, t.seed, step, m, rank, world, t.batch)
+                                    for m in range(t.accumulate)])
+            await executor.run_step()
+            rows.append(state.step_end())
+        return rows
+
+    return trio.run(loop)
 
 
 def _entry(rank: int, world: int, port: int, fn, args: tuple, outdir: str) -> None:

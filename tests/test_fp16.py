@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from ddp_reference import fp16_train, spawn
+from ddp_reference import fp16_train, run_steps, spawn
 from test_state_vs_ddp import BATCH, MODEL, STEPS, make_schedule
 
 from zdsl.runtime.precision import LossScaler
@@ -33,11 +33,7 @@ SGD = dict(kind="sgd", momentum=0.9)
 
 def zdsl_fp16(schedule, rank: int, world: int, scale: float, growth_interval: int):
     """The real runtime (trio executor) on an fp16 schedule, with the scaler's start set."""
-    import trio
-
     from zdsl.lower import compile_schedule
-    from zdsl.runtime.data import make_batch
-    from zdsl.runtime.executor import Executor
     from zdsl.runtime.models.gpt import GPT
     from zdsl.runtime.state import RankState
     from zdsl.units import gpt_units
@@ -45,19 +41,7 @@ def zdsl_fp16(schedule, rank: int, world: int, scale: float, growth_interval: in
     graph = compile_schedule(schedule, gpt_units(**MODEL))
     state = RankState(graph, GPT(**MODEL, seed=schedule.train.seed), rank, world, device="cpu")
     state.scaler.scale, state.scaler.growth_interval = scale, growth_interval
-    executor = Executor(graph, state, rank)
-    t = schedule.train
-
-    async def loop():
-        rows = []
-        for step in range(t.steps):
-            state.step_begin(step, [make_batch(schedule.data, t.seed, step, m, rank, world, t.batch)
-                                    for m in range(t.accumulate)])
-            await executor.run_step()
-            rows.append(state.step_end())
-        return rows
-
-    rows = trio.run(loop)
+    rows = run_steps(graph, state, schedule, rank, world)
     return state.export_state(), rows
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_reference import ddp_train, spawn
+from ddp_reference import ddp_train, run_steps, spawn
 
 PIPELINE = """schedule twice "each gradient reduced twice"
 model     gpt(layers=2, width=32, heads=2, vocab=64, context=16)
@@ -52,11 +52,7 @@ def program(folder: Path, zero: int, optimizer: str = "adamw(lr=1e-2, weight_dec
 
 
 def train(rank: int, world: int, path: str, sets: dict) -> dict:
-    import trio
-
     from zdsl.cli import compile_file
-    from zdsl.runtime.data import make_batch
-    from zdsl.runtime.executor import Executor
     from zdsl.runtime.models.gpt import GPT
     from zdsl.runtime.state import RankState
 
@@ -65,19 +61,8 @@ def train(rank: int, world: int, path: str, sets: dict) -> dict:
     graph, s = compiled.graph, compiled.schedule
     state = RankState(graph, GPT(**s.model.args, seed=s.train.seed), rank, world, device="cpu")
     in_comm = sorted(state._prescale_at_comm)
-    executor = Executor(graph, state, rank)
     t = s.train
-
-    async def loop():
-        out = []
-        for step in range(t.steps):
-            state.step_begin(step, [make_batch(s.data, t.seed, step, m, rank, world, t.batch)
-                                    for m in range(t.accumulate)])
-            await executor.run_step()
-            out.append(state.step_end()["loss"])
-        return out
-
-    losses = trio.run(loop)
+    losses = [row["loss"] for row in run_steps(graph, state, s, rank, world)]
     ref, ref_losses = ddp_train(s.model.args, s.data, seed=t.seed, steps=t.steps, batch=t.batch,
                                 accumulate=t.accumulate, optimizer=s.to_config()["optimizer"], rank=rank, world=world)
     return dict(mine=state.export_state(), losses=losses, ref=ref, ref_losses=ref_losses, in_comm=in_comm)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddp_reference import ddp_train, spawn
+from ddp_reference import ddp_train, run_steps, spawn
 from user_models import FACTORY
 
 from zdsl.schedule import DataSpec, ModelSpec, OptimizerSpec, Schedule, TrainSpec
@@ -30,31 +30,15 @@ def make_schedule(world: int, stage: int, accumulate: int, clip, recompute) -> S
 
 def train(schedule: Schedule, rank: int, world: int):
     """As `zdsl run` trains: the model built from the seed, the trio executor, step after step."""
-    import trio
-
     from zdsl.lower import compile_schedule
     from zdsl.models import units_for
-    from zdsl.runtime.data import make_batch
-    from zdsl.runtime.executor import Executor
     from zdsl.runtime.models.protocol import build_model
     from zdsl.runtime.state import RankState
 
     graph = compile_schedule(schedule, units_for(schedule.model))
     assert [u.recompute for u in graph.units][1:3] == [bool(schedule.recompute)] * 2
     state = RankState(graph, build_model(schedule.model, seed=schedule.train.seed), rank, world, device="cpu")
-    executor = Executor(graph, state, rank)
-    t = schedule.train
-
-    async def loop():
-        out = []
-        for step in range(t.steps):
-            state.step_begin(step, [make_batch(schedule.data, t.seed, step, m, rank, world, t.batch)
-                                    for m in range(t.accumulate)])
-            await executor.run_step()
-            out.append(state.step_end())
-        return out
-
-    steps = trio.run(loop)
+    steps = run_steps(graph, state, schedule, rank, world)
     return state.export_state(), [s["loss"] for s in steps], [s["grad_norm"] for s in steps]
 
 

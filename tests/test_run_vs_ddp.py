@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddp_reference import ddp_train, spawn
+from ddp_reference import ddp_train, run_steps, spawn
 from test_state_vs_ddp import MODEL, make_schedule
 
 from zdsl.lower import compile_schedule
@@ -21,11 +21,7 @@ from zdsl.units import gpt_units
 
 def run_both(rank: int, world: int, stage: int, accumulate: int, clip, offload, bucket_bytes, prefetch,
              optimizer: dict | None = None):
-    import trio
-
     from zdsl.runtime import collectives
-    from zdsl.runtime.data import make_batch
-    from zdsl.runtime.executor import Executor
     from zdsl.runtime.models.gpt import GPT
     from zdsl.runtime.state import RankState
 
@@ -39,19 +35,8 @@ def run_both(rank: int, world: int, stage: int, accumulate: int, clip, offload, 
         setattr(schedule.optimizer, key, value)
     graph = compile_schedule(schedule, gpt_units(**MODEL))
     state = RankState(graph, GPT(**MODEL, seed=schedule.train.seed), rank, world, device="cpu")
-    executor = Executor(graph, state, rank)
     t = schedule.train
-
-    async def loop():
-        losses = []
-        for step in range(t.steps):
-            state.step_begin(step, [make_batch(schedule.data, t.seed, step, m, rank, world, t.batch)
-                                    for m in range(t.accumulate)])
-            await executor.run_step()
-            losses.append(state.step_end()["loss"])
-        return losses
-
-    losses = trio.run(loop)
+    losses = [row["loss"] for row in run_steps(graph, state, schedule, rank, world)]
     memory = state.memory_report()
     mine = {k: v.clone() for k, v in state.export_state().items()}
     opt = schedule.to_config()["optimizer"]
