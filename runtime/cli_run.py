@@ -41,6 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("RANK") is None:
+        return run_command(argv)
+    from .launch import Stopped, guard_rank, report_stop
+    guard_rank()                  # first, before any thread starts: SIGTERM, SIGHUP, a launcher gone
+    try:
+        return run_command(argv)
+    except (Stopped, KeyboardInterrupt) as exc:      # told to stop before or after training
+        code = report_stop(exc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_command(argv: list[str] | None) -> int:
     from zdsl.cli import compile_file, parse_sets, report, status_of
 
     parser = build_parser()
@@ -63,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank is None:
         from .launch import launch_local
         child = ["run", *(argv if argv is not None else sys.argv[2:])]
-        # a hung peer is noticed by the others after --timeout; give them that long to fail first
-        return launch_local(child, compiled.graph.ranks, grace_s=args.timeout + 5)
+        return launch_local(child, compiled.graph.ranks, timeout_s=args.timeout, graph=compiled.graph)
     code = run_one_rank(compiled, args)
     # Leave without interpreter teardown: torch's C++ statics (gloo's threads) can abort the
     # process while being destroyed after a clean run, turning success into SIGABRT.
@@ -74,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_one_rank(compiled, args) -> int:
+    from .launch import Stopped, report_stop, stop_requested
     from .progress import Reporter
     from .train import LaunchError, RunOptions, train_rank
 
@@ -89,19 +103,33 @@ def run_one_rank(compiled, args) -> int:
                          checkpoint_keep=args.keep if args.keep is not None else (spec.keep if spec else 0))
     steps = compiled.schedule.train.steps
     reporter = Reporter(compiled.schedule.name, steps, args.metrics, show=not args.quiet) if rank == 0 else None
+    finished = False
     try:
         train_rank(compiled.graph, compiled.schedule, compiled.units, options, reporter)
+        finished = True
+    except (Stopped, KeyboardInterrupt) as exc:
+        return report_stop(exc)
     except LaunchError as exc:
         return fail(rank, str(exc))
     except Exception as exc:  # every failure names the rank; the op when an op failed
+        if stop_requested() is not None:           # what broke while stopping is no error of its own
+            return report_stop(stop_requested())
         text = str(exc) if str(exc).startswith(f"rank {rank}") else f"rank {rank}: {type(exc).__name__}: {exc}"
         if os.environ.get("ZDSL_DEBUG"):
             traceback.print_exc()
-        return fail(rank, text)
+        return fail(rank, name_lost_peer(text, rank))
     finally:
         if reporter is not None:
-            reporter.close()
+            reporter.close(finished=finished)      # a summary only for a run that finished
     return 0
+
+
+def name_lost_peer(text: str, rank: int) -> str:
+    """Gloo's words for a peer gone (closed connection, timeout) in zdsl's, naming the peer where
+    there is only one (two ranks); the zdsl launcher names it from how each rank ended."""
+    from .launch import peer_lost_text
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    return peer_lost_text(text, f"rank {1 - rank}" if world == 2 else "a peer")
 
 
 def fail(rank: int, text: str) -> int:

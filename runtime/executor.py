@@ -15,7 +15,9 @@ the completion of every op it depends on, then launches:
 * frees are bookkeeping and run with their lane's other ops.
 
 A failing op cancels the step's nursery; the error names the rank, the op
-and the unit. On CUDA each lane's thread issues its kernels on the lane's
+and the unit. Each collective issued and each op finished is written to the
+rank's progress board (``runtime/launch.py``: two stores into a mapped
+file), so the launcher can tell a rank that stopped from one that waits. On CUDA each lane's thread issues its kernels on the lane's
 own stream (see ``runtime/device.py``); completion is observed through the
 stream's event, so the host waits only where a host-side op needs a result.
 """
@@ -29,17 +31,21 @@ import trio
 from zdsl.ir import Op, TaskGraph
 
 from .faults import fault_for
+from .launch import BOARD_SLOTS, ISSUED, LANES, LAST_DONE, LAST_ISSUED
+
+
+def describe_op(op: Op) -> str:
+    """``#54 comm.all_reduce (backward, unit 1, micro-batch 0)``: how errors name an op."""
+    where = f"unit {op.unit}" if op.unit is not None else "all units"
+    part = f" part {op.part}/{op.parts}" if op.parts > 1 else ""
+    return f"#{op.id} {op.kind}{part} ({op.phase}, {where}, micro-batch {op.micro})"
 
 
 class OpError(RuntimeError):
     """An op failed on a rank: names the rank, the op and the unit."""
 
     def __init__(self, rank: int, op: Op, cause: BaseException):
-        where = f"unit {op.unit}" if op.unit is not None else "all units"
-        part = f" part {op.part}/{op.parts}" if op.parts > 1 else ""
-        super().__init__(
-            f"rank {rank}: op #{op.id} {op.kind}{part} ({op.phase}, {where}, micro-batch {op.micro}) "
-            f"failed: {type(cause).__name__}: {cause}")
+        super().__init__(f"rank {rank}: op {describe_op(op)} failed: {type(cause).__name__}: {cause}")
         self.rank, self.op, self.cause = rank, op, cause
 
 
@@ -66,8 +72,9 @@ class Executor:
     and ``free(op)``; see ``runtime/state.py``.
     """
 
-    def __init__(self, graph: TaskGraph, state, rank: int, record: bool = True, streams=None):
+    def __init__(self, graph: TaskGraph, state, rank: int, record: bool = True, streams=None, board=None):
         self.graph = graph
+        self.board = board                # runtime.launch's progress board (int64 slots), or None
         self.streams = streams            # runtime.streams.LaneStreams on CUDA, else None
         self.state = state
         self.rank = rank
@@ -77,6 +84,9 @@ class Executor:
             self.lanes.setdefault(op.lane, []).append(op)
         # one worker thread per lane (a lane is sequential by definition)
         self.limiters = {lane: trio.CapacityLimiter(1) for lane in self.lanes}
+        # the board's slot for the op a lane's thread runs (lanes past the board's room go unseen)
+        self.lane_slot = {lane: LANES + i if LANES + i < BOARD_SLOTS and board is not None else None
+                          for i, lane in enumerate(self.lanes)}
         self.wait_limiter = trio.CapacityLimiter(64)
         self.fault = fault_for(rank)
         self.step = -1
@@ -128,6 +138,9 @@ class Executor:
                             handle = state.start_collective(op)
                 except Exception as exc:
                     raise OpError(self.rank, op, exc) from exc
+                if self.board is not None:     # only this thread issues: the count stays exact
+                    self.board[ISSUED] += 1
+                    self.board[LAST_ISSUED] = op.id
                 self.nursery.start_soon(self.watch, op, handle)
                 i += 1
             elif op.kind == "mem.free" and lane == "comm":
@@ -137,25 +150,31 @@ class Executor:
                 i += 1
             else:
                 # a run of ops whose deps are met goes to the lane's thread in one hand-off
-                i += await trio.to_thread.run_sync(self.run_batch, ops, i, limiter=limiter)
+                i += await trio.to_thread.run_sync(self.run_batch, ops, i, self.lane_slot[lane], limiter=limiter)
 
-    def run_batch(self, ops: list[Op], i: int) -> int:
+    def run_batch(self, ops: list[Op], i: int, slot: int | None = None) -> int:
         """In the lane's worker thread: run ops[i] and the following ops that are ready.
 
         Each op's completion is posted to the event loop at once (without
         waiting for it), so other lanes wake as soon as their input exists.
         """
         post = self.token.run_sync_soon
+        board = self.board
         n = 0
         while i + n < len(ops):
             op = ops[i + n]
             if n and (op.kind.startswith("comm.") or not all(self.flags[d] for d in op.deps)):
                 break
             self.starts[op.id] = time.perf_counter() - self.t0
+            if slot is not None:
+                board[slot] = op.id
             self.run_one(op)
             self.ends[op.id] = time.perf_counter() - self.t0
             self.flags[op.id] = True
             post(self.done[op.id].set)
+            if slot is not None:
+                board[slot] = -1
+                board[LAST_DONE] = op.id
             n += 1
         return n
 
@@ -223,6 +242,8 @@ class Executor:
         self.ends[op.id] = time.perf_counter() - self.t0
         self.flags[op.id] = True
         self.done[op.id].set()
+        if self.board is not None:
+            self.board[LAST_DONE] = op.id
 
 
 def completion_future(handle):

@@ -52,15 +52,21 @@ class Reporter:
         elif self.show and (m.step % self.every == 0 or m.step == self.steps - 1 or m.skipped):
             print(f"step {m.step + 1}/{self.steps}  {info}", flush=True)
 
-    def close(self, extra_rows: list[tuple[str, str]] | None = None) -> None:
+    def close(self, extra_rows: list[tuple[str, str]] | None = None, finished: bool = True) -> None:
+        """End the display; the summary only for a run that finished (a failed one has its error),
+        with ``--quiet`` one line of it."""
         if self.progress is not None:
             self.progress.stop()
         if self.metrics:
             self.metrics.close()
-        if not self.show or not self.history:
+        if not finished or not self.history:
             return
         h = self.history
         timed = [m.step_s for m in h[1:]] or [h[0].step_s]
+        if not self.show:
+            print(f"zdsl: {self.name}: {len(h)} steps, loss {h[0].loss:.2f} -> {h[-1].loss:.2f}, "
+                  f"median step {statistics.median(timed) * 1000:.0f} ms", flush=True)
+            return
         table = Table(title=f"zdsl run: {self.name}", show_header=False)
         table.add_row("steps", str(len(h)))
         table.add_row("loss", f"{h[0].loss:.4f} -> {h[-1].loss:.4f}")
@@ -72,17 +78,22 @@ class Reporter:
         for rank, peaks in sorted(h[-1].peak_bytes.items()):
             peak = {t: max(m.peak_bytes[rank].get(t, 0) for m in h) for t in peaks}
             table.add_row(f"rank {rank} peak", "  ".join(f"{t} {fmt_bytes(v)}" for t, v in peak.items() if v))
-        last = h[-1].overlap
-        if last:
-            table.add_row("overlap efficiency", f"{last['overlap_efficiency']:.2f} "
-                          f"(lower bound {last['lower_bound_s'] * 1000:.1f} ms, last step)")
-            r0 = last.get("rank0") or {}
+        shown = overlap_step(h)
+        if shown is not None:
+            # every figure from one step, each beside the time it belongs to (zdsl.overlap: for one
+            # rank, lower bound <= critical path <= its step)
+            o = shown.overlap
+            table.add_row(f"overlap (step {shown.step + 1})",
+                          f"efficiency {o['overlap_efficiency']:.2f} of a {shown.step_s * 1000:.1f} ms step")
+            r0 = o.get("rank0") or {}
             if r0:
                 table.add_row("lane busy (rank 0)", "  ".join(
                     f"{lane} {share:.0%}" for lane, share in sorted(r0["lane_share"].items(), key=lambda kv: -kv[1])))
                 kinds = sorted(r0["critical_path_by_kind_s"].items(), key=lambda kv: -kv[1])[:4]
-                table.add_row("critical path (rank 0)", f"{r0['critical_path_s'] * 1000:.1f} ms: " + ", ".join(
-                    f"{k.split('.', 1)[1]} {v * 1000:.1f} ms" for k, v in kinds if v > 0))
+                table.add_row("critical path (rank 0)",
+                              f"{r0['critical_path_s'] * 1000:.1f} ms of its {r0['step_time_s'] * 1000:.1f} ms "
+                              f"(lower bound {r0['lower_bound_s'] * 1000:.1f} ms): " + ", ".join(
+                                  f"{k.split('.', 1)[1]} {v * 1000:.1f} ms" for k, v in kinds if v > 0))
         if self.checkpoint_costs:
             c = self.checkpoint_costs
             table.add_row("checkpoint saves", f"{len(c)} x {fmt_bytes(c[0].bytes)} per rank: training waited "
@@ -91,3 +102,10 @@ class Reporter:
         for k, v in extra_rows or []:
             table.add_row(k, v)
         Console(file=sys.stdout).print(table)
+
+
+def overlap_step(history: list[StepMetrics]) -> StepMetrics | None:
+    """The step whose overlap figures the summary shows: the median step (by time) of those that
+    have them (every step with --metrics, else only the last)."""
+    with_overlap = sorted((m for m in history if m.overlap), key=lambda m: m.step_s)
+    return with_overlap[(len(with_overlap) - 1) // 2] if with_overlap else None

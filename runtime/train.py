@@ -26,6 +26,7 @@ from zdsl.overlap import analyze
 from .affinity import calm_gloo_loops, set_cpu_threads
 from .collectives import all_gather, check_settings
 from .executor import Executor, StepRecord
+from .launch import STEP, STEP_DONE, rank_board
 from .streams import lane_streams
 
 
@@ -130,7 +131,8 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         model = build_model(schedule.model, seed=cfg["train"]["seed"])
         state = RankState(graph, model, rank=rank, world=world, device=device, group=None)
         stack.callback(close_swap, state)    # the swap folder goes even when the step failed
-        executor = Executor(graph, state, rank, record=True, streams=lane_streams(graph, device))
+        executor = Executor(graph, state, rank, record=True, streams=lane_streams(graph, device),
+                            board=rank_board())
         return trio.run(_loop, graph, schedule, units, state, executor, rank, world, device, options,
                         reporter, make_batch)
 
@@ -175,8 +177,12 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         batches = [make_batch(schedule.data, train["seed"], step, m, rank, world, batch) for m in range(acc)]
         batches = [(x.to(device), y.to(device)) for x, y in batches]
         state.step_begin(step, batches)
+        if executor.board is not None:
+            executor.board[STEP] = step
         record = await executor.run_step()
         result = state.step_end()
+        if executor.board is not None:
+            executor.board[STEP_DONE] = step
         if options.trace or options.timeline:
             records.append((step, record))
             records = records[-options.trace_steps:]
