@@ -248,8 +248,9 @@ def describe_culprit(r: int, watch: Watch, graph) -> str:
     upcoming = next_collective(graph, board[ISSUED])
     if board[STEP] < 0:
         where = "before its first step"
-    elif board[STEP_DONE] == board[STEP]:
-        where = f"after step {board[STEP] + 1}, before the next began"      # steps counted from 1, as shown
+    elif board[STEP_DONE] == board[STEP]:                                 # steps counted from 1, as shown
+        where = f"after step {board[STEP] + 1}" + (
+            f", before op {describe_op_id(graph, upcoming)} of step {board[STEP] + 2}" if upcoming is not None else "")
     elif running:
         where = f"in step {board[STEP] + 1}, in op " + " and op ".join(describe_op_id(graph, op) for op in running)
     else:

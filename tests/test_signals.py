@@ -224,7 +224,9 @@ def test_the_culprit_is_described_by_the_op_it_runs_else_the_collective_it_did_n
     assert "in step 4, before op #13 comm.all_gather" in describe_culprit(0, w, g)
     w.seen[0] = tuple(board(step=3, step_done=3, last_done=44, issued=8 * 13))
     w.culprits[0] = "it was stopped (SIGSTOP or a debugger) for 5 s"
-    assert describe_culprit(0, w, g).startswith("rank 0 stopped making progress after step 4, before the next")
+    assert describe_culprit(0, w, g).startswith(
+        "rank 0 stopped making progress after step 4, before op #0 comm.all_gather (forward, unit 0, micro-batch 0) "
+        "of step 5 (the last op it finished: #44 compute.step")
     assert describe_culprit(0, w, g).endswith("zdsl killed it")
 
 
