@@ -94,6 +94,7 @@ class Watch:
     stopped_since: dict[int, float] = field(default_factory=dict)   # ranks in state T, since
     first_failure: tuple[float, int] | None = None
     culprits: dict[int, str] = field(default_factory=dict)   # rank -> why zdsl stopped it
+    stopped: set[int] = field(default_factory=set)            # ranks zdsl stopped after a failure
     waited_by: int | None = None                             # the rank whose collective waited for them
 
     def __post_init__(self):
@@ -115,8 +116,9 @@ class Watch:
                 self.find_culprits(now, codes, failed[0])
             for r, since in list(self.stopped_since.items()):
                 if now - since > self.timeout_s and r not in self.culprits:
-                    self.blame(r, codes, now)            # stopped longer than a collective may wait
+                    self.blame(r, now)                   # stopped longer than a collective may wait
             if self.first_failure and now - self.first_failure[0] > GRACE_S:
+                self.stopped = {r for r, c in enumerate(codes) if c is None}
                 stop(self.procs)
             time.sleep(POLL_S)
 
@@ -134,14 +136,14 @@ class Watch:
         """A rank failed: if others still run because they stopped answering, stop them now."""
         for r in range(len(self.procs)):
             if codes[r] is None and (r in self.stopped_since or self.behind(r, failed, now)):
-                self.blame(r, codes, now, waited_by=failed)
+                self.blame(r, now, waited_by=failed)
 
     def behind(self, r: int, waiter: int, now: float) -> bool:
         """Rank r never issued a collective the waiter issued, and has made no progress for a while."""
         return (self.seen[r][ISSUED] < self.seen[waiter][ISSUED]
                 and now - self.changed[r] >= self.timeout_s / 2)
 
-    def blame(self, r: int, codes: list[int | None], now: float, waited_by: int | None = None) -> None:
+    def blame(self, r: int, now: float, waited_by: int | None = None) -> None:
         p = self.procs[r]
         if r in self.stopped_since:
             why = f"it was stopped (SIGSTOP or a debugger) for {now - self.stopped_since[r]:.0f} s"
@@ -222,6 +224,9 @@ def report_failure(errors: Path, codes: list[int], watch: Watch, graph=None) -> 
         f = errors / f"rank{r}.err"
         if f.exists():
             messages[r] = f.read_text().strip()
+    for r in watch.stopped | set(watch.culprits):        # "stopped by SIGTERM": zdsl's own doing
+        if messages.get(r, "").startswith(f"rank {r}: stopped by"):
+            del messages[r]
     waiter = None
     if watch.culprits:
         lead = min(watch.culprits)
@@ -234,12 +239,17 @@ def report_failure(errors: Path, codes: list[int], watch: Watch, graph=None) -> 
         lead = root_cause(codes, messages, watch.first_failure[1] if watch.first_failure else None)
         text = messages.get(lead) or describe_exit(lead, codes[lead])
         print(f"zdsl: error: {peer_lost_text(text, 'a peer')}", file=sys.stderr)
-    shown = {lead, waiter}
-    others = [r for r in range(len(codes)) if r not in shown and codes[r] != 0]
+    def ended(r: int) -> str:
+        if r in watch.culprits:
+            return f"stopped by zdsl: {watch.culprits[r]}"
+        if r in messages:
+            return "failed after it"
+        return "stopped by zdsl" if r in watch.stopped else describe_exit(r, codes[r])
+
+    others = [r for r in range(len(codes)) if r not in (lead, waiter) and codes[r] != 0]
     if others:
-        print("zdsl: the other ranks stopped too: " + ", ".join(
-            f"rank {r} ({'stopped by zdsl: ' + watch.culprits[r] if r in watch.culprits else describe_exit(r, codes[r]) if r not in messages else 'failed after it'})"
-            for r in others), file=sys.stderr)
+        print("zdsl: the other ranks stopped too: " + ", ".join(f"rank {r} ({ended(r)})" for r in others),
+              file=sys.stderr)
 
 
 def describe_culprit(r: int, watch: Watch, graph) -> str:
