@@ -48,10 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_command(argv)
     except (Stopped, KeyboardInterrupt) as exc:      # told to stop before or after training
-        code = report_stop(exc)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        leave(report_stop(exc))
 
 
 def run_command(argv: list[str] | None) -> int:
@@ -78,11 +75,17 @@ def run_command(argv: list[str] | None) -> int:
         from .launch import launch_local
         child = ["run", *(argv if argv is not None else sys.argv[2:])]
         return launch_local(child, compiled.graph.ranks, timeout_s=args.timeout, graph=compiled.graph)
-    code = run_one_rank(compiled, args)
-    # Leave without interpreter teardown: torch's C++ statics (gloo's threads) can abort the
-    # process while being destroyed after a clean run, turning success into SIGABRT.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    leave(run_one_rank(compiled, args))
+
+
+def leave(code: int) -> None:
+    """End a rank without interpreter teardown: torch's C++ statics (gloo's threads) can abort the
+    process while being destroyed after a clean run, turning success into SIGABRT."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:              # the launcher, and the pipes it read, are gone
+        pass
     os._exit(code)
 
 

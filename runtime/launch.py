@@ -381,10 +381,12 @@ def _lifeline() -> None:
     _stop.append(stopped)
     _thread.interrupt_main(stopped.signum)       # runs _raise_stopped in the main thread
     time.sleep(RANK_DEADLINE_S)
-    report_stop(stopped)                         # the main thread did not get out in time
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(128 + stopped.signum)
+    try:                                         # the main thread did not get out in time
+        report_stop(stopped)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(128 + stopped.signum)
 
 
 def _raise_stopped(signum, frame):
@@ -422,5 +424,8 @@ def report_stop(stopped: Stopped | KeyboardInterrupt) -> int:
             return code
         except OSError:
             pass
-    print(f"zdsl: {text}", file=sys.stderr, flush=True)
+    try:
+        print(f"zdsl: {text}", file=sys.stderr, flush=True)
+    except OSError:                  # the terminal went with the launcher
+        pass
     return code
