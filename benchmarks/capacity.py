@@ -8,7 +8,7 @@ Runs ``programs/capacity.zs`` (ZeRO-3, one CPU rank, bf16 mixed precision,
 parameters and optimizer state on NVMe) as the rank itself (``RANK=0``, so
 the process measured is the one that trains, not a launcher) and reports:
 
-* the parameter count (``zdsl.units.gpt_parameter_count``) and the model
+* the parameter count (``zdsl.compile.units.gpt_parameter_count``) and the model
   states at 16 bytes per parameter, against 1.5x this machine's RAM;
 * peak resident memory of the rank: ``VmHWM`` from ``/proc/PID/status``
   (polled) and ``ru_maxrss`` from ``wait4`` (exact, at exit);
@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zdsl.runtime.launch import free_port          # noqa: E402
+from zdsl.runtime.run.launch import free_port          # noqa: E402
 
 SCHEDULE = ROOT / "programs" / "capacity.zs"
 GIB = 1 << 30
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
 
     compiled = compile_graph(args.schedule, args.sets)
     graph, schedule = compiled.graph, compiled.schedule
-    from zdsl.units import gpt_parameter_count
+    from zdsl.compile.units import gpt_parameter_count
     m = dict(schedule.model.args)
     params = gpt_parameter_count(**m) if schedule.model.kind == "gpt" else sum(u.numel for u in graph.units)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -212,7 +212,8 @@ def reference_losses(work: Path) -> dict[int, float]:
 
 
 def damaged_checkpoint(rnd: random.Random, folder: Path, work: Path, ops: int) -> Outcome:
-    from zdsl.runtime.checkpoint.reader import latest_complete, list_checkpoints
+    from zdsl.runtime.checkpoint.reader import latest_complete
+    from zdsl.runtime.checkpoint.reader import list_checkpoints
 
     out = Outcome("damaged_ckpt")
     reference = reference_losses(work)

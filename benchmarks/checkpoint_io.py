@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from zdsl.layout import flat_layout
+from zdsl.compile.layout import flat_layout
 from zdsl.runtime.checkpoint.stformat import CHECKSUM
 from zdsl.runtime.checkpoint import (checkpoint_path, load_for_rank, owned_shard, unit_metas, write_index,
                                      write_rank_shards)
-from zdsl.units import UnitSpec
+from zdsl.compile.units import UnitSpec
 
 GB = 1e9
 

@@ -116,7 +116,8 @@ def folder_bytes(path: Path) -> int:
 
 def load_seconds(step_dir: Path) -> tuple[float, int]:
     """Time to load every rank's shards of one checkpoint (verified), page cache dropped first."""
-    from zdsl.runtime.checkpoint.reader import load_for_rank, read_index
+    from zdsl.runtime.checkpoint.reader import load_for_rank
+    from zdsl.runtime.checkpoint.reader import read_index
     index = read_index(step_dir)
     layouts = [u.layout for u in index.units]
     ranks = layouts[0].ranks

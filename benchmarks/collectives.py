@@ -3,7 +3,7 @@
     python benchmarks/collectives.py                    # 2 ranks, 1 MiB .. 73 MiB
     python benchmarks/collectives.py --ranks 4 --sizes 12MiB,73MiB --repeat 9
 
-``runtime/collectives.py`` runs an all-gather on gloo as one broadcast per
+``runtime/dist/collectives.py`` runs an all-gather on gloo as one broadcast per
 owner, and a reduce-scatter as an in-place all-reduce (or one reduce per
 owner) keeping this rank's slice, because gloo's own flat
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are slower for the same
@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zdsl.runtime.launch import free_port          # noqa: E402
-from zdsl.sizes import format_size, parse_size     # noqa: E402
+from zdsl.runtime.run.launch import free_port          # noqa: E402
+from zdsl.lang.sizes import format_size, parse_size     # noqa: E402
 
 GATHER = ("native", "broadcast")
 SCATTER = ("native", "all_reduce", "reduce")
@@ -36,7 +36,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], repeat: int, queue
     import torch
     import torch.distributed as dist
 
-    from zdsl.runtime import collectives
+    from zdsl.runtime.dist import collectives
     torch.set_num_threads(1)
     collectives.GLOO_NATIVE_BELOW = 0        # every algorithm at every size (the runtime uses native below 1 MiB)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

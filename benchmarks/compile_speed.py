@@ -79,11 +79,13 @@ def subprocess_run(path: str, command: list[str]) -> None:
 
 def stages(path: str) -> dict[str, float]:
     """Where the time goes, one stage at a time (one run)."""
-    from zdsl.check import load_schedule
-    from zdsl.cli import compile_schedule_fn, memo_units_for
-    from zdsl.planner.report import build_plan, render_plan
+    from zdsl.check.checker import load_schedule
+    from zdsl.cli import compile_schedule_fn
+    from zdsl.cli import memo_units_for
+    from zdsl.planner.report import build_plan
+    from zdsl.planner.report import render_plan
     from zdsl.planner.simulate import simulate
-    from zdsl.verify import verify
+    from zdsl.compile.verify import verify
     units_for = memo_units_for()
     out = {}
     t = time.perf_counter()

@@ -13,10 +13,12 @@ import statistics
 
 import trio
 
-from zdsl.lower import compile_schedule
-from zdsl.runtime.executor import Executor
-from zdsl.schedule import Placement, Schedule, TrainSpec
-from zdsl.units import gpt_units
+from zdsl.compile.lower import compile_schedule
+from zdsl.runtime.exec.executor import Executor
+from zdsl.schedule import Placement
+from zdsl.schedule import Schedule
+from zdsl.schedule import TrainSpec
+from zdsl.compile.units import gpt_units
 
 
 class DoneWork:

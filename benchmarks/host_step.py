@@ -38,7 +38,9 @@ from typing import Callable
 
 import torch
 
-from zdsl.runtime.host_adam import exact_backend, host_adamw_
+from zdsl.runtime.offload.host_adam import exact_backend
+
+from zdsl.runtime.offload.host_adam import host_adamw_
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 # Standard deviations of parameters and gradients: "gpt" as in training a GPT (init 0.02,

@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 import trio
 
-from zdsl.runtime.aligned import aligned_empty
-from zdsl.runtime.swap import Swapper, block_checksum
+from zdsl.runtime.io.aligned import aligned_empty
+from zdsl.runtime.offload.swap import Swapper
+from zdsl.runtime.offload.swap import block_checksum
 
 GiB = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

@@ -4,13 +4,13 @@
 
 Each program runs with ``zdsl run --trace --trace-steps 20`` (the last 20 of 30
 steps are traced: with 3, one run's figure moved 0.70-0.92 between runs here);
-for every rank and traced step :func:`zdsl.overlap.analyze` gives
+for every rank and traced step :func:`zdsl.observe.overlap.analyze` gives
 
     overlap efficiency = max(busiest lane, dependency chain) / measured step time
 
 (the step time is that rank's span of ops in the step). Per rank the median
-step is reported (``zdsl.overlap.typical``), a run's figure is
-``zdsl.overlap.summarize`` over its ranks, and the program's is the median
+step is reported (``zdsl.observe.overlap.typical``), a run's figure is
+``zdsl.observe.overlap.summarize`` over its ranks, and the program's is the median
 of ``--repeat`` runs (default 3: one run on a shared machine is noise). Targets (issue 5): >= 0.85 for
 ZeRO-3, >= 0.8 with NVMe offload. Where a program falls short, the report
 lists the largest waits on the critical path: an op that started later than
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from zdsl.cli import compile_file                      # noqa: E402
-from zdsl.overlap import analyze, summarize, times_from_trace, typical   # noqa: E402
+from zdsl.observe.overlap import analyze, summarize, times_from_trace, typical   # noqa: E402
 
 TARGETS = {"zero3": 0.85, "nvme": 0.80}
 DEFAULT_PROGRAMS = ("programs/zero3.zs", "programs/nvme.zs")

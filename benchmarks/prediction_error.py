@@ -95,7 +95,7 @@ def reference_step(path: str) -> str:
 
 def reference_program(folder: str, steps: int) -> str:
     """calibrate's reference schedule as a file ``zdsl run`` can run (the control)."""
-    from zdsl.runtime.calibrate import REFERENCE
+    from zdsl.runtime.calibrate.cli import REFERENCE
     path = os.path.join(folder, "reference.zs")
     Path(path).write_text(REFERENCE.format(steps=steps, ranks=2, device="cpu"), encoding="utf-8")
     return path
@@ -153,7 +153,8 @@ def measure(program: str, steps: int, trace: str | None) -> tuple[float | None, 
 
 def explain(compiled, trace_path: str) -> list[str]:
     """Predicted vs measured per op kind (mean ms per op, all ranks and traced steps)."""
-    from zdsl.overlap import analyze, times_from_trace
+    from zdsl.observe.overlap import analyze
+    from zdsl.observe.overlap import times_from_trace
     trace = json.loads(Path(trace_path).read_text())
     graph, sim = compiled.graph, compiled.sim
     steps = trace.get("metadata", {}).get("steps") or []

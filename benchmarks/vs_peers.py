@@ -312,7 +312,7 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
-    from zdsl.units import gpt_parameter_count
+    from zdsl.compile.units import gpt_parameter_count
 
     cfg = BenchConfig(layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab,
                       context=args.context, batch=args.batch, steps=args.steps, warmup=args.warmup,

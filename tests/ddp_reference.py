@@ -2,7 +2,7 @@
 
 The same model (``GPT(..., seed=seed)``), the same batches
 (``zdsl.runtime.data.make_batch``), the same torch optimizer
-(``zdsl.runtime.optim.make_torch_optimizer``), clipping with
+(``zdsl.runtime.state.optim.make_torch_optimizer``), clipping with
 ``clip_grad_norm_``, gradient accumulation with ``no_sync`` and the loss
 divided by ``accumulate``. zdsl must reproduce its parameters (bitwise where
 the reduction order is the same). Also :func:`spawn`, which runs a function
@@ -23,9 +23,9 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zdsl.runtime.data import make_batch
-from zdsl.runtime.launch import free_port
+from zdsl.runtime.run.launch import free_port
 from zdsl.runtime.models.gpt import GPT
-from zdsl.runtime.optim import make_torch_optimizer
+from zdsl.runtime.state.optim import make_torch_optimizer
 
 
 def ddp_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumulate: int,
@@ -122,7 +122,7 @@ def run_steps(graph, state, schedule, rank: int, world: int) -> list[dict]:
     collectives in flight beside them) over the schedule's steps; each step's ``step_end()``."""
     import trio
 
-    from zdsl.runtime.executor import Executor
+    from zdsl.runtime.exec.executor import Executor
     executor = Executor(graph, state, rank)
     t = schedule.train
 

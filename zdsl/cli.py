@@ -24,11 +24,11 @@ EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 # subcommand -> modules (first found wins) whose main(argv: list[str]) -> int implements it
 DELEGATED = {
-    "run": ("zdsl.runtime.cli_run",),
+    "run": ("zdsl.runtime.run.cli",),
     "export": ("zdsl.runtime.cli_export", "zdsl.runtime.checkpoint.export"),
     "inspect": ("zdsl.runtime.cli_inspect", "zdsl.runtime.checkpoint.inspect"),
-    "calibrate": ("zdsl.runtime.cli_calibrate", "zdsl.runtime.calibrate"),
-    "tune": ("zdsl.runtime.cli_tune", "zdsl.runtime.tune", "zdsl.tune"),
+    "calibrate": ("zdsl.runtime.cli_calibrate", "zdsl.runtime.calibrate.cli"),
+    "tune": ("zdsl.runtime.cli_tune", "zdsl.tune.cli", "zdsl.tune.search"),
 }
 DELEGATED_HELP = {
     "run": "train with a schedule (one process per rank)",
@@ -98,7 +98,7 @@ class Compiled:
 
 def memo_units_for():
     """units_for with a cache, so a user model is built on the meta device once per command."""
-    from zdsl.models import units_for
+    from zdsl.compile.models import units_for
     cache: dict[tuple[str, int | None], list] = {}
 
     def cached(spec, context: int | None = None):
@@ -111,10 +111,10 @@ def memo_units_for():
 
 def compile_schedule_fn():
     """``compile_schedule`` (schedule, units -> TaskGraph), wherever the lowering keeps it."""
-    import zdsl.lower as lower
+    import zdsl.compile.lower as lower
     fn = getattr(lower, "compile_schedule", None)
     if fn is None:
-        from zdsl.instantiate import compile_schedule as fn
+        from zdsl.compile.instantiate import compile_schedule as fn
     return fn
 
 
@@ -142,11 +142,15 @@ def gc_paused():
 
 def _compile_file(path: str, overrides: dict[str, str] | None, units_for,
                   simulate: bool) -> Compiled:
-    from zdsl.check import load_schedule
-    from zdsl.errors import Diagnostic, UsageError, ZsError
-    from zdsl.instantiate import LoweringError
-    from zdsl.models import ModelSizingError, run_context
-    from zdsl.verify import findings, to_diagnostic
+    from zdsl.check.checker import load_schedule
+    from zdsl.lang.errors import Diagnostic
+    from zdsl.lang.errors import UsageError
+    from zdsl.lang.errors import ZsError
+    from zdsl.compile.instantiate import LoweringError
+    from zdsl.compile.models import ModelSizingError
+    from zdsl.compile.models import run_context
+    from zdsl.compile.verify import findings
+    from zdsl.compile.verify import to_diagnostic
 
     units_for = units_for or memo_units_for()
     out = Compiled(path)
@@ -188,7 +192,10 @@ def _compile_file(path: str, overrides: dict[str, str] | None, units_for,
 def report(compiled: Compiled) -> None:
     """Print a file's diagnostics (errors and warnings) to stderr, positioned; past the first
     50 of a severity only how many more there are."""
-    from zdsl.errors import attach_sources, capped, more_line, render
+    from zdsl.lang.errors import attach_sources
+    from zdsl.lang.errors import capped
+    from zdsl.lang.errors import more_line
+    from zdsl.lang.errors import render
     try:
         source = Path(compiled.path).read_bytes().decode("utf-8", errors="replace")
     except OSError:
@@ -246,8 +253,10 @@ def cmd_plan(args, parser) -> int:
     report(compiled)
     if compiled.sim is None:                 # did not get as far as a simulated step
         return status_of(compiled)
-    from zdsl.planner.fits import render_fit, schedule_fit
-    from zdsl.planner.report import build_plan, render_plan
+    from zdsl.planner.fits import render_fit
+    from zdsl.planner.fits import schedule_fit
+    from zdsl.planner.report import build_plan
+    from zdsl.planner.report import render_plan
     plan = build_plan(compiled.graph, compiled.schedule, compiled.sim)
     fit = schedule_fit(compiled, overrides)          # what `zdsl run` compares before starting ranks
     if args.json:
@@ -255,7 +264,8 @@ def cmd_plan(args, parser) -> int:
     else:
         sys.stdout.write(render_plan(plan, color=sys.stdout.isatty()) + render_fit(fit))
     if args.trace or args.timeline:
-        from zdsl.trace import predicted_trace, write_trace
+        from zdsl.observe.trace import predicted_trace
+        from zdsl.observe.trace import write_trace
         g = compiled.graph
         if args.trace_ranks is not None and args.trace_ranks < 1:
             parser.error("--trace-ranks must be at least 1")
@@ -268,7 +278,7 @@ def cmd_plan(args, parser) -> int:
             print(f"wrote predicted trace {args.trace} (open it in https://ui.perfetto.dev{shown})",
                   file=sys.stderr)
         if args.timeline:
-            from zdsl.timeline import render_timeline
+            from zdsl.observe.timeline import render_timeline
             render_timeline(trace, args.timeline, title=f"{g.schedule}: predicted step")
             print(f"wrote predicted timeline {args.timeline}", file=sys.stderr)
     return status_of(compiled)
@@ -281,10 +291,11 @@ def traced_ranks(ops: int, ranks: int, budget: int = 60_000) -> int:
 
 def print_lowered(path: str, overrides, units_for) -> int:
     """The pipelines a policy file expands to, as valid .zs."""
-    from zdsl.check import load_schedule
-    from zdsl.errors import UsageError, ZsError
-    from zdsl.lower import lower_policies
-    from zdsl.printer import print_schedule
+    from zdsl.check.checker import load_schedule
+    from zdsl.lang.errors import UsageError
+    from zdsl.lang.errors import ZsError
+    from zdsl.compile.lower import lower_policies
+    from zdsl.lang.printer import print_schedule
     compiled = Compiled(path)
     try:
         schedule, diags = load_schedule(path, overrides, units_for)

@@ -123,7 +123,7 @@ class UnitInfo:
     numel: int                # parameters owned by this unit
     padded_numel: int         # numel padded so every part splits evenly over ranks
     shard_numel: int          # padded_numel // ranks
-    parts: int = 1            # bucket parts (see zdsl.layout)
+    parts: int = 1            # bucket parts (see zdsl.compile.layout)
     uses: list[int] = field(default_factory=list)   # other units whose parameters it reads (tied weights)
     recompute: bool = False
     persistent: bool = False  # stays gathered for the whole step (persistence threshold)

@@ -1,7 +1,7 @@
 """The checked schedule: typed, defaults filled, names resolved.
 
-The checker (``zdsl.check``) builds a :class:`Schedule` from the AST; the
-lowering (``zdsl.lower``) turns it into pipelines and a task graph; the
+The checker (``zdsl.check.checker``) builds a :class:`Schedule` from the AST; the
+lowering (``zdsl.compile.lower``) turns it into pipelines and a task graph; the
 runtime reads ``TaskGraph.config`` (``Schedule.to_config()``) for the
 training settings. Every field that came from the source keeps the
 :class:`Span` of its statement so later stages can point at it.

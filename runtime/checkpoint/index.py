@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zdsl.layout import FlatLayout
+from zdsl.compile.layout import FlatLayout
 
 FORMAT = "zdsl-checkpoint"
 VERSION = 1
@@ -81,7 +81,7 @@ def default_prefix(unit_name: str) -> str:
 @dataclass
 class UnitMeta:
     """One unit as the checkpoint records it."""
-    name: str                                   # as in zdsl.units (``embedding``, ``block.0``, ``head``)
+    name: str                                   # as in zdsl.compile.units (``embedding``, ``block.0``, ``head``)
     prefix: str                                 # module prefix in the state dict (``blocks.0``)
     params: list[tuple[str, tuple[int, ...]]]   # registration order = order in the flat buffer
     numel: int
@@ -96,7 +96,7 @@ class UnitMeta:
 
     @staticmethod
     def from_spec(spec, layout: FlatLayout, prefix: str | None = None, dtype: str = "float32") -> "UnitMeta":
-        """From a zdsl.units.UnitSpec (or anything with ``name`` and ``params``) and its layout."""
+        """From a zdsl.compile.units.UnitSpec (or anything with ``name`` and ``params``) and its layout."""
         params = [(n, tuple(int(s) for s in shape)) for n, shape in spec.params]
         numel = sum(math.prod(s) for _, s in params)
         if numel != layout.numel:
@@ -138,7 +138,7 @@ class FileRecord:
 
     @staticmethod
     def from_json(d: dict) -> "FileRecord":
-        from .stformat import TensorEntry
+        from zdsl.runtime.checkpoint.stformat import TensorEntry
         return FileRecord(d["name"], int(d["rank"]), int(d["ranks"]), int(d["bytes"]),
                           int(d["header_crc32"]), {k: TensorEntry.from_json(v) for k, v in d["tensors"].items()},
                           d.get("tag", ""))

@@ -18,8 +18,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from .index import INDEX_NAME, STEP_RE, CheckpointError, Index, is_padding, parse_shard_key
-from .reader import check_checkpoint, list_checkpoints
+from zdsl.runtime.checkpoint.index import INDEX_NAME
+
+from zdsl.runtime.checkpoint.index import STEP_RE
+
+from zdsl.runtime.checkpoint.index import CheckpointError
+
+from zdsl.runtime.checkpoint.index import Index
+
+from zdsl.runtime.checkpoint.index import is_padding
+
+from zdsl.runtime.checkpoint.index import parse_shard_key
+from zdsl.runtime.checkpoint.reader import check_checkpoint
+from zdsl.runtime.checkpoint.reader import list_checkpoints
 
 
 def _size(n: int) -> str:

@@ -19,10 +19,24 @@ from pathlib import Path
 
 import torch
 
-from zdsl.layout import FlatLayout
+from zdsl.compile.layout import FlatLayout
 
-from .index import INDEX_NAME, STEP_RE, CheckpointError, Index, is_padding, parse_shard_key, shard_key
-from .stformat import ShardFile, byte_view, torch_dtype
+from zdsl.runtime.checkpoint.index import INDEX_NAME
+
+from zdsl.runtime.checkpoint.index import STEP_RE
+
+from zdsl.runtime.checkpoint.index import CheckpointError
+
+from zdsl.runtime.checkpoint.index import Index
+
+from zdsl.runtime.checkpoint.index import is_padding
+
+from zdsl.runtime.checkpoint.index import parse_shard_key
+
+from zdsl.runtime.checkpoint.index import shard_key
+from zdsl.runtime.checkpoint.stformat import ShardFile
+from zdsl.runtime.checkpoint.stformat import byte_view
+from zdsl.runtime.checkpoint.stformat import torch_dtype
 
 log = logging.getLogger("zdsl.checkpoint")
 

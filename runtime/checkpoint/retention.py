@@ -14,8 +14,9 @@ import os
 import shutil
 from pathlib import Path
 
-from .index import CheckpointError
-from .reader import check_checkpoint, list_checkpoints
+from zdsl.runtime.checkpoint.index import CheckpointError
+from zdsl.runtime.checkpoint.reader import check_checkpoint
+from zdsl.runtime.checkpoint.reader import list_checkpoints
 
 
 def apply_retention(root, keep: int, *, verify: bool = False) -> list[Path]:

@@ -30,8 +30,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .directio import ALIGN, ZERO_COPY_MIN, Sink, Source, as_bytes
-from .index import PAD_PREFIX, CheckpointError
+from zdsl.runtime.io.directio import ALIGN
+
+from zdsl.runtime.io.directio import ZERO_COPY_MIN
+
+from zdsl.runtime.io.directio import Sink
+
+from zdsl.runtime.io.directio import Source
+
+from zdsl.runtime.io.directio import as_bytes
+from zdsl.runtime.checkpoint.index import PAD_PREFIX
+from zdsl.runtime.checkpoint.index import CheckpointError
 
 CRC_BLOCK = 16 << 20      # bytes per checksum block
 WRITE_SPAN = 64 << 20     # bytes per write handed to the disk (a whole number of blocks)

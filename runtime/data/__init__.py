@@ -12,8 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .corpus import CorpusError, corpus_tokens
-from .synthetic import synthetic_tokens
+from zdsl.runtime.data.corpus import CorpusError
+
+from zdsl.runtime.data.corpus import corpus_tokens
+from zdsl.runtime.data.synthetic import synthetic_tokens
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 

@@ -34,7 +34,7 @@ This GPT: token and position embeddings, pre-LayerNorm blocks (causal
 self-attention through ``scaled_dot_product_attention`` and a GELU MLP),
 final LayerNorm, logits through the token embedding's weight (tied), biases,
 no dropout. Parameter names and order per unit are exactly
-``zdsl.units.gpt_units`` (a test holds them together).
+``zdsl.compile.units.gpt_units`` (a test holds them together).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ LAZY_ABOVE = 1 << 30
 
 
 def parameter_count(layers: int, width: int, vocab: int, context: int) -> int:
-    """Parameters of this GPT (as zdsl.units.gpt_parameter_count), without building it."""
+    """Parameters of this GPT (as zdsl.compile.units.gpt_parameter_count), without building it."""
     block = 12 * width * width + 13 * width
     return vocab * width + context * width + layers * block + 2 * width
 

@@ -147,7 +147,7 @@ def build_model(model_spec, seed: int = 0, device=None, base_dir=None) -> nn.Mod
     "user" with ``factory``). Under ``with torch.device("meta")`` nothing is
     allocated (sizing)."""
     if model_spec.kind == "gpt":
-        from .gpt import GPT
+        from zdsl.runtime.models.gpt import GPT
         try:
             model = GPT(**model_spec.args, seed=seed, device=device)
         except TypeError as exc:

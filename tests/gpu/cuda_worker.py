@@ -10,13 +10,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # tests/: ddp_reference
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))     # tests/: ddp_reference
 
 import torch  # noqa: E402
 
 from zdsl.cli import compile_file  # noqa: E402
 from zdsl.runtime.data import make_batch  # noqa: E402
-from zdsl.runtime.train import env_rank, init_group, pick_device  # noqa: E402
+from zdsl.runtime.run.train import env_rank, init_group, pick_device  # noqa: E402
 
 
 def ddp(compiled, rank: int, world: int, device) -> dict:
@@ -39,10 +39,10 @@ def ddp(compiled, rank: int, world: int, device) -> dict:
 def pinned(compiled, rank: int, world: int, device) -> dict:
     import trio
 
-    from zdsl.runtime.executor import Executor
+    from zdsl.runtime.exec.executor import Executor
     from zdsl.runtime.models.protocol import build_model
-    from zdsl.runtime.state import RankState
-    from zdsl.runtime.streams import lane_streams
+    from zdsl.runtime.state.rank import RankState
+    from zdsl.runtime.exec.streams import lane_streams
     graph, schedule, t = compiled.graph, compiled.schedule, compiled.schedule.train
     host: dict[str, bool] = {}
 

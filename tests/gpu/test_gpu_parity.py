@@ -2,7 +2,7 @@
 
 zdsl trains through its own launcher (``zdsl run``: a process per GPU, NCCL, a stream per lane,
 pinned host buffers); DDP trains the same GPT, data and optimizer under torchrun. Not bitwise as
-on the CPU (tests/test_run_vs_ddp.py): cuBLAS, atomics in the embedding's backward and NCCL's
+on the CPU (tests/parity/test_run_vs_ddp.py): cuBLAS, atomics in the embedding's backward and NCCL's
 reduction order are free to differ. SGD's update is linear in the gradient, so its parameters
 show only that rounding (1e-5 relative); AdamW's first steps are nearly sign(g) and amplify a
 rounding in a near-zero gradient, so it gets the relative error of the whole update instead.

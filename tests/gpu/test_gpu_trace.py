@@ -1,5 +1,5 @@
 """The measured trace on CUDA (``zdsl run --trace``): ops on a lane's stream carry device times
-(CUDA events, runtime/streams.py), host lanes host times. Each span begins before it ends, and a
+(CUDA events, runtime/exec/streams.py), host lanes host times. Each span begins before it ends, and a
 lane that runs one op at a time (every lane but the collectives') never has two at once: on a
 stream an op's start event is recorded after the previous op's end event. A collective's span
 runs from its issue to the end of the stream's wait for it, so collectives issued back to back

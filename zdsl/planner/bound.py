@@ -24,9 +24,13 @@ free among their ancestors (themselves included) are always worth including.
 """
 from __future__ import annotations
 
-from zdsl.ir import TIERS, TaskGraph
+from zdsl.ir import TIERS
+
+from zdsl.ir import TaskGraph
 from zdsl.planner.memory import working_intervals
-from zdsl.planner.simulate import CyclicGraphError, predecessors, topological_order
+from zdsl.planner.simulate import CyclicGraphError
+from zdsl.planner.simulate import predecessors
+from zdsl.planner.simulate import topological_order
 
 
 def tier_weights(graph: TaskGraph) -> dict[str, list[int]]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zdsl.ir import COLLECTIVE_KINDS, TaskGraph
+from zdsl.ir import COLLECTIVE_KINDS
+
+from zdsl.ir import TaskGraph
 from zdsl.planner.simulate import collective_payload
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

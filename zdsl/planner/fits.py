@@ -8,7 +8,7 @@ what cannot fit; ``zdsl plan`` shows the same comparison.
 What a rank needs in RAM: the planner's peak per rank on the host tier (and
 on the device tier where the device is the CPU), plus torch's own floor per
 process (libraries, allocator, gloo's threads: measured once by
-``zdsl.runtime.preflight``), whose shared-library pages count once. What the
+``zdsl.runtime.run.preflight``), whose shared-library pages count once. What the
 machine has: ``MemAvailable``, or less where a cgroup limits this process;
 the cores it may run on (``sched_getaffinity``).
 
@@ -20,7 +20,7 @@ starting its ranks (seconds of CPU each to load torch), takes many times as long
 Swap files of every local rank share their folder's filesystem: their sum must
 fit its free space.
 
-Torch-free: the floor is measured in a subprocess (``zdsl.runtime.preflight``).
+Torch-free: the floor is measured in a subprocess (``zdsl.runtime.run.preflight``).
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def device_in_ram(device: str) -> bool:
 
 
 def swap_folder(config: dict) -> str | None:
-    """The folder the runtime puts its swap files in: the first nvme placement's (runtime/state.py)."""
+    """The folder the runtime puts its swap files in: the first nvme placement's (runtime/state/rank.py)."""
     for place in (config.get("placement") or {}).values():
         if place.get("tier") == "nvme" and place.get("path"):
             return place["path"]
@@ -274,7 +274,7 @@ def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: Torch
 
 def default_floor() -> TorchFloor:
     try:
-        from zdsl.runtime.preflight import torch_floor    # measures in a subprocess: no torch here
+        from zdsl.runtime.run.preflight import torch_floor    # measures in a subprocess: no torch here
     except ImportError as exc:
         return TorchFloor(0, 0, f"not counted: the runtime is not installed ({exc})")
     return torch_floor()

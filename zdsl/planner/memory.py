@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zdsl.ir import TIERS, TaskGraph
+from zdsl.ir import TIERS
+
+from zdsl.ir import TaskGraph
 
 STATES = ("parameters", "gradients", "optimizer")
 
@@ -80,7 +82,7 @@ def working_intervals(graph: TaskGraph) -> list[Interval]:
 
 class Series(list):
     """A plain list that also answers the two numpy calls callers used when this was an array
-    (``runtime/tracing.py``: ``.any()``, ``.tolist()``); the planner avoids numpy's import time."""
+    (``runtime/exec/tracing.py``: ``.any()``, ``.tolist()``); the planner avoids numpy's import time."""
 
     def any(self) -> bool:
         return any(self)

@@ -10,11 +10,19 @@ import io
 from dataclasses import dataclass
 from functools import cached_property
 
-from zdsl.ir import LANES, TIERS, TaskGraph
+from zdsl.ir import LANES
+
+from zdsl.ir import TIERS
+
+from zdsl.ir import TaskGraph
 from zdsl.planner.bound import worst_working
-from zdsl.planner.comm import CommPlan, comm_plan, zero_comm_elements
-from zdsl.planner.memory import STATES, zero_model_states
-from zdsl.planner.simulate import Simulation, simulate
+from zdsl.planner.comm import CommPlan
+from zdsl.planner.comm import comm_plan
+from zdsl.planner.comm import zero_comm_elements
+from zdsl.planner.memory import STATES
+from zdsl.planner.memory import zero_model_states
+from zdsl.planner.simulate import Simulation
+from zdsl.planner.simulate import simulate
 from zdsl.schedule import Schedule
 
 TIER_ALIASES = {"cpu": "host"}

@@ -16,10 +16,13 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from zdsl.ir import LANES, TaskGraph
-from zdsl.overlap import union_length
+from zdsl.ir import LANES
+
+from zdsl.ir import TaskGraph
+from zdsl.observe.overlap import union_length
 from zdsl.schedule import MachineProfile
-from zdsl.planner.memory import MemoryTimeline, memory_timeline
+from zdsl.planner.memory import MemoryTimeline
+from zdsl.planner.memory import memory_timeline
 
 
 class CyclicGraphError(ValueError):

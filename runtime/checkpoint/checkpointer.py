@@ -1,0 +1,221 @@
+"""Checkpoints during a run: save every N steps without stalling, resume from the newest complete one.
+
+Saving copies this rank's shards to host memory at a step boundary (the
+only part on the critical path), then a writer thread puts them on disk
+while the next steps compute; rank 0's thread writes the index once every
+rank's file is done, then applies retention. A checkpoint is named by the
+number of steps it completed, so resuming from ``step-000030`` runs step 30
+next, with the data position that step would have had.
+
+The storage format, atomic writes, re-cutting to another rank count and
+damage checks are ``runtime/checkpoint/``; this module only drives them.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zdsl.ir import TaskGraph
+from zdsl.compile.layout import FlatLayout
+
+from zdsl.runtime.checkpoint import (CheckpointError, apply_retention, checkpoint_path, latest_complete, load_for_rank,
+                         parse_shard_key, read_index, remove_incomplete, unit_metas, write_index,
+                         write_rank_shards)
+from zdsl.runtime.checkpoint.export import BUFFER_PREFIX
+
+RNG_KEY = "rng.torch"
+CUDA_RNG_KEY = "rng.cuda"       # the rank's CUDA device's generator (dropout on the GPU)
+
+
+@dataclass
+class SaveCost:
+    step: int
+    blocking_s: float        # time the training loop waited (copy to host, previous save)
+    writing_s: float = 0.0   # time the writer thread spent (overlapped with training)
+    bytes: int = 0
+
+
+def graph_layouts(graph: TaskGraph) -> list[FlatLayout]:
+    return [FlatLayout(u.numel, graph.ranks, u.parts, u.padded_numel // u.parts) for u in graph.units]
+
+
+class Checkpointer:
+    def __init__(self, root: str, every: int, keep: int, graph: TaskGraph, units, rank: int, world: int,
+                 say=print):
+        self.root = Path(root)
+        self.every, self.keep = every, keep
+        self.graph, self.units = graph, units
+        self.rank, self.world = rank, world
+        self.say = say
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.costs: list[SaveCost] = []
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            remove_incomplete(self.root)   # a killed run's half-written step must not mix with ours
+
+    def due(self, completed: int, total: int) -> bool:
+        return self.every > 0 and completed % self.every == 0 and completed > 0
+
+    def save(self, completed: int, state) -> None:
+        """Copy shards to host now; write them in the background."""
+        t0 = time.perf_counter()
+        self.wait()
+        shards = state.shard_state()
+        shards[RNG_KEY] = torch.get_rng_state()
+        if state.device.type == "cuda":
+            shards[CUDA_RNG_KEY] = torch.cuda.get_rng_state(state.device)
+        shards.update({BUFFER_PREFIX + name: t for name, t in state.buffers().items()})
+        meta = {
+            "units": unit_metas(self.units, graph_layouts(self.graph), self.prefixes(state)),
+            "ranks": self.world,
+            "schedule_hash": self.graph.digest(),
+            "data_position": {"next_step": completed},
+            "loss_scaler": state.scaler.__dict__.copy() if getattr(state.scaler, "enabled", False) else None,
+            "aliases": dict(state.aliases),
+            "extra": {"optimizer_steps": state.optimizer_steps(), "stage": self.graph.stage,
+                      "precision": self.graph.precision, "optimizer": dict(state.opt_config)},
+        }
+        cost = SaveCost(completed, blocking_s=time.perf_counter() - t0,
+                        bytes=sum(t.numel() * t.element_size() for t in shards.values()))
+        self.costs.append(cost)
+        self.thread = threading.Thread(target=self._write, args=(completed, shards, meta, cost),
+                                       name=f"zdsl-checkpoint-{completed}", daemon=True)
+        self.thread.start()
+
+    def prefixes(self, state) -> list[str]:
+        """Each unit's module path in the model's state dict (``blocks.3``), for export."""
+        out = []
+        for u, spec in enumerate(self.units):
+            if not spec.params:
+                out.append(f"units.{u}")
+                continue
+            full, local = state.param_names[u][0], spec.params[0][0]
+            out.append(full[: -len(local) - 1] if full.endswith("." + local) else f"units.{u}")
+        return out
+
+    def _write(self, completed: int, shards: dict, meta: dict, cost: SaveCost) -> None:
+        t0 = time.perf_counter()
+        try:
+            record = write_rank_shards(self.root, completed, self.rank, self.world, shards)
+            if self.rank == 0:
+                write_index(self.root, completed, meta, [record])
+                if self.keep:
+                    apply_retention(self.root, self.keep)
+        except BaseException as exc:  # reported by the training loop at its next wait
+            self.error = exc
+        cost.writing_s = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Let the previous save finish; raise what it hit."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            exc, self.error = self.error, None
+            raise CheckpointError(f"rank {self.rank}: saving a checkpoint under {self.root} failed: {exc}")
+
+
+def find_checkpoint(where: str, say=print) -> Path:
+    """A step folder given directly, or the newest complete checkpoint under a root (falling back past
+    damaged ones, and saying so)."""
+    path = Path(where)
+    if (path / "index.json").exists() or path.name.startswith("step-"):
+        read_index(path)        # refuses a damaged one, naming the file
+        return path
+    found = latest_complete(path, verify=False, report=say)   # load_for_rank checks every byte it reads
+    if found is None:
+        raise CheckpointError(f"{path}: no complete checkpoint to resume from")
+    return found
+
+
+def describe_optimizer(config: dict | None, moments) -> str:
+    """``adamw(lr=0.003, ...)`` from a schedule's optimizer config; from the moments alone when a
+    checkpoint did not record its optimizer."""
+    if config:
+        keep = [k for k in ("lr", "momentum", "weight_decay") if config.get(k)]
+        return f"{config.get('kind', 'adamw')}({', '.join(f'{k}={config[k]:g}' for k in keep)})"
+    names = set(moments)
+    if {"exp_avg", "exp_avg_sq"} <= names:
+        return "adamw or adam"
+    return "sgd with momentum" if "momentum" in names else "sgd without momentum"
+
+
+def optimizer_mismatch(path, index, shards: dict, state) -> str | None:
+    """Why the checkpoint's optimizer state cannot continue this schedule's optimizer, or None."""
+    saved = sorted({parsed[1] for key in shards if (parsed := parse_shard_key(key)) and parsed[0] == 0
+                    and parsed[1] != "param"})
+    wanted = sorted(state.moment_names())
+    if saved == wanted:
+        return None
+    recorded = index.extra.get("optimizer")
+    held, asked = describe_optimizer(recorded, saved), describe_optimizer(state.opt_config, wanted)
+    same = f"--set optimizer='{held}'" if recorded else "the optimizer that wrote it"
+    return (f"checkpoint {path} holds the state of {held} ({', '.join(saved) or 'none'}); this schedule's "
+            f"{asked} needs {', '.join(wanted) or 'none'}. Resume with {same}, or add --fresh-optimizer to "
+            f"start {asked}'s state from zero with the checkpoint's weights")
+
+
+def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print,
+           fresh_optimizer: bool = False) -> int:
+    """Load the checkpoint into ``state`` (re-cut to this run's ranks and layout); the next step to run.
+
+    ``where`` is a step folder, or a root whose newest complete checkpoint is used. The ranks agree
+    that every one of them could read its part; if one could not (a damaged file), all of them fall
+    back to the next older checkpoint under the root, and say why. ``fresh_optimizer``: take only
+    the weights and start the optimizer's state (moments, step count) from zero; without it, a
+    checkpoint whose optimizer state is not the schedule's optimizer's is refused."""
+    import torch.distributed as dist
+
+    root = Path(where)
+    direct = (root / "index.json").exists() or root.name.startswith("step-")
+    before = None
+    while True:
+        problem, path, index, shards = "", None, None, None
+        try:
+            path = find_checkpoint(where, say) if direct else \
+                latest_complete(root, verify=False, before=before, report=say)   # said once, by rank 0
+            if path is None:
+                raise CheckpointError(f"{root}: no complete checkpoint to resume from")
+            index = read_index(path)
+            shards = load_for_rank(path, rank, world, graph_layouts(graph))
+        except CheckpointError as exc:
+            problem = str(exc)
+        problems: list[str] = [""] * world
+        dist.all_gather_object(problems, problem)
+        bad = next((p for p in problems if p), "")
+        if not bad:
+            break
+        if direct or path is None or index is None:
+            raise CheckpointError(bad)
+        say(f"checkpoint {path} refused: {bad}; falling back to an older one")
+        before = index.step
+    if index.ranks != world:
+        say(f"resuming {path} (written by {index.ranks} ranks) on {world} ranks: shards re-cut")
+    rng, cuda_rng = shards.pop(RNG_KEY, None), shards.pop(CUDA_RNG_KEY, None)
+    state.load_buffers({k[len(BUFFER_PREFIX):]: shards.pop(k) for k in list(shards) if k.startswith(BUFFER_PREFIX)})
+    steps = int(index.extra.get("optimizer_steps", index.data_position.get("next_step", index.step)))
+    if fresh_optimizer:
+        say(f"--fresh-optimizer: the weights of {path}, {describe_optimizer(state.opt_config, ())}'s state "
+            f"from zero (the checkpoint's optimizer state is not used)")
+        state.load_shard_state(shards, 0, moments=False)
+    else:
+        problem = optimizer_mismatch(path, index, shards, state)
+        if problem:
+            raise CheckpointError(problem)
+        state.load_shard_state(shards, steps)
+    if index.loss_scaler and getattr(state.scaler, "enabled", False):
+        for key, value in index.loss_scaler.items():
+            setattr(state.scaler, key, value)
+    if rng is not None:
+        torch.set_rng_state(rng.clone())   # a view into a shared read buffer crashes set_rng_state
+    if cuda_rng is not None and state.device.type == "cuda":
+        torch.cuda.set_rng_state(cuda_rng.clone(), state.device)
+    return int(index.data_position.get("next_step", index.step))
+
+
+__all__ = ["Checkpointer", "SaveCost", "checkpoint_path", "find_checkpoint", "resume"]

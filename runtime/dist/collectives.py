@@ -1,0 +1,211 @@
+"""Collectives on flat buffers, across torch versions and backends.
+
+torch 2.13 names the flat collectives ``all_gather_single`` and
+``reduce_scatter_single``; 2.11 has ``all_gather_into_tensor`` and
+``reduce_scatter_tensor``. We use the new names where they exist and the old
+ones otherwise, so callers never see a deprecation warning or a missing name.
+
+On NCCL the flat collectives are the fastest there are and are used as they
+are. On gloo they are not (``benchmarks/collectives.py`` measures it): gloo's
+flat all-gather and reduce-scatter run 1.5-3.5x slower than its own
+broadcast and all-reduce moving the same bytes. So on gloo:
+
+* all-gather = one async broadcast per rank, each rooted at the rank that
+  owns that chunk of ``out`` (the same bytes on the wire, no reduction);
+* reduce-scatter = a reduction of the whole input whose result this rank
+  keeps only its slice of (``GLOO_REDUCE_SCATTER``: an in-place all-reduce,
+  or one reduce per destination rank), the slice copied out in the
+  completion callback (gloo's thread, not the caller's).
+
+Below ``GLOO_NATIVE_BELOW`` (1 MiB of full tensor) gloo's own are as fast
+or faster (one message each way; latency-bound) and are used.
+
+Both give the bits the flat collectives give at 2 ranks (a + b == b + a);
+at more ranks the summation order is gloo's and may differ in the last ulp,
+as any two reduction algorithms do. ``ZDSL_GLOO_ALL_GATHER=native`` and
+``ZDSL_GLOO_REDUCE_SCATTER=native`` restore torch's own (for comparison).
+
+``reduce_scatter`` may overwrite its input: the runtime only reduce-scatters
+gradients it is done with (the lowering never reads them again before the
+next backward writes them; ``tests/runtime/test_collectives.py`` checks every
+program's graph for it).
+
+Where a backend refuses a flat reduce-scatter altogether, the fallback is an
+all-reduce as above; it is logged once and counted in ``FALLBACKS``.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+ALL_GATHER_ALGORITHMS = ("broadcast", "native")
+REDUCE_SCATTER_ALGORITHMS = ("all_reduce", "reduce", "native")
+
+
+def _read_settings() -> tuple[str, str, int, list[str]]:
+    """The ZDSL_GLOO_* variables (defaults where one is unset or bad), and what was bad."""
+    bad = []
+    gather = os.environ.get("ZDSL_GLOO_ALL_GATHER", "broadcast")
+    if gather not in ALL_GATHER_ALGORITHMS:
+        bad.append(f"ZDSL_GLOO_ALL_GATHER={gather!r}: use one of {', '.join(ALL_GATHER_ALGORITHMS)}")
+        gather = "broadcast"
+    scatter = os.environ.get("ZDSL_GLOO_REDUCE_SCATTER", "all_reduce")
+    if scatter not in REDUCE_SCATTER_ALGORITHMS:
+        bad.append(f"ZDSL_GLOO_REDUCE_SCATTER={scatter!r}: use one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
+        scatter = "all_reduce"
+    text = os.environ.get("ZDSL_GLOO_NATIVE_BELOW", str(1 << 20))
+    try:
+        below = int(text)
+    except ValueError:
+        bad.append(f"ZDSL_GLOO_NATIVE_BELOW={text!r}: a whole number of bytes")
+        below = 1 << 20
+    return gather, scatter, below, bad
+
+
+# Importing never fails on a bad variable; a run checks them first (check_settings).
+GLOO_ALL_GATHER, GLOO_REDUCE_SCATTER, GLOO_NATIVE_BELOW, SETTING_ERRORS = _read_settings()
+
+
+def check_settings() -> None:
+    """Raise ValueError naming every bad ZDSL_GLOO_* variable (called before a run or a calibration),
+    the event-loop policy (runtime/dist/affinity.py) included."""
+    from zdsl.runtime.dist.affinity import loop_policy_error
+    errors = SETTING_ERRORS + [e for e in (loop_policy_error(),) if e]
+    if errors:
+        raise ValueError("; ".join(errors))
+
+# Collectives the backend lacked, served by a fallback: name -> times used.
+FALLBACKS: dict[str, int] = {}
+_no_native_reduce_scatter: set[str] = set()
+_lock = threading.Lock()
+
+
+class Pending:
+    """Collectives in flight as one work: ``wait()`` (raises their error), ``is_completed()``,
+    ``get_future()``; what to do after them runs in the completing thread."""
+
+    def __init__(self, future: torch.futures.Future):
+        self._future = future
+
+    @classmethod
+    def of(cls, works: list, then=None) -> "Pending":
+        futures = [w.get_future() for w in works]
+        if len(futures) == 1:
+            future = futures[0]
+        else:
+            future = torch.futures.collect_all(futures).then(_raise_first_error)
+        if then is not None:
+            def after(done: torch.futures.Future):
+                done.value()                # a failed collective: its error, not ``then``
+                return then()
+            future = future.then(after)
+        return cls(future)
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout=None) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _raise_first_error(collected: torch.futures.Future) -> None:
+    for f in collected.value():
+        f.value()                       # raises that collective's error
+
+
+def _finish(pending: Pending, async_op: bool):
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def _count(name: str) -> None:
+    with _lock:
+        FALLBACKS[name] = FALLBACKS.get(name, 0) + 1
+
+
+def _backend(group) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # not initialised: let the collective itself raise the clear error
+        return "?"
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Gather every rank's ``inp`` into ``out`` (rank-major, one flat tensor)."""
+    if _backend(group) != "gloo" or GLOO_ALL_GATHER == "native" or _small(out):
+        return _all_gather(out, inp, group=group, async_op=async_op)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = out.view(world, -1)
+    chunks[rank].copy_(inp)
+    works = [dist.broadcast(chunks[i], src=_global_rank(group, i), group=group, async_op=True)
+             for i in range(world)]
+    return _finish(Pending.of(works), async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Sum ``inp`` over ranks and leave this rank's slice in ``out``. ``inp`` may be overwritten."""
+    backend = _backend(group)
+    if backend == "gloo" and GLOO_REDUCE_SCATTER != "native" and not _small(inp):
+        return _reduce_scatter_by(GLOO_REDUCE_SCATTER, out, inp, group, async_op)
+    if backend not in _no_native_reduce_scatter:
+        try:
+            return _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        except (RuntimeError, NotImplementedError) as exc:
+            if "support" not in str(exc).lower() and "implement" not in str(exc).lower():
+                raise
+            _no_native_reduce_scatter.add(backend)
+    _count("reduce_scatter->all_reduce")
+    return _reduce_scatter_by("all_reduce", out, inp, group, async_op)
+
+
+def _reduce_scatter_by(algorithm: str, out, inp, group, async_op: bool):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = inp.view(world, -1)
+    if algorithm == "all_reduce":
+        works = [dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)]
+    else:                               # one reduce per destination: each chunk summed at its owner
+        works = [dist.reduce(chunks[i], dst=_global_rank(group, i), op=dist.ReduceOp.SUM, group=group,
+                             async_op=True) for i in range(world)]
+    return _finish(Pending.of(works, then=lambda: out.copy_(chunks[rank])), async_op)
+
+
+def _small(full: torch.Tensor) -> bool:
+    return full.numel() * full.element_size() < GLOO_NATIVE_BELOW
+
+
+def _global_rank(group, group_rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):
+    """Sum ``tensor`` over ranks in place."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+GLOO_DEFAULT_THREADS = 2     # torch's ProcessGroupGloo default
+
+
+def comm_slots() -> int:
+    """Collectives the default group's backend runs at once: gloo takes them off a queue with its
+    worker threads (two unless set), so one issued behind another starts as soon as either is
+    free; NCCL runs a group's collectives one after another on its stream."""
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return 1
+    try:
+        return max(1, int(dist.group.WORLD._get_backend(torch.device("cpu")).options._threads))
+    except (AttributeError, RuntimeError, TypeError, ValueError):   # a torch without the private field
+        return GLOO_DEFAULT_THREADS

@@ -1,0 +1,117 @@
+"""Sizing a model for the planner without allocating it: units on torch's meta device.
+
+The compiler works on ``list[zdsl.compile.units.UnitSpec]``: per unit, its
+parameters (names and shapes, registration order), the units it reads tied
+parameters from, and per-sequence forward flops, saved-activation elements
+and input elements, and the kernels (aten ops) its forward and backward
+dispatch. The built-in GPT is sized analytically in ``zdsl/``
+(instant, no torch); a user's model is built under ``torch.device("meta")``
+(no memory, no init) and one sequence of ``context`` tokens is pushed
+through its units on meta tensors: flops come from torch's
+``FlopCounterMode``, activations from the tensors autograd saves
+(``saved_tensors_hooks``; parameters excluded), inputs from each unit's
+input. If the model cannot run on meta (data-dependent Python control flow),
+the parameters are still exact and the rest falls back to estimates
+(2 flops per parameter per token; activations: the output) with a warning.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from zdsl.compile.units import GPT_DEFAULTS
+
+from zdsl.compile.units import UnitSpec
+
+from zdsl.compile.units import gpt_units
+
+from zdsl.runtime.models.protocol import ModelProtocolError
+
+from zdsl.runtime.models.protocol import build_model
+
+from zdsl.runtime.models.protocol import check_model
+
+from zdsl.runtime.models.protocol import tied_uses
+
+
+def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
+    """The units of the model a schedule names, for a sequence of ``context`` tokens."""
+    if model_spec.kind == "gpt":
+        return gpt_units(**{**GPT_DEFAULTS, **model_spec.args})
+    with torch.device("meta"):
+        model = build_model(model_spec, seed=0, base_dir=base_dir)
+    where = f'model "{model_spec.factory}"'
+    units = check_model(model, where)
+    uses = tied_uses(model, len(units))
+    specs = [UnitSpec(name=f"unit.{i}", params=[(n, tuple(p.shape)) for n, p in u.named_parameters()],
+                      uses=uses[i]) for i, u in enumerate(units)]
+    try:
+        _measure(units, specs, context)
+    except Exception as exc:   # the user's forward cannot run on meta: keep exact sizes, estimate the rest
+        warnings.warn(f"{where}: could not trace one sequence on the meta device "
+                      f"({type(exc).__name__}: {exc}); flops and activations are estimates")
+        for s in specs:
+            s.fwd_flops_per_seq = 2.0 * s.numel * context
+            s.input_elems_per_seq = s.input_elems_per_seq or context
+            s.act_elems_per_seq = s.act_elems_per_seq or context
+    try:                       # apart: a backward that cannot run on meta leaves the forward's figures exact
+        _count_kernels(model, units, specs, context)
+    except Exception as exc:
+        warnings.warn(f"{where}: could not count its kernels on the meta device "
+                      f"({type(exc).__name__}: {exc}); kernel counts are estimates")
+        for s in specs:
+            s.fwd_kernels = ESTIMATED_KERNELS[0] * len(s.params)
+            s.bwd_kernels = ESTIMATED_KERNELS[1] * len(s.params)
+    return specs
+
+
+# Kernels per parameter tensor when a model cannot be traced: a biased linear layer's (forward: a
+# transpose and an addmm for its 2 tensors; backward: a transpose, 2 matmuls, a sum, 2 accumulations).
+ESTIMATED_KERNELS = (1, 3)
+
+
+def _measure(units, specs: list[UnitSpec], context: int) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.zeros(1, context, dtype=torch.long, device="meta")
+    targets = torch.zeros(1, context, dtype=torch.long, device="meta")
+    for i, (unit, spec) in enumerate(zip(units, specs)):
+        params = {id(p) for p in unit.parameters()}
+        saved: dict[int, int] = {}    # id of the saved tensor's base -> its elements (views count once)
+
+        def pack(t, params=params, saved=saved):
+            base = t._base if t._base is not None else t
+            if id(base) not in params and not isinstance(base, torch.nn.Parameter):
+                saved[id(base)] = base.numel()
+            return t
+
+        spec.input_elems_per_seq = int(x.numel())
+        x_in = x.detach().requires_grad_(x.is_floating_point())
+        counter = FlopCounterMode(display=False)
+        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = unit(x_in, targets) if i == len(units) - 1 else unit(x_in)
+        if i < len(units) - 1 and not isinstance(out, torch.Tensor):
+            raise ModelProtocolError(f"unit {i} returned {type(out).__name__}; units pass one tensor forward")
+        spec.fwd_flops_per_seq = float(counter.get_total_flops())
+        spec.act_elems_per_seq = int(sum(saved.values()))
+        x = out.detach()
+
+
+def _count_kernels(model, units, specs: list[UnitSpec], context: int) -> None:
+    from zdsl.runtime.models.kernel_count import model_kernels
+    x = torch.zeros(1, context, dtype=torch.long, device="meta")
+    for spec, (fwd, bwd) in zip(specs, model_kernels(model, units, x, x.clone())):
+        spec.fwd_kernels, spec.bwd_kernels = fwd, bwd
+
+
+DEFAULT_CONTEXT = 64
+
+
+def units_for_user_model(spec, context: int | None = None, base_dir=None) -> list[UnitSpec]:
+    """A user's model (``ModelSpec`` kind "user") as the compiler's units. The sequence length
+    for flops and activations is ``context``, else the factory's ``context`` argument, else 64."""
+    if context is None:
+        value = spec.args.get("context")
+        context = value if isinstance(value, int) and value > 0 else DEFAULT_CONTEXT
+    return unit_specs(spec, context, base_dir=base_dir)

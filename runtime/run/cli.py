@@ -1,0 +1,162 @@
+"""``zdsl run FILE``: compile, then launch the ranks (or be one of them).
+
+Without ``RANK`` in the environment this process is the launcher: it
+compiles the schedule once to reject a bad one before any rank starts, then
+starts one process per rank (``runtime/run/launch.py``). With ``RANK`` set (by
+that launcher, torchrun, or any launcher that sets ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``) it runs one rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zdsl run", description="Train with a schedule.")
+    p.add_argument("file", help="the .zs schedule")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a train or policy value (repeatable)")
+    p.add_argument("--metrics", metavar="OUT.jsonl", help="one JSON line per step")
+    p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the measured ops (Perfetto)")
+    p.add_argument("--trace-steps", type=int, default=3, metavar="N",
+                   help="steps the trace keeps, the last N (default 3)")
+    p.add_argument("--timeline", metavar="OUT.svg", help="picture of one measured step")
+    p.add_argument("--export", metavar="OUT.safetensors", help="final full fp32 state dict")
+    p.add_argument("--checkpoint-every", type=int, metavar="N", help="save a checkpoint every N steps")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go (default: the schedule's)")
+    p.add_argument("--keep", type=int, metavar="K", help="keep the last K complete checkpoints")
+    p.add_argument("--resume", metavar="DIR", help="resume from the newest complete checkpoint under DIR "
+                   "(or from DIR itself, a step-N folder)")
+    p.add_argument("--fresh-optimizer", action="store_true", help="with --resume: take the checkpoint's weights "
+                   "and start the optimizer's state from zero (to resume with another optimizer)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="seconds a collective may wait for a peer before the run fails (default 120)")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--ignore-limits", action="store_true",
+                   help="start the ranks even where they do not fit this machine's memory, cores or swap space")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("RANK") is None:
+        return run_command(argv)
+    from zdsl.runtime.run.launch import Stopped
+    from zdsl.runtime.run.launch import guard_rank
+    from zdsl.runtime.run.launch import report_stop
+    guard_rank()                  # first, before any thread starts: SIGTERM, SIGHUP, a launcher gone
+    try:
+        return run_command(argv)
+    except (Stopped, KeyboardInterrupt) as exc:      # told to stop before or after training
+        leave(report_stop(exc))
+
+
+def run_command(argv: list[str] | None) -> int:
+    from zdsl.cli import compile_file
+    from zdsl.cli import parse_sets
+    from zdsl.cli import report
+    from zdsl.cli import status_of
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    overrides = parse_sets(args.overrides, parser)
+    if args.trace_steps < 1:
+        parser.error("--trace-steps must be at least 1")
+    if args.fresh_optimizer and not args.resume:
+        parser.error("--fresh-optimizer starts a resumed run's optimizer afresh: give --resume CHECKPOINT")
+    compiled = compile_file(args.file, overrides, simulate=False)
+    rank = os.environ.get("RANK")
+    if rank in (None, "0") or not compiled.ok:
+        report(compiled)          # errors and warnings once, not once per rank
+    if not compiled.ok:
+        return status_of(compiled)
+    from zdsl.runtime.run.preflight import preflight
+    refused = preflight(compiled, args, overrides)   # before any rank starts (or, in a rank, before step 1)
+    if refused is not None:
+        return refused
+    if rank is None:
+        from zdsl.runtime.run.launch import launch_local
+        child = ["run", *(argv if argv is not None else sys.argv[2:])]
+        return launch_local(child, compiled.graph.ranks, timeout_s=args.timeout, graph=compiled.graph)
+    leave(run_one_rank(compiled, args))
+
+
+def leave(code: int) -> None:
+    """End a rank without interpreter teardown: torch's C++ statics (gloo's threads) can abort the
+    process while being destroyed after a clean run, turning success into SIGABRT."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:              # the launcher, and the pipes it read, are gone
+        pass
+    os._exit(code)
+
+
+def run_one_rank(compiled, args) -> int:
+    from zdsl.runtime.run.launch import Stopped
+    from zdsl.runtime.run.launch import report_stop
+    from zdsl.runtime.run.launch import stop_requested
+    from zdsl.runtime.run.progress import Reporter
+    from zdsl.runtime.run.train import LaunchError
+    from zdsl.runtime.run.train import RunOptions
+    from zdsl.runtime.run.train import train_rank
+
+    rank = int(os.environ["RANK"])
+    configure_rank_logging(rank)
+    spec = compiled.schedule.checkpoint
+    options = RunOptions(metrics=args.metrics, trace=args.trace, timeline=args.timeline, export=args.export,
+                         progress=not args.quiet, timeout_s=args.timeout, resume=args.resume,
+                         fresh_optimizer=args.fresh_optimizer,
+                         trace_steps=args.trace_steps,
+                         checkpoint_dir=args.checkpoint_dir or (spec.dir if spec else None),
+                         checkpoint_every=args.checkpoint_every or (spec.every if spec else 0),
+                         checkpoint_keep=args.keep if args.keep is not None else (spec.keep if spec else 0))
+    steps = compiled.schedule.train.steps
+    reporter = Reporter(compiled.schedule.name, steps, args.metrics, show=not args.quiet) if rank == 0 else None
+    finished = False
+    try:
+        train_rank(compiled.graph, compiled.schedule, compiled.units, options, reporter)
+        finished = True
+    except (Stopped, KeyboardInterrupt) as exc:
+        return report_stop(exc)
+    except LaunchError as exc:
+        return fail(rank, str(exc))
+    except Exception as exc:  # every failure names the rank; the op when an op failed
+        if stop_requested() is not None:           # what broke while stopping is no error of its own
+            return report_stop(stop_requested())
+        text = str(exc) if str(exc).startswith(f"rank {rank}") else f"rank {rank}: {type(exc).__name__}: {exc}"
+        if os.environ.get("ZDSL_DEBUG"):
+            traceback.print_exc()
+        return fail(rank, name_lost_peer(text, rank))
+    finally:
+        if reporter is not None:
+            reporter.close(finished=finished)      # a summary only for a run that finished
+    return 0
+
+
+def name_lost_peer(text: str, rank: int) -> str:
+    """Gloo's words for a peer gone (closed connection, timeout) in zdsl's, naming the peer where
+    there is only one (two ranks); the zdsl launcher names it from how each rank ended."""
+    from zdsl.runtime.run.launch import peer_lost_text
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    return peer_lost_text(text, f"rank {1 - rank}" if world == 2 else "a peer")
+
+
+def fail(rank: int, text: str) -> int:
+    path = os.environ.get("ZDSL_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+    else:
+        print(f"zdsl: error: {text}", file=sys.stderr)
+    return 1
+
+
+def configure_rank_logging(rank: int) -> None:
+    try:
+        from zdsl.cli import configure_logging
+    except ImportError:
+        return
+    configure_logging(rank=rank)

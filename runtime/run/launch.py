@@ -1,0 +1,431 @@
+"""Start one process per rank on this machine and watch them; a rank's half of that contract.
+
+``zdsl run FILE`` (without RANK in the environment) re-runs itself once per
+rank with the variables torchrun would set, and ``ZDSL_ERROR_FILE``: where
+the rank leaves its error. Beside it lies the rank's progress board, a few
+integers the rank writes as it runs (its step, the last op it finished, the
+collectives it issued) and the launcher reads. The launcher never lets a
+rank hang or outlive it:
+
+* when one rank fails, the others get a few seconds to fail on their own (a
+  dead peer breaks their collectives at once), then are stopped; the first
+  failure, which names its rank and op, is what the user sees;
+* a rank that stops making progress (stopped by SIGSTOP, or hung) is found
+  when a peer's collective times out waiting for it, or when it has been
+  stopped for ``--timeout`` seconds: the launcher names it and the op it
+  stopped before, and stops it;
+* SIGTERM, SIGHUP or SIGINT to the launcher stops every rank; the launcher
+  says so and exits 128 + the signal.
+
+In a rank, :func:`guard_rank` stops the rank cleanly on SIGTERM or SIGHUP
+(torchrun's agent forwards them) and when its launcher is gone, even by
+SIGKILL: whatever the rank's main thread is doing, it is gone a few seconds
+later.
+"""
+from __future__ import annotations
+
+import _thread
+import mmap
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GRACE_S = 3.0            # after a rank failed: for the others to fail on their own
+STOP_WAIT_S = 4.0        # after SIGTERM to a rank, before SIGKILL
+RANK_DEADLINE_S = 3.0    # a rank told to stop is gone by then, whatever its main thread is doing
+POLL_S = 0.05
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+# The progress board: int64 slots of a small file, mapped by its rank (writer) and the launcher.
+# STEP: the step begun, STEP_DONE: the step finished; ISSUED: collectives issued since the rank
+# began; from LANES on, one slot per lane (in order of first appearance): the op it runs, or -1.
+LAUNCHER, STEP, STEP_DONE, LAST_DONE, ISSUED, LAST_ISSUED = range(6)
+LANES, BOARD_SLOTS = 8, 16
+
+# What a rank reports when it failed only because another one did (gloo's wording; the last, zdsl's).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
+             "Timed out", "timed out", "Connection refused", "pair closure", "left or stopped answering")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def map_board(path: Path) -> memoryview:
+    with open(path, "r+b") as f:
+        return memoryview(mmap.mmap(f.fileno(), BOARD_SLOTS * 8)).cast("q")
+
+
+def new_board(path: Path) -> memoryview:
+    path.write_bytes(b"\0" * (BOARD_SLOTS * 8))
+    board = map_board(path)
+    board[LAUNCHER] = os.getpid()
+    for slot in (STEP, STEP_DONE, LAST_DONE, LAST_ISSUED, *range(LANES, BOARD_SLOTS)):
+        board[slot] = -1
+    return board
+
+
+class LauncherStopped(Exception):
+    """SIGTERM or SIGHUP reached the launcher."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class Watch:
+    """What the launcher knows of each rank while they run."""
+    procs: list[subprocess.Popen]
+    boards: list[memoryview]
+    timeout_s: float
+    seen: list[tuple] = field(default_factory=list)          # each rank's board, as last read
+    changed: list[float] = field(default_factory=list)       # when each rank's board last changed
+    stopped_since: dict[int, float] = field(default_factory=dict)   # ranks in state T, since
+    first_failure: tuple[float, int] | None = None
+    culprits: dict[int, str] = field(default_factory=dict)   # rank -> why zdsl stopped it
+    stopped: set[int] = field(default_factory=set)            # ranks zdsl stopped after a failure
+    waited_by: int | None = None                             # the rank whose collective waited for them
+
+    def __post_init__(self):
+        now = time.monotonic()
+        self.seen = [tuple(b[:BOARD_SLOTS]) for b in self.boards]
+        self.changed = [now] * len(self.procs)
+
+    def run(self) -> list[int]:
+        """Until every rank has exited; returns their exit codes."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                return codes
+            now = time.monotonic()
+            self.read_boards(now, codes)
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed and self.first_failure is None:
+                self.first_failure = (now, failed[0])
+                self.find_culprits(now, codes, failed[0])
+            for r, since in list(self.stopped_since.items()):
+                if now - since > self.timeout_s and r not in self.culprits:
+                    self.blame(r, now)                   # stopped longer than a collective may wait
+            if self.first_failure and now - self.first_failure[0] > GRACE_S:
+                self.stopped = {r for r, c in enumerate(codes) if c is None}
+                stop(self.procs)
+            time.sleep(POLL_S)
+
+    def read_boards(self, now: float, codes: list[int | None]) -> None:
+        for r, board in enumerate(self.boards):
+            snap = tuple(board[:BOARD_SLOTS])
+            if snap != self.seen[r]:
+                self.seen[r], self.changed[r] = snap, now
+            if codes[r] is None and process_state(self.procs[r].pid) in ("T", "t"):
+                self.stopped_since.setdefault(r, now)
+            else:
+                self.stopped_since.pop(r, None)
+
+    def find_culprits(self, now: float, codes: list[int | None], failed: int) -> None:
+        """A rank failed: if others still run because they stopped answering, stop them now."""
+        for r in range(len(self.procs)):
+            if codes[r] is None and (r in self.stopped_since or self.behind(r, failed, now)):
+                self.blame(r, now, waited_by=failed)
+
+    def behind(self, r: int, waiter: int, now: float) -> bool:
+        """Rank r never issued a collective the waiter issued, and has made no progress for a while."""
+        return (self.seen[r][ISSUED] < self.seen[waiter][ISSUED]
+                and now - self.changed[r] >= self.timeout_s / 2)
+
+    def blame(self, r: int, now: float, waited_by: int | None = None) -> None:
+        p = self.procs[r]
+        if r in self.stopped_since:
+            why = f"it was stopped (SIGSTOP or a debugger) for {now - self.stopped_since[r]:.0f} s"
+            p.kill()                             # a stopped process takes no SIGTERM until continued
+        else:
+            why = f"it made no progress for {now - self.changed[r]:.0f} s"
+            stop([p])
+        self.culprits[r] = why
+        if waited_by is not None and self.waited_by is None:
+            self.waited_by = waited_by
+        if self.first_failure is None:
+            self.first_failure = (now, r)
+
+
+def launch_local(child_argv: list[str], ranks: int, timeout_s: float = 120.0, graph=None) -> int:
+    """Run ``zdsl <child_argv>`` as ``ranks`` processes; returns the exit code for the user."""
+    port = free_port()
+    errors = Path(tempfile.mkdtemp(prefix="zdsl-run-"))
+    procs: list[subprocess.Popen] = []
+    previous = {s: signal.signal(s, raise_launcher_stopped) for s in STOP_SIGNALS}
+    try:
+        boards = [new_board(errors / f"rank{rank}.progress") for rank in range(ranks)]
+        for rank in range(ranks):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       ZDSL_ERROR_FILE=str(errors / f"rank{rank}.err"))
+            procs.append(subprocess.Popen([sys.executable, "-m", "zdsl.cli", *child_argv], env=env))
+        watch = Watch(procs, boards, timeout_s)
+        codes = watch.run()
+        if all(c == 0 for c in codes):
+            return 0
+        report_failure(errors, codes, watch, graph)
+        return 1
+    except (KeyboardInterrupt, LauncherStopped) as exc:
+        for s in STOP_SIGNALS:               # a second signal must not cut the stopping short
+            signal.signal(s, signal.SIG_IGN)
+        stop(procs)
+        signum = exc.signum if isinstance(exc, LauncherStopped) else signal.SIGINT
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"zdsl: {what}; all ranks stopped", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+def raise_launcher_stopped(signum, frame):
+    raise LauncherStopped(signum)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R, S, T for stopped, Z...); '' when unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_WAIT_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def report_failure(errors: Path, codes: list[int], watch: Watch, graph=None) -> None:
+    """Name the rank to blame and why; list how the others ended."""
+    messages = {}
+    for r in range(len(codes)):
+        f = errors / f"rank{r}.err"
+        if f.exists():
+            messages[r] = f.read_text().strip()
+    for r in watch.stopped | set(watch.culprits):        # "stopped by SIGTERM": zdsl's own doing
+        if messages.get(r, "").startswith(f"rank {r}: stopped by"):
+            del messages[r]
+    waiter = None
+    if watch.culprits:
+        lead = min(watch.culprits)
+        print(f"zdsl: error: {describe_culprit(lead, watch, graph)}", file=sys.stderr)
+        lost = [r for r in messages if r not in watch.culprits and any(s in messages[r] for s in PEER_LOST)]
+        waiter = watch.waited_by if watch.waited_by in messages else min(lost, default=None)
+        if waiter is not None:        # the rank that waited for it, in the op it waited in
+            print(f"zdsl: {peer_lost_text(messages[waiter], f'rank {lead}')}", file=sys.stderr)
+    else:
+        lead = root_cause(codes, messages, watch.first_failure[1] if watch.first_failure else None)
+        text = messages.get(lead) or describe_exit(lead, codes[lead])
+        print(f"zdsl: error: {peer_lost_text(text, 'a peer')}", file=sys.stderr)
+    def ended(r: int) -> str:
+        if r in watch.culprits:
+            return f"stopped by zdsl: {watch.culprits[r]}"
+        if r in messages:
+            return "failed after it"
+        return "stopped by zdsl" if r in watch.stopped else describe_exit(r, codes[r])
+
+    others = [r for r in range(len(codes)) if r not in (lead, waiter) and codes[r] != 0]
+    if others:
+        print("zdsl: the other ranks stopped too: " + ", ".join(f"rank {r} ({ended(r)})" for r in others),
+              file=sys.stderr)
+
+
+def describe_culprit(r: int, watch: Watch, graph) -> str:
+    board = watch.seen[r]
+    running = [op for op in board[LANES:] if op >= 0]
+    upcoming = next_collective(graph, board[ISSUED])
+    if board[STEP] < 0:
+        where = "before its first step"
+    elif board[STEP_DONE] == board[STEP]:                                 # steps counted from 1, as shown
+        where = f"after step {board[STEP] + 1}" + (
+            f", before op {describe_op_id(graph, upcoming)} of step {board[STEP] + 2}" if upcoming is not None else "")
+    elif running:
+        where = f"in step {board[STEP] + 1}, in op " + " and op ".join(describe_op_id(graph, op) for op in running)
+    else:
+        where = f"in step {board[STEP] + 1}" + (f", before op {describe_op_id(graph, upcoming)}" if upcoming is not None else "")
+    last = f" (the last op it finished: {describe_op_id(graph, board[LAST_DONE])})" if board[LAST_DONE] >= 0 else ""
+    how = "killed it" if "stopped (SIGSTOP" in watch.culprits[r] else "stopped it"
+    return f"rank {r} stopped making progress {where}{last}: {watch.culprits[r]}; zdsl {how}"
+
+
+def next_collective(graph, issued: int) -> int | None:
+    """The op id of the collective a rank issues after ``issued`` of them (every step issues the
+    graph's collectives in graph order, where one lane issues them all)."""
+    if graph is None:
+        return None
+    comms = [op for op in graph.ops if op.kind.startswith("comm.")]
+    if not comms or len({op.lane for op in comms}) != 1:
+        return None
+    return comms[issued % len(comms)].id
+
+
+def describe_op_id(graph, op_id: int) -> str:
+    if graph is None or not 0 <= op_id < len(graph.ops) or graph.ops[op_id].id != op_id:
+        return f"#{op_id}"
+    from zdsl.runtime.exec.executor import describe_op
+    return describe_op(graph.ops[op_id])
+
+
+def peer_lost_text(text: str, who: str) -> str:
+    """A rank's error caused by a peer, in zdsl's words instead of gloo's."""
+    if not any(s in text for s in PEER_LOST) or "left or stopped answering" in text:
+        return text
+    head, failed, _ = text.partition(" failed: ")
+    if failed:                                   # an op's error: gloo's text is the cause
+        return f"{head} failed: the collective failed because {who} left or stopped answering"
+    rank, _, detail = text.partition(": ")       # joining the group, or a collective outside the ops
+    return f"{rank}: {who} left or stopped answering ({detail})"
+
+
+def root_cause(codes: list[int], messages: dict[int, str], first: int | None) -> int:
+    """The rank to blame: one with an error of its own, else one killed by a signal, else the first
+    to fail (the others mostly report that a peer went away)."""
+    failed = [r for r, c in enumerate(codes) if c != 0]
+    own = [r for r in failed if r in messages and not any(s in messages[r] for s in PEER_LOST)]
+    if own:
+        return own[0]
+    killed = [r for r in failed if codes[r] < 0 and r not in messages]
+    if killed:
+        return killed[0]
+    return first if first is not None else (failed[0] if failed else 0)
+
+
+def describe_exit(rank: int, code: int) -> str:
+    if code < 0:
+        return f"rank {rank} was killed by signal {signal.Signals(-code).name}"
+    return f"rank {rank} exited with status {code}"
+
+
+# ---- in a rank ---------------------------------------------------------------------------------
+
+class Stopped(BaseException):
+    """This rank was told to stop (a signal, or its launcher is gone): no error of its own."""
+
+    def __init__(self, signum: int, why: str):
+        super().__init__(why)
+        self.signum, self.why = signum, why
+
+
+_stop: list[Stopped] = []        # set once, by the lifeline thread
+_parent: list[int] = []          # the launcher's pid, as the rank began
+_said = threading.Lock()
+_board: list[memoryview | None] = []
+
+
+def rank_board() -> memoryview | None:
+    """This rank's progress board (None without a zdsl launcher, under torchrun)."""
+    if not _board:
+        error_file = os.environ.get("ZDSL_ERROR_FILE")
+        try:
+            _board.append(map_board(Path(error_file).with_suffix(".progress")) if error_file else None)
+        except (OSError, ValueError):
+            _board.append(None)
+    return _board[0]
+
+
+def guard_rank() -> None:
+    """Stop this rank cleanly on SIGTERM or SIGHUP, or when its launcher is gone.
+
+    Call first thing in the rank's main thread, before any other thread starts:
+    the two signals are blocked in every thread and taken by a lifeline thread
+    (so a main thread blocked in a collective cannot delay them), which raises
+    :class:`Stopped` in the main thread and, if the rank is still there after
+    ``RANK_DEADLINE_S``, ends the process itself. The launcher is the parent
+    process (the zdsl launcher's pid from the board: a launcher gone before this
+    ran is noticed too); under torchrun, its agent.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    for s in STOP_SIGNALS:
+        signal.signal(s, _raise_stopped)
+    board = rank_board()
+    _parent.append(board[LAUNCHER] if board is not None else os.getppid())
+    threading.Thread(target=_lifeline, name="zdsl-lifeline", daemon=True).start()
+
+
+def _lifeline() -> None:
+    while True:
+        try:
+            info = signal.sigtimedwait(STOP_SIGNALS, 0.2)
+        except OSError:
+            info = None
+        # CPython returns an uninitialised siginfo when the wait was interrupted (EINTR) as its
+        # time ran out: only one of the signals asked for is one
+        if info is not None and info.si_signo in STOP_SIGNALS:
+            stopped = Stopped(info.si_signo, f"stopped by {signal.Signals(info.si_signo).name}")
+            break
+        stopped = launcher_gone()
+        if stopped is not None:
+            break
+    _stop.append(stopped)
+    _thread.interrupt_main(stopped.signum)       # runs _raise_stopped in the main thread
+    time.sleep(RANK_DEADLINE_S)
+    try:                                         # the main thread did not get out in time
+        report_stop(stopped)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(128 + stopped.signum)
+
+
+def _raise_stopped(signum, frame):
+    raise _stop[0] if _stop else Stopped(signum, f"stopped by {signal.Signals(signum).name}")
+
+
+def launcher_gone() -> Stopped | None:
+    if _parent and os.getppid() != _parent[0]:
+        return Stopped(signal.SIGTERM, f"stopped: its launcher (pid {_parent[0]}) is gone")
+    return None
+
+
+def stop_requested() -> Stopped | None:
+    """Why this rank was told to stop, if it was (an error raised while stopping is no error; nor is
+    one raised because the launcher is gone, which the lifeline may not have seen yet)."""
+    return _stop[0] if _stop else launcher_gone()
+
+
+def report_stop(stopped: Stopped | KeyboardInterrupt) -> int:
+    """Say once why this rank stopped; returns its exit status. Under the zdsl launcher, which says
+    it for all ranks, only the error file hears it, unless the launcher is gone."""
+    rank = os.environ.get("RANK", "?")
+    if isinstance(stopped, KeyboardInterrupt):
+        code, text = 128 + signal.SIGINT, f"rank {rank}: interrupted"
+    else:
+        code, text = 128 + stopped.signum, f"rank {rank}: {stopped.why}"
+    if not _said.acquire(blocking=False):
+        return code
+    error_file = os.environ.get("ZDSL_ERROR_FILE")
+    launcher_gone = isinstance(stopped, Stopped) and "launcher" in stopped.why
+    if error_file and not launcher_gone:
+        try:
+            with open(error_file, "w") as f:
+                f.write(text)
+            return code
+        except OSError:
+            pass
+    try:
+        print(f"zdsl: {text}", file=sys.stderr, flush=True)
+    except OSError:                  # the terminal went with the launcher
+        pass
+    return code

@@ -1,0 +1,193 @@
+"""``zdsl run``'s checks before any rank starts: what would otherwise fail later, or take the machine down.
+
+- The ranks must fit this machine's memory, cores and swap space
+  (:mod:`zdsl.planner.fits`); ``--ignore-limits`` starts them anyway.
+- ``--checkpoint-every`` needs a folder, and the folder must be writable: found
+  here, not at the first save after minutes of training.
+
+Under another launcher (torchrun: RANK set, not by ``zdsl run``) the ranks already
+exist: the fit is only a warning, on rank 0, which also checks the checkpoint folder.
+
+The per-process floor of torch is measured once per torch and Python version in a
+subprocess that imports what a rank imports and joins a gloo group of one, and
+cached under ``~/.cache/zdsl`` (``$ZDSL_CACHE``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+from zdsl.planner.fits import Fit
+
+from zdsl.planner.fits import TorchFloor
+
+from zdsl.planner.fits import schedule_fit
+
+EXIT_INVALID, EXIT_USAGE = 1, 2     # zdsl/cli.py's: the schedule cannot run here / the command is wrong
+
+# Used where the measurement fails: what it gave with torch 2.13 (CPU) and Python 3.11 on x86-64.
+FLOOR_ESTIMATE = TorchFloor(150 << 20, 80 << 20, "estimated")
+
+FLOOR_CODE = r"""
+import json, os, sys, tempfile
+import zdsl.runtime.run.train                          # what a rank imports: torch, trio, the compiler
+import torch, torch.distributed as dist
+with tempfile.TemporaryDirectory() as tmp:
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"), rank=0, world_size=1)
+    dist.all_reduce(torch.ones(1))
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    kb = lambda key: int(status.get(key, "0 kB").split()[0]) * 1024
+    print(json.dumps({"private": kb("RssAnon"), "shared": kb("RssFile") + kb("RssShmem")}), flush=True)
+    os._exit(0)                                    # no teardown: gloo's threads can abort it
+"""
+
+# What launchers set for a rank; the measuring process is no rank.
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "ZDSL_ERROR_FILE")
+
+
+def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
+    """Run the checks for this process's role; None to go on, else the exit status (already explained)."""
+    rank = os.environ.get("RANK")
+    problem = checkpoint_folder_missing(args, compiled.schedule)
+    if problem:
+        if rank in (None, "0"):
+            print(f"zdsl: error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    if rank is None:
+        code = refuse_unfit(schedule_fit(compiled, overrides), args.ignore_limits)
+        if code is not None:
+            return code
+    elif os.environ.get("ZDSL_ERROR_FILE"):
+        return None                  # a rank of `zdsl run`, whose launcher checked all of this
+    elif os.environ.get("LOCAL_RANK", rank) == "0":
+        warn_unfit(compiled, overrides)
+    if rank in (None, "0"):
+        problem = checkpoint_folder_unwritable(args, compiled.schedule)
+        if problem:
+            print(f"zdsl: error: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+    return None
+
+
+def refuse_unfit(fit: Fit, ignore_limits: bool) -> int | None:
+    for text in fit.warnings:
+        print(f"zdsl: warning: {text}", file=sys.stderr)
+    if not fit.refusals:
+        return None
+    if ignore_limits:
+        for text in fit.refusals:
+            print(f"zdsl: warning: {text} (starting anyway: --ignore-limits)", file=sys.stderr)
+        return None
+    for text in fit.refusals:
+        print(f"zdsl: error: {text}", file=sys.stderr)
+    print("zdsl: no rank was started (--ignore-limits starts them anyway)", file=sys.stderr)
+    return EXIT_INVALID
+
+
+def warn_unfit(compiled, overrides) -> None:
+    """Under another launcher, on each host's first rank: that host's ranks are running already, torch
+    loaded (its floor is in use, not still needed); say what will not fit, without stopping."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or compiled.graph.ranks)
+    fit = schedule_fit(compiled, overrides, floor=TorchFloor(0, 0, "already loaded by the running ranks"),
+                       local_ranks=local)
+    for text in fit.refusals + fit.warnings:
+        print(f"zdsl: warning: {text}", file=sys.stderr)
+
+
+# -- checkpoints ----------------------------------------------------------------------
+
+def checkpoint_target(args, schedule) -> tuple[str | None, str]:
+    """The checkpoint folder the run will use, and where it was given."""
+    if args.checkpoint_dir:
+        return args.checkpoint_dir, "--checkpoint-dir"
+    spec = schedule.checkpoint
+    return (spec.dir, "the schedule's `checkpoint` statement") if spec else (None, "")
+
+
+def checkpoint_every(args, schedule) -> int:
+    spec = schedule.checkpoint
+    return args.checkpoint_every or (spec.every if spec else 0)
+
+
+def checkpoint_folder_missing(args, schedule) -> str | None:
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        return f"--checkpoint-every must be at least 1, got {args.checkpoint_every}"
+    if args.checkpoint_every and checkpoint_target(args, schedule)[0] is None:
+        return (f"--checkpoint-every {args.checkpoint_every} needs a folder to save into: add "
+                f"--checkpoint-dir DIR, or the statement `checkpoint every {args.checkpoint_every} steps -> "
+                f"\"DIR\"` to the schedule")
+    return None
+
+
+def checkpoint_folder_unwritable(args, schedule) -> str | None:
+    """Create the folder (as the first save would) and a probe file in it; the reason if that fails."""
+    folder, given = checkpoint_target(args, schedule)
+    if folder is None or not checkpoint_every(args, schedule):
+        return None
+    path = Path(folder).expanduser()
+    probe = path / f".zdsl-write-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"zdsl")
+        probe.unlink()
+    except OSError as exc:
+        return (f"cannot write checkpoints to {path} (from {given}): {exc.strerror or exc}; "
+                f"give a writable folder with --checkpoint-dir DIR")
+    return None
+
+
+# -- torch's floor per process --------------------------------------------------------
+
+def torch_floor(measure: bool = True) -> TorchFloor:
+    """Memory each rank holds before its model, from the cache or measured now (a few seconds, once)."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return TorchFloor(0, 0, "not counted: torch is not installed")
+    python = platform.python_version()
+    path = floor_cache(version, python)
+    where = f"torch {version}, python {python}"
+    try:
+        cached = json.loads(path.read_text())
+        return TorchFloor(int(cached["private"]), int(cached["shared"]), f"measured for {where} ({path})")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if not measure:
+        return dataclasses.replace(FLOOR_ESTIMATE, source=f"estimated (not measured yet for {where})")
+    try:
+        floor = measure_floor()
+    except (OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
+        return dataclasses.replace(FLOOR_ESTIMATE, source=f"estimated (measuring it failed: {exc})")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(floor))
+        os.replace(tmp, path)             # atomic: launchers measuring at once leave one good file
+    except OSError:
+        pass                              # no cache: measured again next time
+    return TorchFloor(floor["private"], floor["shared"], f"measured for {where} ({path})")
+
+
+def floor_cache(torch_version: str, python: str) -> Path:
+    from zdsl.runtime.io.native import cache_dir
+    safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in f"{torch_version}-py{python}")
+    return cache_dir() / f"torch-floor-{safe}-{platform.machine()}.json"
+
+
+def measure_floor(timeout_s: float = 300.0) -> dict[str, int]:
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    done = subprocess.run([sys.executable, "-c", FLOOR_CODE], capture_output=True, text=True, env=env,
+                          timeout=timeout_s)
+    if done.returncode != 0:
+        raise subprocess.SubprocessError(f"exit status {done.returncode}: {done.stderr.strip()[-300:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"private": int(out["private"]), "shared": int(out["shared"])}

@@ -1,0 +1,250 @@
+"""One rank's training loop: join the group, agree on the graph, run the steps.
+
+The launcher (``runtime/run/launch.py``) starts one process per rank with
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, as
+torchrun does; each process compiles the same schedule, so before the first
+step the ranks exchange a hash of their graphs and stop, all of them, if
+any differ.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import trio
+
+from zdsl.ir import TaskGraph
+from zdsl.compile.models import run_context as schedule_context   # the planner sizes the same context
+from zdsl.observe.overlap import analyze
+
+from zdsl.runtime.dist.affinity import calm_gloo_loops
+
+from zdsl.runtime.dist.affinity import set_cpu_threads
+from zdsl.runtime.dist.collectives import all_gather
+from zdsl.runtime.dist.collectives import check_settings
+from zdsl.runtime.exec.executor import Executor
+from zdsl.runtime.exec.executor import StepRecord
+from zdsl.runtime.run.launch import STEP
+from zdsl.runtime.run.launch import STEP_DONE
+from zdsl.runtime.run.launch import rank_board
+from zdsl.runtime.exec.streams import lane_streams
+
+
+class LaunchError(RuntimeError):
+    """The ranks cannot start together (wrong world size, differing graphs)."""
+
+
+@dataclass
+class RunOptions:
+    metrics: str | None = None          # JSONL, one line per step (rank 0 writes)
+    trace: str | None = None            # Chrome trace of the measured ops
+    timeline: str | None = None         # SVG of one measured step
+    export: str | None = None           # safetensors of the final full fp32 state dict
+    progress: bool = True
+    timeout_s: float = 120.0            # a collective that waits longer fails (a dead peer)
+    trace_steps: int = 3                # how many steps (the last ones) go into the trace
+    checkpoint_dir: str | None = None   # save here every `checkpoint_every` steps
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 0
+    resume: str | None = None           # a checkpoint root (newest complete) or one step folder
+    fresh_optimizer: bool = False       # resume the weights only; the optimizer's state starts at zero
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    step_s: float
+    tokens_per_s: float
+    skipped: bool
+    grad_norm: float | None
+    peak_bytes: dict = field(default_factory=dict)   # rank -> tier -> bytes
+    overlap: dict | None = None                      # efficiency, lower bound, rank 0's lanes and critical path
+
+
+def env_rank() -> tuple[int, int]:
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise LaunchError(f"{key} is not set; start ranks with `zdsl run` or torchrun")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def pick_device(choice: str, rank: int) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise LaunchError("the schedule asks for `ranks N on cuda` but no CUDA device is visible")
+        local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def init_group(rank: int, world: int, device: torch.device, timeout_s: float) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = dict(backend=backend, rank=rank, world_size=world,
+                  timeout=datetime.timedelta(seconds=timeout_s))
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    if backend == "gloo":
+        calm_gloo_loops()
+
+
+def agree_on_graph(graph: TaskGraph, rank: int, world: int, device: torch.device) -> None:
+    """Every rank must run the same graph; say which ranks differ if not."""
+    digest = bytes.fromhex(graph.digest())
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=device)
+    every = torch.empty(world * len(digest), dtype=torch.uint8, device=device)
+    all_gather(every, mine)
+    rows = every.view(world, -1).cpu()
+    groups: dict[bytes, list[int]] = {}
+    for r in range(world):
+        groups.setdefault(bytes(rows[r].tolist()), []).append(r)
+    if len(groups) > 1:
+        desc = "; ".join(f"ranks {v} have graph {k.hex()[:12]}" for k, v in groups.items())
+        raise LaunchError(f"the ranks compiled different task graphs ({desc}); "
+                          "run the same schedule file and --set overrides on every rank")
+
+
+def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=None) -> list[StepMetrics]:
+    """Train on this rank; returns the per-step metrics (complete on rank 0)."""
+    from zdsl.runtime.models.protocol import build_model
+    from zdsl.runtime.data import make_batch
+    from zdsl.runtime.state.rank import RankState
+
+    rank, world = env_rank()
+    if world != graph.ranks:
+        raise LaunchError(f"the schedule was compiled for {graph.ranks} ranks but {world} were launched; "
+                          f"launch {graph.ranks} ranks or set `ranks {world}` (--set ranks={world})")
+    cfg = graph.config
+    device = pick_device(cfg.get("device", "auto"), rank)
+    if device.type == "cpu":
+        set_cpu_threads(rank, world)
+    try:
+        check_settings()
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    init_group(rank, world, device, options.timeout_s)
+    with contextlib.ExitStack() as stack:
+        stack.callback(leave_group)
+        agree_on_graph(graph, rank, world, device)
+        model = build_model(schedule.model, seed=cfg["train"]["seed"])
+        state = RankState(graph, model, rank=rank, world=world, device=device, group=None)
+        stack.callback(close_swap, state)    # the swap folder goes even when the step failed
+        executor = Executor(graph, state, rank, record=True, streams=lane_streams(graph, device),
+                            board=rank_board())
+        return trio.run(_loop, graph, schedule, units, state, executor, rank, world, device, options,
+                        reporter, make_batch)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def close_swap(state) -> None:
+    """Remove this rank's NVMe swap files (the process leaves with os._exit: no atexit hooks)."""
+    swapper = getattr(state, "_swapper", None)
+    if swapper is not None:
+        swapper.close()
+
+
+async def _loop(graph, schedule, units, state, executor, rank, world, device, options, reporter, make_batch):
+    cfg = graph.config
+    train = cfg["train"]
+    steps, acc, batch = train["steps"], train["accumulate"], train["batch"]
+    context = schedule_context(schedule)
+    records: list[tuple[int, StepRecord]] = []
+    history: list[StepMetrics] = []
+    say = (lambda text: print(f"zdsl: {text}", flush=True)) if rank == 0 else (lambda text: None)
+    first = 0
+    if options.resume:
+        from zdsl.runtime.checkpoint.checkpointer import resume
+        first = resume(options.resume, graph, state, rank, world, say, fresh_optimizer=options.fresh_optimizer)
+        say(f"resumed at step {first} from {options.resume}" if first < steps else
+            f"{options.resume} already completed {first} steps and the schedule trains {steps}: nothing left "
+            f"to train (--set steps=N with N > {first} trains on)")
+        if first >= steps:
+            if options.export:
+                state.export(options.export)
+            return history
+    checkpointer = None
+    if options.checkpoint_dir and options.checkpoint_every > 0:
+        from zdsl.runtime.checkpoint.checkpointer import Checkpointer
+        checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every, options.checkpoint_keep,
+                                    graph, units, rank, world, say)
+    for step in range(first, steps):
+        batches = [make_batch(schedule.data, train["seed"], step, m, rank, world, batch) for m in range(acc)]
+        batches = [(x.to(device), y.to(device)) for x, y in batches]
+        state.step_begin(step, batches)
+        if executor.board is not None:
+            executor.board[STEP] = step
+        record = await executor.run_step()
+        result = state.step_end()
+        if executor.board is not None:
+            executor.board[STEP_DONE] = step
+        if options.trace or options.timeline:
+            records.append((step, record))
+            records = records[-options.trace_steps:]
+        # the overlap report costs O(ops): every step when metrics are written, else the last step
+        overlap = analyze(graph, [(t.start, t.end) for t in record.timings], rank=rank,
+                          step_time=record.seconds) if (options.metrics or step == steps - 1) else None
+        metrics = gather_metrics(step, record, result, state, world, device, tokens=batch * acc * context,
+                                 overlap=overlap)
+        history.append(metrics)
+        if rank == 0 and reporter is not None:
+            reporter.step(metrics)
+        if checkpointer is not None and (step + 1) % checkpointer.every == 0:
+            checkpointer.save(step + 1, state)
+    if checkpointer is not None:
+        checkpointer.wait()
+        if reporter is not None and checkpointer.costs:
+            reporter.checkpoint_costs = checkpointer.costs
+    if options.export:
+        state.export(options.export)
+    if options.trace or options.timeline:
+        from zdsl.runtime.exec.tracing import write_measured_trace
+        write_measured_trace(graph, records, rank, world, options, state)
+    return history
+
+
+TIERS = ("device", "host", "nvme")
+
+
+def gather_metrics(step, record: StepRecord, result: dict, state, world, device, tokens,
+                   overlap=None) -> StepMetrics:
+    """Loss averaged over ranks, every rank's peak bytes per tier and overlap (one small all-gather)."""
+    report = state.memory_report()
+    peaks = report.get("peak", report)
+    row = [float(result["loss"]), record.seconds] + [float(peaks.get(t, 0)) for t in TIERS]
+    row += [overlap.lower_bound, overlap.efficiency] if overlap is not None else [-1.0, -1.0]
+    mine = torch.tensor(row, dtype=torch.float64, device=device)
+    every = torch.empty(world * len(row), dtype=torch.float64, device=device)
+    all_gather(every, mine)
+    table = every.view(world, -1).cpu().tolist()
+    loss = sum(r[0] for r in table) / world
+    step_s = max(r[1] for r in table)
+    peak = {r: {t: int(table[r][2 + i]) for i, t in enumerate(TIERS)} for r in range(world)}
+    summary = None
+    if overlap is not None:
+        # the step is as slow as its slowest rank (zdsl.observe.overlap.summarize, from the gathered figures)
+        lower = max(r[2 + len(TIERS)] for r in table)
+        summary = {"overlap_efficiency": min(1.0, lower / step_s) if step_s > 0 else 1.0,
+                   "lower_bound_s": lower, "rank0": overlap.to_metrics() if state.rank == 0 else None}
+    return StepMetrics(step=step, loss=loss, step_s=step_s, tokens_per_s=tokens * world / step_s,
+                       skipped=bool(result.get("skipped", False)), grad_norm=result.get("grad_norm"),
+                       peak_bytes=peak, overlap=summary)
+
+
+def metrics_line(m: StepMetrics) -> str:
+    return json.dumps({"step": m.step, "loss": m.loss, "step_s": m.step_s, "tokens_per_s": m.tokens_per_s,
+                       "skipped": m.skipped, "grad_norm": m.grad_norm,
+                       "peak_bytes": {str(r): v for r, v in m.peak_bytes.items()}, "overlap": m.overlap})
+
+

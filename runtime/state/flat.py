@@ -1,0 +1,122 @@
+"""Flat, padded, sharded storage of one unit's parameters and gradients.
+
+A unit's parameters are laid end to end in registration order in one flat
+buffer of ``padded_numel`` elements, cut into ``parts`` equal parts (one
+collective each, the bucket split of ``zdsl.compile.layout``); each part splits
+evenly over the ranks and rank r's shard is the concatenation of its slice of
+every part. Every parameter's ``.data`` is a view into the full buffer, and
+every parameter's gradient a view into the flat gradient buffer, so:
+
+* a gather is one all-gather per part straight into the full buffer's
+  storage, after which the module computes with the gathered values;
+* freeing releases the storage (``untyped_storage().resize_(0)``) but keeps
+  the tensor objects, as FSDP does: the views autograd saved in forward see
+  the data again once backward re-gathers into the same storage;
+* gradients leave through one reduce-scatter per part from the flat
+  gradient buffer into the rank's gradient shard.
+
+Tied parameters (a unit reading another unit's parameter) need nothing here:
+the user's module reads the owner's parameter object, whose view points into
+the owner's buffer; the state routes the user's gradient to the owner.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from zdsl.compile.layout import FlatLayout
+
+from zdsl.runtime.dist import collectives
+
+
+def layout_of(numel: int, padded_numel: int, parts: int, ranks: int) -> FlatLayout:
+    """The layout the compiler chose (``UnitInfo``), checked for consistency."""
+    if padded_numel % parts or (padded_numel // parts) % ranks or padded_numel < numel:
+        raise ValueError(f"inconsistent layout: numel {numel}, padded {padded_numel}, "
+                         f"parts {parts}, ranks {ranks}")
+    return FlatLayout(numel, ranks, parts, padded_numel // parts)
+
+
+def is_freed(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == 0
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s memory, keeping the tensor object (and every view of it)."""
+    t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    """Give ``t`` (and its views) memory again; contents are undefined."""
+    need = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() != need:
+        t.untyped_storage().resize_(need)
+
+
+class FlatParam:
+    """One unit's flat parameter buffer and flat gradient buffer, with views.
+
+    ``full`` (``padded_numel`` elements in the compute dtype) and ``grad``
+    (same size, gradient dtype) start freed; :meth:`alloc` gives them memory.
+    """
+
+    def __init__(self, module: nn.Module, layout: FlatLayout, rank: int, dtype: torch.dtype,
+                 grad_dtype: torch.dtype, device: torch.device):
+        self.names = [n for n, _ in module.named_parameters()]
+        self.params = [p for _, p in module.named_parameters()]
+        numel = sum(p.numel() for p in self.params)
+        if numel != layout.numel:
+            raise ValueError(f"the module has {numel} parameters, the compiled graph expects {layout.numel}")
+        self.layout, self.rank, self.dtype = layout, rank, dtype
+        self.offsets, off = [], 0
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        # The initial values in fp32 (the master copy's start), before any rebinding.
+        self.initial = torch.zeros(layout.padded_numel, dtype=torch.float32)
+        with torch.no_grad():
+            for p, o in zip(self.params, self.offsets):
+                self.initial[o:o + p.numel()].copy_(p.detach().reshape(-1).float().cpu())
+        self.full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+        self.grad = torch.empty(layout.padded_numel, dtype=grad_dtype, device=device)
+        with torch.no_grad():
+            for p, o in zip(self.params, self.offsets):
+                p.data = self.full[o:o + p.numel()].view(p.shape)
+                p.requires_grad_(True)
+        self.grad_views = [self.grad[o:o + p.numel()].view(p.shape)
+                           for p, o in zip(self.params, self.offsets)]
+        free_storage(self.full)
+        free_storage(self.grad)
+
+    # -- views and shards ----------------------------------------------------------
+    def view(self, param: torch.Tensor) -> tuple[int, int]:
+        """(offset, numel) of one of this unit's parameters in the flat buffer."""
+        for p, o in zip(self.params, self.offsets):
+            if p is param:
+                return o, p.numel()
+        raise KeyError("not a parameter of this unit")
+
+    def owned(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's slices (one per part) of a full-size flat buffer."""
+        return [flat[a:b] for a, b in self.layout.owned_full_ranges(self.rank)]
+
+    def shard_parts(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """A shard-size buffer cut into its per-part slices."""
+        return [shard[slice(*self.layout.shard_range(p))] for p in range(self.layout.parts)]
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full-size flat buffer, as a new contiguous tensor."""
+        return torch.cat(self.owned(flat))
+
+    # -- collectives ---------------------------------------------------------------
+    def gather(self, part: int, out: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
+        """All-gather one part of ``shard`` (every rank's) into ``out`` (full size)."""
+        a, b = self.layout.full_range(part)
+        c, d = self.layout.shard_range(part)
+        return collectives.all_gather(out[a:b], shard[c:d], group=group, async_op=async_op)
+
+    def reduce_scatter(self, part: int, out_shard: torch.Tensor, grad: torch.Tensor, group, async_op: bool):
+        """Reduce-scatter one part of the full gradient ``grad`` into ``out_shard``'s part."""
+        a, b = self.layout.full_range(part)
+        c, d = self.layout.shard_range(part)
+        return collectives.reduce_scatter(out_shard[c:d], grad[a:b], group=group, async_op=async_op)

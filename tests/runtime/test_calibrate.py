@@ -1,0 +1,314 @@
+"""`zdsl calibrate --quick` measures 2 ranks and writes a profile the checker accepts."""
+import re
+
+import pytest
+
+from zdsl.runtime.calibrate.cli import (MIN_UNDER_LOAD, ZS_KEYS, Calibration, fit_latency_bandwidth, fit_overhead,
+                                    main, reference_graph)
+from zdsl.schedule import MachineProfile
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    pts = [(x, 2e-4 + x / 1.5e9) for x in (3e4, 5e5, 4e6, 1.6e7)]
+    latency, bw = fit_latency_bandwidth(pts)
+    assert latency == pytest.approx(2e-4, rel=1e-6) and bw == pytest.approx(1.5e9, rel=1e-6)
+    # Noise that makes the slope negative still gives positive rates.
+    latency, bw = fit_latency_bandwidth([(1e3, 2e-3), (1e6, 1e-3)])
+    assert latency > 0 and bw > 0
+
+
+def profile_errors(machine_zs) -> list[str]:
+    """Why the checker refuses the ``machine`` profile in file ``machine_zs`` (its own messages,
+    from its own rules: ``MACHINE_MAY_BE_ZERO`` and the ranges in ``zdsl/check/checker.py``), and the
+    keywords it does not write: [] for a profile the language accepts in full."""
+    from zdsl.check.checker import check_text
+    from zdsl.lang.errors import ZsError
+    statements = [line for line in machine_zs.read_text().splitlines() if line and not line.startswith("#")]
+    if len(statements) != 1 or not statements[0].startswith("machine cpu("):
+        return [f"not one `machine cpu(...)` statement: {statements}"]
+    schedule = machine_zs.with_name("s.zs")
+    schedule.write_text(f'schedule t\nmodel gpt(layers=2)\ninclude "{machine_zs.name}"\n')
+    try:
+        checked, _ = check_text(schedule.read_text(), str(schedule))
+    except ZsError as e:
+        return [d.message for d in e.diagnostics if d.is_error]
+    written = {span.split(".", 1)[1] for span in checked.spans if span.startswith("machine.")}
+    return [f"{key} is not written" for key in ZS_KEYS.values() if key not in written]
+
+
+def test_quick_profile_parses(tmp_path, capsys):
+    out = tmp_path / "machine.zs"
+    assert main(["--quick", "--no-progress", "--out", str(out), "--disk", str(tmp_path)]) == 0
+    assert profile_errors(out) == []
+    assert not list(tmp_path.glob(".zdsl-calibrate-*"))          # test files removed
+
+
+def _written(tmp_path, profile: MachineProfile, edit=lambda text: text):
+    path = tmp_path / "machine.zs"
+    path.write_text(edit(Calibration(profile).to_zs()))
+    return path
+
+
+def test_a_fixed_cost_fitted_to_0_is_a_valid_profile(tmp_path):
+    """What calibrate writes when each fixed cost is clamped at 0 (see its docstring)."""
+    zeros = MachineProfile(op_overhead=0.0, kernel_overhead=0.0, comm_overhead=0.0, scatter_overhead=0.0)
+    assert profile_errors(_written(tmp_path, zeros)) == []
+
+
+@pytest.mark.parametrize("profile, edit, refused", [
+    (MachineProfile(), None, "comm_overhead must be"),                     # its "unset" -1, written out
+    (MachineProfile(comm_overhead=0.0, scatter_overhead=0.0, flops=-5e10), None, "flops must be"),
+    (MachineProfile(comm_overhead=0.0, scatter_overhead=0.0, disk_read=0.0), None, "disk_read must be"),
+    (MachineProfile(comm_overhead=0.0, scatter_overhead=-1e-4), None, "scatter_overhead must be"),
+    (MachineProfile(comm_overhead=0.0, scatter_overhead=0.0, comm_under_load=1.5), None, "comm_under_load must be"),
+    (MachineProfile(comm_overhead=0.0, scatter_overhead=0.0, comm_slots=0), None, "comm_slots must be"),
+    (MachineProfile(comm_overhead=0.0, scatter_overhead=0.0), lambda t: re.sub(r", link=[^,]*", "", t),
+     "link is not written"),
+])
+def test_the_profile_check_refuses_what_the_checker_refuses(tmp_path, profile, edit, refused):
+    errors = profile_errors(_written(tmp_path, profile, edit or (lambda text: text)))
+    assert any(refused in e for e in errors), errors
+
+
+def test_bad_disk_folder_is_a_clear_error(tmp_path, capsys):
+    assert main(["--quick", "--no-progress", "--disk", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_disk_test_runs_the_swapper_and_fits_each_direction(tmp_path):
+    """Transfers of each size through the runtime's swapper, both directions fitted to latency +
+    bytes / rate; its files go; a folder it cannot use is a CalibrationError, not a traceback.
+    (Which size took longer is the disk's and the load's business: the fit is checked, not the
+    times, which on a loaded host need not even rise with the bytes.)"""
+    from zdsl.runtime.calibrate.cli import DISK_SIZES
+    from zdsl.runtime.calibrate.cli import MIN_DISK_CPU
+    from zdsl.runtime.calibrate.cli import CalibrationError
+    from zdsl.runtime.calibrate.cli import Settings
+    from zdsl.runtime.calibrate.cli import measure_disk
+    disk = measure_disk(str(tmp_path), Settings(quick=True), rank=0)
+    for way in ("read", "write"):
+        sizes = [n for n, _ in disk["points"][way]]
+        assert sizes == list(DISK_SIZES[:-1]) == disk["sizes"]
+        latency, rate = fit_latency_bandwidth(disk["points"][way])
+        assert disk[f"disk_{way}_latency"] == latency > 0 and disk[f"disk_{way}"] == rate > 0
+        assert all(seconds > 0 for _, seconds in disk["points"][way])
+        assert MIN_DISK_CPU <= disk[f"disk_{way}_cpu"] <= 1
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(CalibrationError, match="disk test"):
+        measure_disk(str(tmp_path / "a_file"), Settings(quick=True), rank=0)
+
+
+def test_the_per_op_overhead_fit_recovers_a_known_one():
+    from zdsl.planner.simulate import simulate
+    profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
+    graph = reference_graph(2, "cpu").graph
+    truth = 7e-4
+    measured = simulate(graph, MachineProfile(**{**vars(profile), "op_overhead": truth})).step_s
+    fit = fit_overhead(profile, 2, "cpu", measured)
+    assert fit.op == pytest.approx(truth, rel=1e-6) and fit.comm < 0 and fit.bare_s < measured
+    assert fit_overhead(profile, 2, "cpu", fit.bare_s / 2).op == 0.0      # faster than the rates: no overhead
+
+
+@pytest.mark.parametrize("cores", [0, 1])
+@pytest.mark.parametrize("kernel_cost", [0.0, 8e-6])
+@pytest.mark.parametrize("op_cost, comm_cost", [(3e-4, 1.5e-3), (1e-3, 2e-4), (5e-4, 0.0)])
+def test_the_fit_recovers_lane_kernel_and_collective_costs(op_cost, comm_cost, kernel_cost, cores):
+    """Lane ops that each took their rated time plus a fixed cost plus one per kernel, and the
+    step the known costs predict: the fit returns them (the lane ops pin the first two, the step
+    the third)."""
+    import dataclasses
+    from zdsl.planner.simulate import rated_duration
+    from zdsl.planner.simulate import simulate
+    from zdsl.runtime.calibrate.cli import lane_ops
+    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                             scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=cores)
+    graph = reference_graph(2, "cpu").graph
+    assert len({graph.ops[i].kernels for i in lane_ops(graph)}) > 3      # steps (none) and units' compute
+    truth = dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost, kernel_overhead=kernel_cost)
+    step = simulate(graph, truth).step_s
+    measured = {i: rated_duration(graph, graph.ops[i], profile) + op_cost + graph.ops[i].kernels * kernel_cost
+                for i in lane_ops(graph)}
+    fit = fit_overhead(profile, 2, "cpu", step, measured)
+    assert fit.op == pytest.approx(op_cost, rel=1e-6)
+    assert fit.kernel == pytest.approx(kernel_cost, rel=1e-6, abs=1e-12)
+    assert fit.comm == pytest.approx(comm_cost, rel=1e-4, abs=1e-8)
+
+
+def test_the_lane_cost_line_stands_noise():
+    """Each lane op 10% off its fixed costs either way: the costs come back within 10%."""
+    from zdsl.planner.simulate import rated_duration
+    from zdsl.runtime.calibrate.cli import lane_costs
+    from zdsl.runtime.calibrate.cli import lane_ops
+    profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
+    graph = reference_graph(2, "cpu").graph
+    noise = [0.9, 1.1, 1.0]
+    measured = {i: rated_duration(graph, graph.ops[i], profile)
+                + (2e-4 + graph.ops[i].kernels * 8e-6) * noise[k % 3] for k, i in enumerate(lane_ops(graph))}
+    op, kernel = lane_costs(graph, profile, measured)
+    assert op == pytest.approx(2e-4, rel=0.1) and kernel == pytest.approx(8e-6, rel=0.1)
+
+
+def test_the_lane_cost_line_never_starts_below_zero():
+    from zdsl.planner.simulate import rated_duration
+    from zdsl.runtime.calibrate.cli import lane_costs
+    from zdsl.runtime.calibrate.cli import lane_ops
+    profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
+    graph = reference_graph(2, "cpu").graph
+    # ops with no kernels took no more than their rates; the others 10 us a kernel, less 50 us
+    measured = {i: rated_duration(graph, graph.ops[i], profile) + max(0.0, graph.ops[i].kernels * 1e-5 - 5e-5)
+                for i in lane_ops(graph)}
+    op, kernel = lane_costs(graph, profile, measured)
+    assert op == 0.0 and 0 < kernel < 1e-5
+
+
+def test_lane_ops_faster_than_their_rate_give_no_negative_cost():
+    from zdsl.planner.simulate import rated_duration
+    from zdsl.runtime.calibrate.cli import lane_ops
+    profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
+    graph = reference_graph(2, "cpu").graph
+    measured = {i: rated_duration(graph, graph.ops[i], profile) / 2 for i in lane_ops(graph)}
+    fit = fit_overhead(profile, 2, "cpu", 1.0, measured)
+    assert fit.op == 0.0 and fit.comm > 0
+
+
+def test_the_reference_step_is_the_median_block_of_the_slowest_rank():
+    from zdsl.runtime.calibrate.cli import reference_times
+
+    def block(steps, op):
+        return {"steps": steps, "lane_op_s": {3: op}}
+    # Three blocks; the middle one caught a burst (3x slower). Per step, the slower rank counts.
+    rank0 = {"runtime": [block([1.0, 1.0, 1.2], 0.1), block([3.0, 3.0, 3.0], 0.3), block([1.1, 1.1, 1.1], 0.1)]}
+    rank1 = {"runtime": [block([1.0, 1.4, 1.4], 0.2), block([3.0, 3.0, 3.0], 0.6), block([1.0, 1.0, 1.0], 0.2)]}
+    step, blocks, ops, comm, loaded = reference_times([rank0, rank1])
+    assert blocks == [1.4, 3.0, 1.1]
+    assert step == 1.4                              # the burst moved nothing
+    assert ops == {3: pytest.approx(0.15)}          # mean over ranks of each rank's median block
+    assert comm == {} and loaded == {}              # no collectives' service times in these blocks
+
+
+@pytest.mark.parametrize("scatter_extra", [6e-4, 0.0])
+def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took_beyond_the_others(scatter_extra):
+    """Collectives whose service times exceed their rated times by a fixed cost, reduce-scatters by
+    ``scatter_extra`` more, and the step the three costs predict: the fit returns all three."""
+    import dataclasses
+    from zdsl.planner.simulate import rated_duration
+    from zdsl.planner.simulate import simulate
+    from zdsl.runtime.calibrate.cli import comm_ops
+    from zdsl.runtime.calibrate.cli import lane_ops
+    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                             scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=1)
+    graph = reference_graph(2, "cpu").graph
+    op_cost, comm_cost = 2e-4, 3e-4
+    truth = dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost,
+                                scatter_overhead=comm_cost + scatter_extra)
+    step = simulate(graph, truth).step_s
+    lane = {i: rated_duration(graph, graph.ops[i], profile) + op_cost for i in lane_ops(graph)}
+    base = 0.4e-3               # what every collective took beyond its rate, whatever the fitted cost
+    service = {i: rated_duration(graph, graph.ops[i], profile) + base
+               + (scatter_extra if graph.ops[i].kind == "comm.reduce_scatter" else 0.0) for i in comm_ops(graph)}
+    assert {graph.ops[i].kind for i in service} >= {"comm.reduce_scatter", "comm.all_gather"}
+    fit = fit_overhead(profile, 2, "cpu", step, lane, service)
+    assert fit.op == pytest.approx(op_cost, rel=1e-6)
+    assert fit.comm == pytest.approx(comm_cost, rel=1e-4)
+    assert fit.scatter == pytest.approx(comm_cost + scatter_extra, rel=1e-4)
+    # and the prediction with the fitted costs is the step they were fitted to
+    fitted = dataclasses.replace(profile, op_overhead=fit.op, comm_overhead=fit.comm, scatter_overhead=fit.scatter)
+    assert simulate(graph, fitted).step_s == pytest.approx(step, rel=1e-6)
+
+
+def test_a_collectives_service_time_starts_when_the_one_before_it_on_its_lane_ends():
+    from types import SimpleNamespace as NS
+
+    from zdsl.runtime.calibrate.cli import comm_intervals
+    graph = NS(ops=[NS(kind="comm.all_gather", lane="comm"), NS(kind="compute.forward", lane="compute"),
+                    NS(kind="comm.reduce_scatter", lane="comm"), NS(kind="comm.all_gather", lane="comm")])
+    # issued together at 1.0: the second queues behind the first; the third issued after both ended
+    timings = [NS(start=1.0, end=2.0), NS(start=0.0, end=9.0), NS(start=1.0, end=2.5), NS(start=3.0, end=3.25)]
+    intervals = comm_intervals(graph, NS(timings=timings))
+    assert {i: e - s for i, (s, e) in intervals.items()} == {0: 1.0, 2: 0.5, 3: 0.25}
+
+
+def test_with_two_backend_threads_a_collective_waits_only_for_one_of_them():
+    from types import SimpleNamespace as NS
+
+    from zdsl.runtime.calibrate.cli import comm_intervals
+    graph = NS(ops=[NS(kind="comm.all_gather", lane="comm")] * 4)
+    # issued together at 1.0: the first two start at once; the third when the second's thread is
+    # free (2.0), the fourth when the third's is (2.5: the first holds the other until 4.0)
+    timings = [NS(start=1.0, end=4.0), NS(start=1.0, end=2.0), NS(start=1.0, end=2.5), NS(start=1.0, end=3.0)]
+    intervals = comm_intervals(graph, NS(timings=timings), slots=2)
+    assert {i: e - s for i, (s, e) in intervals.items()} == {0: 3.0, 1: 1.0, 2: 0.5, 3: 0.5}
+
+
+def test_the_time_compute_ran_beside_a_collective_is_counted_once_and_only_inside_its_service():
+    from types import SimpleNamespace as NS
+
+    from zdsl.runtime.calibrate.cli import comm_intervals
+
+    from zdsl.runtime.calibrate.cli import comm_under_compute
+    graph = NS(ops=[NS(kind="comm.all_gather", lane="comm"), NS(kind="compute.forward", lane="compute"),
+                    NS(kind="compute.step", lane="host"), NS(kind="comm.all_gather", lane="comm"),
+                    NS(kind="copy.h2d", lane="h2d")])
+    # the second gather queues behind the first (served 2..4); compute 1..3 and a host step 2.5..3.5
+    # overlap each other; a copy is not compute
+    timings = [NS(start=0.0, end=2.0), NS(start=1.0, end=3.0), NS(start=2.5, end=3.5),
+               NS(start=0.5, end=4.0), NS(start=0.0, end=4.0)]
+    record = NS(timings=timings)
+    assert comm_under_compute(graph, record, comm_intervals(graph, record)) == {0: 1.0, 3: 1.5}
+
+
+def test_a_scatter_extra_that_alone_overshoots_the_step_is_fitted_to_it():
+    import dataclasses
+    from zdsl.planner.simulate import rated_duration
+    from zdsl.planner.simulate import simulate
+    from zdsl.runtime.calibrate.cli import comm_ops
+    from zdsl.runtime.calibrate.cli import lane_ops
+    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                             memory_bandwidth=1.4e10, cores=1)
+    graph = reference_graph(2, "cpu").graph
+    step = simulate(graph, dataclasses.replace(profile, op_overhead=2e-4, comm_overhead=0.0,
+                                               scatter_overhead=1e-3)).step_s
+    lane = {i: rated_duration(graph, graph.ops[i], profile) + 2e-4 for i in lane_ops(graph)}
+    service = {i: rated_duration(graph, graph.ops[i], profile)
+               + (5e-3 if graph.ops[i].kind == "comm.reduce_scatter" else 0.0) for i in comm_ops(graph)}
+    fit = fit_overhead(profile, 2, "cpu", step, lane, service)
+    assert fit.comm == 0.0 and fit.scatter == pytest.approx(1e-3, rel=1e-4)
+
+
+@pytest.mark.parametrize("under", [0.3, 1.0, MIN_UNDER_LOAD])
+def test_a_collectives_rate_under_load_is_fitted_from_the_time_compute_ran_beside_it(under):
+    """Collectives that took their rated time plus a fixed cost plus (1 - a) of the seconds compute
+    ran beside them: the fit returns a, and the fixed cost then matches the step."""
+    import dataclasses
+    from zdsl.planner.simulate import rated_duration
+    from zdsl.planner.simulate import simulate
+    from zdsl.runtime.calibrate.cli import comm_ops
+    from zdsl.runtime.calibrate.cli import lane_ops
+    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                             memory_bandwidth=1.4e10, cores=1)
+    graph = reference_graph(2, "cpu").graph
+    op_cost, comm_cost = 2e-4, 3e-4
+    truth = dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost, scatter_overhead=comm_cost,
+                                comm_under_load=under)
+    step = simulate(graph, truth).step_s
+    lane = {i: rated_duration(graph, graph.ops[i], profile) + op_cost for i in lane_ops(graph)}
+    loaded = {i: 1e-4 * (k % 5) for k, i in enumerate(comm_ops(graph))}
+    service = {i: rated_duration(graph, graph.ops[i], profile) + comm_cost + (1 - under) * loaded[i]
+               for i in comm_ops(graph)}
+    fit = fit_overhead(profile, 2, "cpu", step, lane, service, loaded)
+    assert fit.under_load == pytest.approx(under, rel=1e-6)
+    assert fit.comm == pytest.approx(comm_cost, rel=1e-4) and fit.scatter == pytest.approx(comm_cost, rel=1e-3)
+    # no sharing model (cores 0): nothing to fit, the fair-share default stays
+    assert fit_overhead(dataclasses.replace(profile, cores=0), 2, "cpu", step, lane, service, loaded).under_load == 0
+
+
+def test_collectives_slower_than_waiting_out_the_compute_floor_the_rate():
+    from zdsl.planner.simulate import rated_duration
+    from zdsl.runtime.calibrate.cli import comm_ops
+    from zdsl.runtime.calibrate.cli import rate_under_load
+    profile = MachineProfile(link_bandwidth=1.3e9, link_latency=3.5e-4, cores=1)
+    graph = reference_graph(2, "cpu").graph
+    loaded = {i: 1e-4 * (k % 5) for k, i in enumerate(comm_ops(graph))}
+    service = {i: rated_duration(graph, graph.ops[i], profile) + 1.5 * loaded[i] for i in comm_ops(graph)}
+    assert rate_under_load(graph, profile, service, loaded) == MIN_UNDER_LOAD

@@ -1,0 +1,468 @@
+"""The checker: syntax tree to a typed, complete :class:`~zdsl.schedule.Schedule`.
+
+It reads each statement's values (types, ranges, names), fills defaults,
+resolves what needs the model (``recompute blocks`` -> unit indices), and
+applies the rules ZeRO and DeepSpeed impose (sharding is a prefix of
+optimizer, gradients, parameters; parameters are offloaded only at stage 3;
+...). Every problem becomes a positioned diagnostic; all of a file's errors
+are reported at once. The span of each statement is kept in
+``Schedule.spans`` under its keyword (``prefetch``, ``offload.parameters``,
+``memory.device``, ``train.steps``, ...) so later stages can point at it.
+
+Public API: :func:`load_schedule` and :func:`check_text`.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable
+
+from zdsl.lang import ast
+from zdsl.check.pipelines import check_pipeline
+from zdsl.check.pipelines import check_pipelines_complete
+from zdsl.check.placement import PlacementChecks
+from zdsl.lang.errors import (NOTE, Diagnostic, ZsError, attach_sources, did_you_mean, error,
+                     note)
+from zdsl.lang.include import expand_includes
+from zdsl.lang.include import path_exists
+from zdsl.lang.include import resolve_relative
+from zdsl.lang.overrides import MACHINE_KEYS
+from zdsl.lang.overrides import apply_overrides
+from zdsl.lang.parse import parse_text
+from zdsl.lang.parse import read_source
+from zdsl.schedule import (ALL_OVERLAPS, DEVICES, MACHINE_MAY_BE_ZERO, MACHINE_OPTIONS, PRECISIONS,
+                       CheckpointSpec, DataSpec, MachineProfile, ModelSpec, OptimizerSpec, Schedule, Span, TrainSpec)
+from zdsl.compile.units import GPT_DEFAULTS
+from zdsl.compile.units import UnitSpec
+from zdsl.compile.units import gpt_units
+from zdsl.check.values import Reader
+from zdsl.check.values import describe
+
+UnitsFor = Callable[[ModelSpec], list[UnitSpec]]
+
+OPTIMIZERS = {
+    "adamw": ("lr", "betas", "eps", "weight_decay", "clip"),
+    "adam": ("lr", "betas", "eps", "weight_decay", "clip"),
+    "sgd": ("lr", "momentum", "weight_decay", "clip"),
+}
+# ``machine cpu(...)`` option -> MachineProfile field.
+MACHINE_FIELDS = dict(MACHINE_OPTIONS)
+CUDA_PROFILE = MachineProfile(name="cuda", flops=2e14, host_flops=5e10, link_bandwidth=1e11,
+                              link_latency=1e-5, pcie_bandwidth=2.5e10, disk_read=3e9,
+                              disk_write=2e9, memory_bandwidth=2e12, comm_slots=1)
+CPU_PROFILE = MachineProfile()
+MAX_RANKS = 1 << 16
+STATEMENT_ORDER = ("schedule", "model", "data", "train", "optimizer", "ranks", "machine", "zero",
+                   "shard", "offload", "prefetch", "bucket", "overlap", "recompute", "persist",
+                   "memory", "checkpoint")
+
+
+def default_units_for(spec: ModelSpec) -> list[UnitSpec] | None:
+    """Built-in models are sized here; a user's model needs the runtime, so None."""
+    if spec.kind == "gpt":
+        return gpt_units(**{**GPT_DEFAULTS, **spec.args})
+    return None
+
+
+def load_schedule(path: str, overrides: dict[str, str] | None = None,
+                  units_for: UnitsFor | None = None) -> tuple[Schedule, list[Diagnostic]]:
+    """Read, parse and check the .zs file at ``path``.
+
+    Returns the schedule and its warnings; raises :class:`ZsError` (or its
+    subclass :class:`~zdsl.lang.errors.UsageError` for a bad override key) with
+    every error found.
+    """
+    return _guarded(lambda: check_text(read_source(path), path, overrides, units_for))
+
+
+def check_text(text: str, file: str = "<string>", overrides: dict[str, str] | None = None,
+               units_for: UnitsFor | None = None) -> tuple[Schedule, list[Diagnostic]]:
+    """Parse and check schedule ``text`` as if read from ``file``."""
+    def run():
+        program = parse_text(text, file)
+        return Checker(units_for).check(program, overrides or {})
+    return _guarded(run)
+
+
+def _guarded(run):
+    """Last line of defence: any Python exception becomes a diagnostic, never a traceback."""
+    try:
+        return run()
+    except ZsError:
+        raise
+    except RecursionError:
+        raise ZsError([error(None, "schedule is nested too deeply")]) from None
+    except Exception as exc:   # noqa: BLE001 - a bug, but still reported in our format
+        raise ZsError([error(None, f"internal error: {type(exc).__name__}: {exc}",
+                             hint="please report this with the schedule that caused it")]) from None
+
+
+class Checker(PlacementChecks):
+    def __init__(self, units_for: UnitsFor | None = None):
+        self.units_for = units_for
+        self.r = Reader()
+        self.sources: dict[str, str] = {}
+        self.units: list[UnitSpec] | None = None
+
+    # -- driver ----------------------------------------------------------------
+
+    def check(self, program: ast.Program, overrides: dict[str, str]):
+        self.sources[program.file] = program.source
+        try:
+            statements = expand_includes(program, self.sources)
+            statements = apply_overrides(statements, overrides, self.sources)
+        except ZsError as exc:
+            attach_sources(exc.diagnostics, self.sources)
+            raise
+        self.file = program.file
+        name = re.sub(r"\W", "_", Path(program.file).stem) if not program.file.startswith("<") \
+            else "schedule"
+        if not name.isidentifier():
+            name = "_" + name
+        self.s = Schedule(name=name, file=program.file)
+        self.s.overlap = set(ALL_OVERLAPS)
+        by_key = self._index(statements)
+        for keyword in STATEMENT_ORDER:
+            for stmt in by_key.get(keyword, []):
+                getattr(self, f"_{keyword}")(stmt)
+        if "model" not in by_key:
+            self.r.error(Span(program.file, 1, 1), "the schedule has no model statement",
+                         hint="add e.g. `model gpt(layers=2, width=64, heads=4)`")
+        self._cross_checks(by_key)
+        pipelines = by_key.get("pipeline", [])
+        for stmt in pipelines:
+            check_pipeline(self, stmt)
+        if pipelines:
+            check_pipelines_complete(self, pipelines)
+        diagnostics = self.r.diagnostics
+        attach_sources(diagnostics, self.sources)
+        if self.r.failed:
+            raise ZsError(_in_reading_order(diagnostics, program.file))
+        return self.s, _in_reading_order([d for d in diagnostics if d.severity != NOTE],
+                                         program.file)
+
+    def _index(self, statements: list[ast.Stmt]) -> dict[str, list[ast.Stmt]]:
+        """Statements by keyword; a statement given twice is an error at the repeat, with a
+        note at the first (once, however often it is repeated)."""
+        by_key: dict[str, list[ast.Stmt]] = {}
+        seen: dict[str, ast.Stmt] = {}
+        noted: set[str] = set()
+        for stmt in statements:
+            group = "pipeline" if isinstance(stmt, ast.PipelineStmt) else stmt.keyword
+            key = stmt.keyword
+            if isinstance(stmt, ast.OffloadStmt):
+                key = f"offload.{stmt.state.value}"
+            elif key == "shard":
+                key = "zero"
+            elif isinstance(stmt, ast.PipelineStmt):
+                key = f"pipeline.{stmt.keyword}"
+            if key in seen and key != "memory":
+                first = seen[key]
+                what = "sharding" if key == "zero" else \
+                    f"the {stmt.keyword} pipeline" if group == "pipeline" else f"`{key}`"
+                self.r.error(stmt.key_span, f"{what} is set twice",
+                             hint=f"the first is at {_where(first.key_span)}; keep one")
+                if key not in noted:
+                    noted.add(key)
+                    self.r.diagnostics.append(note(first.key_span, f"{what} first set here"))
+                continue
+            seen[key] = stmt
+            by_key.setdefault(group, []).append(stmt)
+        return by_key
+
+    def span(self, key: str, span: Span) -> None:
+        self.s.spans.setdefault(key, span)
+
+    # -- statements --------------------------------------------------------------
+
+    def _schedule(self, st: ast.ScheduleStmt) -> None:
+        self.s.name = st.name.value
+        self.s.description = st.description.value if st.description else ""
+        self.span("schedule", st.span)
+
+    def _model(self, st: ast.CallStmt) -> None:
+        self.span("model", st.span)
+        self._errors_before_model = sum(d.is_error for d in self.r.diagnostics)
+        call = st.call
+        if isinstance(call.callee, ast.Name):
+            if call.callee.value != "gpt":
+                self.r.error(call.callee.span, f"unknown model {call.callee.value!r}",
+                             hint=did_you_mean(call.callee.value, ["gpt"]) or
+                             'built-in: gpt(...); your own: "file.py:build"(...)')
+                return
+            self.s.model = ModelSpec("gpt", self._gpt_args(call))
+            if sum(d.is_error for d in self.r.diagnostics) > self._errors_before_model:
+                return
+        else:
+            factory = self._factory(call.callee)
+            if factory is None:
+                return
+            args = {}
+            for arg in call.args:
+                if arg.key is None:
+                    self.r.error(arg.span, "a model factory takes key=value arguments",
+                                 hint="write name=value")
+                    continue
+                if arg.key.value in args:
+                    self.r.error(arg.key.span, f"{arg.key.value} is set twice")
+                    continue
+                args[arg.key.value] = self.r.python(arg.value)
+            self.s.model = ModelSpec("user", args, factory)
+        self._size_model(st)
+
+    def _gpt_args(self, call: ast.Call) -> dict:
+        given = self.r.keywords(call.args, tuple(GPT_DEFAULTS), "gpt()")
+        args = dict(GPT_DEFAULTS)
+        limits = {"layers": 100_000, "width": 1 << 20, "heads": 1 << 12, "vocab": 1 << 24,
+                  "context": 1 << 24}
+        for key, arg in given.items():
+            value = self.r.integer(arg.value, f"gpt({key}=)", 1, limits[key])
+            if value is not None:
+                args[key] = value
+                self.span(f"model.{key}", arg.span)
+        if args["width"] % args["heads"]:
+            at = given.get("heads") or given.get("width")
+            self.r.error(at.value.span if at else call.span,
+                         f"heads ({args['heads']}) must divide width ({args['width']})",
+                         hint=f"e.g. width={args['heads'] * max(1, args['width'] // args['heads'])}")
+        return args
+
+    def _factory(self, callee: ast.Str) -> str | None:
+        text = callee.value
+        target, sep, func = text.rpartition(":")
+        if not sep or not target or not func.isidentifier():
+            self.r.error(callee.span, f"model factory {text!r} must be \"file.py:function\" "
+                                      "or \"package.module:function\"",
+                         hint='e.g. model "my_model.py:build"(hidden=64)')
+            return None
+        if target.endswith(".py"):
+            path = Path(resolve_relative(target, callee.span.file))
+            if not path_exists(path, "file"):
+                self.r.error(callee.span, f"model file not found: {path}",
+                             hint="a model file's path is relative to the schedule file")
+                return None
+            return f"{path.resolve()}:{func}"
+        if not all(part.isidentifier() for part in target.split(".")):
+            self.r.error(callee.span, f"{target!r} is neither a .py file nor a module name")
+            return None
+        return text
+
+    def _size_model(self, st: ast.CallStmt) -> None:
+        """The model's units, for the checks that need them (None if unknown)."""
+        if sum(d.is_error for d in self.r.diagnostics) > self._errors_before_model:
+            return
+        try:
+            units = (self.units_for or default_units_for)(self.s.model)
+        except ZsError:
+            raise
+        except Exception as exc:   # noqa: BLE001 - a user's factory may raise anything
+            self.r.error(st.call.callee.span, f"cannot size the model: {type(exc).__name__}: {exc}")
+            return
+        if units is not None and not units:
+            self.r.error(st.call.span, "the model has no units")
+            return
+        self.units = list(units) if units is not None else None
+
+    def _data(self, st: ast.CallStmt) -> None:
+        self.span("data", st.span)
+        call = st.call
+        kind = self.r.choice(call.callee, "data source", ("corpus", "synthetic")) \
+            if isinstance(call.callee, ast.Name) else None
+        if kind is None:
+            if isinstance(call.callee, ast.Str):
+                self.r.error(call.callee.span, "data is corpus(...) or synthetic(...)",
+                             hint=f'write corpus("{call.callee.value}")')
+            return
+        positional = [a for a in call.args if a.key is None]
+        keyword = [a for a in call.args if a.key is not None]
+        source = None
+        if kind == "corpus":
+            if not positional:
+                self.r.error(call.span, "corpus needs a source", hint='corpus("stdlib", context=64)')
+                return
+            source = self.r.string(positional[0].value, "the corpus")
+            if source is not None and source != "stdlib":
+                source = self._corpus_path(source, positional[0].value.span)
+            positional = positional[1:]
+        for extra in positional:
+            self.r.error(extra.span, f"{kind} takes key=value settings here")
+        allowed = ("context",) if kind == "corpus" else ("context", "vocab")
+        given = self.r.keywords(keyword, allowed, f"{kind}()")
+        args = {}
+        for key, arg in given.items():
+            value = self.r.integer(arg.value, f"{kind}({key}=)", 1, 1 << 24)
+            if value is not None:
+                args[key] = value
+                self.span(f"data.{key}", arg.span)
+        self.s.data = DataSpec(kind, source, args)
+
+    def _corpus_path(self, source: str, span: Span) -> str | None:
+        here = Path(resolve_relative(source, span.file))
+        for candidate in (here, Path(source)):
+            if path_exists(candidate):
+                return str(candidate.resolve())
+        self.r.error(span, f"corpus not found: {source}",
+                     hint='a path relative to the schedule file, or "stdlib"')
+        return None
+
+    def _train(self, st: ast.TrainStmt) -> None:
+        self.span("train", st.span)
+        given = self.r.keywords(st.args, ("steps", "batch", "accumulate", "precision", "seed"),
+                                "train")
+        t = TrainSpec()
+        ranges = {"steps": (1, 10 ** 9), "batch": (1, 10 ** 6), "accumulate": (1, 10 ** 6),
+                  "seed": (0, 2 ** 63 - 1)}
+        for key, arg in given.items():
+            self.span(f"train.{key}", arg.span)
+            if key == "precision":
+                value = self.r.choice(arg.value, "precision", PRECISIONS)
+            else:
+                value = self.r.integer(arg.value, key, *ranges[key])
+            if value is not None:
+                setattr(t, key, value)
+        self.s.train = t
+
+    def _optimizer(self, st: ast.CallStmt) -> None:
+        self.span("optimizer", st.span)
+        call = st.call
+        kind = self.r.choice(call.callee, "optimizer", tuple(OPTIMIZERS))
+        if kind is None:
+            return
+        given = self.r.keywords(call.args, OPTIMIZERS[kind], f"{kind}()")
+        o = OptimizerSpec(kind=kind)
+        for key, arg in given.items():
+            self.span(f"optimizer.{key}", arg.span)
+            v = arg.value
+            if key == "lr":
+                value = self.r.real(v, "lr", 0.0, None, lo_open=True)
+            elif key == "eps":
+                value = self.r.real(v, "eps", 0.0, None, lo_open=True)
+            elif key == "weight_decay":
+                value = self.r.real(v, "weight_decay", 0.0, None)
+            elif key == "momentum":
+                value = self.r.real(v, "momentum", 0.0, 1.0, hi_open=True)
+            elif key == "clip":
+                if isinstance(v, ast.Name) and v.value == "none":
+                    continue
+                value = self.r.real(v, "clip", 0.0, None, lo_open=True)
+            else:   # betas
+                value = self._betas(v)
+            if value is not None:
+                setattr(o, key, value)
+        self.s.optimizer = o
+
+    def _betas(self, v) -> tuple[float, float] | None:
+        if not isinstance(v, ast.Tuple) or len(v.items) != 2:
+            self.r.error(v.span, f"betas must be two numbers, not {describe(v)}",
+                         hint="betas=(0.9, 0.999)")
+            return None
+        b = [self.r.real(x, "a beta", 0.0, 1.0, hi_open=True) for x in v.items]
+        return None if None in b else (b[0], b[1])
+
+    def _ranks(self, st: ast.RanksStmt) -> None:
+        self.span("ranks", st.span)
+        n = self.r.integer(st.count, "ranks", 1, MAX_RANKS)
+        if n is not None:
+            self.s.ranks = n
+        if st.device is not None:
+            device = self.r.choice(st.device, "device", DEVICES)
+            if device is not None:
+                self.s.device = device
+                self.span("device", st.device.span)
+
+    def _machine(self, st: ast.CallStmt) -> None:
+        self.span("machine", st.span)
+        call = st.call
+        base = self.r.choice(call.callee, "machine", ("cpu", "cuda"))
+        if base is None:
+            return
+        profile = MachineProfile(**{**vars(CUDA_PROFILE if base == "cuda" else CPU_PROFILE)})
+        given = self.r.keywords(call.args, MACHINE_KEYS, f"machine {base}")
+        for key, arg in given.items():
+            # rates must be > 0; a fixed cost per op may be 0, cores 0 turns sharing off, and
+            # the per-collective and host rates 0 mean "derived from the others"
+            if key == "comm_slots":     # a count of the backend's threads, not a rate
+                value = self.r.integer(arg.value, key, 1, 1024)
+            elif key == "comm_under_load":  # a share of a collective's rate
+                value = self.r.real(arg.value, key, 0.0, 1.0)
+            else:
+                value = self.r.real(arg.value, key, 0.0, None, lo_open=key not in MACHINE_MAY_BE_ZERO)
+            if value is not None:
+                setattr(profile, MACHINE_FIELDS[key], value)
+                self.span(f"machine.{key}", arg.span)
+        self.s.machine = profile
+
+    def _checkpoint(self, st: ast.CheckpointStmt) -> None:
+        self.span("checkpoint", st.span)
+        every = self.r.integer(st.every, "checkpoint interval", 1, 10 ** 9)
+        directory = self.r.string(st.dir, "the checkpoint folder")
+        keep = 0 if st.keep is None else self.r.integer(st.keep, "keep", 0, 10 ** 6)
+        if None not in (every, directory, keep):
+            self.s.checkpoint = CheckpointSpec(every, directory, keep)
+
+    # -- rules across statements -----------------------------------------------
+
+    def _user_model_data(self) -> None:
+        """zdsl cannot see a user model's context or vocab, so the data must state them."""
+        data, spans = self.s.data, self.s.spans
+        needed = ("context",) if data.kind == "corpus" else ("context", "vocab")
+        missing = [k for k in needed if k not in data.args]
+        if missing:
+            at = spans.get("data") or spans["model"]
+            example = 'corpus("stdlib", context=64)' if data.kind == "corpus" \
+                else "synthetic(vocab=256, context=64)"
+            self.r.error(at, f"with your own model the data must give its {' and '.join(missing)}",
+                         hint=f"data {example}")
+
+    def _cross_checks(self, by_key) -> None:
+        s = self.s
+        if "machine" not in by_key and s.device == "cuda":
+            s.machine = MachineProfile(**vars(CUDA_PROFILE))
+        model = s.model
+        if model.kind == "gpt" and self.units is not None:
+            data = s.data
+            ctx, vocab = model.args.get("context"), model.args.get("vocab")
+            data.args.setdefault("context", ctx)
+            if data.kind == "synthetic":
+                data.args.setdefault("vocab", vocab)
+            at = self.s.spans.get("data.context") or self.s.spans.get("data")
+            if data.args["context"] > ctx:
+                self.r.error(at, f"data context {data.args['context']} is longer than the "
+                                 f"model's context {ctx}",
+                             hint=f"model gpt(context={data.args['context']}) or a shorter data context")
+            if data.kind == "synthetic" and data.args["vocab"] > vocab:
+                self.r.error(self.s.spans.get("data.vocab") or at,
+                             f"data vocab {data.args['vocab']} is larger than the model's vocab {vocab}")
+            if data.kind == "corpus" and vocab < 256:
+                self.r.error(self.s.spans.get("model.vocab") or self.s.spans.get("model"),
+                             f"corpus data is byte-level (256 tokens) but the model's vocab is {vocab}",
+                             hint="model gpt(vocab=256)")
+        if model.kind == "user" and "model" in s.spans:
+            self._user_model_data()
+        if s.persist_below and s.stage < 3 and "persist" in s.spans:
+            self.r.warn(s.spans["persist"], "persist has an effect only with zero 3 "
+                                            "(parameters are not sharded here)")
+        if "prefetch" in s.spans and s.stage < 3 and s.placed("optimizer").tier != "nvme" \
+                and s.prefetch > 1:
+            self.r.warn(s.spans["prefetch"], "prefetch has no effect here: parameters are "
+                                             "gathered only at zero 3",
+                        hint="add `zero 3`, or remove prefetch")
+
+
+def _in_reading_order(diagnostics: list[Diagnostic], main_file: str) -> list[Diagnostic]:
+    """Errors first, each kind top to bottom (the main file before included ones and
+    overrides); a note stays right after the error it explains."""
+    keyed, last = [], (0, (0, 0, 0), 0)
+    for i, d in enumerate(diagnostics):
+        if d.severity == NOTE:
+            keyed.append((last + (1,), d))
+            continue
+        s = d.span
+        where = (False, 0, 0) if s is None else (s.file != main_file, s.line, s.column)
+        last = (0 if d.is_error else 1, where, i)
+        keyed.append((last + (0,), d))
+    return [d for _, d in sorted(keyed, key=lambda kd: kd[0])]
+
+
+def _where(span: Span) -> str:
+    return f"{span.file}:{span.line}:{span.column}"

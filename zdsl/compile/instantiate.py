@@ -1,0 +1,669 @@
+"""Pipelines to a task graph: instantiate every template for every unit.
+
+Rules (the language reference repeats them for users):
+
+* **Issue order.** Per micro-batch, the forward template runs for units in
+  order 0..L-1 and the backward template for L-1..0; the step template runs
+  for L-1..0 woven into the last micro-batch's backward, each unit ``lag``
+  units behind its backward (see ``run_backward_and_step``), or after it
+  where clipping or fp16 needs every gradient first. Statement order inside
+  a template is issue order.
+* **Index arithmetic is clipped at the model's ends.** A statement whose
+  unit lies ``e`` positions *ahead* in phase order also covers the units it
+  would never reach, at the first iteration (a prologue); one that lies
+  behind covers the rest after the last iteration (an epilogue).
+* **A statement that does not apply is dropped**: a copy or nvme access for
+  a unit whose state does not live there (partial offload), a gather of
+  parameters already gathered and not since updated, a free of model state,
+  a reduction of full gradients before the last micro-batch at stages 0-1
+  (where full gradients accumulate locally, as under DDP's ``no_sync``).
+* **Dependencies are derived** from the buffers each op reads and writes
+  (read after write, write after read, write after write); ``free`` counts
+  as a write.
+* **Frees.** An explicit ``free`` runs on the lane that produced the buffer,
+  so that lane cannot run ahead of its consumers (this is what bounds
+  prefetch memory, like a buffer pool). A working buffer that no statement
+  frees is freed right after its last use, on that use's lane.
+* **Overlap policy.** A ``verb/phase`` pair missing from ``overlap`` puts
+  those ops and the phase's compute in one chain (through a zero-byte
+  ``token`` buffer), so they never run at the same time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zdsl.ir import OP_LANES
+
+from zdsl.ir import Buffer
+
+from zdsl.ir import Op
+
+from zdsl.ir import TaskGraph
+
+from zdsl.ir import UnitInfo
+
+from zdsl.ir import buffer_name
+
+from zdsl.ir import parse_buffer_name
+from zdsl.compile.layout import flat_layout
+from zdsl.compile.lower import lower_policies
+from zdsl.schedule import Pipeline
+from zdsl.schedule import PipeStmt
+from zdsl.schedule import Schedule
+from zdsl.compile.units import UnitSpec
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TIER_OF = {"device": "device", "cpu": "host", "host": "host", "nvme": "nvme"}
+
+
+class LoweringError(Exception):
+    """A pipeline statement that cannot be instantiated; carries its span."""
+
+    def __init__(self, message: str, stmt: PipeStmt | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.span = stmt.span if stmt is not None else None
+        self.hint = hint
+
+
+def optimizer_bytes_per_param(kind: str, momentum: float, master: bool) -> int:
+    """fp32 bytes of optimizer state per parameter: moments, plus a master copy."""
+    moments = {"adamw": 8, "adam": 8}.get(kind, 4 if momentum else 0)
+    return moments + (4 if master else 0)
+
+
+@dataclass
+class _Draft:
+    kind: str
+    lane: str
+    unit: int | None
+    reads: list[str]
+    writes: list[str]
+    phase: str
+    micro: int
+    bytes: int = 0
+    flops: float = 0.0
+    kernels: int = 0
+    part: int = 0
+    parts: int = 1
+    accumulate: bool = False
+    span: tuple[int, int] | None = None
+    fresh: set[str] = field(default_factory=set)   # writes that start a new instance of the buffer
+
+
+class _Builder:
+    def __init__(self, schedule: Schedule, units: list[UnitSpec]):
+        self.s = schedule
+        self.specs = units
+        self.L = len(units)
+        self.N = schedule.ranks
+        self.precision = schedule.train.precision
+        self.b = DTYPE_BYTES[self.precision]
+        self.batch = schedule.train.batch
+        bucket_elems = schedule.bucket_bytes // self.b if schedule.bucket_bytes else 0
+        self.layouts = [flat_layout(u.numel, self.N, bucket_elems) for u in units]
+        self.tiers = {st: self._unit_tiers(st) for st in ("parameters", "gradients", "optimizer")}
+        self.drafts: list[_Draft] = []
+        self.buffers: dict[str, Buffer] = {}
+        self.live: set[str] = set()
+        self.stale: set[str] = set()
+        self.producer_lane: dict[str, str] = {}
+        self.waiting_users: dict[int, set[int]] = {}   # unit -> tied users gathered but not yet computed
+        self.clip = schedule.optimizer.clip is not None or self.precision == "fp16"
+        self.recompute = set(schedule.recompute)
+        self.persist = {i for i, u in enumerate(units)
+                        if schedule.stage == 3 and schedule.persist_below and u.numel < schedule.persist_below}
+
+    # -- placement -------------------------------------------------------------
+    def _unit_tiers(self, state: str) -> list[str]:
+        """Home tier of ``state`` for each unit; ``ratio`` offloads the last units."""
+        p = self.s.placed(state)
+        tier = TIER_OF[p.tier]
+        if tier == "device":
+            return ["device"] * self.L
+        offloaded = max(1, round(p.ratio * self.L)) if p.ratio < 1 else self.L
+        return ["device" if i < self.L - offloaded else tier for i in range(self.L)]
+
+    def optim_tier(self, u: int) -> str:
+        return self.tiers["optimizer"][u]
+
+    def param_tier(self, u: int) -> str:
+        return self.tiers["parameters"][u] if self.s.stage == 3 else "device"
+
+    def grad_home(self, u: int) -> str:
+        """Where a unit's gradient shard accumulates (stages 2-3)."""
+        off = self.tiers["gradients"][u] != "device" or self.optim_tier(u) != "device"
+        return "host" if off else "device"
+
+    def has_master(self, u: int) -> bool:
+        """An fp32 master copy lives with the optimizer state: in mixed precision, and whenever the
+        optimizer or the parameters are off the device (the step then never reads the shard)."""
+        return self.precision != "fp32" or self.optim_tier(u) != "device" or self.param_tier(u) != "device"
+
+    # -- buffers ---------------------------------------------------------------
+    def home_param(self, u: int) -> str:
+        if self.s.stage < 3:
+            return buffer_name("param_full", u)
+        t = self.param_tier(u)
+        return buffer_name("param_shard", u, None if t == "device" else t)
+
+    def home_grad(self, u: int) -> str | None:
+        if self.s.stage < 2:
+            return buffer_name("grad_full", u)
+        t = self.grad_home(u)
+        return buffer_name("grad_shard", u, None if t == "device" else t)
+
+    def home_optim(self, u: int) -> str:
+        t = self.optim_tier(u)
+        return buffer_name("optim", u, None if t == "device" else t)
+
+    def persistent_names(self) -> list[str]:
+        out = []
+        for u in range(self.L):
+            out.append(self.home_param(u))
+            out.append(self.home_grad(u))
+            out.append(self.home_optim(u))
+        return out + ["loss"] + (["norm"] if self.clip else [])
+
+    def buffer(self, name: str) -> Buffer:
+        if name in self.buffers:
+            return self.buffers[name]
+        kind, u, suffix = parse_buffer_name(name)
+        tier = suffix or "device"
+        lay = self.layouts[u] if u is not None else None
+        spec = self.specs[u] if u is not None else None
+        b, dtype = self.b, self.precision
+        if kind in ("param_full", "grad_full"):
+            nbytes = lay.padded_numel * b
+        elif kind in ("param_shard", "grad_shard"):
+            nbytes = lay.shard_numel * b
+        elif kind == "optim":
+            numel = lay.padded_numel if self.s.stage == 0 else lay.shard_numel
+            o = self.s.optimizer
+            nbytes = numel * optimizer_bytes_per_param(o.kind, o.momentum, self.has_master(u))
+            dtype = "fp32"
+        elif kind == "act":
+            elems = spec.input_elems_per_seq + (0 if u in self.recompute else spec.act_elems_per_seq)
+            nbytes = self.batch * elems * b
+        elif kind == "act_inner":
+            nbytes = self.batch * spec.act_elems_per_seq * b
+        elif kind == "act_grad":
+            nbytes = self.batch * spec.input_elems_per_seq * b
+        elif kind in ("norm", "loss"):
+            nbytes, dtype = 4, "fp32"
+        else:  # token
+            nbytes = 0
+        buf = Buffer(name, kind, u, tier, nbytes, persistent=name in self._persistent, dtype=dtype)
+        self.buffers[name] = buf
+        return buf
+
+    # -- emission --------------------------------------------------------------
+    def emit(self, d: _Draft) -> None:
+        for name in d.reads + d.writes:
+            self.buffer(name)
+        for name in d.writes:
+            if d.kind == "mem.free":
+                self.live.discard(name)
+                continue
+            if name not in self.live and not self.buffers[name].persistent:
+                self.producer_lane[name] = d.lane
+            self.live.add(name)
+            if d.kind == "comm.all_gather":
+                self.stale.discard(name)
+        self.drafts.append(d)
+
+    def is_valid(self, name: str) -> bool:
+        """Holds data now: persistent model state, or a live working buffer."""
+        return name in self._persistent or name in self.live
+
+    def d(self, kind, unit, reads, writes, phase, micro, stmt, lane=None, **kw) -> _Draft:
+        span = (stmt.span.line, stmt.span.column) if stmt is not None and stmt.span else None
+        return _Draft(kind, lane or OP_LANES[kind], unit, list(reads), list(writes), phase, micro,
+                      span=span, **kw)
+
+    def collective(self, kind, u, reads, writes, phase, micro, stmt, part_bytes, accumulate=False):
+        lay = self.layouts[u]
+        for p in range(lay.parts):
+            self.emit(self.d(kind, u, reads, writes, phase, micro, stmt, bytes=part_bytes,
+                             part=p, parts=lay.parts, accumulate=accumulate))
+
+    def gather(self, u: int, phase: str, micro: int, stmt: PipeStmt) -> None:
+        full = buffer_name("param_full", u)
+        if self.s.stage == 0:
+            return
+        if self.s.stage == 3:
+            if not (self.is_valid(full) and full not in self.stale):
+                src = self.device_shard(u, phase, micro, stmt)
+                self.collective("comm.all_gather", u, [src], [full], phase, micro, stmt,
+                                self.layouts[u].part_numel * self.b)
+                self.consume(src, phase, micro)
+            for j in self.specs[u].uses:
+                self.gather(j, phase, micro, stmt)
+                self.waiting_users.setdefault(j, set()).add(u)
+            return
+        src = buffer_name("param_shard", u)   # stages 1-2: the shard a step just updated
+        if src in self.live:
+            self.collective("comm.all_gather", u, [src], [full], phase, micro, stmt,
+                            self.layouts[u].part_numel * self.b)
+            self.consume(src, phase, micro)
+
+    def device_shard(self, u: int, phase: str, micro: int, stmt: PipeStmt) -> str:
+        """The device copy of a unit's parameter shard, fetched now if no statement brought it
+        (a tied unit gathered for its user, or a template that omits the read or copy)."""
+        dev, host = buffer_name("param_shard", u), buffer_name("param_shard", u, "host")
+        tier = self.param_tier(u)
+        if tier == "device" or self.is_valid(dev):
+            return dev
+        if tier == "nvme" and not self.is_valid(host):
+            self.emit(self.d("nvme.read", u, [buffer_name("param_shard", u, "nvme")], [host], phase, micro, stmt,
+                             bytes=self.layouts[u].shard_numel * self.b, fresh={host}))
+        self.emit(self.d("copy.h2d", u, [host], [dev], phase, micro, stmt,
+                         bytes=self.layouts[u].shard_numel * self.b, fresh={dev}))
+        if tier == "nvme":
+            self.consume(host, phase, micro)
+        return dev
+
+    def consume(self, name: str, phase: str, micro: int) -> None:
+        """A staging copy of a shard is used up by the copy or collective that reads it."""
+        self.free(name, phase, micro, None)
+
+    def free(self, name: str, phase: str, micro: int, stmt: PipeStmt) -> None:
+        if name in self._persistent or name not in self.live:
+            return
+        kind, u, _ = parse_buffer_name(name)
+        if kind == "param_full" and self.waiting_users.get(u):
+            return   # a tied user gathered it ahead and has not computed yet: its last use frees it
+        lane = self.producer_lane.get(name, "compute")
+        self.emit(self.d("mem.free", self.buffers[name].unit, [], [name], phase, micro, stmt, lane=lane))
+
+    def run_stmt(self, st: PipeStmt, u: int, phase: str, micro: int) -> None:
+        verb, state = st.verb, st.ref.state
+        L, last_micro = self.L, micro == self.s.train.accumulate - 1
+        stage = self.s.stage
+        if verb == "compute":
+            self.compute(u, phase, micro, st)
+        elif verb == "recompute":
+            if u in self.recompute and phase == "backward":
+                reads = [buffer_name("act", u), *self.param_reads(u)]
+                self.emit(self.d("compute.recompute", u, reads, [buffer_name("act_inner", u)], phase, micro, st,
+                                 flops=self.specs[u].fwd_flops_per_seq * self.batch,
+                                 kernels=self.specs[u].fwd_kernels, fresh={buffer_name("act_inner", u)}))
+        elif verb == "step":
+            self.step(u, micro, st)
+        elif verb == "gather":
+            self._need(state, "parameters", st)
+            self.gather(u, phase, micro, st)
+        elif verb == "free":
+            target = {"parameters": "param_full", "gradients": "grad_full",
+                      "activations": "act", "optimizer": "optim"}.get(state)
+            if target is None:
+                raise LoweringError(f"cannot free {state}", st)
+            if target == "param_full" and phase == "forward" and u in self.persist:
+                return   # persistent units stay gathered until their backward
+            self.free(buffer_name(target, u), phase, micro, st)
+        elif verb == "scatter":
+            self._need(state, "gradients", st)
+            if stage == 0:
+                raise LoweringError("scatter needs sharded gradients or optimizer state (zero 1 or more)", st,
+                                    "use `reduce gradients[u]` at zero 0")
+            if stage == 1 and not last_micro:
+                return
+            dst = buffer_name("grad_shard", u)
+            acc = stage >= 2 and micro > 0 and self.grad_home(u) == "device"
+            self.collective("comm.reduce_scatter", u, [buffer_name("grad_full", u)], [dst], phase, micro, st,
+                            self.layouts[u].part_numel * self.b, accumulate=acc)
+            if not acc:
+                self.drafts[-1].fresh.add(dst)
+        elif verb == "reduce":
+            self._need(state, "gradients", st)
+            if stage != 0:
+                raise LoweringError("reduce (all-reduce) keeps full gradients; it is for zero 0", st,
+                                    "use `scatter gradients[u]` when gradients are sharded")
+            if last_micro:
+                g = buffer_name("grad_full", u)
+                self.collective("comm.all_reduce", u, [g], [g], phase, micro, st,
+                                self.layouts[u].part_numel * self.b)
+        elif verb == "copy":
+            self.copy(state, u, st.tier, phase, micro, st)
+        elif verb in ("read", "write"):
+            self.nvme(verb, state, u, phase, micro, st)
+        else:
+            raise LoweringError(f"unknown statement {verb!r}", st)
+
+    def _need(self, state: str, want: str, st: PipeStmt) -> None:
+        if state != want:
+            raise LoweringError(f"`{st.verb}` acts on {want}, not {state}", st, f"write `{st.verb} {want}[u]`")
+
+    def param_reads(self, u: int) -> list[str]:
+        return [buffer_name("param_full", j) for j in (u, *self.specs[u].uses)]
+
+    def compute(self, u: int, phase: str, micro: int, st: PipeStmt) -> None:
+        spec, L = self.specs[u], self.L
+        for j in spec.uses:
+            self.waiting_users.get(j, set()).discard(u)
+        flops = spec.fwd_flops_per_seq * self.batch
+        if phase == "forward":
+            reads = ([buffer_name("act", u - 1)] if u > 0 else []) + self.param_reads(u)
+            writes = [buffer_name("act", u)] + (["loss"] if u == L - 1 else [])
+            self.emit(self.d("compute.forward", u, reads, writes, phase, micro, st, flops=flops,
+                             kernels=spec.fwd_kernels, fresh={buffer_name("act", u)}))
+        elif phase == "backward":
+            reads = [buffer_name("act", u)]
+            if u in self.recompute:
+                reads.append(buffer_name("act_inner", u))
+            if u < L - 1:
+                reads.append(buffer_name("act_grad", u + 1))
+            reads += self.param_reads(u)
+            grads = [buffer_name("grad_full", j) for j in (u, *spec.uses)]
+            writes = grads + ([buffer_name("act_grad", u)] if u > 0 else [])
+            # backward accumulates into full gradients, so it also reads them
+            self.emit(self.d("compute.backward", u, reads + [g for g in grads if self.is_valid(g)], writes,
+                             phase, micro, st, flops=2 * flops, kernels=spec.bwd_kernels,
+                             fresh={buffer_name("act_grad", u)} | {g for g in grads if not self.is_valid(g)}))
+        else:
+            raise LoweringError("`compute` belongs in a forward or backward template", st,
+                                "the step template uses `step u`")
+
+    def step(self, u: int, micro: int, st: PipeStmt) -> None:
+        stage = self.s.stage
+        on_host = st.tier == "cpu" and self.optim_tier(u) != "device"
+        sfx = "host" if on_host else None
+        grad = buffer_name("grad_full", u) if stage == 0 else buffer_name("grad_shard", u, sfx)
+        optim = self.home_optim(u)
+        if self.optim_tier(u) == "nvme":
+            optim = buffer_name("optim", u, "host")
+        reads = [grad, optim] + (["norm"] if self.clip else [])
+        writes = [optim]
+        if stage == 0:
+            dest = buffer_name("param_full", u)
+            reads.append(dest)
+        else:
+            dest = buffer_name("param_shard", u, sfx)
+            if not self.has_master(u):
+                reads.append(buffer_name("param_full", u) if stage < 3 else self.home_param(u))
+            self.stale.add(buffer_name("param_full", u))
+        writes.append(dest)
+        lay = self.layouts[u]
+        numel = lay.padded_numel if stage == 0 else lay.shard_numel
+        o = self.s.optimizer
+        state_bytes = numel * (optimizer_bytes_per_param(o.kind, o.momentum, self.has_master(u)) + 2 * self.b)
+        self.emit(self.d("compute.step", u, reads, writes, "step", micro, st,
+                         lane="host" if on_host else "compute", bytes=state_bytes, flops=12.0 * numel,
+                         fresh={dest} if dest not in self._persistent else set()))
+
+    def copy(self, state: str, u: int, to: str | None, phase: str, micro: int, st: PipeStmt) -> None:
+        if to not in ("host", "device"):
+            raise LoweringError("copy goes `to host` or `to device`", st)
+        stage, last_micro = self.s.stage, micro == self.s.train.accumulate - 1
+        if state == "parameters":
+            dev, host = buffer_name("param_shard", u), buffer_name("param_shard", u, "host")
+            if to == "device":
+                if stage == 3 and self.param_tier(u) == "device" and phase != "step":
+                    return
+                if not self.is_valid(host) or (dev in self.live and phase != "step"):
+                    return
+                self.emit(self.d("copy.h2d", u, [host], [dev], phase, micro, st,
+                                 bytes=self.layouts[u].shard_numel * self.b, fresh={dev}))
+                self.consume(host, phase, micro)
+            else:
+                if not self.is_valid(dev) or self.param_tier(u) == "device":
+                    return
+                self.emit(self.d("copy.d2h", u, [dev], [host], phase, micro, st,
+                                 bytes=self.layouts[u].shard_numel * self.b))
+        elif state == "gradients":
+            if to != "host" or (self.grad_home(u) == "device" and self.optim_tier(u) == "device"):
+                return
+            src = buffer_name("grad_full", u) if stage == 0 else buffer_name("grad_shard", u)
+            if not self.is_valid(src) or (stage < 2 and not last_micro):
+                return
+            if stage == 0:
+                raise LoweringError("gradients move to the host only when sharded (zero 1 or more)", st)
+            dst = buffer_name("grad_shard", u, "host")
+            acc = stage >= 2 and micro > 0
+            self.emit(self.d("copy.d2h", u, [src], [dst], phase, micro, st, accumulate=acc,
+                             bytes=self.layouts[u].shard_numel * self.b, fresh=set() if acc else {dst}))
+        elif state == "activations":
+            a, ah = buffer_name("act", u), buffer_name("act", u, "host")
+            kind, src, dst = ("copy.d2h", a, ah) if to == "host" else ("copy.h2d", ah, a)
+            if self.is_valid(src):
+                self.emit(self.d(kind, u, [src], [dst], phase, micro, st,
+                                 bytes=self.buffer(a).bytes, fresh={dst}))
+                self.free(src, phase, micro, None)
+        else:
+            raise LoweringError(f"cannot copy {state}", st)
+
+    def nvme(self, verb: str, state: str, u: int, phase: str, micro: int, st: PipeStmt) -> None:
+        if st.tier not in (None, "nvme"):
+            raise LoweringError(f"{verb} moves state {'from' if verb == 'read' else 'to'} nvme", st)
+        kind = {"parameters": "param_shard", "optimizer": "optim", "gradients": "grad_shard"}.get(state)
+        if kind is None:
+            raise LoweringError(f"cannot {verb} {state} on nvme", st)
+        home = {"param_shard": self.param_tier(u), "optim": self.optim_tier(u),
+                "grad_shard": self.tiers["gradients"][u]}[kind]
+        if home != "nvme":
+            return
+        on_disk, host = buffer_name(kind, u, "nvme"), buffer_name(kind, u, "host")
+        nbytes = self.buffer(on_disk).bytes
+        if verb == "read":
+            if host in self.live:
+                return
+            self.emit(self.d("nvme.read", u, [on_disk], [host], phase, micro, st, bytes=nbytes, fresh={host}))
+        else:
+            if host not in self.live:
+                return
+            self.emit(self.d("nvme.write", u, [host], [on_disk], phase, micro, st, bytes=nbytes))
+
+    # -- phases ----------------------------------------------------------------
+    def phase_slots(self, pipe: Pipeline, phase: str) -> list[list[tuple[PipeStmt, int]]]:
+        """What one phase emits, in order: one slot of (statement, unit) per position in the
+        phase's unit order, and a last slot for the statements that lag behind (epilogue)."""
+        order = self.order(phase)
+        direction = 1 if phase == "forward" else -1
+        L = self.L
+        slots: list[list[tuple[PipeStmt, int]]] = [[] for _ in range(L + 1)]
+        for i in range(L):
+            for st in pipe.body:
+                if st.ref.absolute is not None:
+                    if i == 0:
+                        slots[i].append((st, self._check_unit(st.ref.absolute, st)))
+                    continue
+                e = st.ref.offset * direction
+                targets = range(0, e + 1) if (e > 0 and i == 0) else [i + e]
+                for pos in targets:
+                    if 0 <= pos < L:
+                        slots[i].append((st, order[pos]))
+        for st in pipe.body:   # epilogue: statements that lag behind
+            if st.ref.absolute is None:
+                e = st.ref.offset * direction
+                if e < 0:
+                    for pos in range(L + e, L):
+                        if 0 <= pos < L:
+                            slots[L].append((st, order[pos]))
+        return slots
+
+    def order(self, phase: str) -> list[int]:
+        return list(range(self.L)) if phase == "forward" else list(range(self.L - 1, -1, -1))
+
+    def run_phase(self, pipe: Pipeline, phase: str, micro: int) -> None:
+        if phase == "step" and self.clip:
+            self.norm(micro)
+        for slot in self.phase_slots(pipe, phase):
+            for st, u in slot:
+                self.run_stmt(st, u, phase, micro)
+
+    def run_backward_and_step(self, backward: Pipeline, step: Pipeline, micro: int) -> None:
+        """The last backward with each unit's step woven in, ``lag`` units behind it.
+
+        Why: a unit's gradient is final once its backward (and reduction) is done, so its
+        step need not wait for the whole backward; with offloaded optimizer state the
+        reads, the host step and the writes then overlap the rest of the backward instead
+        of forming one serial tail (a trace of programs/nvme.zs: the NVMe lane idle for a
+        third of the backward, then every read, step and write in a row). The bits are
+        those of stepping after the backward: each unit's step reads its own gradient.
+        Only without clipping or fp16 loss scaling, whose global norm or overflow check
+        needs every gradient first (``self.clip``). A unit whose parameters another unit
+        uses (a tied weight) steps only after that unit's backward; ``lag`` keeps the
+        backward's own prefetches ahead of the step's writes on a shared lane.
+        """
+        order = self.order("backward")
+        pos = {u: i for i, u in enumerate(order)}
+        lag = max(1, self.s.prefetch)
+        bwd, stp = self.phase_slots(backward, "backward"), self.phase_slots(step, "step")
+        last_user = [pos[u] for u in range(self.L)]   # unit -> backward position of its last user
+        for v in range(self.L):
+            for x in self.specs[v].uses:
+                last_user[x] = max(last_user[x], pos[v])
+        # after which backward slot each step slot may go: its unit's last user, plus lag; kept
+        # in order so the step's own offsets (read optimizer[u-k]) stay as written
+        after, ready = [], 0
+        for i in range(self.L):
+            ready = max(ready, last_user[order[i]] + lag)
+            after.append(min(ready, self.L - 1))
+        j = 0
+        for i in range(self.L):
+            for st, u in bwd[i]:
+                self.run_stmt(st, u, "backward", micro)
+            while j < self.L and after[j] <= i:
+                for st, u in stp[j]:
+                    self.run_stmt(st, u, "step", micro)
+                j += 1
+        for st, u in bwd[self.L]:
+            self.run_stmt(st, u, "backward", micro)
+        for slot in stp[j:]:
+            for st, u in slot:
+                self.run_stmt(st, u, "step", micro)
+
+    def _check_unit(self, u: int, st: PipeStmt) -> int:
+        if not 0 <= u < self.L:
+            raise LoweringError(f"unit {u} does not exist (the model has units 0..{self.L - 1})", st)
+        return u
+
+    def norm(self, micro: int) -> None:
+        stage = self.s.stage
+        reads = []
+        for u in range(self.L):
+            if stage == 0:
+                reads.append(buffer_name("grad_full", u))
+            else:
+                on_host = self.optim_tier(u) != "device"
+                reads.append(buffer_name("grad_shard", u, "host" if on_host else None))
+        all_host = all(self.optim_tier(u) != "device" for u in range(self.L))
+        self.emit(self.d("compute.norm", None, reads, ["norm"], "step", micro, None,
+                         lane="host" if all_host else "compute", flops=2.0 * sum(l.shard_numel for l in self.layouts)))
+        if stage >= 1:
+            self.emit(self.d("comm.all_reduce", None, ["norm"], ["norm"], "step", micro, None, bytes=4))
+
+    def build(self, pipelines: dict[str, Pipeline]) -> TaskGraph:
+        self._persistent = set(self.persistent_names())
+        for name in self._persistent:
+            self.buffer(name)
+        last = self.s.train.accumulate - 1
+        for m in range(last + 1):
+            self.run_phase(pipelines["forward"], "forward", m)
+            if m == last and not self.clip and self.L > 1:
+                self.run_backward_and_step(pipelines["backward"], pipelines["step"], m)
+            else:
+                self.run_phase(pipelines["backward"], "backward", m)
+        if self.clip or self.L <= 1:
+            self.run_phase(pipelines["step"], "step", last)
+        self.apply_overlap_policy()
+        self.auto_free()
+        ops = self.finish()
+        return TaskGraph(
+            schedule=self.s.name, ranks=self.N, stage=self.s.stage, precision=self.precision,
+            accumulate=self.s.train.accumulate, units=self.unit_infos(), buffers=self.buffers, ops=ops,
+            config=self.s.to_config())
+
+    def apply_overlap_policy(self) -> None:
+        verbs = {"comm.all_gather": "gather", "comm.reduce_scatter": "scatter", "comm.all_reduce": "reduce",
+                 "nvme.read": "read", "nvme.write": "write", "copy.h2d": "copy", "copy.d2h": "copy"}
+        forbidden = {(v, p) for v in set(verbs.values()) for p in ("forward", "backward", "step")
+                     if f"{v}/{p}" not in self.s.overlap}
+        if not forbidden:
+            return
+        phases = {p for _, p in forbidden}
+        self.buffer("token")
+        for d in self.drafts:
+            chained = (verbs.get(d.kind), d.phase) in forbidden or (
+                d.kind.startswith("compute.") and d.phase in phases)
+            if chained:
+                d.reads.append("token")
+                d.writes.append("token")
+
+    def auto_free(self) -> None:
+        """Free each working buffer instance that no statement frees, right after its last use."""
+        out: list[_Draft] = []
+        last_use: dict[str, int] = {}       # buffer -> index in `out` of its current instance's last use
+        pending: dict[int, list[str]] = {}  # index in self.drafts -> buffers to free after it
+        live: dict[str, None] = {}          # insertion-ordered: the graph must not depend on hashing
+        # pass 1: find, for every instance, its last use
+        for i, d in enumerate(self.drafts):
+            for name in d.writes:
+                if self.buffers[name].persistent or name == "token":
+                    continue
+                if d.kind == "mem.free":
+                    live.pop(name, None)
+                    last_use.pop(name, None)
+                    continue
+                if name in live and name in d.fresh and name not in d.reads:
+                    # a fresh write over an instance nobody freed: free it after its last use
+                    j = last_use[name]
+                    pending.setdefault(j, []).append(name)
+                live[name] = None
+                last_use[name] = i
+            for name in d.reads:
+                if name in live:
+                    last_use[name] = i
+        for name in live:
+            pending.setdefault(last_use[name], []).append(name)
+        for i, d in enumerate(self.drafts):
+            out.append(d)
+            for name in pending.get(i, []):
+                out.append(_Draft("mem.free", d.lane, self.buffers[name].unit, [], [name], d.phase, d.micro))
+        self.drafts = out
+
+    def finish(self) -> list[Op]:
+        ops: list[Op] = []
+        last_write: dict[str, int] = {}
+        readers: dict[str, list[int]] = {}
+        for i, d in enumerate(self.drafts):
+            deps: set[int] = set()
+            for name in d.reads:
+                if name in last_write:
+                    deps.add(last_write[name])
+            for name in d.writes:
+                if name in last_write:
+                    deps.add(last_write[name])
+                deps.update(readers.get(name, ()))
+            for name in d.reads:
+                readers.setdefault(name, []).append(i)
+            for name in d.writes:
+                last_write[name] = i
+                readers[name] = []
+            deps.discard(i)
+            ops.append(Op(id=i, kind=d.kind, lane=d.lane, unit=d.unit, reads=d.reads, writes=d.writes,
+                          bytes=d.bytes, flops=d.flops, kernels=d.kernels, deps=sorted(deps), micro=d.micro,
+                          phase=d.phase, part=d.part, parts=d.parts, accumulate=d.accumulate, span=d.span))
+        return ops
+
+    def unit_infos(self) -> list[UnitInfo]:
+        infos = []
+        for i, (spec, lay) in enumerate(zip(self.specs, self.layouts)):
+            infos.append(UnitInfo(
+                index=i, name=spec.name, numel=spec.numel, padded_numel=lay.padded_numel,
+                shard_numel=lay.shard_numel, parts=lay.parts, uses=list(spec.uses),
+                recompute=i in self.recompute, persistent=i in self.persist,
+                act_bytes=self.batch * spec.act_elems_per_seq * self.b,
+                input_bytes=self.batch * spec.input_elems_per_seq * self.b,
+                fwd_flops=spec.fwd_flops_per_seq * self.batch))
+        return infos
+
+
+def compile_schedule(schedule: Schedule, units: list[UnitSpec]) -> TaskGraph:
+    """A checked schedule and its model's units to the task graph of one step."""
+    pipelines = lower_policies(schedule, units)
+    return _Builder(schedule, units).build(pipelines)
+
+
+def parameter_count(units: list[UnitSpec]) -> int:
+    return sum(u.numel for u in units)
+

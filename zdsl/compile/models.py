@@ -1,0 +1,51 @@
+"""Sizing a schedule's model as the compiler's list of units.
+
+The built-in GPT is sized analytically (no torch). A user's own model can only
+be sized by building it, which needs torch, so that path imports the runtime
+lazily: ``zdsl check``/``zdsl plan`` on built-in models never load torch.
+"""
+from __future__ import annotations
+
+from zdsl.schedule import ModelSpec
+
+from zdsl.schedule import Schedule
+from zdsl.compile.units import GPT_DEFAULTS
+from zdsl.compile.units import UnitSpec
+from zdsl.compile.units import gpt_units
+
+
+class ModelSizingError(Exception):
+    """The model could not be sized (unknown kind, bad arguments, user factory failed)."""
+
+
+def run_context(schedule: Schedule) -> int:
+    """Tokens per sequence the run trains on: the data's context, else the model's (a GPT's
+    ``context`` is only the size of its position table; the data may use fewer)."""
+    value = schedule.data.args.get("context") or schedule.model.args.get("context")
+    return int(value) if value else GPT_DEFAULTS["context"]
+
+
+def units_for(spec: ModelSpec, context: int | None = None) -> list[UnitSpec]:
+    """The ordered units of the model ``spec`` describes, with parameter shapes and the costs
+    of one sequence of ``context`` tokens (default: the model's own context, see run_context)."""
+    if spec.kind == "gpt":
+        unknown = sorted(set(spec.args) - set(GPT_DEFAULTS))
+        if unknown:
+            raise ModelSizingError(
+                f"gpt() has no argument {unknown[0]!r}; expected one of {', '.join(GPT_DEFAULTS)}")
+        args = {**GPT_DEFAULTS, **spec.args}
+        bad = [k for k, v in args.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if bad:
+            raise ModelSizingError(f"gpt({bad[0]}=...) must be a positive integer, got {args[bad[0]]!r}")
+        if args["width"] % args["heads"]:
+            raise ModelSizingError(
+                f"gpt(width={args['width']}) must be a multiple of heads={args['heads']}")
+        return gpt_units(**args, tokens=context)
+    if spec.kind == "user":
+        try:
+            from zdsl.runtime.models.sizing import units_for_user_model  # torch: only for user models
+        except ImportError as exc:
+            raise ModelSizingError(
+                f"sizing a user model needs the runtime (zdsl.runtime.models.sizing): {exc}") from exc
+        return units_for_user_model(spec, context)
+    raise ModelSizingError(f"unknown model kind {spec.kind!r}; expected gpt or a user factory")

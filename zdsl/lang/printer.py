@@ -1,0 +1,231 @@
+"""Schedule (+ pipelines) back to .zs text: what ``zdsl plan --lowered`` prints.
+
+The output is valid .zs that parses and checks to an equal schedule with the
+given pipelines (compare with :func:`without_spans`, since positions differ).
+Policy statements are printed where they still matter: settings that differ
+from their defaults, plus the model, data, training, optimizer and ranks,
+which a reader always wants to see. Numbers are printed exactly (``repr`` of
+floats, sizes with the largest unit that divides them) so nothing drifts in
+the round trip.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from zdsl.schedule import (ALL_OVERLAPS, MACHINE_OPTIONS, OVERLAP_VERBS, PHASES, STATES, OptimizerSpec,
+                       Pipeline, Placement, PipeStmt, Ref, Schedule)
+from zdsl.lang.sizes import format_size
+
+_PREPOSITIONS = {"read": "from", "write": "to", "copy": "to", "step": "on"}
+_UNIT_VERBS = ("compute", "recompute", "step")
+
+
+def print_schedule(schedule: Schedule, pipelines: dict[str, Pipeline] | None = None) -> str:
+    """.zs text for ``schedule`` followed by ``pipelines`` (default: its own)."""
+    if pipelines is None:
+        pipelines = schedule.pipelines
+    lines = _policies(schedule)
+    if pipelines:
+        lines.append("")
+        lines.append("# pipelines: statement order is issue order; dependencies are derived")
+        for phase in sorted(pipelines, key=lambda p: (PHASES + (p,)).index(p)):
+            lines += _pipeline(pipelines[phase])
+    return "\n".join(lines) + "\n"
+
+
+def without_spans(schedule: Schedule) -> Schedule:
+    """A copy with positions (spans, file) cleared, for comparing schedules."""
+    out = copy.deepcopy(schedule)
+    out.spans = {}
+    out.file = ""
+    for pipe in out.pipelines.values():
+        pipe.span = None
+        for stmt in pipe.body:
+            stmt.span = None
+    return out
+
+
+# -- values ---------------------------------------------------------------------
+
+def value_text(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return string_text(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(value_text(v) for v in value) + ")"
+    raise TypeError(f"cannot print {value!r} as a .zs value")
+
+
+def string_text(text: str) -> str:
+    escaped = (text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+               .replace("\t", "\\t").replace("\r", "\\r"))
+    return f'"{escaped}"'
+
+
+def _kwargs(items) -> str:
+    return ", ".join(f"{k}={v if isinstance(v, _Raw) else value_text(v)}" for k, v in items)
+
+
+class _Raw(str):
+    """Text printed as is (a name such as ``fp32``, a size such as ``1MiB``)."""
+
+
+# -- policies -------------------------------------------------------------------
+
+def _policies(s: Schedule) -> list[str]:
+    name = s.name if s.name.isidentifier() else "_" + "".join(
+        c if c.isalnum() else "_" for c in s.name)
+    out = [f"schedule {name}" + (f" {string_text(s.description)}" if s.description else "")]
+    out.append(f"model     {_model(s)}")
+    out.append(f"data      {_data(s)}")
+    t = s.train
+    out.append("train     " + _kwargs([("steps", t.steps), ("batch", t.batch),
+                                        ("accumulate", t.accumulate),
+                                        ("precision", _Raw(t.precision)), ("seed", t.seed)]))
+    out.append(f"optimizer {_optimizer(s.optimizer)}")
+    out.append(f"ranks     {s.ranks} on {s.device}")
+    out.append(f"zero      {s.stage}")
+    for state in STATES:
+        p = s.placement.get(state)
+        if p is not None and p.tier != "device":
+            out.append(f"offload   {state} -> {_placement(p)}")
+    defaults = Schedule(name="")
+    if s.prefetch != defaults.prefetch:
+        out.append(f"prefetch  parameters {s.prefetch} units ahead")
+    if s.bucket_bytes:
+        out.append(f"bucket    {format_size(s.bucket_bytes)}")
+    if set(s.overlap) != set(ALL_OVERLAPS):
+        out.append(f"overlap   {_overlap(set(s.overlap))}")
+    if s.recompute:
+        out.append(f"recompute units {_ranges(sorted(s.recompute))}")
+    if s.persist_below:
+        out.append(f"persist   below {s.persist_below}")
+    if s.memory:
+        order = ("device", "host", "nvme")
+        tiers = sorted(s.memory, key=lambda t: (order + (t,)).index(t))
+        out.append("memory    " + ", ".join(f"{t} {format_size(s.memory[t])}" for t in tiers))
+    machine = _machine(s)
+    if machine:
+        out.append(f"machine   {machine}")
+    if s.checkpoint is not None:
+        c = s.checkpoint
+        out.append(f"checkpoint every {c.every} steps -> {string_text(c.dir)}"
+                   + (f" keep {c.keep}" if c.keep else ""))
+    return out
+
+
+def _model(s: Schedule) -> str:
+    m = s.model
+    callee = "gpt" if m.kind == "gpt" else string_text(m.factory or "")
+    return f"{callee}({_kwargs(m.args.items())})"
+
+
+def _data(s: Schedule) -> str:
+    d = s.data
+    args = list(d.args.items())
+    if d.kind == "corpus":
+        inner = ", ".join([string_text(d.source or "stdlib")] + ([_kwargs(args)] if args else []))
+        return f"corpus({inner})"
+    return f"{d.kind}({_kwargs(args)})"
+
+
+def _optimizer(o: OptimizerSpec) -> str:
+    items = [("lr", o.lr)]
+    if o.kind == "sgd":
+        items.append(("momentum", o.momentum))
+    else:
+        items += [("betas", tuple(o.betas)), ("eps", o.eps)]
+    items.append(("weight_decay", o.weight_decay))
+    if o.clip is not None:
+        items.append(("clip", o.clip))
+    return f"{o.kind}({_kwargs(items)})"
+
+
+def _placement(p: Placement) -> str:
+    base = Placement()
+    items = []
+    if p.pinned != base.pinned:
+        items.append(("pinned", p.pinned))
+    if p.ratio != base.ratio:
+        items.append(("ratio", p.ratio))
+    if p.tier == "nvme":
+        if p.block_bytes != base.block_bytes:
+            items.append(("block", _Raw(format_size(p.block_bytes))))
+        if p.queue_depth != base.queue_depth:
+            items.append(("depth", p.queue_depth))
+        inner = ", ".join([string_text(p.path or "")] + ([_kwargs(items)] if items else []))
+        return f"nvme({inner})"
+    return p.tier + (f"({_kwargs(items)})" if items else "")
+
+
+def _overlap(pairs: set[str]) -> str:
+    if not pairs:
+        return "none"
+    parts = []
+    for verb in OVERLAP_VERBS:
+        mine = {p for p in pairs if p.split("/")[0] == verb}
+        if mine == {f"{verb}/{ph}" for ph in PHASES}:
+            parts.append(verb)
+        else:
+            parts += [f"{verb}/{ph}" for ph in PHASES if f"{verb}/{ph}" in mine]
+    return ", ".join(parts)
+
+
+def _ranges(units: list[int]) -> str:
+    out, i = [], 0
+    while i < len(units):
+        j = i
+        while j + 1 < len(units) and units[j + 1] == units[j] + 1:
+            j += 1
+        out.append(str(units[i]) if i == j else f"{units[i]}..{units[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _machine(s: Schedule) -> str | None:
+    from zdsl.check.checker import CPU_PROFILE, CUDA_PROFILE   # the checker owns the built-in profiles
+    m = s.machine
+    default = CUDA_PROFILE if s.device == "cuda" else CPU_PROFILE
+    if dataclasses.asdict(m) == dataclasses.asdict(default):
+        return None
+    base_name = m.name if m.name in ("cpu", "cuda") else "cpu"
+    base = CUDA_PROFILE if base_name == "cuda" else CPU_PROFILE
+    items = [(opt, getattr(m, fld)) for opt, fld in MACHINE_OPTIONS
+             if getattr(m, fld) != getattr(base, fld)]
+    return base_name + (f"({_kwargs(items)})" if items else "")
+
+
+# -- pipelines ------------------------------------------------------------------
+
+def _pipeline(p: Pipeline) -> list[str]:
+    lines = [f"{p.phase} unit {p.var} {{"]
+    lines += [f"    {_statement(stmt, p.var)}" for stmt in p.body]
+    lines.append("}")
+    return lines
+
+
+def _index(ref: Ref, var: str) -> str:
+    if ref.absolute is not None:
+        return str(ref.absolute)
+    if ref.offset > 0:
+        return f"{var}+{ref.offset}"
+    if ref.offset < 0:
+        return f"{var}-{-ref.offset}"
+    return var
+
+
+def _statement(stmt: PipeStmt, var: str) -> str:
+    index = _index(stmt.ref, var)
+    target = index if stmt.verb in _UNIT_VERBS else f"{stmt.ref.state}[{index}]"
+    text = f"{stmt.verb:<9} {target}"
+    if stmt.tier is not None:
+        text += f" {_PREPOSITIONS.get(stmt.verb, 'to')} {stmt.tier}"
+    return text
