@@ -66,6 +66,18 @@ def buffer_name(kind: str, unit: int | None = None, tier: str | None = None) -> 
     return name if tier is None else f"{name}@{tier}"
 
 
+def optimizer_bytes_per_param(kind: str, momentum: float, master: bool) -> int:
+    """fp32 bytes of optimizer state per parameter: the moments (Adam/AdamW two, SGD with
+    momentum one, plain SGD none), plus 4 when an fp32 master copy lives with them."""
+    if kind in ("adam", "adamw"):
+        moments = 8
+    elif kind == "sgd":
+        moments = 4 if momentum else 0
+    else:
+        raise ValueError(f"unknown optimizer {kind!r}")
+    return moments + (4 if master else 0)
+
+
 def parse_buffer_name(name: str) -> tuple[str, int | None, str | None]:
     """Inverse of :func:`buffer_name`."""
     base, _, tier = name.partition("@")
@@ -130,6 +142,7 @@ class UnitInfo:
     act_bytes: int = 0        # activation bytes saved per micro-batch (without recompute)
     input_bytes: int = 0      # bytes of the unit's input per micro-batch
     fwd_flops: float = 0.0    # per micro-batch
+    master: bool = False      # its optimizer state holds an fp32 master copy of its parameters
 
 
 @dataclass

@@ -44,6 +44,7 @@ from zdsl.ir import UnitInfo
 
 from zdsl.ir import buffer_name
 
+from zdsl.ir import optimizer_bytes_per_param
 from zdsl.ir import parse_buffer_name
 from zdsl.compile.layout import flat_layout
 from zdsl.compile.lower import lower_policies
@@ -63,12 +64,6 @@ class LoweringError(Exception):
         super().__init__(message)
         self.span = stmt.span if stmt is not None else None
         self.hint = hint
-
-
-def optimizer_bytes_per_param(kind: str, momentum: float, master: bool) -> int:
-    """fp32 bytes of optimizer state per parameter: moments, plus a master copy."""
-    moments = {"adamw": 8, "adam": 8}.get(kind, 4 if momentum else 0)
-    return moments + (4 if master else 0)
 
 
 @dataclass
@@ -654,7 +649,7 @@ class _Builder:
                 recompute=i in self.recompute, persistent=i in self.persist,
                 act_bytes=self.batch * spec.act_elems_per_seq * self.b,
                 input_bytes=self.batch * spec.input_elems_per_seq * self.b,
-                fwd_flops=spec.fwd_flops_per_seq * self.batch))
+                fwd_flops=spec.fwd_flops_per_seq * self.batch, master=self.has_master(i)))
         return infos
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from zdsl.ir import TIERS
 
 from zdsl.ir import TaskGraph
+from zdsl.ir import optimizer_bytes_per_param
 
 STATES = ("parameters", "gradients", "optimizer")
 
@@ -182,26 +183,15 @@ def memory_timeline(graph: TaskGraph, start: list[float], end: list[float]) -> M
                           alloc_time=alloc_t, free_time=free_t)
 
 
-def optimizer_bytes_per_param(kind: str, precision: str, momentum: float = 0.0) -> int:
-    """K in the ZeRO paper: bytes of optimizer state per parameter.
-
-    Adam/AdamW keep two fp32 moments (8); SGD with momentum one (4); plain SGD
-    none. Mixed precision adds the fp32 master copy (4).
-    """
-    if kind in ("adam", "adamw"):
-        k = 8
-    elif kind == "sgd":
-        k = 4 if momentum else 0
-    else:
-        raise ValueError(f"unknown optimizer {kind!r}")
-    return k + (4 if precision in ("bf16", "fp16") else 0)
-
-
 def zero_model_states(parameters: int, ranks: int, stage: int, precision: str,
                       optimizer: str = "adamw", momentum: float = 0.0) -> dict[str, float]:
-    """The ZeRO paper's model-state bytes per rank, split by state (before padding)."""
+    """The ZeRO paper's model-state bytes per rank, split by state (before padding).
+
+    A reference the graph's own sizes are compared with, so it does not read the graph: K, the
+    optimizer's bytes per parameter, has the paper's master copy (in mixed precision only; the
+    graph's ``UnitInfo.master`` also says where offload adds one)."""
     k_p = 4 if precision == "fp32" else 2
-    k_o = optimizer_bytes_per_param(optimizer, precision, momentum)
+    k_o = optimizer_bytes_per_param(optimizer, momentum, master=precision in ("bf16", "fp16"))
     psi, n = parameters, ranks
     return {
         "parameters": k_p * psi / (n if stage >= 3 else 1),
