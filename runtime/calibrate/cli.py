@@ -531,8 +531,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     from zdsl.runtime.exec.streams import lane_streams
     compiled = reference_graph(world, device.type)
     graph, schedule = compiled.graph, compiled.schedule
-    state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device,
-                      group=None)
+    state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device)
     executor = Executor(graph, state, rank, streams=lane_streams(graph, device))
     t = schedule.train
     mine = torch.zeros(8)

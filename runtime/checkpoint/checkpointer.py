@@ -58,9 +58,6 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             remove_incomplete(self.root)   # a killed run's half-written step must not mix with ours
 
-    def due(self, completed: int, total: int) -> bool:
-        return self.every > 0 and completed % self.every == 0 and completed > 0
-
     def save(self, completed: int, state) -> None:
         """Copy shards to host now; write them in the background."""
         t0 = time.perf_counter()

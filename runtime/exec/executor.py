@@ -18,7 +18,7 @@ A failing op cancels the step's nursery; the error names the rank, the op
 and the unit. Each collective issued and each op finished is written to the
 rank's progress board (``runtime/run/launch.py``: two stores into a mapped
 file), so the launcher can tell a rank that stopped from one that waits. On CUDA each lane's thread issues its kernels on the lane's
-own stream (see ``runtime/device.py``); completion is observed through the
+own stream (see ``runtime/exec/streams.py``); completion is observed through the
 stream's event, so the host waits only where a host-side op needs a result.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from zdsl.ir import Op
 
 from zdsl.ir import TaskGraph
 
+from zdsl.runtime.exec.contract import OpState
 from zdsl.runtime.run.faults import fault_for
 from zdsl.runtime.run.launch import BOARD_SLOTS
 from zdsl.runtime.run.launch import ISSUED
@@ -73,12 +74,12 @@ class StepRecord:
 class Executor:
     """Runs a :class:`TaskGraph` step after step against a rank's state.
 
-    ``state`` provides ``run_compute(op)``, ``start_collective(op)`` (a handle
-    with ``wait()`` and ``is_completed()``), ``run_copy(op)``, ``run_nvme(op)``
-    and ``free(op)``; see ``runtime/state/rank.py``.
+    ``state`` is anything that satisfies :class:`OpState` (``runtime/exec/contract.py``):
+    the real one is ``runtime/state/rank.py``'s ``RankState``.
     """
 
-    def __init__(self, graph: TaskGraph, state, rank: int, record: bool = True, streams=None, board=None):
+    def __init__(self, graph: TaskGraph, state: OpState, rank: int, record: bool = True, streams=None,
+                 board=None):
         self.graph = graph
         self.board = board                # runtime.launch's progress board (int64 slots), or None
         self.streams = streams            # runtime.streams.LaneStreams on CUDA, else None

@@ -135,8 +135,8 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         stack.callback(leave_group)
         agree_on_graph(graph, rank, world, device)
         model = build_model(schedule.model, seed=cfg["train"]["seed"])
-        state = RankState(graph, model, rank=rank, world=world, device=device, group=None)
-        stack.callback(close_swap, state)    # the swap folder goes even when the step failed
+        state = RankState(graph, model, rank=rank, world=world, device=device)
+        stack.callback(state.close_swap)    # even when the step failed (ranks end by os._exit: no atexit)
         executor = Executor(graph, state, rank, record=True, streams=lane_streams(graph, device),
                             board=rank_board())
         return trio.run(_loop, graph, schedule, units, state, executor, rank, world, device, options,
@@ -146,13 +146,6 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
 def leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def close_swap(state) -> None:
-    """Remove this rank's NVMe swap files (the process leaves with os._exit: no atexit hooks)."""
-    swapper = getattr(state, "_swapper", None)
-    if swapper is not None:
-        swapper.close()
 
 
 async def _loop(graph, schedule, units, state, executor, rank, world, device, options, reporter, make_batch):

@@ -62,11 +62,6 @@ class MemoryMeter:
     def held(self, name: str) -> bool:
         return name in self._held
 
-    def reset_peaks(self) -> None:
-        """Start a new measurement window (peaks restart from what is held now)."""
-        with self._lock:
-            self._reset_counters()
-
     def report(self) -> dict:
         """``{"peak": {tier: bytes}, "current": {tier: bytes}, "tiers": {tier: row}}``; a row
         has current and peak bytes for total, model_states, parameters, gradients,

@@ -95,12 +95,12 @@ class UnitOptimizer:
             return int(self.opt.state[self.params[0]]["step"].item())
         return self._plain_steps
 
-    def initial_flat(self, master_values: torch.Tensor | None) -> torch.Tensor:
-        """The optimizer buffer's starting contents: master copy (if any), zero moments."""
-        flat = torch.zeros(self.flat_numel, dtype=torch.float32)
-        if self.master:
-            flat[:self.numel].copy_(master_values)
-        return flat
+    def restore_steps(self, steps: int) -> None:
+        """Continue counting from ``steps`` (a loaded checkpoint's), as the optimizer would have."""
+        for p in self.params:
+            if "step" in self.opt.state[p]:
+                self.opt.state[p]["step"] = torch.tensor(float(steps))
+        self._plain_steps = steps
 
     def master_parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[a:b] for a, b in self.ranges]

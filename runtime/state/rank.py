@@ -70,7 +70,6 @@ from zdsl.runtime.state.memory import MemoryMeter
 from zdsl.runtime.models.protocol import tied_indices
 from zdsl.runtime.state.optim import UnitOptimizer
 from zdsl.runtime.state.optim import clip_coefficient
-from zdsl.runtime.state.optim import state_names
 from zdsl.runtime.state.precision import LossScaler
 from zdsl.runtime.state.precision import compute_dtype
 from zdsl.runtime.state.precision import overflowed
@@ -147,11 +146,12 @@ class RankState:
     """
 
     def __init__(self, graph: TaskGraph, model: nn.Module, rank: int, world: int,
-                 device: torch.device | str = "cpu", group=None, swapper=None):
+                 device: torch.device | str = "cpu"):
         if graph.ranks != world:
             raise StateError(f"rank {rank}: the graph was compiled for {graph.ranks} ranks, "
                              f"this run has {world}")
-        self.graph, self.rank, self.world, self.group = graph, rank, world, group
+        self.graph, self.rank, self.world = graph, rank, world
+        self.group = None   # the default process group (a subgroup is not supported yet)
         self.device = torch.device(device)
         self.host = torch.device("cpu")
         self.config = graph.config or {}
@@ -163,7 +163,7 @@ class RankState:
         self.accumulate = graph.accumulate
         self.scaler = LossScaler(enabled=graph.precision == "fp16")
         self.meter = MemoryMeter()
-        self._swapper = swapper
+        self._swapper = None
         self._lock = threading.Lock()
 
         self.modules = list(model.units())
@@ -211,7 +211,7 @@ class RankState:
             self.flats.append(fp)
             ranges = ([lay.full_range(p) for p in range(lay.parts)] if self.stage == 0   # stage 0: whole unit
                       else [lay.shard_range(p) for p in range(lay.parts)])
-            opt = UnitOptimizer(self.opt_config, ranges, master=self._has_master(info.index))
+            opt = UnitOptimizer(self.opt_config, ranges, master=info.master)
             for p in opt.params:    # placeholders (each step points them at the real slices): a
                 p.data = torch.empty(0)   # shard-size fp32 zero per unit would be 4 bytes/param held
             self.optims.append(opt)
@@ -234,17 +234,6 @@ class RankState:
         self.step_index = 0
 
     # ------------------------------------------------------------------ setup
-    def _has_master(self, u: int) -> bool:
-        """Whether ``optim[u]`` holds an fp32 master copy (mixed precision, or a step away
-        from the parameters): read from the compiled buffer's size, as the planner sized it."""
-        ob = next((b for b in self.graph.buffers.values() if b.kind == "optim" and b.unit == u), None)
-        lay = self.flats[u].layout
-        numel = lay.padded_numel if self.stage == 0 else lay.shard_numel
-        if ob is None or numel == 0:
-            return self.mixed
-        moments = len(state_names(self.opt_config.get("kind", "adamw"), self.opt_config.get("momentum", 0.0)))
-        return ob.bytes >= (moments + 1) * numel * 4
-
     def _check_step_outputs(self) -> None:
         """Refuse a graph that frees a step's updated parameters before anything reads them
         (the update would be lost silently)."""
@@ -384,6 +373,16 @@ class RankState:
             folder = os.path.join(p["path"], f"rank{self.rank}")
             self._swapper = Swapper(folder, p.get("block_bytes", 1 << 20), p.get("queue_depth", 8))
         return self._swapper
+
+    @property
+    def opened_swapper(self):
+        """The NVMe swapper if this rank has opened one, else None (never opens one)."""
+        return self._swapper
+
+    def close_swap(self) -> None:
+        """Remove this rank's NVMe swap files, if it opened any."""
+        if self._swapper is not None:
+            self._swapper.close()
 
     # ------------------------------------------------------------ buffers
     def _slot(self, name: str, op: Op | None = None) -> Slot:
@@ -611,10 +610,7 @@ class RankState:
                 optim_home = self._home("optim", u)
                 if flat is not None and optim_home.buf.tier == "nvme":
                     self.swapper.write_sync(optim_home.buf.name, flat)
-                for p in opt.params:
-                    if "step" in opt.opt.state[p]:
-                        opt.opt.state[p]["step"] = torch.tensor(float(steps))
-                opt._plain_steps = steps
+                opt.restore_steps(steps)
 
     def _store(self, slot: Slot, value: torch.Tensor) -> None:
         if slot.buf.tier == "nvme":

@@ -69,7 +69,7 @@ def pinned(compiled, rank: int, world: int, device) -> dict:
         if slot.live and slot.tensor is not None and slot.tensor.device.type == "cpu":
             host[name] = host.get(name, True) and slot.tensor.is_pinned()
     result = {"host": host, "losses": losses, "pool": None}
-    swapper = state._swapper
+    swapper = state.opened_swapper
     if swapper is not None:
         with swapper.pool.buffer() as staging:
             result["pool"] = swapper.pool.pinned and staging.is_pinned()
