@@ -34,7 +34,7 @@ import trio
 
 from zdsl.runtime.io.aligned import aligned_empty
 from zdsl.runtime.offload.swap import Swapper
-from zdsl.runtime.offload.swap import block_checksum
+from zdsl.runtime.io import checksum
 
 GiB = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args.folder.mkdir(parents=True, exist_ok=True)
     dropped = drop_caches()
     print(f"folder {args.folder}, {size / GiB:.2f} GiB, block {args.block >> 10} KiB, queue depth {args.qd}, "
-          f"verify={'off' if args.no_verify else block_checksum().kind}, "
+          f"verify={'off' if args.no_verify else checksum.DEFAULT.algo}, "
           f"page cache drop {'yes' if dropped else 'not permitted'}, "
           f"baseline {baseline}, {args.repeat} repeats (median)")
 

@@ -23,7 +23,8 @@ Resume (every rank)::
 Export: ``export(root_or_path, "model.safetensors", "bf16")``; ``inspect(root)``.
 """
 from zdsl.runtime.checkpoint.export import export
-from zdsl.runtime.checkpoint.index import (CheckpointError, FileRecord, Index, UnitMeta, checkpoint_path, default_prefix,
+from zdsl.runtime.checkpoint.errors import CheckpointError
+from zdsl.runtime.checkpoint.index import (FileRecord, Index, UnitMeta, checkpoint_path, default_prefix,
                     parse_shard_key, shard_key, state_dict_aliases, unit_prefixes)
 from zdsl.runtime.checkpoint.inspect import inspect
 from zdsl.runtime.checkpoint.reader import (check_checkpoint, iter_rank_shards, latest_complete, list_checkpoints,

@@ -25,7 +25,7 @@ import torch
 
 from zdsl.runtime.checkpoint.index import INDEX_NAME
 
-from zdsl.runtime.checkpoint.index import CheckpointError
+from zdsl.runtime.checkpoint.errors import CheckpointError
 
 from zdsl.runtime.checkpoint.index import shard_key
 from zdsl.runtime.checkpoint.reader import full_unit

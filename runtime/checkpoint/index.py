@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zdsl.compile.layout import FlatLayout
+from zdsl.runtime.checkpoint.errors import CheckpointError
 
 FORMAT = "zdsl-checkpoint"
 VERSION = 1
@@ -35,10 +36,6 @@ INDEX_NAME = "index.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
 SHARD_KEY_RE = re.compile(r"^u(\d+)\.([A-Za-z_][A-Za-z0-9_]*)$")
 PAD_PREFIX = "__pad."        # zero tensors that page-align the next one in a rank file (not state)
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, incomplete or damaged; the message names the file."""
 
 
 def step_dir_name(step: int) -> str:

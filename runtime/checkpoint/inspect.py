@@ -22,7 +22,7 @@ from zdsl.runtime.checkpoint.index import INDEX_NAME
 
 from zdsl.runtime.checkpoint.index import STEP_RE
 
-from zdsl.runtime.checkpoint.index import CheckpointError
+from zdsl.runtime.checkpoint.errors import CheckpointError
 
 from zdsl.runtime.checkpoint.index import Index
 

@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from zdsl.runtime.checkpoint.index import CheckpointError
+from zdsl.runtime.checkpoint.errors import CheckpointError
 from zdsl.runtime.checkpoint.reader import check_checkpoint
 from zdsl.runtime.checkpoint.reader import list_checkpoints
 

@@ -9,59 +9,54 @@ each tensor streams from its own memory to the disk (directio.Sink) while
 its checksums are computed, and is read back by DMA into its destination
 while the previous chunk is checked (directio.Source).
 
-A CRC per block rather than one SHA-256 per file: a CRC detects
-truncation and bit rot, which is what a checkpoint is guarded against, at a
-fraction of the CPU (zlib.crc32 1.6-2.6 GB/s on one core here, SHA-256
-0.7-1.8 GB/s, see benchmarks/checkpoint_io.py); and checksums per block let
-a reader that needs only a slice of a tensor (re-cutting shards to another
-rank count) read and verify just the blocks that hold the slice. CRC-32C
-(the ``crc32c`` package, SSE4.2/ARMv8 instructions, ~3x zlib here under
-load) is used when installed, else zlib's CRC-32; each entry records which,
-and checksums cost the only CPU a save or load spends besides one copy.
+A CRC per block rather than one hash per file: a CRC detects truncation and
+bit rot, which is what a checkpoint is guarded against, at a fraction of the
+CPU; and checksums per block let a reader that needs only a slice of a tensor
+(re-cutting shards to another rank count) read and verify just the blocks
+that hold the slice. Blocks use CRC-32C (runtime/io/checksum.py), each entry
+recording its algorithm; the header's checksum in the index is zlib's CRC-32.
 """
 from __future__ import annotations
 
 import json
 import os
 import struct
-import zlib
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from zdsl.runtime.io.directio import ALIGN
-
-from zdsl.runtime.io.directio import ZERO_COPY_MIN
-
-from zdsl.runtime.io.directio import Sink
-
-from zdsl.runtime.io.directio import Source
-
-from zdsl.runtime.io.directio import as_bytes
+from zdsl.runtime.checkpoint.errors import CheckpointError
 from zdsl.runtime.checkpoint.index import PAD_PREFIX
-from zdsl.runtime.checkpoint.index import CheckpointError
+from zdsl.runtime.io import checksum
+from zdsl.runtime.io.aligned import ALIGN
+from zdsl.runtime.io.directio import ZERO_COPY_MIN, FileIOError, Sink, Source, as_bytes
 
 CRC_BLOCK = 16 << 20      # bytes per checksum block
 WRITE_SPAN = 64 << 20     # bytes per write handed to the disk (a whole number of blocks)
 
-try:                      # hardware CRC-32C when the package is there
-    from crc32c import crc32c as _crc32c
-except ImportError:       # pragma: no cover - depends on the environment
-    _crc32c = None
-CHECKSUM = "crc32c" if _crc32c is not None else "crc32"
 
 
-def checksum_fn(algo: str, where: str):
+def checksum_fn(algo: str, where: str) -> checksum.Checksum:
     """``f(data, value=0) -> int`` for checksum ``algo`` as recorded in an entry."""
-    if algo == "crc32":
-        return zlib.crc32
+    fn = checksum.by_name(algo)
+    if fn is not None:
+        return fn
     if algo == "crc32c":
-        if _crc32c is None:
-            raise CheckpointError(f"{where}: written with CRC-32C checksums; `pip install crc32c` to verify "
-                                  f"it (or load with verify=False)")
-        return _crc32c
+        raise CheckpointError(f"{where}: written with CRC-32C checksums; `pip install crc32c` to verify "
+                              f"it (or load with verify=False)")
     raise CheckpointError(f"{where}: unknown checksum {algo!r}")
+
+
+@contextmanager
+def read_errors():
+    """A failed or short read of a shard file is a damaged checkpoint."""
+    try:
+        yield
+    except FileIOError as e:
+        raise CheckpointError(e.strerror) from None
+
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -187,7 +182,7 @@ def write_stream(sink: Sink, header: bytes, tensors) -> list[tuple[int, ...]]:
     block while this thread checksums the next.
     """
     sink.write(memoryview(header))
-    crc = checksum_fn(CHECKSUM, "writer")
+    crc = checksum.DEFAULT
     crcs = []
     span = max(CRC_BLOCK, WRITE_SPAN // CRC_BLOCK * CRC_BLOCK)
     for view in tensors:
@@ -233,9 +228,9 @@ def write_file(path: str, tensors: dict, metadata: dict[str, str]) -> tuple[int,
             yield memoryview(bytes(e - b)) if name.startswith(PAD_PREFIX) else _materialise(name, tensors[name])
 
     size, crcs = write_new_file(path, header, views())
-    entries = {name: TensorEntry(code, shape, b, e, crc, CRC_BLOCK, CHECKSUM)
+    entries = {name: TensorEntry(code, shape, b, e, crc, CRC_BLOCK, checksum.DEFAULT.algo)
                for (name, code, shape, b, e), crc in zip(layout, crcs)}
-    return size, zlib.crc32(header), entries
+    return size, checksum.CRC32(header), entries
 
 
 class ShardFile:
@@ -267,7 +262,7 @@ class ShardFile:
             if hlen > min(self.size - 8, 100 << 20):
                 raise CheckpointError(f"{path}: header length {hlen} exceeds the file; truncated or not a safetensors file")
             raw = os.pread(self.fd, hlen, 8)
-            if expected_header_crc is not None and zlib.crc32(head + raw) != expected_header_crc:
+            if expected_header_crc is not None and checksum.CRC32(head + raw) != expected_header_crc:
                 raise CheckpointError(f"{path}: header checksum mismatch (file altered)")
             try:
                 header = json.loads(raw)
@@ -316,7 +311,8 @@ class ShardFile:
         code, shape, b, e = self._entry(name, expected)
         dtype = torch_dtype(code, f"{self.path}: {name}")
         check = BlockCheck(self.path, name, expected, e - b, 0) if expected is not None else None
-        flat = self.source.read_tensor(self.data_start + b, e - b, dtype, check.feed if check else None)
+        with read_errors():
+            flat = self.source.read_tensor(self.data_start + b, e - b, dtype, check.feed if check else None)
         if flat is None:                   # no direct I/O here: through bounce buffers
             out = torch.empty(shape, dtype=dtype)
             self.read_range(name, expected, 0, e - b, byte_view(out))
@@ -351,19 +347,22 @@ class ShardFile:
         base = self.data_start + b
         if out is not None and (start, end) == (lo, hi):
             # The range is whole checksum blocks: straight into the destination when it is congruent.
-            if self.source.read_into(base + lo, out, check.feed if check else None):
+            with read_errors():
+                read = self.source.read_into(base + lo, out, check.feed if check else None)
+            if read:
                 if check:
                     check.done()
                 return
         pos = start
-        for piece in self.source.pieces(base + start, base + end):
-            p1 = pos + len(piece)
-            c0, c1 = max(pos, lo), min(p1, hi)
-            if out is not None and c0 < c1:
-                out[c0 - lo:c1 - lo].copy_(as_bytes(piece)[c0 - pos:c1 - pos])
-            if check:
-                check.feed(piece)
-            pos = p1
+        with read_errors():
+            for piece in self.source.pieces(base + start, base + end):
+                p1 = pos + len(piece)
+                c0, c1 = max(pos, lo), min(p1, hi)
+                if out is not None and c0 < c1:
+                    out[c0 - lo:c1 - lo].copy_(as_bytes(piece)[c0 - pos:c1 - pos])
+                if check:
+                    check.feed(piece)
+                pos = p1
         if check:
             check.done()
 

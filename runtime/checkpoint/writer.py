@@ -25,7 +25,8 @@ import torch
 
 from zdsl.compile.layout import FlatLayout
 
-from zdsl.runtime.checkpoint.index import (INDEX_NAME, CheckpointError, FileRecord, Index, UnitMeta, checkpoint_path,
+from zdsl.runtime.checkpoint.errors import CheckpointError
+from zdsl.runtime.checkpoint.index import (INDEX_NAME, FileRecord, Index, UnitMeta, checkpoint_path,
                     done_name, parse_shard_key, rank_file_name)
 from zdsl.runtime.checkpoint.stformat import write_file
 

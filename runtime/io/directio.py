@@ -27,22 +27,68 @@ I/O with early writeback instead.
 """
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from zdsl.runtime.checkpoint.index import CheckpointError
+from zdsl.runtime.io.aligned import ALIGN, round_up
 
-ALIGN = 4096
 BOUNCE = 16 << 20          # bytes per transfer; a multiple of ALIGN
 ZERO_COPY_MIN = 1 << 20    # smaller writes and reads go through the bounce buffers anyway
 WRITE_DEPTH = 2            # writes in flight per file: the disk's queue never runs dry between them
 
 
-def round_up(n: int, to: int = ALIGN) -> int:
-    return -(-n // to) * to
+class FileIOError(OSError):
+    """A read or write of a file failed; the message names the file and the byte."""
+
+
+class TruncatedFile(EOFError):
+    """The file ended before the bytes asked for; ``pos`` is the offset where it did."""
+
+    def __init__(self, pos: int):
+        super().__init__(f"end of file at offset {pos}")
+        self.pos = pos
+
+
+def open_direct(path, flags: int, mode: int = 0o644) -> tuple[int, bool]:
+    """``(fd, direct)``: ``path`` opened with O_DIRECT, or buffered where the filesystem refuses it
+    (EINVAL, e.g. tmpfs before Linux 6.6) or the platform has no O_DIRECT. Other errors raise."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, mode), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, mode), False
+
+
+def pwrite_all(fd: int, data, pos: int) -> None:
+    """Write every byte of ``data`` at file offset ``pos`` (short writes are continued); OSError on
+    failure, including a write that wrote nothing (which would otherwise loop for ever)."""
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwritev(fd, [view], pos)
+        if n <= 0:
+            raise OSError(errno.EIO, f"the write at offset {pos} wrote nothing")
+        view, pos = view[n:], pos + n
+
+
+def pread_full(fd: int, view: memoryview, pos: int, want: int | None = None, direct: bool = False) -> None:
+    """Fill at least ``want`` (default all) bytes of ``view`` from file offset ``pos``.
+
+    With ``direct`` the reads are of the whole (aligned) ``view`` and the end of the file may shorten
+    the last one. OSError on failure; :class:`TruncatedFile` when the file ends before ``want``.
+    """
+    want = len(view) if want is None else want
+    got = 0
+    while got < want:
+        n = os.preadv(fd, [view[got:]], pos + got)
+        if n <= 0 or (direct and n % ALIGN and got + n < want):
+            raise TruncatedFile(pos + got + max(n, 0))
+        got += n
 
 
 def as_bytes(view) -> torch.Tensor:
@@ -57,22 +103,6 @@ def aligned_bytes(nbytes: int, congruent_to: int = 0) -> torch.Tensor:
     return base[shift:shift + nbytes]
 
 
-def _open_direct(path: str, flags: int, mode: int = 0o644) -> int | None:
-    if not hasattr(os, "O_DIRECT"):
-        return None
-    try:
-        return os.open(path, flags | os.O_DIRECT, mode)
-    except OSError:
-        return None
-
-
-def _pwrite_all(fd: int, data, pos: int) -> None:
-    data = memoryview(data)
-    while len(data):
-        n = os.pwrite(fd, data, pos)
-        data, pos = data[n:], pos + n
-
-
 class Sink:
     """Bytes written in order to a new file; ``close()`` fsyncs and returns the file's size."""
 
@@ -81,11 +111,9 @@ class Sink:
         self.pos = 0                      # bytes accepted
         self.pool = ThreadPoolExecutor(WRITE_DEPTH, thread_name_prefix="ckpt-write")
         self.pending: list = []           # writes in flight, oldest first (distinct file ranges)
-        self.fd = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if direct else None
-        self.direct = self.fd is not None
-        if not self.direct:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        else:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.fd, self.direct = open_direct(path, flags) if direct else (os.open(path, flags, 0o644), False)
+        if self.direct:
             self.bufs = [aligned_bytes(BOUNCE), aligned_bytes(BOUNCE)]
             self.in_flight = [None, None]     # the pending write of each buffer, if any
             self.cur = 0                  # which bounce buffer is being filled
@@ -114,7 +142,7 @@ class Sink:
             self._flush(self.fill)                  # ends on a page: the file position is aligned
         body = (len(src) - head) // ALIGN * ALIGN
         self._wait(WRITE_DEPTH - 1)
-        self.pending.append(self.pool.submit(_pwrite_all, self.fd, src[head:head + body].numpy(), self.flushed))
+        self.pending.append(self.pool.submit(pwrite_all, self.fd, src[head:head + body].numpy(), self.flushed))
         self.flushed += body
         self.pos += body
         self._copy_in(src[head + body:])
@@ -133,7 +161,7 @@ class Sink:
                 self._flush(BOUNCE)
 
     def _buffered(self, data, pos: int) -> None:
-        _pwrite_all(self.fd, data, pos)
+        pwrite_all(self.fd, data, pos)
         if hasattr(os, "posix_fadvise") and len(data):
             # Start writeback now rather than at fsync, so the disk works while we copy on.
             os.posix_fadvise(self.fd, pos, len(data), os.POSIX_FADV_DONTNEED)
@@ -142,7 +170,7 @@ class Sink:
         """Hand the filled bounce buffer (padded to ``nbytes``) to the worker; fill the other."""
         self._wait(WRITE_DEPTH - 1)
         buf = self.bufs[self.cur][:nbytes].numpy()
-        self.pending.append(self.pool.submit(_pwrite_all, self.fd, buf, self.flushed))
+        self.pending.append(self.pool.submit(pwrite_all, self.fd, buf, self.flushed))
         self.in_flight[self.cur] = self.pending[-1]
         self.flushed += nbytes
         self.cur ^= 1
@@ -190,7 +218,13 @@ class Source:
     def __init__(self, path: str, fd: int, direct: bool = True):
         self.path = path
         self.fd = fd                       # a buffered descriptor, owned by the caller
-        self.dfd = _open_direct(path, os.O_RDONLY) if direct else None
+        self.dfd = None
+        if direct:
+            dfd, is_direct = open_direct(path, os.O_RDONLY)
+            if is_direct:
+                self.dfd = dfd
+            else:
+                os.close(dfd)
 
     def close(self) -> None:
         if self.dfd is not None:
@@ -293,12 +327,9 @@ class Source:
 
     def _read(self, fd: int, view: memoryview, pos: int, want: int) -> None:
         """Fill at least ``want`` bytes of ``view`` from file offset ``pos`` (O_DIRECT: whole ``view``, EOF shortens)."""
-        got = 0
-        while got < want:
-            try:
-                n = os.preadv(fd, [view[got:]], pos + got)
-            except OSError as e:
-                raise CheckpointError(f"{self.path}: read failed at byte {pos + got}: {e.strerror}") from None
-            if n <= 0 or (fd == self.dfd and n % ALIGN and got + n < want):
-                raise CheckpointError(f"{self.path}: truncated while reading")
-            got += n
+        try:
+            pread_full(fd, view, pos, want, direct=fd == self.dfd)
+        except TruncatedFile:
+            raise FileIOError(errno.EIO, f"{self.path}: truncated while reading") from None
+        except OSError as e:
+            raise FileIOError(e.errno, f"{self.path}: read failed at byte {pos}: {e.strerror}") from None

@@ -1,49 +1,33 @@
 """The NVMe tier: named tensors swapped to files with direct, verified, parallel I/O.
 
-Why each choice (ZeRO-Infinity's recipe, made safe):
+- One file per buffer name, opened with ``O_DIRECT`` (runtime/io/directio.py): the page cache
+  would double the host memory used and evict what training needs. Where a filesystem refuses
+  ``O_DIRECT`` (tmpfs), buffered I/O is used and a warning is logged once.
+- A transfer is cut into ``block_bytes`` requests (positional writes and reads at the block's
+  offset) issued by at most ``queue_depth`` concurrent system calls: an NVMe device needs several
+  requests in flight to reach its bandwidth. Each worker thread takes the next block until none
+  is left (one thread hop per worker, not per block). With verification on, a quarter more
+  workers than ``queue_depth`` run, and a semaphore keeps exactly ``queue_depth`` system calls in
+  flight, so a worker checksumming a block does not hold a request slot.
+- All I/O uses 4 KiB-aligned memory: the caller's tensor itself when it is an aligned CPU tensor
+  (zero copy; :func:`zdsl.runtime.io.aligned.aligned_empty`), else a staging buffer from a fixed
+  :class:`~zdsl.runtime.io.aligned.AlignedPool`, so host memory for I/O is bounded.
+- Nothing is lost silently: every byte is written (short writes are continued), a CRC-32C per
+  block is kept in memory and checked on read, a full disk is reported with the path, the bytes
+  needed and the bytes free (checked before a file is first sized, and on ``ENOSPC``); every
+  failure is a :class:`SwapError` naming the file and block.
+- Each run owns a subfolder ``run-<pid>-<token>`` (mode 0700) holding a lock file with its pid,
+  locked with ``flock`` for the run's lifetime. A run killed without cleanup leaves its folder
+  behind; the next Swapper on the same folder sees the lock is no longer held (its pid is dead),
+  removes the folder and logs it. ``close()`` (also via ``with``, and at interpreter exit)
+  removes the run folder, and the swap folder too when this Swapper created it and nothing else
+  is in it (never a folder that was there before, never a file it did not write).
 
-- One file per buffer name, opened with ``O_DIRECT``: the page cache would
-  double the host memory used and evict what training needs; direct I/O
-  streams at the device's speed. Where a filesystem refuses ``O_DIRECT``
-  (tmpfs), buffered I/O is used and a warning is logged once.
-- A transfer is cut into ``block_bytes`` requests (``os.pwritev`` /
-  ``os.preadv`` at the block's offset) issued concurrently by at most
-  ``queue_depth`` worker threads (``trio.to_thread`` under a
-  ``trio.CapacityLimiter`` for the async API, a thread pool of that size
-  for the sync one): an NVMe device needs several requests in flight to
-  reach its bandwidth. Each worker takes the next block until none is left,
-  so a transfer costs one thread hop per worker, not per block, and about a
-  microsecond of GIL per block: on a loaded machine, per-block hops back to
-  the trio loop left the device idle (0.55x fio, see benchmarks/README.md).
-  With verification on, a quarter more workers than ``queue_depth`` run,
-  and a semaphore keeps exactly ``queue_depth`` system calls in flight:
-  a worker checksumming a block is not holding a request slot, so the
-  device sees the queue depth fio is given (it lost ~15% against fio
-  while a quarter of the slots were checksumming on a quiet machine).
-- All I/O uses 4 KiB-aligned memory: the caller's tensor itself when it is
-  an aligned CPU tensor (zero copy; see :func:`runtime.aligned.aligned_empty`),
-  else a staging buffer from a fixed :class:`~runtime.aligned.AlignedPool`
-  (pinned where CUDA is present), so host memory for I/O is bounded.
-- Nothing is lost silently: every byte is written (short writes are
-  continued), a checksum per block (hardware CRC32C in four lanes, ~20 GiB/s;
-  zlib's CRC32, ~4 GiB/s, where no compiler or CRC instruction is available)
-  is kept in memory and checked on read, a
-  full disk is reported with the path, the bytes needed and the bytes free
-  (checked before a file is first sized, and on ``ENOSPC``); every failure
-  is a :class:`SwapError` naming the file and block.
-- Each run owns a subfolder ``run-<pid>-<token>`` (mode 0700) holding a lock
-  file with its pid, locked with ``flock`` for the run's lifetime. A run
-  killed without cleanup leaves its folder behind; the next Swapper on the
-  same folder sees the lock is no longer held (its pid is dead), removes the
-  folder and logs it. ``close()`` (also via ``with``, and at interpreter
-  exit) removes the run folder, and the swap folder too when this Swapper
-  created it and nothing else is in it (a rank's ``rank<N>`` folder; never
-  a folder that was there before, never a file it did not write).
+Measurements behind these choices: benchmarks/README.md (NVMe swap).
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import itertools
@@ -53,7 +37,6 @@ import shutil
 import socket
 import threading
 import weakref
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -64,11 +47,9 @@ import structlog
 import torch
 import trio
 
-from zdsl.runtime.io import native
-from zdsl.runtime.io.aligned import ALIGN
-from zdsl.runtime.io.aligned import AlignedPool
-from zdsl.runtime.io.aligned import is_aligned
-from zdsl.runtime.io.aligned import round_up
+from zdsl.runtime.io import checksum
+from zdsl.runtime.io.aligned import ALIGN, AlignedPool, is_aligned, round_up
+from zdsl.runtime.io.directio import TruncatedFile, open_direct, pread_full, pwrite_all
 
 log = structlog.get_logger("zdsl.runtime.offload.swap")
 
@@ -245,89 +226,6 @@ class _RunState:
 
 
 # ----------------------------------------------------------------------------
-# block checksums
-# ----------------------------------------------------------------------------
-
-_CHECKSUM_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#if defined(__SSE4_2__)
-#include <nmmintrin.h>
-#define CRC64(c, x) _mm_crc32_u64((c), (x))
-#define CRC8(c, x) _mm_crc32_u8((uint32_t)(c), (x))
-#elif defined(__ARM_FEATURE_CRC32)
-#include <arm_acle.h>
-#define CRC64(c, x) __crc32cd((uint32_t)(c), (x))
-#define CRC8(c, x) __crc32cb((uint32_t)(c), (x))
-#else
-#error "no hardware CRC32C: the swapper uses zlib.crc32"
-#endif
-
-/* CRC32C of the four quarters of buf, interleaved so the four independent
-   chains keep the CRC unit busy (one result per cycle instead of per three). */
-void zdsl_crc4(const uint8_t *buf, int64_t n, uint32_t out[4])
-{
-    const int64_t q = (n / 4) & ~(int64_t)7;
-    const uint8_t *p0 = buf, *p1 = buf + q, *p2 = buf + 2 * q, *p3 = buf + 3 * q;
-    uint64_t c0 = 0xFFFFFFFFu, c1 = 0xFFFFFFFFu, c2 = 0xFFFFFFFFu, c3 = 0xFFFFFFFFu;
-    for (int64_t i = 0; i < q; i += 8) {
-        uint64_t w0, w1, w2, w3;
-        memcpy(&w0, p0 + i, 8); memcpy(&w1, p1 + i, 8); memcpy(&w2, p2 + i, 8); memcpy(&w3, p3 + i, 8);
-        c0 = CRC64(c0, w0); c1 = CRC64(c1, w1); c2 = CRC64(c2, w2); c3 = CRC64(c3, w3);
-    }
-    for (int64_t i = 4 * q; i < n; i++) c3 = CRC8(c3, buf[i]);
-    out[0] = ~(uint32_t)c0; out[1] = ~(uint32_t)c1; out[2] = ~(uint32_t)c2; out[3] = ~(uint32_t)c3;
-}
-"""
-
-
-class _Checksum:
-    """Per-block checksum: four hardware CRC32C lanes where the CPU has them, else zlib's CRC32.
-
-    Measured on the development machine: zlib.crc32 runs at about 4 GB/s
-    per core, which with a loaded CPU made verification, not the disk, the
-    limit (about 0.55x fio); four-lane CRC32C runs at memory speed. Both
-    detect every error of up to 3 bits in a lane and any burst up to 32
-    bits; which one ran is irrelevant to callers because checksums live
-    only in this process's memory.
-    """
-
-    def __init__(self) -> None:
-        self._fn = None
-        lib = native.build("swap_checksum", _CHECKSUM_SOURCE)
-        if lib is not None:
-            fn = lib.zdsl_crc4
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-            fn.restype = None
-            self._fn = fn
-        self.kind = "crc32c-x4" if self._fn is not None else "zlib-crc32"
-
-    def __call__(self, block: torch.Tensor) -> int:
-        """Checksum of a contiguous uint8 CPU tensor."""
-        return self.of(memoryview(block.numpy()), block.data_ptr())
-
-    def of(self, view: memoryview, address: int) -> int:
-        """Checksum of the bytes of ``view``, which start at ``address``."""
-        if self._fn is None:
-            return zlib.crc32(view)
-        out = (ctypes.c_uint32 * 4)()
-        self._fn(address, len(view), out)
-        return out[0] | out[1] << 32 | out[2] << 64 | out[3] << 96
-
-
-_checksum_lock = threading.Lock()
-_checksum: _Checksum | None = None
-
-
-def block_checksum() -> _Checksum:
-    global _checksum
-    with _checksum_lock:
-        if _checksum is None:
-            _checksum = _Checksum()
-        return _checksum
-
-
-# ----------------------------------------------------------------------------
 # the swapper
 # ----------------------------------------------------------------------------
 
@@ -346,7 +244,7 @@ class Swapper:
     ``await write(name, tensor)`` / ``await read(name, out)`` run in trio;
     ``write_sync`` / ``read_sync`` do the same from plain threads. A name
     may be rewritten with a tensor of another size (its file is resized).
-    ``verify=False`` skips the per-block checksum (see :class:`_Checksum`:
+    ``verify=False`` skips the per-block checksum (CRC-32C, see runtime/io/checksum.py:
     it costs well under the disk's time, so it is on by default).
     """
 
@@ -367,7 +265,7 @@ class Swapper:
         self.block_bytes = block_bytes
         self.queue_depth = queue_depth
         self.verify = verify
-        self._checksum = block_checksum()
+        self._checksum = checksum.DEFAULT
         made = False
         for attempt in range(3):
             try:
@@ -455,11 +353,10 @@ class Swapper:
         path = self.run_dir / f"{safe}-{self._opened - 1}.swap"
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
         try:
-            fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True
+            fd, direct = open_direct(path, flags, 0o600)
         except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise SwapError(f"swap file {path}: cannot open: {e.strerror}") from e
-            fd, direct = os.open(path, flags, 0o600), False
+            raise SwapError(f"swap file {path}: cannot open: {e.strerror}") from e
+        if not direct:
             if not self._warned_buffered:
                 self._warned_buffered = True
                 log.warning("swap.buffered_io", path=str(path), reason="O_DIRECT refused by this filesystem")
@@ -526,7 +423,7 @@ class Swapper:
             if n == padded and t.zero_copy:  # straight from the caller's memory
                 view = t.view[off : off + n]
                 if self.verify:
-                    f.crcs[index] = self._checksum.of(view, t.address + off)
+                    f.crcs[index] = self._checksum(view)
                 self._pwrite_all(f, view, off, index)
                 return
             with self.pool.buffer() as stage:
@@ -535,7 +432,7 @@ class Swapper:
                     stage[n:padded].zero_()
                 block = stage[:padded]
                 if self.verify:
-                    f.crcs[index] = self._checksum(block)
+                    f.crcs[index] = self._checksum(memoryview(block.numpy()))
                 self._pwrite_all(f, memoryview(block.numpy()), off, index)
         except SwapError:
             raise
@@ -547,21 +444,16 @@ class Swapper:
             self._pwrite_unlimited(f, view, off, index)
 
     def _pwrite_unlimited(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
-        while len(view):
-            try:
-                done = os.pwritev(f.fd, [view], off)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise SwapError(
-                        f"swap file {f.path}: disk full writing block {index}: needs {len(view)} more bytes "
-                        f"({f.file_bytes} for the file), {_free_bytes(self.run_dir)} bytes free on {self.folder}"
-                    ) from e
-                raise SwapError(f"swap file {f.path}: writing block {index} at offset {off} failed: {e.strerror}"
-                                f"{_direct_hint(f, e)}") from e
-            if done <= 0:
-                raise SwapError(f"swap file {f.path}: writing block {index} at offset {off} wrote nothing")
-            view = view[done:]
-            off += done
+        try:
+            pwrite_all(f.fd, view, off)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise SwapError(
+                    f"swap file {f.path}: disk full writing block {index}: needs {len(view)} more bytes "
+                    f"({f.file_bytes} for the file), {_free_bytes(self.run_dir)} bytes free on {self.folder}"
+                ) from e
+            raise SwapError(f"swap file {f.path}: writing block {index} at offset {off} failed: {e.strerror}"
+                            f"{_direct_hint(f, e)}") from e
 
     def _read_block(self, t: "_Transfer", index: int) -> None:
         f = t.file
@@ -572,12 +464,12 @@ class Swapper:
             if n == padded and t.zero_copy:  # straight into the caller's memory
                 view = t.view[off : off + n]
                 self._pread_all(f, view, off, index)
-                self._check(f, view, t.address + off, index)
+                self._check(f, view, index)
                 return
             with self.pool.buffer() as stage:
                 view = memoryview(stage[:padded].numpy())
                 self._pread_all(f, view, off, index)
-                self._check(f, view, stage.data_ptr(), index)
+                self._check(f, view, index)
                 _copy(t.data[off : off + n], stage[:n])
         except SwapError:
             raise
@@ -589,29 +481,27 @@ class Swapper:
             self._pread_unlimited(f, view, off, index)
 
     def _pread_unlimited(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
-        while len(view):
-            try:
-                done = os.preadv(f.fd, [view], off)
-            except OSError as e:
-                raise SwapError(f"swap file {f.path}: reading block {index} at offset {off} failed: {e.strerror}"
-                                f"{_direct_hint(f, e)}") from e
-            if done <= 0:
-                raise SwapError(f"swap file {f.path}: block {index} is truncated (end of file at offset {off})")
-            view = view[done:]
-            off += done
+        try:
+            pread_full(f.fd, view, off, direct=f.direct)
+        except TruncatedFile as e:
+            raise SwapError(f"swap file {f.path}: block {index} is truncated (end of file at offset {e.pos})") \
+                from None
+        except OSError as e:
+            raise SwapError(f"swap file {f.path}: reading block {index} at offset {off} failed: {e.strerror}"
+                            f"{_direct_hint(f, e)}") from e
 
-    def _check(self, f: _SwapFile, view: memoryview, address: int, index: int) -> None:
+    def _check(self, f: _SwapFile, view: memoryview, index: int) -> None:
         if not self.verify:
             return
         expected = f.crcs[index]
         if expected is None:
             raise SwapError(f"swap file {f.path}: block {index} has no checksum (its write did not complete)")
-        got = self._checksum.of(view, address)
+        got = self._checksum(view)
         if got != expected:
             raise SwapError(
                 f"swap file {f.path}: checksum mismatch in block {index} "
                 f"(bytes {index * self.block_bytes}..{index * self.block_bytes + len(view)}): "
-                f"stored {self._checksum.kind} {expected:x}, read {got:x}; the data on disk is corrupt"
+                f"stored {self._checksum.algo} {expected:x}, read {got:x}; the data on disk is corrupt"
             )
 
     # -- transfers --------------------------------------------------------------
@@ -719,10 +609,10 @@ class Swapper:
 
 class _Transfer:
     """One write or read: the file, the caller's bytes, and what the workers need per block
-    precomputed once (a memoryview and address of the whole tensor), so a block costs a
+    precomputed once (a memoryview of the whole tensor), so a block costs a
     slice, a checksum call and the system call, and little time holding the GIL."""
 
-    __slots__ = ("file", "data", "blocks", "zero_copy", "view", "address")
+    __slots__ = ("file", "data", "blocks", "zero_copy", "view")
 
     def __init__(self, file: _SwapFile, data: torch.Tensor):
         self.file = file
@@ -730,7 +620,6 @@ class _Transfer:
         self.blocks = len(file.crcs)
         self.zero_copy = is_aligned(data)  # a CPU tensor starting on a 4 KiB boundary
         self.view = memoryview(data.numpy()) if self.zero_copy else None
-        self.address = data.data_ptr()
 
 
 class _BlockQueue:

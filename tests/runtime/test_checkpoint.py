@@ -20,6 +20,7 @@ from zdsl.runtime.checkpoint import (CheckpointError, LazyShard, apply_retention
                                      owned_shard, read_index, remove_incomplete, state_dict_aliases, unit_metas, unit_prefixes, write_index, write_rank_shards)
 from zdsl.compile.units import UnitSpec
 from zdsl.compile.units import gpt_units
+from zdsl.runtime.io import checksum
 
 CFG = dict(layers=2, width=32, heads=2, vocab=64, context=16)
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -114,9 +115,10 @@ def test_recut_2_to_4_to_1(tmp_path, model, monkeypatch, io):
         monkeypatch.setattr("zdsl.runtime.checkpoint.stformat.CRC_BLOCK", 100)
         monkeypatch.setattr("zdsl.runtime.io.directio.BOUNCE", 8192)
     if io == "buffered":
-        monkeypatch.setattr("zdsl.runtime.io.directio._open_direct", lambda *a, **k: None)
+        monkeypatch.setattr("zdsl.runtime.io.directio.open_direct",
+                            lambda path, flags, mode=0o644: (os.open(path, flags, mode), False))
     if io == "zlib crc32":                  # what a machine without the crc32c package writes
-        monkeypatch.setattr("zdsl.runtime.checkpoint.stformat.CHECKSUM", "crc32")
+        monkeypatch.setattr("zdsl.runtime.io.checksum.DEFAULT", checksum.CRC32)
     units, full = model
     save(tmp_path / "a", 1, units, full, 2, bucket=700)
     lay4 = layouts_for(units, 4, bucket=2000)
@@ -289,7 +291,7 @@ def test_checksum_algorithm_recorded(tmp_path, model, monkeypatch):
     units, full = model
     path, layouts = save(tmp_path, 1, units, full, 1, threads=False)
     assert read_index(path).files[0].tensors["u0.param"].algo == "crc32c"
-    monkeypatch.setattr("zdsl.runtime.checkpoint.stformat._crc32c", None)
+    monkeypatch.setattr("zdsl.runtime.io.checksum.CRC32C", None)
     with pytest.raises(CheckpointError, match="pip install crc32c"):
         load_for_rank(path, 0, 1, layouts)
     assert load_for_rank(path, 0, 1, layouts, verify=False)["u0.param"].numel() == layouts[0].shard_numel
