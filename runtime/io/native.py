@@ -3,10 +3,10 @@
 Why not a torch C++ extension: compiling against torch's headers takes a
 minute and a matching toolchain; these kernels are plain C over raw
 pointers, build in about a second with whatever ``cc`` is present, and need
-nothing from torch. Why compile at all: the two hot loops of the offload
-tiers (the host Adam step, the NVMe block checksum) are memory-bound only
-when done in one pass; Python-level composition of library ops makes
-several passes (see runtime/offload/host_adam.py, runtime/offload/swap.py).
+nothing from torch. Why compile at all: the host Adam step is memory-bound
+only when done in one pass; Python-level composition of library ops makes
+several passes (see runtime/offload/host_adam.py). Sources live in ``csrc/``
+(package data), read with :func:`csrc`.
 
 Builds are cached under ``$ZDSL_CACHE`` (default ``~/.cache/zdsl``), keyed
 by source, flags and CPU features (``-march=native`` code must not run on
@@ -54,10 +54,15 @@ def _cpu_key() -> str:
     return f"{platform.machine()} {flags}"
 
 
+def compiler() -> str | None:
+    """The C compiler kernels are built with: ``$CC``, else the first of cc, gcc, clang found."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
 def _compile(stem: str, source: str, extra: tuple[str, ...] = ()) -> Path | None:
     if os.environ.get("ZDSL_NO_NATIVE"):
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cc = compiler()
     if cc is None:
         log.warning("native.no_compiler", kernel=stem)
         return None
@@ -81,6 +86,11 @@ def _compile(stem: str, source: str, extra: tuple[str, ...] = ()) -> Path | None
         log.warning("native.compile_failed", kernel=stem, compiler=cc, error=str(e))
         return None
     return target
+
+
+def csrc(name: str) -> str:
+    """The text of C source ``name`` shipped in this package's ``csrc/`` folder."""
+    return (Path(__file__).parent / "csrc" / name).read_text()
 
 
 def build(stem: str, source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
