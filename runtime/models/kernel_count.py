@@ -11,7 +11,7 @@ compute op; ``zdsl calibrate`` measures it; this module counts the kernels.
 
 A kernel is one op seen by a ``TorchDispatchMode``: below autograd, after
 composite ops have decomposed, as the runtime's thread dispatches them.
-The backward is counted as the runtime runs it (``runtime/state/rank.py``):
+The backward is counted as the runtime runs it (``runtime/state/compute.py``):
 ``torch.autograd.grad`` of the unit's output with respect to its input (when
 floating point) and its parameters, own and tied, then one ``add_`` per
 parameter gradient into the unit's flat gradient buffer.

@@ -60,7 +60,7 @@ def train(rank: int, world: int, path: str, sets: dict) -> dict:
     assert compiled.ok
     graph, s = compiled.graph, compiled.schedule
     state = RankState(graph, GPT(**s.model.args, seed=s.train.seed), rank, world, device="cpu")
-    in_comm = sorted(state._prescale_at_comm)
+    in_comm = sorted(state.prescale.in_collective)
     t = s.train
     losses = [row["loss"] for row in run_steps(graph, state, s, rank, world)]
     ref, ref_losses = ddp_train(s.model.args, s.data, seed=t.seed, steps=t.steps, batch=t.batch,

@@ -289,7 +289,7 @@ def _single_rank_state(stage: int):
 
 def test_a_graph_for_another_rank_count_is_refused_before_any_collective():
     from zdsl.runtime.state.rank import RankState
-    from zdsl.runtime.state.rank import StateError
+    from zdsl.runtime.state.errors import StateError
     graph = compile_schedule(make_schedule(2, stage=3), gpt_units(**MODEL))
     with pytest.raises(StateError, match="compiled for 2 ranks, this run has 3"):
         RankState(graph, GPT(**MODEL, seed=0), 0, 3)
@@ -297,7 +297,7 @@ def test_a_graph_for_another_rank_count_is_refused_before_any_collective():
 
 def test_a_model_that_does_not_match_the_graph_is_refused():
     from zdsl.runtime.state.rank import RankState
-    from zdsl.runtime.state.rank import StateError
+    from zdsl.runtime.state.errors import StateError
     graph = compile_schedule(make_schedule(1, stage=3), gpt_units(**MODEL))
     with pytest.raises(StateError, match=r"unit 0 \(embedding\): the module has 1280 parameters, the compiled graph expects 2560"):
         RankState(graph, GPT(**{**MODEL, "width": 16}, seed=0), 0, 1)
@@ -306,7 +306,7 @@ def test_a_model_that_does_not_match_the_graph_is_refused():
 
 
 def test_an_op_that_reads_a_buffer_holding_no_data_names_rank_op_and_buffer():
-    from zdsl.runtime.state.rank import StateError
+    from zdsl.runtime.state.errors import StateError
     graph, state = _single_rank_state(stage=3)
     from zdsl.runtime.data import make_batch
     sched = make_schedule(1, stage=3)
@@ -317,7 +317,7 @@ def test_an_op_that_reads_a_buffer_holding_no_data_names_rank_op_and_buffer():
 
 
 def test_a_batch_count_that_does_not_match_accumulate_is_refused():
-    from zdsl.runtime.state.rank import StateError
+    from zdsl.runtime.state.errors import StateError
     _, state = _single_rank_state(stage=0)
     with pytest.raises(StateError, match="got 0 micro-batches, the graph accumulates 1"):
         state.step_begin(0, [])

@@ -5,8 +5,8 @@ from pathlib import Path
 from zdsl.runtime.exec import executor
 from zdsl.runtime.exec.contract import CollectiveHandle
 from zdsl.runtime.exec.contract import OpState
+from zdsl.runtime.state.comm import Collective
 from zdsl.runtime.state.rank import RankState
-from zdsl.runtime.state.rank import _Collective
 
 
 def protocol_members(proto) -> set[str]:
@@ -32,7 +32,7 @@ def test_the_executor_calls_exactly_what_the_protocol_lists():
 
 def test_the_rank_state_satisfies_the_protocol():
     assert issubclass(RankState, OpState)
-    assert issubclass(_Collective, CollectiveHandle)
+    assert issubclass(Collective, CollectiveHandle)
 
 
 def test_a_state_missing_a_call_does_not():

@@ -1,0 +1,167 @@
+"""The buffer table: one slot per buffer the graph names, and its memory on this rank.
+
+A slot is live while it holds data; an op reads only live slots and writing allocates a slot that
+is not. Sizes and dtypes come from the unit's flat layout (``flats``) and optimizer (``optims``),
+which the rank state fills in unit by unit at start-up. Every allocation and release is booked
+on the memory meter. The table never touches NVMe: a buffer on that tier is live when the swapper
+holds it (``runtime/state/transfers.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zdsl.ir import Buffer
+from zdsl.ir import Op
+from zdsl.ir import TaskGraph
+from zdsl.runtime.state.flat import FlatParam
+from zdsl.runtime.state.flat import alloc_storage
+from zdsl.runtime.state.flat import free_storage
+from zdsl.runtime.state.errors import StateError
+from zdsl.runtime.state.memory import MemoryMeter
+from zdsl.runtime.state.optim import UnitOptimizer
+
+ACT_KINDS = ("act", "act_inner", "act_grad")
+
+
+@dataclass
+class ActRecord:
+    """What a unit keeps between its forward and its backward."""
+    input: torch.Tensor | None          # the unit's input (detached; requires grad when floating)
+    output: torch.Tensor | None         # its output (the scaled loss for the last unit)
+    micro: int
+    nbytes: int = 0
+    rng: tuple | None = None            # a recomputed unit's RNG state before its forward
+
+
+@dataclass
+class Slot:
+    """One buffer of the graph on this rank."""
+    buf: Buffer
+    tensor: torch.Tensor | None = None  # flat buffers, act_grad, norm, loss
+    record: ActRecord | None = None     # act, act_inner
+    live: bool = False
+    clean: bool = True                  # grad_full: still all zeros since allocation
+
+
+class BufferTable:
+    """Every buffer of the graph on one rank: look-up, allocation, release, and errors that name
+    the rank and the op."""
+
+    def __init__(self, graph: TaskGraph, rank: int, device: torch.device, dtype: torch.dtype,
+                 meter: MemoryMeter):
+        self.graph, self.rank, self.device, self.dtype, self.meter = graph, rank, device, dtype, meter
+        self.host = torch.device("cpu")
+        self.slots: dict[str, Slot] = {name: Slot(b) for name, b in graph.buffers.items() if b.kind != "token"}
+        self.flats: list[FlatParam] = []          # per unit, filled by the rank state at start-up
+        self.optims: list[UnitOptimizer] = []     # per unit, likewise
+
+    def error(self, op: Op | None, cause: str) -> StateError:
+        where = f"op {op.id} {op.kind}" + (f" unit {op.unit}" if op.unit is not None else "") \
+            + (f" micro {op.micro}" if op.micro else "") if op is not None else "setup"
+        return StateError(f"rank {self.rank}: {where}: {cause}")
+
+    # -- sizes -------------------------------------------------------------------
+    def numel(self, buf: Buffer) -> int:
+        lay = self.flats[buf.unit].layout
+        if buf.kind in ("param_full", "grad_full"):
+            return lay.padded_numel
+        if buf.kind in ("param_shard", "grad_shard"):
+            return lay.shard_numel
+        return self.optims[buf.unit].flat_numel   # optim
+
+    def dtype_of(self, buf: Buffer) -> torch.dtype:
+        if buf.kind == "optim" or buf.kind in ("norm", "loss"):
+            return torch.float32
+        if buf.kind in ("grad_full", "grad_shard"):
+            return self.flats[buf.unit].grad.dtype
+        return self.dtype
+
+    @staticmethod
+    def category(buf: Buffer) -> str:
+        """The meter's category: the model state a persistent buffer holds, else working memory."""
+        return buf.state if buf.persistent and buf.state else "working"
+
+    # -- look-up -----------------------------------------------------------------
+    def slot(self, name: str, op: Op | None = None) -> Slot:
+        try:
+            return self.slots[name]
+        except KeyError:
+            raise self.error(op, f"buffer {name} is not in the graph") from None
+
+    def read(self, name: str, op: Op) -> Slot:
+        slot = self.slot(name, op)
+        if not slot.live:
+            raise self.error(op, f"reads {name}, which holds no data now (never produced, or freed)")
+        return slot
+
+    def write(self, name: str, op: Op) -> torch.Tensor:
+        """The tensor an op writes, allocated if the buffer is not live."""
+        slot = self.slot(name, op)
+        return slot.tensor if slot.live else self.alloc(slot)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The live tensor of a flat or scalar buffer (tests, checkpoints)."""
+        slot = self.slots[name]
+        if not slot.live or slot.tensor is None:
+            raise StateError(f"rank {self.rank}: {name} holds no data now")
+        return slot.tensor
+
+    def home(self, kind: str, u: int) -> Slot | None:
+        """The persistent buffer of ``kind`` for unit ``u``, on whichever tier it lives."""
+        for tier in (None, "host", "nvme"):
+            slot = self.slots.get(f"{kind}[{u}]" + (f"@{tier}" if tier else ""))
+            if slot is not None and slot.buf.persistent:
+                return slot
+        return None
+
+    def live_working(self) -> list[str]:
+        """Working buffers still held (after a step: none, unless the graph leaks)."""
+        return sorted(n for n, s in self.slots.items() if s.live and not s.buf.persistent)
+
+    # -- memory ------------------------------------------------------------------
+    def alloc(self, slot: Slot) -> torch.Tensor:
+        """Give a flat/scalar buffer memory (zeros for gradients and scalars)."""
+        buf = slot.buf
+        if buf.tier == "nvme":
+            raise StateError(f"rank {self.rank}: {buf.name} lives on nvme; only nvme.read/write touch it")
+        dev = self.device if buf.tier == "device" else self.host
+        if buf.kind in ("norm", "loss"):
+            t = torch.zeros((), dtype=torch.float32, device=dev)
+        elif buf.kind == "param_full" and buf.tier == "device":
+            t = self.flats[buf.unit].full
+            alloc_storage(t)
+        elif buf.kind == "grad_full" and buf.tier == "device":
+            t = self.flats[buf.unit].grad
+            alloc_storage(t)
+            t.zero_()
+        else:
+            pin = dev.type == "cpu" and self.device.type == "cuda"
+            t = torch.empty(self.numel(buf), dtype=self.dtype_of(buf), device=dev, pin_memory=pin)
+            if buf.kind in ("grad_full", "grad_shard"):
+                t.zero_()
+        slot.tensor, slot.live, slot.clean = t, True, True
+        self.meter.hold(buf.name, buf.tier, buf.kind, self.category(buf), t.numel() * t.element_size())
+        return t
+
+    def release(self, slot: Slot) -> None:
+        buf = slot.buf
+        if buf.kind in ("param_full", "grad_full") and buf.tier == "device" and slot.tensor is not None:
+            free_storage(slot.tensor)   # keep the tensor object: autograd's views see the next gather
+        else:
+            slot.tensor = None
+        slot.record = None
+        slot.live = False
+        self.meter.release(buf.name)
+
+    def free(self, op: Op) -> None:
+        """``mem.free``: release every working buffer the op names."""
+        for name in dict.fromkeys(op.writes + op.reads):
+            if name == "token":
+                continue
+            slot = self.slot(name, op)
+            if slot.buf.persistent:
+                raise self.error(op, f"frees {name}, which is model state (persistent)")
+            if slot.live:
+                self.release(slot)

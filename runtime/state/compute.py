@@ -1,0 +1,379 @@
+"""What the compute ops do: ``compute.forward|backward|recompute|norm|step``, and the step frame.
+
+* Units run one at a time. Forward keeps a unit's input (detached, so autograd stops at the unit
+  boundary) and its output; backward runs autograd for that one unit with the gradient of its
+  output and leaves the gradient of its input in ``act_grad[u]``. A recomputed unit's forward runs
+  without autograd and keeps only its input and output; ``compute.recompute`` re-runs it with
+  autograd (``act_inner[u]``), with the random generators as the forward found them (the same
+  dropout masks, as torch.utils.checkpoint).
+* Backward accumulates into ``grad_full`` (zero when allocated; the persistent ones of stages 0-1
+  are zeroed by ``step_begin``), and applies the 1/world factors the prescale plan puts after it
+  (``runtime/state/comm.py``). The loss of a micro-batch is divided by ``accumulate`` inside the
+  graph, as the DDP reference does.
+* A tied parameter's gradient from its user (the head) reaches the owner's ``grad_full``; when
+  that buffer already holds gradient (accumulation), the contribution waits for the owner's
+  backward and both are added together, which is the order autograd uses on the whole model (so
+  DDP's bits).
+* ``compute.norm`` writes the global gradient norm: at stage 0 exactly as ``clip_grad_norm_``
+  computes it; when an all-reduce of ``norm`` follows, this rank's sum of squares (the step takes
+  the square root).
+* ``compute.step`` updates the parameters it writes from the gradient and optimizer buffers it
+  reads (see ``runtime/state/optim.py``), after unscaling (fp16) and clipping; an fp16 overflow
+  skips every unit's update. The fp32 master copy is there when the graph says so
+  (``UnitInfo.master``).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from zdsl.ir import Op
+from zdsl.ir import TaskGraph
+from zdsl.ir import parse_buffer_name
+from zdsl.runtime.state.buffers import ActRecord
+from zdsl.runtime.state.buffers import BufferTable
+from zdsl.runtime.state.buffers import Slot
+from zdsl.runtime.state.errors import StateError
+from zdsl.runtime.state.comm import Prescale
+from zdsl.runtime.state.optim import clip_coefficient
+from zdsl.runtime.state.precision import LossScaler
+from zdsl.runtime.state.precision import overflowed
+from zdsl.runtime.state.transfers import Transfers
+
+
+@dataclass
+class StepPlan:
+    """What every step op of one step shares: overflow, clip coefficient, unscale factor."""
+    overflow: bool = False
+    coef: torch.Tensor | None = None
+    inv_scale: float = 1.0
+    grad_norm: float | None = None
+
+
+class Compute:
+    """Runs one rank's compute ops on its units, step by step."""
+
+    def __init__(self, graph: TaskGraph, table: BufferTable, transfers: Transfers, modules: list[nn.Module],
+                 tied: dict, world: int, prescale: Prescale, clip):
+        self.graph, self.table, self.transfers = graph, table, transfers
+        self.modules, self.tied, self.world, self.prescale, self.clip = modules, tied, world, prescale, clip
+        self.device = table.device
+        self.mixed = graph.precision != "fp32"
+        self.stage = graph.stage
+        self.accumulate = graph.accumulate
+        self.scaler = LossScaler(enabled=graph.precision == "fp16")
+        self.last = len(modules) - 1
+        self.norm_reduced = any(op.kind == "comm.all_reduce" and "norm" in op.writes for op in graph.ops)
+        self._lock = threading.Lock()
+        self._pending_tied: dict[tuple[int, int], torch.Tensor] = {}
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.losses: list[torch.Tensor] = []
+        self._plan: StepPlan | None = None
+        self.step_index = 0
+
+    # -- step frame ----------------------------------------------------------------
+    def step_begin(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Start a step: one ``(idx, targets)`` per micro-batch for this rank."""
+        if len(batches) != self.accumulate:
+            raise StateError(f"rank {self.table.rank}: step {step} got {len(batches)} micro-batches, "
+                             f"the graph accumulates {self.accumulate}")
+        self.step_index = step
+        self.batches = [(i.to(self.device, non_blocking=True), t.to(self.device, non_blocking=True))
+                        for i, t in batches]
+        self.losses = []
+        self._plan = None
+        self._pending_tied.clear()
+        for slot in self.table.slots.values():
+            if slot.buf.kind == "grad_full" and slot.buf.persistent and slot.live:
+                slot.tensor.zero_()
+                slot.clean = True
+
+    def step_end(self) -> dict:
+        """Finish a step: ``loss`` (this rank's mean over micro-batches), ``skipped``
+        (fp16 overflow), ``grad_norm`` (when computed), ``loss_scale``."""
+        plan = self._plan or StepPlan()
+        if self.scaler.enabled:
+            self.scaler.update(plan.overflow)
+        loss = float(torch.stack(self.losses).mean()) if self.losses else float("nan")
+        self.batches = []
+        return dict(loss=loss, skipped=plan.overflow, grad_norm=plan.grad_norm,
+                    loss_scale=self.scaler.scale if self.scaler.enabled else None)
+
+    def run(self, op: Op) -> None:
+        fn = {"compute.forward": self._forward, "compute.backward": self._backward,
+              "compute.recompute": self._recompute, "compute.norm": self._norm,
+              "compute.step": self._step}.get(op.kind)
+        if fn is None:
+            raise self.table.error(op, "not a compute op")
+        fn(op)
+
+    # -- forward, recompute, backward --------------------------------------------------
+    def _unit_input(self, op: Op) -> torch.Tensor:
+        u = op.unit
+        if u == 0:
+            if op.micro >= len(self.batches):
+                raise self.table.error(op, "no batch for this micro-batch (step_begin not called?)")
+            return self.batches[op.micro][0]
+        rec = self.table.read(f"act[{u - 1}]", op).record
+        return rec.output
+
+    def _param_storages(self) -> set[int]:
+        return {fp.full.untyped_storage().data_ptr() for fp in self.table.flats
+                if fp.full.untyped_storage().nbytes()}
+
+    def _run_unit(self, u: int, x: torch.Tensor, micro: int, grad: bool) -> tuple[torch.Tensor, int]:
+        """Run unit ``u`` on ``x``; returns the output and the bytes autograd saved."""
+        module = self.modules[u]
+        skip = self._param_storages() | {x.untyped_storage().data_ptr()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr not in skip:
+                seen[ptr] = s.nbytes()
+            return t
+
+        with torch.set_grad_enabled(grad), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if u == self.last:
+                loss = module(x, self.batches[micro][1])
+                self.losses.append(loss.detach().float())
+                out = loss / self.accumulate if self.accumulate > 1 else loss
+            else:
+                out = module(x)
+        optr = out.untyped_storage().data_ptr()
+        if optr not in seen:
+            seen[optr] = out.untyped_storage().nbytes()
+        return out, sum(seen.values())
+
+    def _forward(self, op: Op) -> None:
+        table = self.table
+        u = op.unit
+        for name in op.reads:
+            if name != "token":
+                table.read(name, op)
+        x = self._unit_input(op)
+        recompute = self.graph.units[u].recompute
+        x_in = x.detach()
+        if x_in.is_floating_point() and not recompute:
+            x_in.requires_grad_(True)
+        rng = rng_state(self.device) if recompute else None
+        out, nbytes = self._run_unit(u, x_in, op.micro, grad=not recompute)
+        if u == 0:
+            nbytes += x.numel() * x.element_size()
+        if recompute:
+            nbytes = out.numel() * out.element_size() + (x.numel() * x.element_size() if u == 0 else 0)
+        slot = table.slot(f"act[{u}]", op)
+        if slot.live:
+            table.meter.release(slot.buf.name)
+        slot.record, slot.live = ActRecord(x_in, out, op.micro, nbytes, rng), True
+        table.meter.hold(slot.buf.name, slot.buf.tier, "act", "working", nbytes)
+        if u == self.last and "loss" in table.slots:
+            table.write("loss", op).copy_(self.losses[-1])
+
+    def _recompute(self, op: Op) -> None:
+        table = self.table
+        u = op.unit
+        rec = table.read(f"act[{u}]", op).record
+        x_in = rec.input.detach()
+        if x_in.is_floating_point():
+            x_in.requires_grad_(True)
+        losses = list(self.losses)
+        with replayed_rng(rec.rng, self.device):   # the forward's dropout masks, not new ones
+            out, nbytes = self._run_unit(u, x_in, op.micro, grad=True)
+        self.losses = losses        # the loss was recorded by the forward
+        slot = table.slot(f"act_inner[{u}]", op)
+        slot.record, slot.live = ActRecord(x_in, out, op.micro, nbytes), True
+        table.meter.hold(slot.buf.name, slot.buf.tier, "act_inner", "working", nbytes)
+
+    def _grad_slot(self, u: int, op: Op) -> Slot:
+        slot = self.table.slot(f"grad_full[{u}]", op)
+        if not slot.live:
+            self.table.alloc(slot)
+        return slot
+
+    def _backward(self, op: Op) -> None:
+        table, flats = self.table, self.table.flats
+        u = op.unit
+        for name in op.reads:
+            if name != "token" and not name.startswith("grad_full["):
+                table.read(name, op)
+        rec = table.read(f"act_inner[{u}]" if self.graph.units[u].recompute else f"act[{u}]", op).record
+        if u < self.last:
+            grad_out = table.read(f"act_grad[{u + 1}]", op).tensor
+        else:
+            grad_out = (torch.tensor(self.scaler.scale, dtype=rec.output.dtype, device=rec.output.device)
+                        if self.scaler.enabled else None)
+        fp = flats[u]
+        tied = self.tied.get(u, [])
+        wants_input = rec.input is not None and rec.input.requires_grad
+        inputs = ([rec.input] if wants_input else []) + fp.params + \
+            [flats[o].params[i] for o, i in tied]
+        grads = torch.autograd.grad(rec.output, inputs, grad_outputs=grad_out, allow_unused=True)
+        if wants_input:
+            g_in, grads = grads[0], grads[1:]
+            if u > 0:
+                slot = table.slot(f"act_grad[{u}]", op)
+                slot.tensor, slot.live = g_in, True
+                table.meter.hold(slot.buf.name, slot.buf.tier, "act_grad", "working",
+                                 g_in.numel() * g_in.element_size())
+        own, from_users = grads[:len(fp.params)], grads[len(fp.params):]
+        with torch.no_grad():
+            gslot = self._grad_slot(u, op)
+            views = fp.grad_views
+            for i, g in enumerate(own):
+                pending = self._pending_tied.pop((u, i), None)
+                if g is None and pending is None:
+                    continue
+                total = pending if g is None else (g if pending is None else pending + g)
+                views[i].add_(total)
+            gslot.clean = False
+            for (owner, i), g in zip(tied, from_users):
+                if g is None:
+                    continue
+                oslot = self._grad_slot(owner, op)
+                if oslot.clean:
+                    flats[owner].grad_views[i].add_(g)
+                    oslot.clean = False
+                else:   # the owner's backward adds it together with its own part (autograd's order)
+                    prev = self._pending_tied.get((owner, i))
+                    self._pending_tied[(owner, i)] = g if prev is None else prev + g
+            for unit in self.prescale.after_backward.get(op.id, ()):
+                flats[unit].grad.mul_(1.0 / self.world)
+
+    # -- norm and step ------------------------------------------------------------------
+    def _norm(self, op: Op) -> None:
+        table = self.table
+        grads = [table.read(n, op).tensor for n in op.reads if n != "token"]
+        with torch.no_grad():
+            if not self.norm_reduced and not self.mixed and self.stage == 0:
+                # exactly clip_grad_norm_'s total norm over the parameters' gradients
+                views = [v for fp in table.flats for v in fp.grad_views]
+                value = _total_norm(views)
+            else:
+                sq = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2 for g in grads]
+                value = torch.stack(sq).sum() if sq else torch.zeros((), dtype=torch.float32)
+                if not self.norm_reduced:
+                    value = value.sqrt()
+            table.write("norm", op).copy_(value)
+
+    def _finish_norm(self) -> StepPlan:
+        """Overflow, clip coefficient and unscale factor, once per step (all step ops share it)."""
+        with self._lock:
+            if self._plan is not None:
+                return self._plan
+            plan = StepPlan(inv_scale=1.0 / self.scaler.scale)
+            slot = self.table.slots.get("norm")
+            if slot is not None and slot.live and (self.clip is not None or self.scaler.enabled):
+                total = slot.tensor.sqrt() if self.norm_reduced else slot.tensor.clone()
+                plan.overflow = self.scaler.enabled and overflowed(total)
+                total = total / self.scaler.scale if self.scaler.enabled else total
+                plan.grad_norm = float(total)
+                if self.clip is not None and not plan.overflow:
+                    plan.coef = clip_coefficient(total, float(self.clip))
+            self._plan = plan
+            return plan
+
+    def _step(self, op: Op) -> None:
+        table = self.table
+        u = op.unit
+        fp, opt = table.flats[u], table.optims[u]
+        kinds = {parse_buffer_name(n)[0]: n for n in op.reads if n != "token"}
+        wkinds = {parse_buffer_name(n)[0]: n for n in op.writes if n != "token"}
+        grad_name = kinds.get("grad_shard") or kinds.get("grad_full")
+        optim_name = kinds.get("optim") or wkinds.get("optim")
+        dest_name = wkinds.get("param_shard") or wkinds.get("param_full")
+        if grad_name is None or optim_name is None or dest_name is None:
+            raise table.error(op, "a step reads a gradient and optimizer buffer and writes parameters")
+        plan = self._finish_norm()
+        grad = table.read(grad_name, op).tensor
+        optflat = table.read(optim_name, op).tensor
+        dest_slot = table.slot(dest_name, op)
+        fresh = not dest_slot.live
+        dest = table.write(dest_name, op)
+        dest_kind = dest_slot.buf.kind
+        lay = fp.layout
+        full_parts = [slice(*lay.full_range(p)) for p in range(lay.parts)]
+        shard_parts = [slice(*lay.shard_range(p)) for p in range(lay.parts)]
+        d_parts = full_parts if dest_kind == "param_full" else shard_parts
+        g_parts = full_parts if parse_buffer_name(grad_name)[0] == "grad_full" else shard_parts
+        with torch.no_grad():
+            if fresh and not opt.master:
+                # the values to update come from the parameters the step reads: the gathered
+                # ones (stages 1-2) or the shard's home on another tier (stage 3 offload)
+                self._load_current(op, u, dest, d_parts)
+            masters = opt.master_parts(optflat) if opt.master else None
+            if plan.overflow:
+                if masters is not None:
+                    for d, m in zip(d_parts, masters):
+                        dest[d].copy_(m)
+                return
+            if opt.master:
+                g32 = [grad[s].float() for s in g_parts]
+                params = masters
+            else:
+                g32 = [grad[s] for s in g_parts]
+                params = [dest[d] for d in d_parts]
+            for g in g32:
+                if plan.inv_scale != 1.0:
+                    g.mul_(plan.inv_scale)
+                if plan.coef is not None:
+                    g.mul_(plan.coef)
+            opt.step(optflat, params, g32)
+            if masters is not None:
+                for d, m in zip(d_parts, masters):
+                    dest[d].copy_(m)
+
+    def _load_current(self, op: Op, u: int, dest: torch.Tensor, d_parts: list[slice]) -> None:
+        src_name = next((n for n in op.reads if parse_buffer_name(n)[0] in ("param_full", "param_shard")), None)
+        if src_name is None:
+            raise self.table.error(op, "an fp32 step without a master copy must read the current parameters")
+        slot = self.table.read(src_name, op)
+        src = self.transfers.load(slot)
+        if slot.buf.kind == "param_full":
+            for d, s in zip(d_parts, self.table.flats[u].owned(src)):
+                dest[d].copy_(s)
+        else:
+            dest.copy_(src)
+
+
+def rng_state(device: torch.device) -> tuple:
+    """The generators a unit's forward draws from: the CPU's, and its CUDA device's (by index,
+    so a lane worker thread whose current CUDA device is another one still saves the right one)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+@contextlib.contextmanager
+def replayed_rng(saved: tuple | None, device: torch.device):
+    """Run with the generators as they were at ``saved`` (a recompute redraws the forward's random
+    numbers, as torch.utils.checkpoint does), then put back where they are now, so that the
+    draws after it are those of a run without recompute."""
+    if saved is None:
+        yield
+        return
+    now = rng_state(device)
+    _set_rng_state(saved, device)
+    try:
+        yield
+    finally:
+        _set_rng_state(now, device)
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``clip_grad_norm_``'s total 2-norm, by the same calls (so the same bits)."""
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is not None:
+        return get_total_norm(grads, 2.0)
+    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
