@@ -95,7 +95,7 @@ def reference_step(path: str) -> str:
 
 def reference_program(folder: str, steps: int) -> str:
     """calibrate's reference schedule as a file ``zdsl run`` can run (the control)."""
-    from zdsl.runtime.calibrate.cli import REFERENCE
+    from zdsl.runtime.calibrate.reference import REFERENCE
     path = os.path.join(folder, "reference.zs")
     Path(path).write_text(REFERENCE.format(steps=steps, ranks=2, device="cpu"), encoding="utf-8")
     return path

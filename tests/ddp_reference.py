@@ -18,11 +18,11 @@ import tempfile
 import traceback
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zdsl.runtime.data import make_batch
+from zdsl.runtime.dist.group import init_group, leave_group
 from zdsl.runtime.run.launch import free_port
 from zdsl.runtime.models.gpt import GPT
 from zdsl.runtime.state.optim import make_torch_optimizer
@@ -138,20 +138,21 @@ def run_steps(graph, state, schedule, rank: int, world: int) -> list[dict]:
     return trio.run(loop)
 
 
+GROUP_TIMEOUT_S = 300.0   # a collective waiting longer fails the test instead of hanging it
+
+
 def _entry(rank: int, world: int, port: int, fn, args: tuple, outdir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        init_group(rank, world, torch.device("cpu"), GROUP_TIMEOUT_S, init_method=f"tcp://127.0.0.1:{port}")
         result = fn(rank, world, *args)
         torch.save({"ok": result}, path)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, path)
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
 
 
 def spawn(fn, world: int, *args):

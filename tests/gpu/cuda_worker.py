@@ -16,7 +16,8 @@ import torch  # noqa: E402
 
 from zdsl.cli import compile_file  # noqa: E402
 from zdsl.runtime.data import make_batch  # noqa: E402
-from zdsl.runtime.run.train import env_rank, init_group, pick_device  # noqa: E402
+from zdsl.runtime.dist.group import init_group  # noqa: E402
+from zdsl.runtime.run.train import env_rank, pick_device  # noqa: E402
 
 
 def ddp(compiled, rank: int, world: int, device) -> dict:

@@ -61,7 +61,7 @@ def test_gloo_loop_threads_stop_preempting_unless_told_not_to(setting, policy):
     code = """
 import json, os, socket, time
 import torch, torch.distributed as dist
-from zdsl.runtime.run.train import init_group
+from zdsl.runtime.dist.group import init_group
 free = socket.socket(); free.bind(('127.0.0.1', 0)); port = free.getsockname()[1]; free.close()
 os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
 init_group(0, 1, torch.device('cpu'), 30)

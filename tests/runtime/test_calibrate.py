@@ -3,8 +3,9 @@ import re
 
 import pytest
 
-from zdsl.runtime.calibrate.cli import (MIN_UNDER_LOAD, ZS_KEYS, Calibration, fit_latency_bandwidth, fit_overhead,
-                                    main, reference_graph)
+from zdsl.planner.fit import MIN_UNDER_LOAD, fit_latency_bandwidth, fit_overhead
+from zdsl.runtime.calibrate.cli import ZS_KEYS, Calibration, main
+from zdsl.runtime.calibrate.reference import reference_graph
 from zdsl.schedule import MachineProfile
 
 
@@ -80,11 +81,11 @@ def test_the_disk_test_runs_the_swapper_and_fits_each_direction(tmp_path):
     bytes / rate; its files go; a folder it cannot use is a CalibrationError, not a traceback.
     (Which size took longer is the disk's and the load's business: the fit is checked, not the
     times, which on a loaded host need not even rise with the bytes.)"""
-    from zdsl.runtime.calibrate.cli import DISK_SIZES
-    from zdsl.runtime.calibrate.cli import MIN_DISK_CPU
-    from zdsl.runtime.calibrate.cli import CalibrationError
-    from zdsl.runtime.calibrate.cli import Settings
-    from zdsl.runtime.calibrate.cli import measure_disk
+    from zdsl.runtime.calibrate.measure import DISK_SIZES
+    from zdsl.runtime.calibrate.measure import MIN_DISK_CPU
+    from zdsl.runtime.calibrate.measure import CalibrationError
+    from zdsl.runtime.calibrate.measure import Settings
+    from zdsl.runtime.calibrate.measure import measure_disk
     disk = measure_disk(str(tmp_path), Settings(quick=True), rank=0)
     for way in ("read", "write"):
         sizes = [n for n, _ in disk["points"][way]]
@@ -105,9 +106,9 @@ def test_the_per_op_overhead_fit_recovers_a_known_one():
     graph = reference_graph(2, "cpu").graph
     truth = 7e-4
     measured = simulate(graph, MachineProfile(**{**vars(profile), "op_overhead": truth})).step_s
-    fit = fit_overhead(profile, 2, "cpu", measured)
+    fit = fit_overhead(graph, profile, measured)
     assert fit.op == pytest.approx(truth, rel=1e-6) and fit.comm < 0 and fit.bare_s < measured
-    assert fit_overhead(profile, 2, "cpu", fit.bare_s / 2).op == 0.0      # faster than the rates: no overhead
+    assert fit_overhead(graph, profile, fit.bare_s / 2).op == 0.0      # faster than the rates: no overhead
 
 
 @pytest.mark.parametrize("cores", [0, 1])
@@ -120,7 +121,7 @@ def test_the_fit_recovers_lane_kernel_and_collective_costs(op_cost, comm_cost, k
     import dataclasses
     from zdsl.planner.simulate import rated_duration
     from zdsl.planner.simulate import simulate
-    from zdsl.runtime.calibrate.cli import lane_ops
+    from zdsl.planner.fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=cores)
     graph = reference_graph(2, "cpu").graph
@@ -129,7 +130,7 @@ def test_the_fit_recovers_lane_kernel_and_collective_costs(op_cost, comm_cost, k
     step = simulate(graph, truth).step_s
     measured = {i: rated_duration(graph, graph.ops[i], profile) + op_cost + graph.ops[i].kernels * kernel_cost
                 for i in lane_ops(graph)}
-    fit = fit_overhead(profile, 2, "cpu", step, measured)
+    fit = fit_overhead(graph, profile, step, measured)
     assert fit.op == pytest.approx(op_cost, rel=1e-6)
     assert fit.kernel == pytest.approx(kernel_cost, rel=1e-6, abs=1e-12)
     assert fit.comm == pytest.approx(comm_cost, rel=1e-4, abs=1e-8)
@@ -138,8 +139,8 @@ def test_the_fit_recovers_lane_kernel_and_collective_costs(op_cost, comm_cost, k
 def test_the_lane_cost_line_stands_noise():
     """Each lane op 10% off its fixed costs either way: the costs come back within 10%."""
     from zdsl.planner.simulate import rated_duration
-    from zdsl.runtime.calibrate.cli import lane_costs
-    from zdsl.runtime.calibrate.cli import lane_ops
+    from zdsl.planner.fit import lane_costs
+    from zdsl.planner.fit import lane_ops
     profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
     graph = reference_graph(2, "cpu").graph
     noise = [0.9, 1.1, 1.0]
@@ -151,8 +152,8 @@ def test_the_lane_cost_line_stands_noise():
 
 def test_the_lane_cost_line_never_starts_below_zero():
     from zdsl.planner.simulate import rated_duration
-    from zdsl.runtime.calibrate.cli import lane_costs
-    from zdsl.runtime.calibrate.cli import lane_ops
+    from zdsl.planner.fit import lane_costs
+    from zdsl.planner.fit import lane_ops
     profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
     graph = reference_graph(2, "cpu").graph
     # ops with no kernels took no more than their rates; the others 10 us a kernel, less 50 us
@@ -164,16 +165,16 @@ def test_the_lane_cost_line_never_starts_below_zero():
 
 def test_lane_ops_faster_than_their_rate_give_no_negative_cost():
     from zdsl.planner.simulate import rated_duration
-    from zdsl.runtime.calibrate.cli import lane_ops
+    from zdsl.planner.fit import lane_ops
     profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
     graph = reference_graph(2, "cpu").graph
     measured = {i: rated_duration(graph, graph.ops[i], profile) / 2 for i in lane_ops(graph)}
-    fit = fit_overhead(profile, 2, "cpu", 1.0, measured)
+    fit = fit_overhead(graph, profile, 1.0, measured)
     assert fit.op == 0.0 and fit.comm > 0
 
 
 def test_the_reference_step_is_the_median_block_of_the_slowest_rank():
-    from zdsl.runtime.calibrate.cli import reference_times
+    from zdsl.runtime.calibrate.reference import reference_times
 
     def block(steps, op):
         return {"steps": steps, "lane_op_s": {3: op}}
@@ -194,8 +195,8 @@ def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took
     import dataclasses
     from zdsl.planner.simulate import rated_duration
     from zdsl.planner.simulate import simulate
-    from zdsl.runtime.calibrate.cli import comm_ops
-    from zdsl.runtime.calibrate.cli import lane_ops
+    from zdsl.planner.fit import comm_ops
+    from zdsl.planner.fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=1)
     graph = reference_graph(2, "cpu").graph
@@ -208,7 +209,7 @@ def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took
     service = {i: rated_duration(graph, graph.ops[i], profile) + base
                + (scatter_extra if graph.ops[i].kind == "comm.reduce_scatter" else 0.0) for i in comm_ops(graph)}
     assert {graph.ops[i].kind for i in service} >= {"comm.reduce_scatter", "comm.all_gather"}
-    fit = fit_overhead(profile, 2, "cpu", step, lane, service)
+    fit = fit_overhead(graph, profile, step, lane, service)
     assert fit.op == pytest.approx(op_cost, rel=1e-6)
     assert fit.comm == pytest.approx(comm_cost, rel=1e-4)
     assert fit.scatter == pytest.approx(comm_cost + scatter_extra, rel=1e-4)
@@ -220,7 +221,7 @@ def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took
 def test_a_collectives_service_time_starts_when_the_one_before_it_on_its_lane_ends():
     from types import SimpleNamespace as NS
 
-    from zdsl.runtime.calibrate.cli import comm_intervals
+    from zdsl.planner.fit import comm_intervals
     graph = NS(ops=[NS(kind="comm.all_gather", lane="comm"), NS(kind="compute.forward", lane="compute"),
                     NS(kind="comm.reduce_scatter", lane="comm"), NS(kind="comm.all_gather", lane="comm")])
     # issued together at 1.0: the second queues behind the first; the third issued after both ended
@@ -232,7 +233,7 @@ def test_a_collectives_service_time_starts_when_the_one_before_it_on_its_lane_en
 def test_with_two_backend_threads_a_collective_waits_only_for_one_of_them():
     from types import SimpleNamespace as NS
 
-    from zdsl.runtime.calibrate.cli import comm_intervals
+    from zdsl.planner.fit import comm_intervals
     graph = NS(ops=[NS(kind="comm.all_gather", lane="comm")] * 4)
     # issued together at 1.0: the first two start at once; the third when the second's thread is
     # free (2.0), the fourth when the third's is (2.5: the first holds the other until 4.0)
@@ -244,9 +245,9 @@ def test_with_two_backend_threads_a_collective_waits_only_for_one_of_them():
 def test_the_time_compute_ran_beside_a_collective_is_counted_once_and_only_inside_its_service():
     from types import SimpleNamespace as NS
 
-    from zdsl.runtime.calibrate.cli import comm_intervals
+    from zdsl.planner.fit import comm_intervals
 
-    from zdsl.runtime.calibrate.cli import comm_under_compute
+    from zdsl.planner.fit import comm_under_compute
     graph = NS(ops=[NS(kind="comm.all_gather", lane="comm"), NS(kind="compute.forward", lane="compute"),
                     NS(kind="compute.step", lane="host"), NS(kind="comm.all_gather", lane="comm"),
                     NS(kind="copy.h2d", lane="h2d")])
@@ -262,8 +263,8 @@ def test_a_scatter_extra_that_alone_overshoots_the_step_is_fitted_to_it():
     import dataclasses
     from zdsl.planner.simulate import rated_duration
     from zdsl.planner.simulate import simulate
-    from zdsl.runtime.calibrate.cli import comm_ops
-    from zdsl.runtime.calibrate.cli import lane_ops
+    from zdsl.planner.fit import comm_ops
+    from zdsl.planner.fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              memory_bandwidth=1.4e10, cores=1)
     graph = reference_graph(2, "cpu").graph
@@ -272,7 +273,7 @@ def test_a_scatter_extra_that_alone_overshoots_the_step_is_fitted_to_it():
     lane = {i: rated_duration(graph, graph.ops[i], profile) + 2e-4 for i in lane_ops(graph)}
     service = {i: rated_duration(graph, graph.ops[i], profile)
                + (5e-3 if graph.ops[i].kind == "comm.reduce_scatter" else 0.0) for i in comm_ops(graph)}
-    fit = fit_overhead(profile, 2, "cpu", step, lane, service)
+    fit = fit_overhead(graph, profile, step, lane, service)
     assert fit.comm == 0.0 and fit.scatter == pytest.approx(1e-3, rel=1e-4)
 
 
@@ -283,8 +284,8 @@ def test_a_collectives_rate_under_load_is_fitted_from_the_time_compute_ran_besid
     import dataclasses
     from zdsl.planner.simulate import rated_duration
     from zdsl.planner.simulate import simulate
-    from zdsl.runtime.calibrate.cli import comm_ops
-    from zdsl.runtime.calibrate.cli import lane_ops
+    from zdsl.planner.fit import comm_ops
+    from zdsl.planner.fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              memory_bandwidth=1.4e10, cores=1)
     graph = reference_graph(2, "cpu").graph
@@ -296,17 +297,17 @@ def test_a_collectives_rate_under_load_is_fitted_from_the_time_compute_ran_besid
     loaded = {i: 1e-4 * (k % 5) for k, i in enumerate(comm_ops(graph))}
     service = {i: rated_duration(graph, graph.ops[i], profile) + comm_cost + (1 - under) * loaded[i]
                for i in comm_ops(graph)}
-    fit = fit_overhead(profile, 2, "cpu", step, lane, service, loaded)
+    fit = fit_overhead(graph, profile, step, lane, service, loaded)
     assert fit.under_load == pytest.approx(under, rel=1e-6)
     assert fit.comm == pytest.approx(comm_cost, rel=1e-4) and fit.scatter == pytest.approx(comm_cost, rel=1e-3)
     # no sharing model (cores 0): nothing to fit, the fair-share default stays
-    assert fit_overhead(dataclasses.replace(profile, cores=0), 2, "cpu", step, lane, service, loaded).under_load == 0
+    assert fit_overhead(graph, dataclasses.replace(profile, cores=0), step, lane, service, loaded).under_load == 0
 
 
 def test_collectives_slower_than_waiting_out_the_compute_floor_the_rate():
     from zdsl.planner.simulate import rated_duration
-    from zdsl.runtime.calibrate.cli import comm_ops
-    from zdsl.runtime.calibrate.cli import rate_under_load
+    from zdsl.planner.fit import comm_ops
+    from zdsl.planner.fit import rate_under_load
     profile = MachineProfile(link_bandwidth=1.3e9, link_latency=3.5e-4, cores=1)
     graph = reference_graph(2, "cpu").graph
     loaded = {i: 1e-4 * (k % 5) for k, i in enumerate(comm_ops(graph))}

@@ -1,0 +1,369 @@
+"""The microbenchmarks of ``zdsl calibrate``, each run on every rank at once: compute, the host
+AdamW step, copies, collectives and the disk, measured the way the planner uses each rate."""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+
+from zdsl.planner.fit import fit_latency_bandwidth
+
+
+MiB = 1 << 20
+
+
+BLOCK = 1 * MiB          # NVMe block, the schedule default
+
+
+DEPTH = 8                # NVMe requests in flight, the schedule default
+
+
+class CalibrationError(RuntimeError):
+    """Calibration could not run or a measurement failed (said in words)."""
+
+
+@dataclass
+class Settings:
+    """What to measure and how long; ``quick`` trades precision for < 15 s."""
+    ranks: int = 2
+    backend: str = "auto"            # auto | gloo | nccl
+    disk_folder: str | None = None   # where the NVMe test files go (default: the temp folder)
+    quick: bool = False
+    width: int | None = None         # model shape the compute rate is measured at
+    layers: int | None = None        # with layers (and vocab): the whole model, else one block
+    vocab: int | None = None
+    heads: int | None = None
+    context: int | None = None
+    batch: int | None = None
+    block: int = BLOCK               # NVMe I/O size and requests in flight (the schedule's nvme(...))
+    depth: int = DEPTH
+    timeout_s: float = 60.0
+
+    def budget(self, full: float, quick: float) -> float:
+        return quick if self.quick else full
+
+
+def _sync_for(device):
+    import torch
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _median_time(fn, sync, budget_s: float, min_reps: int = 3, max_reps: int = 1000) -> float:
+    """Median seconds of ``fn`` after one warm-up, repeated for about ``budget_s``."""
+    fn()
+    sync()
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < min_reps or (time.perf_counter() < deadline and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _model_shape(s: Settings, device) -> dict:
+    cuda = device.type == "cuda"
+    return {
+        "width": s.width or (768 if cuda else 64),
+        "heads": s.heads or (12 if cuda else 4),
+        "context": s.context or (1024 if cuda else 32),
+        "batch": s.batch or (8 if cuda else 4),
+        "layers": s.layers,
+        "vocab": s.vocab or 256,
+    }
+
+
+def _block_fwd_bwd(block, batch: int, context: int, width: int):
+    """A closure running a GPT ``block``'s forward and backward on one random batch, on the
+    block's device and in its dtype."""
+    import torch
+    p = next(block.parameters())
+    x = torch.randn(batch, context, width, device=p.device, dtype=p.dtype, requires_grad=True)
+    g = torch.randn_like(x)
+    return lambda: block(x).backward(g)
+
+
+def measure_compute(device, s: Settings, dtype) -> dict:
+    """Matmul ceiling at the block's shapes, and the block's forward+backward rate."""
+    import torch
+    from zdsl.compile.units import gpt_units
+
+    shape = _model_shape(s, device)
+    d, tokens = shape["width"], shape["batch"] * shape["context"]
+    sync = _sync_for(device)
+    mats = [(torch.randn(tokens, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype),
+             torch.empty(tokens, n, device=device, dtype=dtype))
+            for k, n in ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d))]
+    mm_flops = sum(2.0 * tokens * a.shape[1] * b.shape[1] for a, b, _ in mats)
+    budget = s.budget(2.5, 0.3)
+    with torch.no_grad():   # preallocated outputs: the ceiling, without the allocator
+        t_mm = _median_time(lambda: [torch.mm(a, b, out=c) for a, b, c in mats], sync, budget)
+    out = {"mm_flops": mm_flops / t_mm, "shape": shape, "dtype": str(dtype).replace("torch.", "")}
+    try:
+        from zdsl.runtime.models.gpt import GPT
+        from zdsl.runtime.models.gpt import Block
+    except Exception as e:  # the model is optional here: fall back to the matmul rate
+        out["block_flops"] = None
+        out["block_note"] = f"GPT model unavailable ({type(e).__name__}); flops = matmul rate"
+        return out
+    torch.manual_seed(0)
+    b, T, heads = shape["batch"], shape["context"], shape["heads"]
+    whole = bool(shape.get("layers"))
+    if whole:   # the whole model, embedding and head included: what a step's compute lane runs
+        layers, vocab = shape["layers"], shape["vocab"]
+        model = GPT(layers, d, heads, vocab, T, device=device).to(dtype=dtype)
+        specs = gpt_units(layers, d, heads, vocab, T)
+        out["measured"] = f"GPT forward+backward: layers {layers}, vocab {vocab}, "
+    else:
+        block = Block(d, heads).to(device=device, dtype=dtype)
+        specs = gpt_units(1, d, heads, 256, T)[1:2]
+        out["measured"] = "GPT block forward+backward: "
+
+    def fwd_bwd_at(batch: int):
+        if whole:
+            idx = torch.randint(vocab, (batch, T), device=device)
+            tgt = torch.randint(vocab, (batch, T), device=device)
+            return lambda: model(idx, tgt).backward()
+        return _block_fwd_bwd(block, batch, T, d)
+
+    per_seq = 3.0 * sum(u.fwd_flops_per_seq for u in specs)      # forward + 2x for backward
+    t_model = _median_time(fwd_bwd_at(b), sync, budget)
+    out["block_flops"] = per_seq * b / t_model
+    if device.type == "cpu":
+        # Eager PyTorch pays a fixed cost per kernel, as large here as the block's arithmetic,
+        # which the planner charges apart (kernel_overhead, fitted on the runtime's own ops in
+        # fit_overhead): the rate is the slope of forward+backward's time over several batch
+        # sizes (the same kernels, flops in proportion), not one batch's flops over its time.
+        # (On CUDA, launches overlap the device's work: one batch's rate.)
+        batches = sorted({max(1, b // 4), max(1, b // 2), b, 2 * b})
+        points = [(per_seq * n, _median_time(fwd_bwd_at(n), sync, s.budget(1.5, 0.2)) if n != b else t_model)
+                  for n in batches]
+        fixed_s, rate = fit_latency_bandwidth(points)
+        out.update(block_flops=rate, fixed_s=fixed_s, batches=batches, flops_at_batch=per_seq * b / t_model)
+    return out
+
+
+def measure_optimizer(device, s: Settings) -> dict:
+    """AdamW steps on a flat fp32 shard, bytes counted as the planner's compute.step does:
+    the step the runtime runs on the host (``host_adam``: what a CPU run and an offloaded
+    optimizer use) and, on CUDA, the step on the device.
+
+    The device step is ATen's own single-tensor AdamW (what ``torch.optim.AdamW(foreach=False)``
+    runs, kernel for kernel), written out so calibration does not pay torch.optim's
+    first-use import (seconds) for a number that takes milliseconds.
+    """
+    import torch
+    from zdsl.runtime.offload.host_adam import host_adamw_
+    n = (1 << 20) if s.quick else (4 << 20)
+    state_bytes = n * (8 + 2 * 4)          # two fp32 moments + fp32 parameter and gradient
+    lr, wd, b1, b2, eps = 1e-3, 0.1, 0.9, 0.95, 1e-8
+    budget = s.budget(1.0, 0.25)
+
+    def tensors(where):
+        g = torch.Generator().manual_seed(0)
+        p = (torch.randn(n, generator=g) * 0.02).to(where)
+        grad = (torch.randn(n, generator=g) * 1e-3).to(where)
+        return p, grad, torch.zeros(n, device=where), torch.zeros(n, device=where)
+
+    hp, hg, hm, hv = tensors("cpu")
+    count = [0]
+
+    def host_step():
+        count[0] += 1
+        host_adamw_(hp, hg, hm, hv, count[0], lr, b1, b2, eps, wd, threads=torch.get_num_threads())
+    host_sec = _median_time(host_step, lambda: None, budget)
+    out = {"host_adam_bandwidth": state_bytes / host_sec, "adam_numel": n}
+    if device.type != "cuda":
+        out["adam_bandwidth"] = out["host_adam_bandwidth"]
+        return out
+    p, g, m, v = tensors(device)
+    t = 1
+
+    def step():
+        p.mul_(1 - lr * wd)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        denom = (v.sqrt() / (bc2 ** 0.5)).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / bc1)
+    with torch.no_grad():
+        sec = _median_time(step, _sync_for(device), budget)
+    out["adam_bandwidth"] = state_bytes / sec
+    return out
+
+
+def measure_copy(device, s: Settings) -> dict:
+    """Host<->device copy rate (pinned) on CUDA; a plain memory copy on CPU."""
+    import torch
+    n = (16 if s.quick else 64) * MiB
+    budget = s.budget(0.8, 0.25)
+    if device.type != "cuda":
+        src = torch.empty(n, dtype=torch.uint8).fill_(1)
+        dst = torch.empty(n, dtype=torch.uint8)
+        t = _median_time(lambda: dst.copy_(src), lambda: None, budget)
+        return {"pcie": n / t, "copy_note": f"memcpy of {n // MiB} MiB (no device: copies are host memcpy)"}
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True).fill_(1)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    sync = _sync_for(device)
+    t_h2d = _median_time(lambda: dev.copy_(host, non_blocking=True), sync, budget)
+    t_d2h = _median_time(lambda: host.copy_(dev, non_blocking=True), sync, budget)
+    return {"pcie": 2 * n / (t_h2d + t_d2h), "h2d": n / t_h2d, "d2h": n / t_d2h,
+            "copy_note": f"pinned copies of {n // MiB} MiB"}
+
+
+def _collective_fns():
+    """The runtime's own all-gather, reduce-scatter and all-reduce (on gloo a reduce-scatter is
+    an all-reduce: see ``runtime/dist/collectives.py``), so each rate is the one a run sees."""
+    from zdsl.runtime.dist import collectives
+    return collectives.all_gather, collectives.reduce_scatter, collectives.all_reduce
+
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def measure_collectives(device, s: Settings, rank: int, world: int) -> dict:
+    """Each kind of collective at several payloads, fitted to ``latency + payload*(n-1)/n / link``;
+    every rank runs the same loop."""
+    import torch
+    import torch.distributed as dist
+    gather, scatter, reduce = _collective_fns()
+    sync = _sync_for(device)
+    # 4 KiB carries the latency: a step's small collectives (a gradient norm is 8 bytes, a tiny
+    # unit's shard a few KiB) sit below the sizes that carry the bandwidth.
+    sizes = [4 << 10, 64 << 10, 1 * MiB, 8 * MiB] if s.quick else [4 << 10, 64 << 10, 512 << 10, 4 * MiB, 16 * MiB]
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in COLLECTIVES}
+    for size in sizes:
+        numel = size // 4 // world * world
+        full = torch.zeros(numel, device=device)
+        shard = torch.ones(numel // world, device=device)
+        reps = max(3, min(20 if s.quick else 40, int((4 if s.quick else 16) * MiB / size)))
+        for name, call in (("all_gather", lambda: gather(full, shard)),
+                           ("reduce_scatter", lambda: scatter(shard, full)),
+                           ("all_reduce", lambda: reduce(full))):
+            call()
+            sync()
+            dist.barrier()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                call()
+                sync()
+                times.append(time.perf_counter() - t0)
+            payload = numel * 4 * (world - 1) / world
+            # The mean, not the median: on shared cores a small collective takes either ~0.3 ms
+            # or ~3 ms (a wake-up missed), and which mode holds the median flips from size to
+            # size and run to run; the mean is what a step pays per call on average.
+            results[name].append((payload, statistics.fmean(times)))
+    out: dict = {name: fit_latency_bandwidth(pts) for name, pts in results.items()}
+    out["sizes"] = sizes
+    out["points"] = results
+    return out
+
+
+# Transfer sizes of the disk test: a small unit's shard to a large one's optimizer state. At the
+# sizes a schedule moves, a transfer's fixed cost is much of its time (traced: a 1.5 MiB shard's
+# read took 3-5 ms in a run against 1.4 ms at the streaming rate).
+DISK_SIZES = (256 << 10, 1 * MiB, 4 * MiB, 16 * MiB)
+
+
+MIN_DISK_CPU = 0.01     # a share of a core: noise can make compute beside a transfer faster
+
+
+def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None) -> dict:
+    """The runtime's own swapper (``runtime/offload/swap.py``: ``block``-sized direct-I/O requests, up to
+    ``depth`` in flight, every block checksummed) writing then reading transfers of several
+    sizes from a plain thread, as a lane does; each direction fitted to ``latency + bytes / rate``.
+    Then the share of the rank's core a transfer takes from compute beside it
+    (:func:`_disk_beside_compute`). ``barrier`` keeps the ranks at the same size, as they share
+    the disk in a run."""
+    import torch
+
+    from zdsl.runtime.offload.swap import Swapper
+
+    from zdsl.runtime.offload.swap import SwapError
+    sizes = DISK_SIZES[:-1] if s.quick else DISK_SIZES
+    budget = s.budget(0.4, 0.1)
+    where = os.path.join(folder, f".zdsl-calibrate-{os.getpid()}-{rank}")
+    points: dict[str, list[tuple[float, float]]] = {"write": [], "read": []}
+    direct = True
+    try:
+        with Swapper(where, s.block, s.depth) as swapper:
+            for size in sizes:
+                data = torch.randint(0, 256, (size,), dtype=torch.uint8)
+                out = torch.empty_like(data)
+                name = f"transfer-{size}"
+                swapper.reserve({name: size})
+                barrier()
+                points["write"].append((size, _median_time(lambda: swapper.write_sync(name, data),
+                                                           lambda: None, budget)))
+                direct = direct and swapper.direct(name)
+                barrier()
+                points["read"].append((size, _median_time(lambda: swapper.read_sync(name, out),
+                                                          lambda: None, budget)))
+                if not torch.equal(out, data):
+                    raise CalibrationError(f"disk test in {folder}: a read returned other bytes than were written")
+                swapper.discard(name)
+            barrier()
+            cpu = _disk_beside_compute(swapper, s)
+    except SwapError as e:
+        raise CalibrationError(f"disk test in {folder} failed: {e}") from None
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    result = {"direct": direct, "sizes": list(sizes), "points": points, "beside_compute": cpu}
+    for way in ("read", "write"):
+        latency, rate = fit_latency_bandwidth(points[way])
+        result.update({f"disk_{way}": rate, f"disk_{way}_latency": latency, f"disk_{way}_cpu": cpu[way]})
+    return result
+
+
+def _disk_beside_compute(swapper, s: Settings) -> dict:
+    """How much of the core a disk transfer takes from compute: a GPT block's forward+backward
+    on the host alone, then beside back-to-back reads, then writes, then alone again; the share
+    is ``1 - alone / beside``. The swapper's threads wake for each request and checksum each
+    block, and the scheduler runs them first: traced, a block's forward+backward took 1.4x its
+    time beside reads and 2x beside writes while the transfers kept their rate."""
+    import threading
+
+    import torch
+
+    from zdsl.runtime.models.gpt import Block
+    shape = _model_shape(s, torch.device("cpu"))
+    fwd_bwd = _block_fwd_bwd(Block(shape["width"], shape["heads"]), shape["batch"], shape["context"], shape["width"])
+    size = DISK_SIZES[2]
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    out = torch.empty_like(data)
+    swapper.write_sync("beside", data)
+    budget = s.budget(0.5, 0.15)
+    nothing = lambda: None                     # noqa: E731
+    alone = [_median_time(fwd_bwd, nothing, budget)]
+    beside = {}
+    for way, transfer in (("read", lambda: swapper.read_sync("beside", out)),
+                          ("write", lambda: swapper.write_sync("beside", data))):
+        stop = threading.Event()
+        failed: list[BaseException] = []
+
+        def loop() -> None:
+            try:
+                while not stop.is_set():
+                    transfer()
+            except BaseException as e:  # noqa: BLE001 - raised below, in the measuring thread
+                failed.append(e)
+        thread = threading.Thread(target=loop, name="zdsl-calibrate-disk", daemon=True)
+        thread.start()
+        try:
+            beside[way] = _median_time(fwd_bwd, nothing, budget)
+        finally:
+            stop.set()
+            thread.join()
+        if failed:                                 # else compute "beside" it ran alone
+            raise failed[0]
+    alone.append(_median_time(fwd_bwd, nothing, budget))
+    swapper.discard("beside")
+    base = statistics.fmean(alone)
+    return {way: min(1.0, max(MIN_DISK_CPU, 1.0 - base / t)) for way, t in beside.items()} | \
+        {"alone_s": base, "beside_s": beside}

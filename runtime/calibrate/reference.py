@@ -1,0 +1,115 @@
+"""The reference step of ``zdsl calibrate``: a tiny ZeRO-3 GPT trained through the real executor,
+whose measured op times the planner's overhead fits (zdsl/planner/fit.py) invert."""
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import tempfile
+
+from zdsl.planner.fit import comm_intervals, comm_ops, comm_under_compute, lane_ops
+from zdsl.runtime.calibrate.measure import CalibrationError, Settings
+
+
+# Reference steps (full, quick), ~15 ms each here. The host's speed moves from one half second to
+# the next: 48 steps in one block put the reference 50% off the programs run beside it.
+RUNTIME_STEPS = {False: 240, True: 24}
+
+
+RUNTIME_BLOCKS = 3
+
+
+# The graph the per-op overhead is fitted on: small enough that fixed costs dominate. Its step
+# count only has to be valid: measure_runtime runs as many steps as each block needs.
+REFERENCE = """schedule calibrate_reference "zdsl calibrate: a tiny ZeRO-3 step, what the runtime costs per op"
+model     gpt(layers=2, width=64, heads=4, vocab=256, context=32)
+data      synthetic(vocab=256, context=32)
+train     steps={steps}, batch=4, precision=fp32, seed=0
+optimizer adamw(lr=1e-3)
+ranks     {ranks} on {device}
+zero      3
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def reference_graph(ranks: int, device: str):
+    """The compiled reference schedule: once per process, for the runtime blocks and the fit
+    alike (nothing that runs it changes it)."""
+    from zdsl.cli import compile_file
+    with tempfile.TemporaryDirectory(prefix="zdsl-calibrate-") as tmp:
+        path = os.path.join(tmp, "reference.zs")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(REFERENCE.format(steps=RUNTIME_STEPS[False], ranks=ranks, device=device))
+        compiled = compile_file(path, {}, simulate=False)
+    if not compiled.ok:
+        raise CalibrationError("the reference schedule does not compile: "
+                               + "; ".join(d.message for d in compiled.diagnostics if d.is_error))
+    return compiled
+
+
+def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slots: int = 1) -> dict:
+    """Step times of ``steps`` steps of the reference schedule through the real executor (all ranks
+    at once); ``slots``: collectives the backend runs at once (for their service times)."""
+    import torch
+    import trio
+
+    from zdsl.runtime.data import make_batch
+    from zdsl.runtime.exec.executor import Executor
+    from zdsl.runtime.models.protocol import build_model
+    from zdsl.runtime.state.rank import RankState
+    from zdsl.runtime.dist.collectives import all_gather
+    from zdsl.runtime.exec.streams import lane_streams
+    compiled = reference_graph(world, device.type)
+    graph, schedule = compiled.graph, compiled.schedule
+    state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device)
+    executor = Executor(graph, state, rank, streams=lane_streams(graph, device))
+    t = schedule.train
+    mine = torch.zeros(8)
+    gathered = torch.zeros(8 * world)
+
+    async def loop() -> list:
+        records = []
+        for step in range(steps):
+            batches = [tuple(x.to(device) for x in make_batch(schedule.data, t.seed, step, m, rank, world, t.batch))
+                       for m in range(t.accumulate)]
+            state.step_begin(step, batches)
+            records.append(await executor.run_step())
+            state.step_end()
+            if world > 1:                 # `zdsl run` gathers each step's metrics: ranks start aligned
+                all_gather(gathered, mine)
+        return records
+
+    records = trio.run(loop)[2:]              # the first steps allocate and warm up
+    del state, executor
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    intervals = [comm_intervals(graph, t, slots) for t in records]       # once a step, for both below
+    loaded = [comm_under_compute(graph, t, iv) for t, iv in zip(records, intervals)]
+    return {"step_s": statistics.median(t.seconds for t in records), "steps": [t.seconds for t in records],
+            "lane_op_s": {i: statistics.median(t.timings[i].end - t.timings[i].start for t in records)
+                          for i in lane_ops(graph)},
+            "comm_service_s": {i: statistics.median(iv[i][1] - iv[i][0] for iv in intervals) for i in comm_ops(graph)},
+            "comm_loaded_s": {i: statistics.median(x[i] for x in loaded) for i in comm_ops(graph)},
+            "ops": len(graph.ops)}
+
+
+def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, float], dict[int, float],
+                                               dict[int, float]]:
+    """(reference step, each block's step, each lane op's seconds, each collective's service
+    seconds, and of those the seconds a compute op ran beside it) from the ranks' runtime blocks.
+
+    A step lasts as long as its slowest rank: a block's step is the median over its steps of the
+    slowest rank's time, the figure `zdsl run --metrics` reports (its ``step_s``). The reference
+    step is the median of the blocks' steps, so one block caught in a burst of outside load does
+    not move it. A lane op's (or collective's) seconds: the mean over ranks of the median over
+    blocks of its medians.
+    """
+    blocks = len(raw[0]["runtime"])
+    block_s = [statistics.median(max(times) for times in zip(*(r["runtime"][b]["steps"] for r in raw)))
+               for b in range(blocks)]
+
+    def per_op(key: str) -> dict[int, float]:
+        return {i: statistics.fmean(statistics.median(blk[key][i] for blk in r["runtime"]) for r in raw)
+                for i in raw[0]["runtime"][0].get(key, {})}
+    return (statistics.median(block_s), block_s, per_op("lane_op_s"), per_op("comm_service_s"),
+            per_op("comm_loaded_s"))

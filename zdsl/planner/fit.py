@@ -1,0 +1,197 @@
+"""The fits that invert the simulator: from measured times to a machine profile's rates and costs.
+
+``zdsl calibrate`` (runtime/calibrate/) measures; this is the arithmetic on what it measured:
+latency and bandwidth from transfer times, the fixed cost per op, per kernel and per collective
+that make the simulated reference step match the measured one, and the rate a collective keeps
+while compute fills the cores. Torch-free.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+from zdsl.planner.simulate import rated_duration, simulate
+from zdsl.schedule import MachineProfile
+
+
+def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fit ``t = latency + x / bandwidth`` to (x bytes, t seconds), minimising relative error.
+
+    Relative weights keep the small sizes (which carry the latency) from
+    being drowned by the large ones (which carry the bandwidth).
+    """
+    if len(points) < 2:
+        x, t = points[0]
+        return 0.0, x / t
+    intercept, slope = least_squares_line(points, [1.0 / (t * t) for _, t in points])
+    if slope <= 0:                                   # noise: bandwidth from the largest size alone
+        x, t = max(points)
+        return min(t for _, t in points), x / t
+    return max(intercept, 1e-6), 1.0 / slope
+
+
+@dataclass
+class OverheadFit:
+    """The fixed costs per op that make the reference's prediction match its measurement."""
+    op: float                   # seconds per op run in a lane's thread (compute, copy, I/O)
+    comm: float                 # seconds per collective (< 0: not fitted apart, ``op`` applies)
+    bare_s: float               # the predicted step with no fixed cost at all
+    scatter: float = -1.0       # seconds per reduce-scatter (< 0: ``comm`` applies)
+    kernel: float = 0.0         # seconds per kernel a compute op dispatches
+    under_load: float = 0.0     # a collective's rate while compute fills the cores (0: fair share)
+
+
+def lane_ops(graph) -> list[int]:
+    """Positions of the ops a lane's thread runs (not collectives, not frees)."""
+    return [i for i, op in enumerate(graph.ops) if op.kind != "mem.free" and not op.kind.startswith("comm.")]
+
+
+def comm_ops(graph) -> list[int]:
+    """Positions of the collectives."""
+    return [i for i, op in enumerate(graph.ops) if op.kind.startswith("comm.")]
+
+
+def comm_intervals(graph, record, slots: int = 1) -> dict[int, tuple[float, float]]:
+    """Each collective's service interval in one measured step: from when it was issued, or when
+    the backend had a thread free for it if that was later, to its end. The runtime issues a
+    lane's collectives without waiting; the backend runs ``slots`` at once, in issue order (gloo:
+    two threads), so one issued behind others starts when the ``slots``-th latest end before it
+    has passed. The planner runs a lane's collectives the same way (``comm_slots``), so this is
+    the measured time comparable to its duration."""
+    from zdsl.observe.overlap import BackendThreads
+    intervals, lanes = {}, {}
+    for i in comm_ops(graph):
+        t = record.timings[i]
+        start, _ = lanes.setdefault(graph.ops[i].lane, BackendThreads(slots)).take(t.start, t.end)
+        intervals[i] = (start, t.end)
+    return intervals
+
+
+def comm_under_compute(graph, record, intervals: dict[int, tuple[float, float]]) -> dict[int, float]:
+    """Seconds of each collective's service interval (:func:`comm_intervals`) during which a
+    compute op ran on the rank (the cores were full: what ``comm_under_load`` is fitted on)."""
+    from zdsl.observe.overlap import union_length
+    compute = [(record.timings[i].start, record.timings[i].end)
+               for i, op in enumerate(graph.ops) if op.kind.startswith("compute.")]
+    return {i: union_length([(max(s, cs), min(e, ce)) for cs, ce in compute if cs < e and ce > s])
+            for i, (s, e) in intervals.items()}
+
+
+def fit_overhead(graph, profile: MachineProfile, measured_s: float,
+                 lane_op_s: dict[int, float] | None = None,
+                 comm_service_s: dict[int, float] | None = None,
+                 comm_loaded_s: dict[int, float] | None = None) -> OverheadFit:
+    """Fixed costs per op that make ``graph``'s (the reference step's) prediction equal ``measured_s``.
+
+    With ``lane_op_s`` (the measured seconds of each lane op of the reference, by position)
+    and collectives in the graph, the cost per lane op and per kernel come from what each lane
+    op took beyond its rated time (:func:`lane_costs`), and the cost per collective is then the
+    one that makes the step match. Without it,
+    one cost for every op makes the step match. Each prediction grows with its cost: bisection.
+
+    With ``comm_service_s`` (each collective's measured service time, :func:`comm_intervals`) a
+    reduce-scatter costs what it took beyond its rated time more than the other collectives did
+    (the medians' difference): its reduction runs on the backend's threads, on the cores the
+    backward it overlaps is using, which its isolated rate does not see (measured:
+    benchmarks/README.md, calibrate).
+    """
+    bare = simulate(graph, dataclasses.replace(profile, op_overhead=0.0, comm_overhead=-1.0,
+                                               kernel_overhead=0.0)).step_s
+    has_comm = any(op.kind.startswith("comm.") for op in graph.ops)
+
+    def bisect(key, fixed: dict | None = None) -> float:
+        """The x that makes the step match; ``key`` names the field x sets, or maps x to fields."""
+        fields = key if callable(key) else (lambda x: {**fixed, key: x})
+
+        def step(x: float) -> float:
+            return simulate(graph, dataclasses.replace(profile, **fields(x))).step_s
+        lo, hi = 0.0, max(measured_s, 1e-6)
+        if step(lo) >= measured_s:
+            return 0.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if step(mid) < measured_s else (lo, mid)
+        return (lo + hi) / 2
+
+    if not lane_op_s or not has_comm:
+        return OverheadFit(bisect("op_overhead", {"comm_overhead": -1.0}), -1.0, bare)
+    op_cost, kernel_cost = lane_costs(graph, profile, lane_op_s)
+    under = 0.0
+    service = dict(comm_service_s or {})
+    if comm_loaded_s and profile.cores > 0 and profile.name == "cpu":
+        under = rate_under_load(graph, profile, service, comm_loaded_s)
+        # what remains of each service time once the wait for a core is taken out
+        service = {i: sec - (1.0 - under) * comm_loaded_s.get(i, 0.0) for i, sec in service.items()}
+    profile = dataclasses.replace(profile, op_overhead=op_cost, kernel_overhead=kernel_cost, comm_under_load=under)
+    extra = scatter_extra(graph, profile, service)
+    if extra is None:
+        return OverheadFit(op_cost, bisect("comm_overhead", {}), bare, kernel=kernel_cost, under_load=under)
+    comm = bisect(lambda x: {"comm_overhead": x, "scatter_overhead": max(0.0, x + extra)})
+    if comm == 0.0:             # the extra alone overshoots the step: the reduce-scatter's cost is fitted instead
+        scatter = bisect("scatter_overhead", {"comm_overhead": 0.0})
+        return OverheadFit(op_cost, 0.0, bare, scatter, kernel_cost, under)
+    return OverheadFit(op_cost, comm, bare, max(0.0, comm + extra), kernel_cost, under)
+
+
+# A collective that took 50x its rate under load is waiting, not moving: the floor of the fit.
+MIN_UNDER_LOAD = 0.02
+
+
+def rate_under_load(graph, profile: MachineProfile, service_s: dict[int, float],
+                    loaded_s: dict[int, float]) -> float:
+    """The share of its rate a collective keeps while compute fills the rank's cores.
+
+    A collective needs ``W`` seconds of progress (rated time plus a fixed cost); it makes them at
+    rate 1 while the cores are free and at ``a`` while compute runs beside it (``loaded`` of its
+    ``service`` seconds), so ``service - rated = cost + (1 - a) x loaded``: the least-squares
+    slope over the reference's collectives gives ``a``. 1 (no effect) without a rising line."""
+    points = [(loaded_s.get(i, 0.0), sec - rated_duration(graph, graph.ops[i], profile))
+              for i, sec in service_s.items()]
+    _, slope = least_squares_line(points)
+    return min(1.0, max(MIN_UNDER_LOAD, 1.0 - slope))
+
+
+def least_squares_line(points: list[tuple[float, float]],
+                       weights: list[float] | None = None) -> tuple[float, float]:
+    """(intercept, slope) of the (weighted) least-squares line through (x, y) points; slope 0
+    (and the mean) where the x do not vary."""
+    w = weights or [1.0] * len(points)
+    sw = sum(w)
+    mx = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
+    my = sum(wi * y for wi, (_, y) in zip(w, points)) / sw
+    var = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points))
+    slope = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, points)) / var if var > 0 else 0.0
+    return my - slope * mx, slope
+
+
+def lane_costs(graph, profile: MachineProfile, lane_op_s: dict[int, float]) -> tuple[float, float]:
+    """(seconds per lane op, seconds per kernel of a compute op) from the measured lane ops: the
+    least-squares line through each op's time beyond its rated time against the kernels it
+    dispatches (``op.kernels``; 0 for a step or a copy): in the executor a kernel costs more than
+    in a bare forward+backward (the runtime's saved-tensor hooks, a core shared with the
+    collectives' threads), so it is fitted here, not taken from the compute test. Without two kernel counts to
+    draw a line through, or with a line that falls, the median excess per op and no kernel cost;
+    a line that would start below 0 goes through the origin."""
+    points = [(graph.ops[i].kernels, sec - rated_duration(graph, graph.ops[i], profile))
+              for i, sec in lane_op_s.items()]
+    if not points:
+        return 0.0, 0.0
+    intercept, slope = least_squares_line(points)
+    if slope <= 0:
+        return max(0.0, statistics.median(y for _, y in points)), 0.0
+    if intercept < 0:
+        return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    return intercept, slope
+
+
+def scatter_extra(graph, profile: MachineProfile, comm_service_s: dict[int, float]) -> float | None:
+    """Seconds a reduce-scatter took beyond its rated time more than the other collectives did
+    (median against median), or None without both kinds measured."""
+    scatter, other = [], []
+    for i, sec in comm_service_s.items():
+        op = graph.ops[i]
+        (scatter if op.kind == "comm.reduce_scatter" else other).append(sec - rated_duration(graph, op, profile))
+    if not scatter or not other:
+        return None
+    return statistics.median(scatter) - statistics.median(other)
