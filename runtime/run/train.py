@@ -9,25 +9,23 @@ any differ.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import trio
 
 from zdsl.ir import TaskGraph
 from zdsl.compile.models import run_context as schedule_context   # the planner sizes the same context
 from zdsl.observe.overlap import analyze
 
-from zdsl.runtime.dist.affinity import calm_gloo_loops
 
 from zdsl.runtime.dist.affinity import set_cpu_threads
 from zdsl.runtime.dist.collectives import all_gather
 from zdsl.runtime.dist.collectives import check_settings
+from zdsl.runtime.dist.group import init_group, leave_group
 from zdsl.runtime.exec.executor import Executor
 from zdsl.runtime.exec.executor import StepRecord
 from zdsl.runtime.run.launch import STEP
@@ -85,17 +83,6 @@ def pick_device(choice: str, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_group(rank: int, world: int, device: torch.device, timeout_s: float) -> None:
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = dict(backend=backend, rank=rank, world_size=world,
-                  timeout=datetime.timedelta(seconds=timeout_s))
-    if device.type == "cuda":
-        kwargs["device_id"] = device
-    dist.init_process_group(**kwargs)
-    if backend == "gloo":
-        calm_gloo_loops()
-
-
 def agree_on_graph(graph: TaskGraph, rank: int, world: int, device: torch.device) -> None:
     """Every rank must run the same graph; say which ranks differ if not."""
     digest = bytes.fromhex(graph.digest())
@@ -141,11 +128,6 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
                             board=rank_board())
         return trio.run(_loop, graph, schedule, units, state, executor, rank, world, device, options,
                         reporter, make_batch)
-
-
-def leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 async def _loop(graph, schedule, units, state, executor, rank, world, device, options, reporter, make_batch):
