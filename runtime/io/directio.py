@@ -1,11 +1,16 @@
-"""Sequential file I/O at the disk's speed: O_DIRECT, aligned buffers, pipelined transfers.
+"""File I/O at the disk's speed: O_DIRECT, aligned buffers, pipelined transfers.
+
+The primitives every direct-I/O user shares (the NVMe swapper, the checkpoint
+files): :func:`open_direct` (O_DIRECT, buffered where the filesystem refuses
+it), :func:`pwrite_all` and :func:`pread_full` (positional, short transfers
+continued, a transfer of 0 bytes an error); alignment is
+``runtime/io/aligned.py``'s. Then :class:`Sink` and :class:`Source`, the
+checkpoint files' sequential streams.
 
 Why not plain buffered I/O: a buffered write copies every byte into the
 page cache, and the kernel's writeback and reclaim then cost as much CPU
-again; on a busy host that cuts the throughput several times (measured
-here: buffered write plus fsync 0.1-0.6 GB/s against 1.2-1.9 GB/s direct,
-the cores shared with other jobs). With O_DIRECT the disk reads and writes
-our memory itself (DMA):
+again (benchmarks/README.md, checkpoint_io). With O_DIRECT the disk reads
+and writes our memory itself (DMA):
 
 * the writer lays each large tensor out in the file at the same offset
   within a 4 KiB page as its memory has (padding tensors in between), so
@@ -17,10 +22,6 @@ our memory itself (DMA):
 * everything else (headers, ragged ends, slices when re-cutting, buffers
   that are not congruent) goes through two 16 MiB aligned bounce buffers,
   copied with torch ``copy_`` (which releases the GIL).
-
-Measured (benchmarks/checkpoint_io.py, 2 GB, 2 ranks, a shared 2-core
-host): 0.15 CPU-seconds per GB for a save or a load, checksums included,
-against 0.45-0.5 with bounce copies and more with buffered I/O.
 
 Filesystems without O_DIRECT (tmpfs, some network mounts) get buffered
 I/O with early writeback instead.
