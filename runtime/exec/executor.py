@@ -16,7 +16,7 @@ the completion of every op it depends on, then launches:
 
 A failing op cancels the step's nursery; the error names the rank, the op
 and the unit. Each collective issued and each op finished is written to the
-rank's progress board (``runtime/run/launch.py``: two stores into a mapped
+rank's progress board (``runtime/run/board.py``: two stores into a mapped
 file), so the launcher can tell a rank that stopped from one that waits. On CUDA each lane's thread issues its kernels on the lane's
 own stream (see ``runtime/exec/streams.py``); completion is observed through the
 stream's event, so the host waits only where a host-side op needs a result.
@@ -33,27 +33,13 @@ from zdsl.ir import Op
 from zdsl.ir import TaskGraph
 
 from zdsl.runtime.exec.contract import OpState
+from zdsl.runtime.exec.errors import OpError
+from zdsl.runtime.run.board import BOARD_SLOTS
+from zdsl.runtime.run.board import ISSUED
+from zdsl.runtime.run.board import LANES
+from zdsl.runtime.run.board import LAST_DONE
+from zdsl.runtime.run.board import LAST_ISSUED
 from zdsl.runtime.run.faults import fault_for
-from zdsl.runtime.run.launch import BOARD_SLOTS
-from zdsl.runtime.run.launch import ISSUED
-from zdsl.runtime.run.launch import LANES
-from zdsl.runtime.run.launch import LAST_DONE
-from zdsl.runtime.run.launch import LAST_ISSUED
-
-
-def describe_op(op: Op) -> str:
-    """``#54 comm.all_reduce (backward, unit 1, micro-batch 0)``: how errors name an op."""
-    where = f"unit {op.unit}" if op.unit is not None else "all units"
-    part = f" part {op.part}/{op.parts}" if op.parts > 1 else ""
-    return f"#{op.id} {op.kind}{part} ({op.phase}, {where}, micro-batch {op.micro})"
-
-
-class OpError(RuntimeError):
-    """An op failed on a rank: names the rank, the op and the unit."""
-
-    def __init__(self, rank: int, op: Op, cause: BaseException):
-        super().__init__(f"rank {rank}: op {describe_op(op)} failed: {type(cause).__name__}: {cause}")
-        self.rank, self.op, self.cause = rank, op, cause
 
 
 @dataclass

@@ -25,7 +25,6 @@ later.
 from __future__ import annotations
 
 import _thread
-import mmap
 import os
 import shutil
 import signal
@@ -38,17 +37,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zdsl.runtime.exec.errors import describe_op
+from zdsl.runtime.run.board import BOARD_SLOTS
+from zdsl.runtime.run.board import ISSUED
+from zdsl.runtime.run.board import LANES
+from zdsl.runtime.run.board import LAST_DONE
+from zdsl.runtime.run.board import LAUNCHER
+from zdsl.runtime.run.board import STEP
+from zdsl.runtime.run.board import STEP_DONE
+from zdsl.runtime.run.board import new_board
+from zdsl.runtime.run.board import rank_board
+
 GRACE_S = 3.0            # after a rank failed: for the others to fail on their own
 STOP_WAIT_S = 4.0        # after SIGTERM to a rank, before SIGKILL
 RANK_DEADLINE_S = 3.0    # a rank told to stop is gone by then, whatever its main thread is doing
 POLL_S = 0.05
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-# The progress board: int64 slots of a small file, mapped by its rank (writer) and the launcher.
-# STEP: the step begun, STEP_DONE: the step finished; ISSUED: collectives issued since the rank
-# began; from LANES on, one slot per lane (in order of first appearance): the op it runs, or -1.
-LAUNCHER, STEP, STEP_DONE, LAST_DONE, ISSUED, LAST_ISSUED = range(6)
-LANES, BOARD_SLOTS = 8, 16
 
 # What a rank reports when it failed only because another one did (gloo's wording; the last, zdsl's).
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
@@ -59,20 +63,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def map_board(path: Path) -> memoryview:
-    with open(path, "r+b") as f:
-        return memoryview(mmap.mmap(f.fileno(), BOARD_SLOTS * 8)).cast("q")
-
-
-def new_board(path: Path) -> memoryview:
-    path.write_bytes(b"\0" * (BOARD_SLOTS * 8))
-    board = map_board(path)
-    board[LAUNCHER] = os.getpid()
-    for slot in (STEP, STEP_DONE, LAST_DONE, LAST_ISSUED, *range(LANES, BOARD_SLOTS)):
-        board[slot] = -1
-    return board
 
 
 class LauncherStopped(Exception):
@@ -284,7 +274,6 @@ def next_collective(graph, issued: int) -> int | None:
 def describe_op_id(graph, op_id: int) -> str:
     if graph is None or not 0 <= op_id < len(graph.ops) or graph.ops[op_id].id != op_id:
         return f"#{op_id}"
-    from zdsl.runtime.exec.executor import describe_op
     return describe_op(graph.ops[op_id])
 
 
@@ -331,20 +320,6 @@ class Stopped(BaseException):
 _stop: list[Stopped] = []        # set once, by the lifeline thread
 _parent: list[int] = []          # the launcher's pid, as the rank began
 _said = threading.Lock()
-_board: list[memoryview | None] = []
-
-
-def rank_board() -> memoryview | None:
-    """This rank's progress board (None without a zdsl launcher, under torchrun)."""
-    if not _board:
-        error_file = os.environ.get("ZDSL_ERROR_FILE")
-        try:
-            _board.append(map_board(Path(error_file).with_suffix(".progress")) if error_file else None)
-        except (OSError, ValueError):
-            _board.append(None)
-    return _board[0]
-
-
 def guard_rank() -> None:
     """Stop this rank cleanly on SIGTERM or SIGHUP, or when its launcher is gone.
 

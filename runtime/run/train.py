@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,9 +27,9 @@ from zdsl.runtime.dist.collectives import check_settings
 from zdsl.runtime.dist.group import init_group, leave_group
 from zdsl.runtime.exec.executor import Executor
 from zdsl.runtime.exec.executor import StepRecord
-from zdsl.runtime.run.launch import STEP
-from zdsl.runtime.run.launch import STEP_DONE
-from zdsl.runtime.run.launch import rank_board
+from zdsl.runtime.run.board import STEP
+from zdsl.runtime.run.board import STEP_DONE
+from zdsl.runtime.run.board import rank_board
 from zdsl.runtime.exec.streams import lane_streams
 
 

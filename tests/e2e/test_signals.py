@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from zdsl.runtime.run import launch
-from zdsl.runtime.run.launch import LANES
-from zdsl.runtime.run.launch import STEP_DONE
+from zdsl.runtime.run.board import LANES
+from zdsl.runtime.run.board import STEP_DONE
+from zdsl.runtime.run.board import map_board
 from zdsl.runtime.run.launch import Watch
 from zdsl.runtime.run.launch import describe_culprit
 from zdsl.runtime.run.launch import peer_lost_text
@@ -71,7 +72,7 @@ def training_ranks(launcher: subprocess.Popen, ranks: int = 2, step: int = 1) ->
         for pid in children(launcher.pid):
             try:
                 env = rank_env(pid)
-                board = launch.map_board(Path(env["ZDSL_ERROR_FILE"]).with_suffix(".progress"))
+                board = map_board(Path(env["ZDSL_ERROR_FILE"]).with_suffix(".progress"))
             except (OSError, KeyError, ValueError):
                 continue
             if board[STEP_DONE] >= step - 1:
