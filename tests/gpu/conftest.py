@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent
-if str(TESTS) not in sys.path:     # ddp_reference and the CLI helpers of tests/, run from anywhere
-    sys.path.insert(0, str(TESTS))
+# the helpers this suite borrows: `zdsl` (e2e/test_run_cli.py) and `max_rel` (parity/test_run_vs_ddp.py),
+# importable also when only tests/gpu is collected (tests/ itself is on the path: tests/conftest.py)
+for folder in ("e2e", "parity"):
+    if str(HERE.parent / folder) not in sys.path:
+        sys.path.insert(0, str(HERE.parent / folder))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))     # tests/: ddp_reference
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests/: ddp_reference
 
 import torch  # noqa: E402
 
@@ -42,18 +42,20 @@ def pinned(compiled, rank: int, world: int, device) -> dict:
 
     from zdsl.runtime.exec.executor import Executor
     from zdsl.runtime.models.protocol import build_model
+    from zdsl.runtime.state.buffers import BufferTable
     from zdsl.runtime.state.rank import RankState
     from zdsl.runtime.exec.streams import lane_streams
     graph, schedule, t = compiled.graph, compiled.schedule, compiled.schedule.train
     host: dict[str, bool] = {}
+    alloc = BufferTable.alloc
 
-    class Recording(RankState):
-        def _alloc(self, slot):          # every buffer the run gives memory, from construction on
-            tensor = super()._alloc(slot)
-            if tensor.device.type == "cpu":
-                host[slot.buf.name] = tensor.is_pinned()
-            return tensor
-    state = Recording(graph, build_model(schedule.model, seed=t.seed), rank=rank, world=world, device=device)
+    def recording(table, slot):          # every buffer the run gives memory, from start-up on
+        tensor = alloc(table, slot)
+        if tensor.device.type == "cpu":
+            host[slot.buf.name] = tensor.is_pinned()
+        return tensor
+    BufferTable.alloc = recording        # this process is the probe's own
+    state = RankState(graph, build_model(schedule.model, seed=t.seed), rank=rank, world=world, device=device)
     executor = Executor(graph, state, rank, streams=lane_streams(graph, device))
 
     async def loop():
