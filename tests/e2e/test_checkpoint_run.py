@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
+
 ROOT = Path(__file__).parents[2]
 QUICK = str(ROOT / "programs" / "quickstart.zs")
 MODEL = dict(layers=2, width=64, heads=4, vocab=256, context=32)

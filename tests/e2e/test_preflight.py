@@ -21,6 +21,8 @@ import pytest
 from zdsl.planner.fits import (Machine, Needs, TorchFloor, free_bytes, judge, most_ranks, needs_of,
                                schedule_fit)
 
+pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
+
 ROOT = Path(__file__).parents[2]
 QUICK = ROOT / "programs" / "quickstart.zs"
 NVME = ROOT / "programs" / "nvme.zs"

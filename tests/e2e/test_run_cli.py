@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
+
 ROOT = Path(__file__).parents[2]
 QUICK = str(ROOT / "programs" / "quickstart.zs")
 

@@ -100,6 +100,7 @@ def kill_all(pids) -> None:
             pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 143, "zdsl: stopped by SIGTERM"),
                                              (signal.SIGHUP, 129, "zdsl: stopped by SIGHUP")])
 def test_sigterm_or_sighup_to_the_launcher_stops_every_rank(sig, code, said):
@@ -116,6 +117,7 @@ def test_sigterm_or_sighup_to_the_launcher_stops_every_rank(sig, code, said):
         kill_all(ranks.values())
 
 
+@pytest.mark.slow
 def test_ranks_stop_on_their_own_when_the_launcher_is_killed():
     launcher = start("--quiet", *LONG)
     ranks = training_ranks(launcher)
@@ -129,6 +131,7 @@ def test_ranks_stop_on_their_own_when_the_launcher_is_killed():
         kill_all(ranks.values())
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_with_its_op_and_stopped_by_zdsl():
     launcher = start("--timeout", "5", *LONG)
     ranks = training_ranks(launcher)
@@ -148,6 +151,7 @@ def test_a_stopped_rank_is_named_with_its_op_and_stopped_by_zdsl():
         kill_all(ranks.values())
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_named_with_the_op_it_hangs_in():
     proc = start("--timeout", "5", env={"ZDSL_FAULT": "1:9:hang"})     # op 9: a forward, on the compute lane
     out, err = proc.communicate(timeout=300)
@@ -159,6 +163,7 @@ def test_a_hung_rank_is_named_with_the_op_it_hangs_in():
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_quiet_prints_the_result_in_one_line():
     proc = start("--quiet", "--set", "steps=3")
     out, err = proc.communicate(timeout=300)
@@ -166,6 +171,7 @@ def test_quiet_prints_the_result_in_one_line():
     assert re.fullmatch(r"zdsl: quickstart: 3 steps, loss \d+\.\d\d -> \d+\.\d\d, median step \d+ ms\n", out), out
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_rank_under_another_launcher_stops_it_cleanly(tmp_path):
     """As torchrun runs ranks: RANK set, no zdsl launcher. SIGTERM to one stops it with 143 and a
     line; its peer says which rank left, in zdsl's words, not gloo's."""

@@ -24,6 +24,8 @@ from zdsl.tune.search import split_values
 
 from zdsl.tune.search import write_schedule_text
 
+pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
+
 ROOT = Path(__file__).parents[2]
 QUICK = str(ROOT / "programs" / "quickstart.zs")
 ZERO3 = str(ROOT / "programs" / "zero3.zs")

@@ -11,6 +11,8 @@ import torch
 
 from zdsl.runtime.state.optim import clip_coefficient
 
+pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
+
 
 def grads(seed: int, scale: float) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)

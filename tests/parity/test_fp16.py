@@ -28,6 +28,8 @@ from test_state_vs_ddp import BATCH, MODEL, STEPS, make_schedule
 
 from zdsl.runtime.state.precision import LossScaler
 
+pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
+
 SGD = dict(kind="sgd", momentum=0.9)
 
 

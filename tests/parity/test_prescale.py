@@ -20,6 +20,8 @@ import torch
 
 from ddp_reference import ddp_train, run_steps, spawn
 
+pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
+
 PIPELINE = """schedule twice "each gradient reduced twice"
 model     gpt(layers=2, width=32, heads=2, vocab=64, context=16)
 data      synthetic(vocab=64, context=16)

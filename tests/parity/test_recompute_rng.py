@@ -24,6 +24,8 @@ from zdsl.schedule import Schedule
 
 from zdsl.schedule import TrainSpec
 
+pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
+
 MODEL = dict(vocab=64, context=16, hidden=32, layers=2, dropout=0.1)
 BLOCKS = (1, 2)
 

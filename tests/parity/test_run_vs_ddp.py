@@ -18,6 +18,8 @@ from test_state_vs_ddp import MODEL, make_schedule
 from zdsl.compile.lower import compile_schedule
 from zdsl.compile.units import gpt_units
 
+pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
+
 
 def run_both(rank: int, world: int, stage: int, accumulate: int, clip, offload, bucket_bytes, prefetch,
              optimizer: dict | None = None):

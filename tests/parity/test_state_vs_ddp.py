@@ -33,6 +33,8 @@ from zdsl.compile.units import gpt_units
 from ddp_reference import ddp_train, spawn
 from zdsl.runtime.models.gpt import GPT
 
+pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
+
 MODEL = dict(layers=2, width=32, heads=2, vocab=64, context=16)
 STEPS = int(os.environ.get("ZDSL_PARITY_STEPS", "5"))   # 5 by default; more to study drift
 BATCH = 4

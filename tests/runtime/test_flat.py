@@ -106,6 +106,7 @@ def _collectives(rank: int, world: int, gather: str = "broadcast", scatter: str 
     return out
 
 
+@pytest.mark.slow                 # spawns ranks
 @pytest.mark.parametrize("gather,scatter", [("broadcast", "all_reduce"), ("broadcast", "reduce"),
                                             ("native", "native")])
 def test_gather_and_reduce_scatter_per_part_on_two_gloo_ranks(gather, scatter):
@@ -128,6 +129,7 @@ def _fallback(rank: int, world: int) -> dict:
     return dict(out=out, again=again, done=done, fallbacks=dict(collectives.FALLBACKS))
 
 
+@pytest.mark.slow                 # spawns ranks
 def test_a_backend_without_reduce_scatter_falls_back_explicitly_and_counts_it():
     for rank, got in enumerate(spawn(_fallback, 2)):
         expect = (torch.arange(8, dtype=torch.float32) * 3)[rank * 4:(rank + 1) * 4]

@@ -201,6 +201,7 @@ def test_close_keeps_a_folder_it_did_not_make_or_that_holds_more(tmp_path):
     assert list(other.iterdir()) == []
 
 
+@pytest.mark.slow                 # spawns ranks
 def test_a_clean_nvme_run_leaves_the_swap_folder_as_it_found_it(tmp_path):
     folder = tmp_path / "swap"            # the schedule's folder: kept, but no rank<N> folders in it
     program = Path(__file__).parents[2] / "programs" / "nvme.zs"
