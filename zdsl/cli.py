@@ -22,13 +22,12 @@ from pathlib import Path
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
-# subcommand -> modules (first found wins) whose main(argv: list[str]) -> int implements it
-DELEGATED = {
-    "run": ("zdsl.runtime.run.cli",),
-    "export": ("zdsl.runtime.cli_export", "zdsl.runtime.checkpoint.export"),
-    "inspect": ("zdsl.runtime.cli_inspect", "zdsl.runtime.checkpoint.inspect"),
-    "calibrate": ("zdsl.runtime.cli_calibrate", "zdsl.runtime.calibrate.cli"),
-    "tune": ("zdsl.runtime.cli_tune", "zdsl.tune.cli", "zdsl.tune.search"),
+DELEGATED = {                         # subcommand -> the module whose main(argv) runs it
+    "run": "zdsl.runtime.run.cli",
+    "export": "zdsl.runtime.checkpoint.export",
+    "inspect": "zdsl.runtime.checkpoint.inspect",
+    "calibrate": "zdsl.runtime.calibrate.cli",
+    "tune": "zdsl.tune.cli",
 }
 DELEGATED_HELP = {
     "run": "train with a schedule (one process per rank)",
@@ -313,26 +312,23 @@ def print_lowered(path: str, overrides, units_for) -> int:
 
 
 def find_entry(name: str):
-    """The ``main`` of the first of the subcommand's modules that exists; an error line if none."""
-    candidates = DELEGATED[name]
-    if isinstance(candidates, str):
-        candidates = (candidates,)
-    for module_name in candidates:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            missing = exc.name or ""
-            if missing == "torch" or missing.startswith("torch."):
-                return None, f"`zdsl {name}` needs PyTorch, which is not installed here (pip install torch)"
-            if module_name == missing or module_name.startswith(missing + "."):
-                continue                      # this candidate does not exist: try the next
-            return None, f"`zdsl {name}` cannot start: {module_name} needs {missing!r}, which is not installed"
-        except ImportError as exc:
-            return None, f"`zdsl {name}` cannot start: {module_name}: {exc}"
-        entry = getattr(module, "main", None)
-        if callable(entry):
-            return entry, None
-    return None, f"`zdsl {name}` is not available yet (none of {', '.join(candidates)} is installed)"
+    """The ``main`` of the subcommand's module; an error line if it cannot be imported."""
+    module_name = DELEGATED[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing == "torch" or missing.startswith("torch."):
+            return None, f"`zdsl {name}` needs PyTorch, which is not installed here (pip install torch)"
+        if module_name == missing or module_name.startswith(missing + "."):
+            return None, f"`zdsl {name}` cannot start: {module_name} is missing from this installation"
+        return None, f"`zdsl {name}` cannot start: {module_name} needs {missing!r}, which is not installed"
+    except ImportError as exc:
+        return None, f"`zdsl {name}` cannot start: {module_name}: {exc}"
+    entry = getattr(module, "main", None)
+    if not callable(entry):
+        return None, f"`zdsl {name}` cannot start: {module_name} has no main()"
+    return entry, None
 
 
 def cmd_delegated(name: str, argv: list[str]) -> int:
