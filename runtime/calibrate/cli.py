@@ -329,6 +329,19 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     return Calibration(profile, details)
 
 
+def _restore_cores(cores: set[int] | None) -> None:
+    """Give every thread of this process back the cores it had: rank 0 measures in the caller's
+    process and binds it to its share, which left a caller (a test session) on one core."""
+    if cores is None:
+        return
+    from zdsl.runtime.dist.affinity import _thread_ids
+    for tid in _thread_ids():
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:
+            pass                 # a thread that has just ended
+
+
 def _cores_per_rank(world: int) -> float:
     """The rank's share of this machine's cores (what its lanes compete for)."""
     return round((os.cpu_count() or 1) / max(world, 1), 3)
@@ -372,6 +385,7 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
     bar = Progress(SpinnerColumn(), TextColumn("calibrating [bold]{task.description}"), BarColumn(),
                    TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=not progress)
     threads_before = None
+    cores_before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
         with bar:
             task = bar.add_task("starting ranks", total=len(STEPS) + 1)
@@ -401,6 +415,7 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
     finally:
         if threads_before is not None:
             torch.set_num_threads(threads_before)
+        _restore_cores(cores_before)
         for p in children:
             if p.is_alive():
                 p.terminate()

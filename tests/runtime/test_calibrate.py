@@ -1,4 +1,5 @@
 """`zdsl calibrate --quick` measures 2 ranks and writes a profile the checker accepts."""
+import os
 import re
 
 import pytest
@@ -39,8 +40,11 @@ def profile_errors(machine_zs) -> list[str]:
 
 def test_quick_profile_parses(tmp_path, capsys):
     out = tmp_path / "machine.zs"
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     assert main(["--quick", "--no-progress", "--out", str(out), "--disk", str(tmp_path)]) == 0
     assert profile_errors(out) == []
+    if cores is not None:     # rank 0 measured in this process, bound to its share: the cores are back
+        assert os.sched_getaffinity(0) == cores
     assert not list(tmp_path.glob(".zdsl-calibrate-*"))          # test files removed
 
 
