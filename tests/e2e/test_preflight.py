@@ -9,14 +9,13 @@ import contextlib
 import importlib.metadata
 import io
 import json
-import os
 import platform
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import zdsl
 
 from zdsl.planner.fits import (Machine, Needs, TorchFloor, free_bytes, judge, most_ranks, needs_of,
                                schedule_fit)
@@ -29,13 +28,6 @@ NVME = ROOT / "programs" / "nvme.zs"
 MiB, GiB = 1 << 20, 1 << 30
 FLOOR = TorchFloor(150 * MiB, 80 * MiB, "test")
 HUGE_FLOOR = 4 * GiB          # 1000 ranks x 4 GiB: more memory than any test machine has
-
-
-def zdsl(*args, env=None, cwd=None, timeout=300):
-    full = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "zdsl.cli", *args], capture_output=True, text=True,
-                          env=full, cwd=cwd, timeout=timeout)
 
 
 def schedule_with(tmp_path: Path, source: Path, **replace: str) -> Path:

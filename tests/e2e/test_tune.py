@@ -5,12 +5,12 @@ planner half, which is instant. Whole file: well under a minute.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import zdsl
 
 from zdsl.tune.search import TuneUsageError
 
@@ -29,12 +29,6 @@ pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
 ROOT = Path(__file__).parents[2]
 QUICK = str(ROOT / "programs" / "quickstart.zs")
 ZERO3 = str(ROOT / "programs" / "zero3.zs")
-
-
-def zdsl(*args, timeout=120):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    return subprocess.run([sys.executable, "-m", "zdsl.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
 
 
 def test_tiny_tune_measures_prints_and_writes_a_schedule_that_checks(tmp_path):
