@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 # Tiers, nearest the compute first.
 TIERS = ("device", "host", "nvme")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}   # bytes per element of each precision
 
 # Lanes per device. Within a lane ops run in graph order; across lanes only
 # dependencies order them.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
+from zdsl.ir import TIERS
 from zdsl.ir import TaskGraph
 from zdsl.compile.models import run_context as schedule_context   # the planner sizes the same context
 from zdsl.observe.overlap import analyze
@@ -186,9 +187,6 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         from zdsl.runtime.exec.tracing import write_measured_trace
         write_measured_trace(graph, records, rank, world, options, state)
     return history
-
-
-TIERS = ("device", "host", "nvme")
 
 
 def gather_metrics(step, record: StepRecord, result: dict, state, world, device, tokens,

@@ -18,11 +18,11 @@ from zdsl.schedule import STATES
 from zdsl.schedule import Placement
 from zdsl.schedule import Span
 from zdsl.lang.sizes import split_number
+from zdsl.ir import DTYPE_BYTES
+from zdsl.ir import TIERS
 
-TIERS = ("device", "host", "nvme")
 OFFLOAD_TIERS = ("cpu", "nvme", "device")
 NVME_ALIGN = 4096
-BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 class PlacementChecks:
@@ -218,7 +218,7 @@ class PlacementChecks:
         if split_number(st.size.text)[1]:
             n = self.r.size(st.size, "persist threshold")
             if n is not None:
-                n //= BYTES_PER_ELEMENT[self.s.train.precision]
+                n //= DTYPE_BYTES[self.s.train.precision]
         else:
             n = self.r.integer(st.size, "persist threshold (parameters)", 0, 10 ** 15)
         if n is not None:

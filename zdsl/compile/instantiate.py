@@ -52,8 +52,8 @@ from zdsl.schedule import Pipeline
 from zdsl.schedule import PipeStmt
 from zdsl.schedule import Schedule
 from zdsl.compile.units import UnitSpec
+from zdsl.ir import DTYPE_BYTES
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TIER_OF = {"device": "device", "cpu": "host", "host": "host", "nvme": "nvme"}
 
 

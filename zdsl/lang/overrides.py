@@ -19,6 +19,7 @@ from zdsl.lang.errors import error
 from zdsl.schedule import MACHINE_OPTIONS
 from zdsl.schedule import STATES
 from zdsl.compile.units import GPT_DEFAULTS
+from zdsl.ir import TIERS
 
 OVERRIDE_FILE = "--set"
 
@@ -26,7 +27,6 @@ TRAIN_KEYS = ("steps", "batch", "accumulate", "precision", "seed")
 OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "clip")
 MACHINE_KEYS = tuple(key for key, _ in MACHINE_OPTIONS)
 OFFLOAD_KEYS = ("pinned", "ratio", "block", "depth")
-TIERS = ("device", "host", "nvme")
 # Statements replaced whole by ``--set KEYWORD=REST`` (the rest of the statement's line).
 STATEMENT_KEYS = ("model", "data", "optimizer", "ranks", "zero", "shard", "prefetch", "bucket",
                   "overlap", "recompute", "persist", "memory", "machine", "checkpoint")

@@ -16,6 +16,7 @@ import dataclasses
 from zdsl.schedule import (ALL_OVERLAPS, MACHINE_OPTIONS, OVERLAP_VERBS, PHASES, STATES, OptimizerSpec,
                        Pipeline, Placement, PipeStmt, Ref, Schedule)
 from zdsl.lang.sizes import format_size
+from zdsl.ir import TIERS
 
 _PREPOSITIONS = {"read": "from", "write": "to", "copy": "to", "step": "on"}
 _UNIT_VERBS = ("compute", "recompute", "step")
@@ -109,8 +110,7 @@ def _policies(s: Schedule) -> list[str]:
     if s.persist_below:
         out.append(f"persist   below {s.persist_below}")
     if s.memory:
-        order = ("device", "host", "nvme")
-        tiers = sorted(s.memory, key=lambda t: (order + (t,)).index(t))
+        tiers = sorted(s.memory, key=lambda t: (TIERS + (t,)).index(t))
         out.append("memory    " + ", ".join(f"{t} {format_size(s.memory[t])}" for t in tiers))
     machine = _machine(s)
     if machine:

@@ -25,6 +25,7 @@ import os
 import sys
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
+from zdsl.ir import TIERS
 
 # -- what the bars mean ----------------------------------------------------------
 
@@ -46,7 +47,6 @@ KIND_STYLE = {
 OTHER_STYLE = ("other", "#d0d0d0")
 HIDDEN_KINDS = ("mem.free",)
 LANE_ORDER = ("compute", "comm", "h2d", "d2h", "nvme", "host")
-TIER_ORDER = ("device", "host", "nvme")
 TIER_COLOURS = {"device": "#1f4e8c", "host": "#b5530f", "nvme": "#2e7d32"}
 EXTRA_TIER_COLOURS = ("#6a3d9a", "#8c564b", "#444444")
 
@@ -301,7 +301,7 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
         lane_y[(rank, lane)] = y
         y += lane_h[(rank, lane)]
     lanes_bottom = y
-    tiers = sorted({t for _, t in curves}, key=lambda t: (TIER_ORDER.index(t) if t in TIER_ORDER else 9, t))
+    tiers = sorted({t for _, t in curves}, key=lambda t: (TIERS.index(t) if t in TIERS else 9, t))
     colours = {t: TIER_COLOURS.get(t, EXTRA_TIER_COLOURS[i % len(EXTRA_TIER_COLOURS)])
                for i, t in enumerate(tiers)}
     mem_top = lanes_bottom + 44

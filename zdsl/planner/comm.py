@@ -16,8 +16,8 @@ from zdsl.ir import COLLECTIVE_KINDS
 
 from zdsl.ir import TaskGraph
 from zdsl.planner.simulate import collective_payload
+from zdsl.ir import DTYPE_BYTES
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass

@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from zdsl.tune.search import (TIERS, Candidate, TuneUsageError, combinations, parse_vary, predict, ranked,
+from zdsl.ir import TIERS
+from zdsl.tune.search import (Candidate, TuneUsageError, combinations, parse_vary, predict, ranked,
                        validate_values, write_schedule_text)
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2

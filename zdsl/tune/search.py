@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zdsl.lang.errors import UsageError
+from zdsl.ir import TIERS
 
-TIERS = ("device", "host", "nvme")
 
 
 class TuneUsageError(ValueError):
