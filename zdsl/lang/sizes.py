@@ -79,12 +79,3 @@ def format_size(n: int) -> str:
             return f"{n // UNITS[name]}{name}"
     return f"{n}B"
 
-
-def human_size(n: float) -> str:
-    """Approximate text for tables (``1.50 GiB``); not meant to be parsed back."""
-    value = float(n)
-    for name in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or name == "TiB":
-            return f"{value:.0f} B" if name == "B" else f"{value:.2f} {name}"
-        value /= 1024
-    return f"{value:.2f} TiB"
