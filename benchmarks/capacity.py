@@ -71,7 +71,7 @@ def read_io(pid: int) -> dict[str, int]:
 
 
 def compile_graph(schedule: Path, sets: list[str]):
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     overrides = dict(s.split("=", 1) for s in sets)
     compiled = compile_file(str(schedule), overrides, simulate=False)
     if not compiled.ok:

@@ -295,7 +295,7 @@ def main() -> None:
     args = p.parse_args()
     kinds = args.kinds.split(",")
     rnd = random.Random(args.seed)
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     ops = len(compile_file(str(QUICK), {}, simulate=False).graph.ops)
     work = Path(tempfile.mkdtemp(prefix="zdsl-chaos-"))
     outcomes: list[Outcome] = []

@@ -80,8 +80,8 @@ def subprocess_run(path: str, command: list[str]) -> None:
 def stages(path: str) -> dict[str, float]:
     """Where the time goes, one stage at a time (one run)."""
     from zdsl.check.checker import load_schedule
-    from zdsl.cli import compile_schedule_fn
-    from zdsl.cli import memo_units_for
+    from zdsl.driver import compile_schedule
+    from zdsl.driver import memo_units_for
     from zdsl.planner.report import build_plan
     from zdsl.planner.report import render_plan
     from zdsl.planner.simulate import simulate
@@ -93,7 +93,7 @@ def stages(path: str) -> dict[str, float]:
     units = units_for(schedule.model)
     out["parse + check"] = time.perf_counter() - t
     t = time.perf_counter()
-    graph = compile_schedule_fn()(schedule, units)
+    graph = compile_schedule(schedule, units)
     out["lower + instantiate"] = time.perf_counter() - t
     t = time.perf_counter()
     sim = simulate(graph, schedule.machine)
@@ -112,12 +112,12 @@ def stages(path: str) -> dict[str, float]:
 # In a fresh process: warm up (imports, the parser's tables), then time one compile_file.
 TIME_ONE = """\
 import contextlib, sys, time
-import zdsl.cli as cli
+import zdsl.driver as driver
 if sys.argv[3] == "on":                       # the collector left on, for comparison
-    cli.gc_paused = contextlib.nullcontext
-cli.compile_file(sys.argv[1], None, simulate=False)
+    driver.gc_paused = contextlib.nullcontext
+driver.compile_file(sys.argv[1], None, simulate=False)
 t = time.process_time()
-cli.compile_file(sys.argv[2], None, simulate=sys.argv[4] == "plan")
+driver.compile_file(sys.argv[2], None, simulate=sys.argv[4] == "plan")
 print(time.process_time() - t)
 """
 

@@ -13,7 +13,7 @@ import statistics
 
 import trio
 
-from zdsl.compile.lower import compile_schedule
+from zdsl.driver import compile_schedule
 from zdsl.runtime.exec.executor import Executor
 from zdsl.schedule import Placement
 from zdsl.schedule import Schedule

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zdsl.cli import compile_file                      # noqa: E402
+from zdsl.driver import compile_file                      # noqa: E402
 from zdsl.observe.overlap import analyze, summarize, times_from_trace, typical   # noqa: E402
 
 TARGETS = {"zero3": 0.85, "nvme": 0.80}

@@ -54,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zdsl.cli import compile_file                       # noqa: E402
+from zdsl.driver import compile_file                       # noqa: E402
 from zdsl.planner.simulate import machine_of, simulate   # noqa: E402
 
 TARGET = 0.15

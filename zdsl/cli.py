@@ -11,16 +11,20 @@ traceback unless ``ZDSL_DEBUG=1``).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import importlib
 import json
 import os
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+from zdsl.driver import EXIT_INTERNAL
+from zdsl.driver import EXIT_OK
+from zdsl.driver import EXIT_USAGE
+from zdsl.driver import compile_file
+from zdsl.driver import load
+from zdsl.driver import memo_units_for
+from zdsl.driver import report
+from zdsl.driver import status_of
+from zdsl.log import configure_logging
 
 DELEGATED = {                         # subcommand -> the module whose main(argv) runs it
     "run": "zdsl.runtime.run.cli",
@@ -36,183 +40,6 @@ DELEGATED_HELP = {
     "calibrate": "measure this machine and write a `machine` profile",
     "tune": "try prefetch/bucket/... variants, predicted then measured",
 }
-
-_logging_configured = False
-
-
-class _CurrentStderr:
-    """Whatever ``sys.stderr`` is when an event is written (it may be replaced after configuration:
-    pytest's capture, a redirect), so logging never writes to a closed stream."""
-
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
-def configure_logging(rank: int | None = None, level: str = "warning") -> None:
-    """Configure structlog once per process (again only to bind a rank); events go to stderr."""
-    global _logging_configured
-    import logging
-
-    import structlog
-    lvl = logging.getLevelName(level.upper()) if isinstance(level, str) else int(level)
-    if not isinstance(lvl, int):
-        lvl = logging.WARNING
-    if not _logging_configured or rank is not None:
-        structlog.configure(
-            processors=[
-                structlog.contextvars.merge_contextvars,
-                structlog.processors.add_log_level,
-                structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=True),
-                structlog.dev.ConsoleRenderer(colors=False),
-            ],
-            wrapper_class=structlog.make_filtering_bound_logger(lvl),
-            logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
-            cache_logger_on_first_use=False,
-        )
-        _logging_configured = True
-    if rank is not None:
-        structlog.contextvars.bind_contextvars(rank=rank)
-
-
-# -- compiling one file ------------------------------------------------------------
-
-@dataclass
-class Compiled:
-    """A schedule carried as far through the compiler as it would go."""
-    path: str
-    diagnostics: list = field(default_factory=list)
-    schedule: object = None
-    units: list | None = None
-    graph: object = None
-    sim: object = None
-    usage_error: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not any(d.severity == "error" for d in self.diagnostics)
-
-
-def memo_units_for():
-    """units_for with a cache, so a user model is built on the meta device once per command."""
-    from zdsl.compile.models import units_for
-    cache: dict[tuple[str, int | None], list] = {}
-
-    def cached(spec, context: int | None = None):
-        key = (repr(spec), context)
-        if key not in cache:
-            cache[key] = units_for(spec, context)
-        return cache[key]
-    return cached
-
-
-def compile_schedule_fn():
-    """``compile_schedule`` (schedule, units -> TaskGraph), wherever the lowering keeps it."""
-    import zdsl.compile.lower as lower
-    fn = getattr(lower, "compile_schedule", None)
-    if fn is None:
-        from zdsl.compile.instantiate import compile_schedule as fn
-    return fn
-
-
-def compile_file(path: str, overrides: dict[str, str] | None, units_for=None,
-                 simulate: bool = True) -> Compiled:
-    """Load, check, lower, instantiate and verify one .zs file; collect every diagnostic."""
-    with gc_paused():
-        return _compile_file(path, overrides, units_for, simulate)
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Python's cyclic collector off while compiling: the compiler makes hundreds of thousands
-    of long-lived objects and no garbage cycles to speak of, and each full collection walked the
-    whole growing graph (at 8,000 layers 11 of them took 3.6 s of an 8 s compile), which made
-    compiling superlinear in the model's depth (benchmarks/compile_speed.py prints the exponent)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _compile_file(path: str, overrides: dict[str, str] | None, units_for,
-                  simulate: bool) -> Compiled:
-    from zdsl.check.checker import load_schedule
-    from zdsl.lang.errors import Diagnostic
-    from zdsl.lang.errors import UsageError
-    from zdsl.lang.errors import ZsError
-    from zdsl.compile.instantiate import LoweringError
-    from zdsl.compile.models import ModelSizingError
-    from zdsl.compile.models import run_context
-    from zdsl.compile.verify import findings
-    from zdsl.compile.verify import to_diagnostic
-
-    units_for = units_for or memo_units_for()
-    out = Compiled(path)
-    try:
-        schedule, diags = load_schedule(path, overrides, units_for)
-    except UsageError as exc:
-        out.diagnostics, out.usage_error = exc.diagnostics, True
-        return out
-    except ZsError as exc:
-        out.diagnostics = exc.diagnostics
-        return out
-    out.schedule = schedule
-    out.diagnostics = list(diags)
-    if not out.ok:
-        return out
-    model_span = schedule.spans.get("model")
-    try:
-        out.units = units_for(schedule.model, run_context(schedule))
-    except ModelSizingError as exc:
-        out.diagnostics.append(Diagnostic("error", model_span, str(exc)))
-        return out
-    except Exception as exc:                  # a user's model factory that fails to build
-        out.diagnostics.append(Diagnostic("error", model_span, f"cannot size the model: "
-                                          f"{type(exc).__name__}: {exc}"))
-        return out
-    try:
-        out.graph = compile_schedule_fn()(schedule, out.units)
-    except LoweringError as exc:
-        out.diagnostics.append(Diagnostic("error", exc.span, str(exc), exc.hint))
-        return out
-    except ZsError as exc:
-        out.diagnostics.extend(exc.diagnostics)
-        return out
-    found, out.sim = findings(out.graph, schedule, want_sim=simulate)
-    out.diagnostics.extend(to_diagnostic(f) for f in found)
-    return out
-
-
-def report(compiled: Compiled) -> None:
-    """Print a file's diagnostics (errors and warnings) to stderr, positioned; past the first
-    50 of a severity only how many more there are."""
-    from zdsl.lang.errors import attach_sources
-    from zdsl.lang.errors import capped
-    from zdsl.lang.errors import more_line
-    from zdsl.lang.errors import render
-    try:
-        source = Path(compiled.path).read_bytes().decode("utf-8", errors="replace")
-    except OSError:
-        source = None
-    shown, left_out = capped(compiled.diagnostics)
-    if source is not None:
-        attach_sources(shown, {compiled.path: source})
-    for d in shown:
-        print(render(d), file=sys.stderr)
-    for severity, count in left_out.items():
-        print(more_line(severity, count, compiled.path), file=sys.stderr)
-
-
-def status_of(compiled: Compiled) -> int:
-    if compiled.usage_error:
-        return EXIT_USAGE
-    return EXIT_OK if compiled.ok else EXIT_INVALID
-
 
 # -- subcommands -------------------------------------------------------------------
 
@@ -290,23 +117,12 @@ def traced_ranks(ops: int, ranks: int, budget: int = 60_000) -> int:
 
 def print_lowered(path: str, overrides, units_for) -> int:
     """The pipelines a policy file expands to, as valid .zs."""
-    from zdsl.check.checker import load_schedule
-    from zdsl.lang.errors import UsageError
-    from zdsl.lang.errors import ZsError
     from zdsl.compile.lower import lower_policies
     from zdsl.lang.printer import print_schedule
-    compiled = Compiled(path)
-    try:
-        schedule, diags = load_schedule(path, overrides, units_for)
-    except UsageError as exc:
-        compiled.diagnostics, compiled.usage_error = exc.diagnostics, True
-    except ZsError as exc:
-        compiled.diagnostics = exc.diagnostics
-    else:
-        compiled.diagnostics = list(diags)
-        if compiled.ok:
-            pipelines = lower_policies(schedule, units_for(schedule.model))
-            sys.stdout.write(print_schedule(schedule, pipelines))
+    compiled = load(path, overrides, units_for)
+    if compiled.ok:
+        schedule = compiled.schedule
+        sys.stdout.write(print_schedule(schedule, lower_policies(schedule, units_for(schedule.model))))
     report(compiled)
     return status_of(compiled)
 

@@ -35,7 +35,7 @@ zero      3
 def reference_graph(ranks: int, device: str):
     """The compiled reference schedule: once per process, for the runtime blocks and the fit
     alike (nothing that runs it changes it)."""
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     with tempfile.TemporaryDirectory(prefix="zdsl-calibrate-") as tmp:
         path = os.path.join(tmp, "reference.zs")
         with open(path, "w", encoding="utf-8") as f:

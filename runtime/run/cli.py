@@ -54,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(argv: list[str] | None) -> int:
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     from zdsl.cli import parse_sets
-    from zdsl.cli import report
-    from zdsl.cli import status_of
+    from zdsl.driver import report
+    from zdsl.driver import status_of
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -156,7 +156,7 @@ def fail(rank: int, text: str) -> int:
 
 def configure_rank_logging(rank: int) -> None:
     try:
-        from zdsl.cli import configure_logging
+        from zdsl.log import configure_logging
     except ImportError:
         return
     configure_logging(rank=rank)

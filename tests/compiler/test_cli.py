@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from zdsl import cli
+from zdsl import driver
+from zdsl import log
 from zdsl.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,7 +142,7 @@ def test_warnings_do_not_fail(tmp_path, capsys):
 
 
 def test_lowered_output_compiles_to_the_same_graph(tmp_path, capsys):
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     for program in BUILTIN:
         status, out, err = run(["plan", "--lowered", str(program)], capsys)
         assert status == 0, err
@@ -189,8 +191,8 @@ def test_a_bug_is_an_internal_error_not_a_traceback(monkeypatch, tmp_path, capsy
 
 def test_configure_logging_binds_the_rank(capsys):
     import structlog
-    cli.configure_logging(level="info")
-    cli.configure_logging(rank=1, level="info")
+    log.configure_logging(level="info")
+    log.configure_logging(rank=1, level="info")
     structlog.get_logger().info("hello", x=1)
     err = capsys.readouterr().err
     assert "hello" in err and "rank=1" in err
@@ -227,11 +229,11 @@ def test_report_caps_errors_and_warnings_separately(tmp_path, capsys):
     from zdsl.schedule import Span
     path = write(tmp_path, "zero 3\n" * 200)
     at = [Span(path, line, 1, 5) for line in range(1, 201)]
-    compiled = cli.Compiled(path, [error(at[0], "e0"), note(at[1], "n0"),
+    compiled = driver.Compiled(path, [error(at[0], "e0"), note(at[1], "n0"),
                                    *(error(at[i], f"e{i}") for i in range(1, 60)),
                                    note(at[2], "n59"),                 # belongs to e59: left out
                                    *(warning(at[i], f"w{i}") for i in range(120))])
-    cli.report(compiled)
+    driver.report(compiled)
     lines = capsys.readouterr().err.splitlines()
     headers = [line.split(": ", 2)[1:] for line in lines if DIAGNOSTIC_HEADER.match(line)]
     assert headers[:3] == [["error", "e0"], ["note", "n0"], ["error", "e1"]]
@@ -276,7 +278,7 @@ def test_compiling_runs_no_cyclic_collection_and_restores_the_collector(tmp_path
     import gc
     deep = write(tmp_path, SMALL.format(budget="1GiB").replace("layers=2", "layers=300"))
     started, during = [], []
-    real = cli._compile_file
+    real = driver._compile
 
     def compile_counted(*args):                    # the collections inside the compile itself
         before = len(started)
@@ -287,21 +289,21 @@ def test_compiling_runs_no_cyclic_collection_and_restores_the_collector(tmp_path
     def count(phase, info):
         if phase == "start":
             started.append(info["generation"])
-    monkeypatch.setattr(cli, "_compile_file", compile_counted)
+    monkeypatch.setattr(driver, "_compile", compile_counted)
     gc.callbacks.append(count)
     try:
-        compiled = cli.compile_file(deep, None)
+        compiled = driver.compile_file(deep, None)
     finally:
         gc.callbacks.remove(count)
     assert compiled.ok and len(compiled.graph.units) == 302
     assert during == [] and gc.isenabled()
     gc.disable()
     try:
-        cli.compile_file(deep, None, simulate=False)
+        driver.compile_file(deep, None, simulate=False)
         assert not gc.isenabled()                  # a caller's choice is kept
     finally:
         gc.enable()
-    monkeypatch.setattr(cli, "_compile_file", lambda *a: 1 / 0)
+    monkeypatch.setattr(driver, "_compile", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        cli.compile_file(deep, None)
+        driver.compile_file(deep, None)
     assert gc.isenabled()

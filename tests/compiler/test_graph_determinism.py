@@ -13,7 +13,7 @@ PROGRAMS = sorted(p for p in (Path(__file__).parents[2] / "programs").glob("*.zs
 
 SCRIPT = """
 import sys
-from zdsl.cli import compile_file
+from zdsl.driver import compile_file
 for path in sys.argv[1:]:
     c = compile_file(path, {"steps": "3", "accumulate": "2"}, simulate=False)
     print(path, c.graph.digest() if c.graph is not None else c.diagnostics)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from zdsl.cli import compile_schedule_fn
+from zdsl.driver import compile_schedule
 from zdsl.ir import (COLLECTIVE_KINDS, LANES, OP_LANES, TIERS, Buffer, Op, TaskGraph, buffer_name,
                      parse_buffer_name)
 from zdsl.schedule import OptimizerSpec
@@ -18,7 +18,7 @@ UNITS = gpt_units(layers=2, width=32, heads=4, vocab=64, context=8)
 def compiled(**kw) -> TaskGraph:
     s = Schedule(name="ir", ranks=2, train=TrainSpec(batch=2, precision=kw.pop("precision", "fp32")),
                  optimizer=OptimizerSpec(clip=1.0), **kw)
-    return compile_schedule_fn()(s, UNITS)
+    return compile_schedule(s, UNITS)
 
 
 @pytest.mark.parametrize("name,parts", [

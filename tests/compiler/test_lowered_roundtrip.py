@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zdsl.cli import compile_file
+from zdsl.driver import compile_file
 
 PROGRAMS = sorted((Path(__file__).parents[2] / "programs").glob("*.zs"))
 

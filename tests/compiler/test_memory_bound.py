@@ -14,9 +14,9 @@ from functools import partial
 import pytest
 from work_count import growth
 
-from zdsl.cli import compile_file
+from zdsl.driver import compile_file
 
-from zdsl.cli import compile_schedule_fn
+from zdsl.driver import compile_schedule
 from zdsl.ir import Buffer
 from zdsl.ir import Op
 from zdsl.ir import TaskGraph
@@ -218,7 +218,7 @@ def zero3_gpt(layers: int) -> TaskGraph:
     units = gpt_units(layers, 64, 4, 256, 32)
     s = Schedule(name="t", ranks=2, stage=3, train=TrainSpec(precision="bf16", batch=2),
                  optimizer=OptimizerSpec(kind="adamw"), prefetch=2)
-    return compile_schedule_fn()(s, units)
+    return compile_schedule(s, units)
 
 
 def test_1000_units_at_zero_3_and_work_near_linear_in_them():

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from work_count import growth
-from zdsl.cli import compile_file
-from zdsl.cli import compile_schedule_fn
+from zdsl.driver import compile_file
+from zdsl.driver import compile_schedule
 from zdsl.ir import Buffer
 from zdsl.ir import Op
 from zdsl.ir import TaskGraph
@@ -43,7 +43,7 @@ def schedule(stage=0, ranks=2, precision="fp32", optimizer="adamw", momentum=0.0
 
 
 def compiled(s: Schedule, units=UNITS) -> TaskGraph:
-    return compile_schedule_fn()(s, units)
+    return compile_schedule(s, units)
 
 
 def padded_psi(graph: TaskGraph) -> int:
@@ -146,7 +146,7 @@ def test_compute_ops_carry_their_units_kernels():
     GPT's, zdsl.compile.units.GPT_KERNELS); no other op has any."""
     from zdsl.compile.units import GPT_KERNELS
     from pathlib import Path
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     program = Path(__file__).resolve().parents[2] / "programs" / "pipelines.zs"    # recomputes its blocks
     graph = compile_file(str(program), {}, simulate=False).graph
     for op in graph.ops:
@@ -466,7 +466,7 @@ def test_the_drift_correction_leaves_the_disk_as_measured():
     ``drift`` times slower; the NVMe program less, its transfers keeping their calibrated rates."""
     import importlib.util
     from pathlib import Path
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("prediction_error", root / "benchmarks" / "prediction_error.py")
     bench = importlib.util.module_from_spec(spec)

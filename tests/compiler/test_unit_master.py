@@ -2,7 +2,7 @@
 optimizer buffer is sized by that same fact (the runtime reads it, it does not re-derive it)."""
 import pytest
 
-from zdsl.compile.instantiate import compile_schedule
+from zdsl.driver import compile_schedule
 from zdsl.compile.units import gpt_units
 from zdsl.ir import TaskGraph
 from zdsl.ir import optimizer_bytes_per_param

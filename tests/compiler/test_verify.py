@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from zdsl.cli import compile_schedule_fn
+from zdsl.driver import compile_schedule
 from zdsl.ir import Buffer
 from zdsl.ir import Op
 from zdsl.ir import TaskGraph
@@ -44,7 +44,7 @@ def test_compiled_schedules_verify_clean(stage, extra):
     if extra.get("placement") and stage == 0:
         pytest.skip("offload needs sharded state")
     s = schedule(stage=stage, **extra)
-    g = compile_schedule_fn()(s, UNITS)
+    g = compile_schedule(s, UNITS)
     assert errors(verify(g, s)) == []
 
 
@@ -54,13 +54,13 @@ def test_compiled_schedules_verify_clean(stage, extra):
 ])
 def test_offloaded_stage_3_verifies_clean(placement):
     s = schedule(stage=3, placement=placement, prefetch=2)
-    assert errors(verify(compile_schedule_fn()(s, UNITS), s)) == []
+    assert errors(verify(compile_schedule(s, UNITS), s)) == []
 
 
 def test_prefetch_past_the_tied_head_verifies_clean():
     # The head gathers the embedding's parameters (tied) in the prologue; unit 0's free must not drop them.
     s = schedule(stage=3, prefetch=3)
-    assert errors(verify(compile_schedule_fn()(s, UNITS), s)) == []
+    assert errors(verify(compile_schedule(s, UNITS), s)) == []
 
 
 # -- hand-built broken graphs --------------------------------------------------------------
@@ -188,7 +188,7 @@ def test_device_budget_points_at_prefetch_when_gathered_parameters_dominate():
     units = gpt_units(layers=6, width=256, heads=4, vocab=64, context=8)
     prefetch_span = Span(FILE, 7, 1)
     s = schedule(stage=3, prefetch=4, spans={"prefetch": prefetch_span, "memory": Span(FILE, 9, 1)})
-    g = compile_schedule_fn()(s, units)
+    g = compile_schedule(s, units)
     from zdsl.planner.simulate import simulate
     peak = simulate(g).memory.peak("device")
     s.memory = {"device": peak - 1}
@@ -207,13 +207,13 @@ def test_host_budget_points_at_the_offload_statement():
     offload = Span(FILE, 5, 1)
     s = schedule(stage=2, placement={"optimizer": Placement("cpu")}, memory={"host": 1024},
                  spans={"offload.optimizer": offload})
-    errs = errors(verify(compile_schedule_fn()(s, UNITS), s))
+    errs = errors(verify(compile_schedule(s, UNITS), s))
     assert len(errs) == 1 and "host" in errs[0].message and errs[0].span == offload
 
 
 def test_budget_for_an_unused_tier_warns():
     s = schedule(stage=1, memory={"nvme": 1 << 40}, spans={"memory": Span(FILE, 4, 1)})
-    diags = verify(compile_schedule_fn()(s, UNITS), s)
+    diags = verify(compile_schedule(s, UNITS), s)
     assert errors(diags) == []
     assert [d.severity for d in diags] == ["warning"] and "never reached" in diags[0].message
 
@@ -221,7 +221,7 @@ def test_budget_for_an_unused_tier_warns():
 def test_verifier_is_fast_on_1000_units():
     units = gpt_units(layers=998, width=32, heads=4, vocab=64, context=8)
     s = schedule(stage=3, prefetch=2, ranks=8)
-    g = compile_schedule_fn()(s, units)
+    g = compile_schedule(s, units)
     t = time.perf_counter()
     assert errors(verify(g, s)) == []
     assert time.perf_counter() - t < 3.0     # a guard against quadratic checks, not a benchmark

@@ -115,7 +115,7 @@ def test_free_bytes_asks_the_nearest_folder_that_exists(tmp_path):
 
 
 def test_the_plan_of_nvme_knows_its_swap_folder_and_bytes(tmp_path):
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     compiled = compile_file(str(NVME), {}, simulate=True)
     needs = needs_of(compiled.graph, compiled.sim.memory.to_json())
     assert needs.swap_folder == "/tmp/zdsl_nvme" and needs.nvme_per_rank % 4096 == 0
@@ -166,7 +166,7 @@ def test_run_cli_refuses_1000_ranks_with_no_traceback(tmp_path, fake_floor):
 
 
 def test_under_another_launcher_a_misfit_only_warns(tmp_path, fake_floor, monkeypatch, capsys):
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     from zdsl.runtime.run.cli import build_parser
     from zdsl.runtime.run.preflight import preflight
     compiled = compile_file(str(QUICK), {}, simulate=False)

@@ -110,7 +110,7 @@ def test_nvme_swap_files_are_removed_after_a_run(tmp_path):
 def test_run_writes_a_measured_trace_and_timeline(tmp_path):
     """``zdsl run --trace --trace-steps 2 --timeline``: one process per rank, one thread per lane,
     every timed op of the last two steps once per rank, flow arrows, memory counters, a picture."""
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     trace, svg = tmp_path / "t.json", tmp_path / "t.svg"
     proc, _ = zdsl("run", QUICK, "--set", "steps=5", "--trace", str(trace), "--trace-steps", "2",
                    "--timeline", str(svg), "--quiet")

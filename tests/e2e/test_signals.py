@@ -220,7 +220,7 @@ def watch_of(*boards, culprits=None, waited_by=None):
 
 
 def quick_graph():
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     return compile_file(str(QUICK), {}, simulate=False).graph
 
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests/: ddp_r
 
 import torch  # noqa: E402
 
-from zdsl.cli import compile_file  # noqa: E402
+from zdsl.driver import compile_file  # noqa: E402
 from zdsl.runtime.data import make_batch  # noqa: E402
 from zdsl.runtime.dist.group import init_group  # noqa: E402
 from zdsl.runtime.run.train import env_rank, pick_device  # noqa: E402

@@ -18,7 +18,7 @@ SMALLER = {"capacity": ["--set", "model.layers=2"]}
 
 def swap_here(program: Path, folder: Path) -> list[str]:
     """``--set`` options that move the program's NVMe offloads into ``folder``."""
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     placement = compile_file(str(program), {}, simulate=False).schedule.placement
     sets = []
     for state, p in placement.items():

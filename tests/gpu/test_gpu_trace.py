@@ -19,7 +19,7 @@ EPS_US = 1e-3          # the trace is in microseconds, summed from seconds: allo
 def test_device_times_are_ordered_within_each_lane(tmp_path, gpus):
     from test_run_cli import zdsl
 
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     schedule = write_schedule(tmp_path, ranks=gpus, stage=3, optimizer=SGD, offload="offload optimizer -> cpu")
     trace = tmp_path / "trace.json"
     proc, _ = zdsl("run", str(schedule), "--trace", str(trace), "--trace-steps", "2")

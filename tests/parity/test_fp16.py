@@ -35,7 +35,7 @@ SGD = dict(kind="sgd", momentum=0.9)
 
 def zdsl_fp16(schedule, rank: int, world: int, scale: float, growth_interval: int):
     """The real runtime (trio executor) on an fp16 schedule, with the scaler's start set."""
-    from zdsl.compile.lower import compile_schedule
+    from zdsl.driver import compile_schedule
     from zdsl.runtime.models.gpt import GPT
     from zdsl.runtime.state.rank import RankState
     from zdsl.compile.units import gpt_units

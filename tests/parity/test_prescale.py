@@ -54,7 +54,7 @@ def program(folder: Path, zero: int, optimizer: str = "adamw(lr=1e-2, weight_dec
 
 
 def train(rank: int, world: int, path: str, sets: dict) -> dict:
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     from zdsl.runtime.models.gpt import GPT
     from zdsl.runtime.state.rank import RankState
 

@@ -40,7 +40,7 @@ def make_schedule(world: int, stage: int, accumulate: int, clip, recompute) -> S
 
 def train(schedule: Schedule, rank: int, world: int):
     """As `zdsl run` trains: the model built from the seed, the trio executor, step after step."""
-    from zdsl.compile.lower import compile_schedule
+    from zdsl.driver import compile_schedule
     from zdsl.compile.models import units_for
     from zdsl.runtime.models.protocol import build_model
     from zdsl.runtime.state.rank import RankState

@@ -15,7 +15,7 @@ import torch
 from ddp_reference import ddp_train, run_steps, spawn
 from test_state_vs_ddp import MODEL, make_schedule
 
-from zdsl.compile.lower import compile_schedule
+from zdsl.driver import compile_schedule
 from zdsl.compile.units import gpt_units
 
 pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'

@@ -21,7 +21,7 @@ import tempfile
 import pytest
 import torch
 
-from zdsl.compile.lower import compile_schedule
+from zdsl.driver import compile_schedule
 from zdsl.schedule import DataSpec
 from zdsl.schedule import ModelSpec
 from zdsl.schedule import OptimizerSpec

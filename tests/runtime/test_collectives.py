@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from zdsl.cli import compile_file
+from zdsl.driver import compile_file
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted(p for p in (ROOT / "programs").glob("*.zs") if p.stem != "capacity")

@@ -33,21 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zdsl.ir import OP_LANES
-
 from zdsl.ir import Buffer
-
 from zdsl.ir import Op
-
 from zdsl.ir import TaskGraph
-
 from zdsl.ir import UnitInfo
-
 from zdsl.ir import buffer_name
-
 from zdsl.ir import optimizer_bytes_per_param
 from zdsl.ir import parse_buffer_name
 from zdsl.compile.layout import flat_layout
-from zdsl.compile.lower import lower_policies
 from zdsl.schedule import Pipeline
 from zdsl.schedule import PipeStmt
 from zdsl.schedule import Schedule
@@ -653,9 +646,9 @@ class _Builder:
         return infos
 
 
-def compile_schedule(schedule: Schedule, units: list[UnitSpec]) -> TaskGraph:
-    """A checked schedule and its model's units to the task graph of one step."""
-    pipelines = lower_policies(schedule, units)
+def instantiate(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline]) -> TaskGraph:
+    """A checked schedule, its model's units and its lowered pipelines to the task graph of one
+    step (``zdsl.driver.compile_schedule`` lowers first)."""
     return _Builder(schedule, units).build(pipelines)
 
 

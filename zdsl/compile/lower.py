@@ -122,9 +122,3 @@ def lower_policies(schedule: Schedule, units: list[UnitSpec]) -> dict[str, Pipel
         "backward": Pipeline("backward", "u", backward),
         "step": Pipeline("step", "u", step),
     }
-
-
-def compile_schedule(schedule: Schedule, units: list[UnitSpec]):
-    """Lower and instantiate: a checked schedule to its task graph (see zdsl.compile.instantiate)."""
-    from zdsl.compile.instantiate import compile_schedule as instantiate_schedule
-    return instantiate_schedule(schedule, units)

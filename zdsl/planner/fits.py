@@ -249,11 +249,11 @@ def usable_cores() -> int:
 def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: TorchFloor | None = None,
                  machine: Machine | None = None, statvfs: Callable = os.statvfs,
                  local_ranks: int | None = None) -> Fit:
-    """The fit of a compiled schedule (``zdsl.cli.Compiled``, with a graph) on this machine, for
+    """The fit of a compiled schedule (``zdsl.driver.Compiled``, with a graph) on this machine, for
     ``zdsl plan`` and ``zdsl run`` alike. ``floor``: torch's per-process floor, measured (or read
     from its cache) by the runtime when not given. ``local_ranks``: the ranks on this host, where
     another launcher spreads them over several (then how many would fit is not searched)."""
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     from zdsl.planner.simulate import simulate
 
     graph = compiled.graph

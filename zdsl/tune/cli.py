@@ -74,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--measure must be 0 or more")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is not timed)")
-    from zdsl.cli import compile_file
-    from zdsl.cli import memo_units_for
+    from zdsl.driver import compile_file
+    from zdsl.driver import memo_units_for
     from zdsl.cli import parse_sets
-    from zdsl.cli import report
-    from zdsl.cli import status_of
+    from zdsl.driver import report
+    from zdsl.driver import status_of
     base = parse_sets(args.set, parser)
     if "steps" in base or "train.steps" in base:
         parser.error("set the measured run length with --steps, not --set steps")

@@ -146,7 +146,7 @@ def validate_values(path: str, base: dict[str, str], vary: list[tuple[str, list[
     (A value valid alone but invalid with others, or over a budget, is a rejection, not
     a usage error.)
     """
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     for key, values in vary:
         for value in values:
             compiled = compile_file(path, {**base, key: value}, units_for, simulate=False)
@@ -161,8 +161,8 @@ def validate_values(path: str, base: dict[str, str], vary: list[tuple[str, list[
 
 def predict(path: str, base: dict[str, str], combos: list[dict[str, str]], units_for=None) -> list[Candidate]:
     """Compile and simulate every combination (no torch); rejected ones carry the reason."""
-    from zdsl.cli import compile_file
-    from zdsl.cli import memo_units_for
+    from zdsl.driver import compile_file
+    from zdsl.driver import memo_units_for
     units_for = units_for or memo_units_for()
     out = []
     for combo in combos:
@@ -215,8 +215,8 @@ def write_schedule_text(path: str, overrides: dict[str, str], out_path: str, not
     Paths relative to the schedule (includes) are rewritten for ``out_path``'s folder.
     Returns (text, how); raises ValueError when neither way reproduces the graph.
     """
-    from zdsl.cli import compile_file
-    from zdsl.cli import memo_units_for
+    from zdsl.driver import compile_file
+    from zdsl.driver import memo_units_for
     units_for = units_for or memo_units_for()
     target = compile_file(path, overrides, units_for, simulate=False)
     if not target.ok or target.graph is None:
@@ -266,7 +266,7 @@ def _compile_text(text: str, out_path: str, units_for):
     """Compile text as if it were the file at out_path (written to a temp file beside it)."""
     import os
     import tempfile
-    from zdsl.cli import compile_file
+    from zdsl.driver import compile_file
     folder = Path(out_path).resolve().parent
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".zs", prefix=".tune-", dir=folder)

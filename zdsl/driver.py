@@ -1,0 +1,173 @@
+"""The compiler pipeline: a .zs file to a checked, verified and simulated task graph.
+
+Every command that needs a graph (``check``, ``plan``, ``run``, ``tune``, ``calibrate``, the
+benchmarks) calls :func:`compile_file`; it reads top-down as the steps it chains:
+
+1. **load** (:mod:`zdsl.lang` parses, :mod:`zdsl.check` checks): the file to a ``Schedule``;
+2. **size** (:mod:`zdsl.compile.models`): the model to its units, on the meta device;
+3. **lower** (:mod:`zdsl.compile.lower`): policies to explicit pipelines;
+4. **instantiate** (:mod:`zdsl.compile.instantiate`): pipelines times units to a ``TaskGraph``;
+5. **verify** (:mod:`zdsl.compile.verify`): races, deadlocks and memory, simulating the step
+   with :mod:`zdsl.planner` once; the simulation is kept for the plan.
+
+Contract: never raises for a bad schedule or model. Everything wrong is a positioned
+diagnostic in the returned :class:`Compiled`, which is carried as far as it would go.
+No torch is imported here (a user's model factory may import it when sized).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+@dataclass
+class Compiled:
+    """A schedule carried as far through the compiler as it would go."""
+    path: str
+    diagnostics: list = field(default_factory=list)
+    schedule: object = None
+    units: list | None = None
+    graph: object = None
+    sim: object = None
+    usage_error: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not any(d.severity == "error" for d in self.diagnostics)
+
+
+def compile_file(path: str, overrides: dict[str, str] | None, units_for=None,
+                 simulate: bool = True) -> Compiled:
+    """Load, size, lower, instantiate and verify one .zs file; collect every diagnostic.
+    ``simulate=False`` skips the step simulation when no memory budget needs it."""
+    with gc_paused():
+        return _compile(path, overrides, units_for or memo_units_for(), simulate)
+
+
+def _compile(path: str, overrides: dict[str, str] | None, units_for, simulate: bool) -> Compiled:
+    from zdsl.compile.verify import findings
+    from zdsl.compile.verify import to_diagnostic
+    out = load(path, overrides, units_for)
+    if out.ok and size(out, units_for) and instantiate_graph(out):
+        found, out.sim = findings(out.graph, out.schedule, want_sim=simulate)
+        out.diagnostics.extend(to_diagnostic(f) for f in found)
+    return out
+
+
+def load(path: str, overrides: dict[str, str] | None, units_for=None) -> Compiled:
+    """Step 1: read, parse and check; ``schedule`` is set when nothing stopped the check."""
+    from zdsl.check.checker import load_schedule
+    from zdsl.lang.errors import UsageError
+    from zdsl.lang.errors import ZsError
+    out = Compiled(path)
+    try:
+        out.schedule, diags = load_schedule(path, overrides, units_for or memo_units_for())
+    except UsageError as exc:
+        out.diagnostics, out.usage_error = exc.diagnostics, True
+    except ZsError as exc:
+        out.diagnostics = exc.diagnostics
+    else:
+        out.diagnostics = list(diags)
+    return out
+
+
+def size(out: Compiled, units_for) -> bool:
+    """Step 2: the model's units (sizes, flops, activations) at the schedule's context."""
+    from zdsl.compile.models import ModelSizingError
+    from zdsl.compile.models import run_context
+    from zdsl.lang.errors import Diagnostic
+    model_span = out.schedule.spans.get("model")
+    try:
+        out.units = units_for(out.schedule.model, run_context(out.schedule))
+    except ModelSizingError as exc:
+        out.diagnostics.append(Diagnostic("error", model_span, str(exc)))
+        return False
+    except Exception as exc:                  # a user's model factory that fails to build
+        out.diagnostics.append(Diagnostic("error", model_span, f"cannot size the model: "
+                                          f"{type(exc).__name__}: {exc}"))
+        return False
+    return True
+
+
+def instantiate_graph(out: Compiled) -> bool:
+    """Steps 3 and 4: lower the policies and instantiate them for every unit."""
+    from zdsl.compile.instantiate import LoweringError
+    from zdsl.lang.errors import Diagnostic
+    from zdsl.lang.errors import ZsError
+    try:
+        out.graph = compile_schedule(out.schedule, out.units)
+    except LoweringError as exc:
+        out.diagnostics.append(Diagnostic("error", exc.span, str(exc), exc.hint))
+        return False
+    except ZsError as exc:
+        out.diagnostics.extend(exc.diagnostics)
+        return False
+    return True
+
+
+def compile_schedule(schedule, units):
+    """A checked schedule and its model's units to the task graph of one step (lower, then
+    instantiate); for callers that already hold a ``Schedule`` (tests, benchmarks)."""
+    from zdsl.compile.instantiate import instantiate
+    from zdsl.compile.lower import lower_policies
+    return instantiate(schedule, units, lower_policies(schedule, units))
+
+
+def memo_units_for():
+    """units_for with a cache, so a user model is built on the meta device once per command."""
+    from zdsl.compile.models import units_for
+    cache: dict[tuple[str, int | None], list] = {}
+
+    def cached(spec, context: int | None = None):
+        key = (repr(spec), context)
+        if key not in cache:
+            cache[key] = units_for(spec, context)
+        return cache[key]
+    return cached
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic collector off while compiling: the compiler makes hundreds of thousands
+    of long-lived objects and no garbage cycles to speak of, and each full collection walks the
+    whole growing graph, which made compiling superlinear in the model's depth
+    (benchmarks/compile_speed.py prints the exponent)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def report(compiled: Compiled) -> None:
+    """Print a file's diagnostics (errors and warnings) to stderr, positioned; past the first
+    50 of a severity only how many more there are."""
+    from zdsl.lang.errors import attach_sources
+    from zdsl.lang.errors import capped
+    from zdsl.lang.errors import more_line
+    from zdsl.lang.errors import render
+    try:
+        source = Path(compiled.path).read_bytes().decode("utf-8", errors="replace")
+    except OSError:
+        source = None
+    shown, left_out = capped(compiled.diagnostics)
+    if source is not None:
+        attach_sources(shown, {compiled.path: source})
+    for d in shown:
+        print(render(d), file=sys.stderr)
+    for severity, count in left_out.items():
+        print(more_line(severity, count, compiled.path), file=sys.stderr)
+
+
+def status_of(compiled: Compiled) -> int:
+    """The exit status a command reports for a compiled file."""
+    if compiled.usage_error:
+        return EXIT_USAGE
+    return EXIT_OK if compiled.ok else EXIT_INVALID
