@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import re
 import shutil
 import signal
 import socket
@@ -57,6 +58,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 # What a rank reports when it failed only because another one did (gloo's wording; the last, zdsl's).
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
              "Timed out", "timed out", "Connection refused", "pair closure", "left or stopped answering")
+GLOO_SOURCE = re.compile(r"\[[^\]]*gloo[^\]]*\]\s*")
 
 
 def free_port() -> int:
@@ -285,6 +287,7 @@ def peer_lost_text(text: str, who: str) -> str:
     if failed:                                   # an op's error: gloo's text is the cause
         return f"{head} failed: the collective failed because {who} left or stopped answering"
     rank, _, detail = text.partition(": ")       # joining the group, or a collective outside the ops
+    detail = GLOO_SOURCE.sub("", detail)         # gloo's file and line say nothing to a user
     return f"{rank}: {who} left or stopped answering ({detail})"
 
 

@@ -260,6 +260,9 @@ def test_gloo_words_for_a_lost_peer_become_zdsls():
         "the collective failed because rank 1 left or stopped answering")
     assert peer_lost_text("rank 0: DistStoreError: Timed out after 11 seconds", "a peer") == (
         "rank 0: a peer left or stopped answering (DistStoreError: Timed out after 11 seconds)")
+    outside_ops = "rank 0: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:590] Connection reset by peer"
+    assert peer_lost_text(outside_ops, "rank 1") == (
+        "rank 0: rank 1 left or stopped answering (RuntimeError: Connection reset by peer)")
     own = "rank 1: op #7 comm.all_gather (forward) failed: RuntimeError: injected fault"
     assert peer_lost_text(own, "rank 0") == own
 
