@@ -5,7 +5,8 @@ Decimal units are powers of 1000 (KB, MB, GB, TB), binary units powers of
 (``Decimal``) so that ``1.5KiB`` is 1536 bytes and never 1535.9999; a size
 that is not a whole number of bytes is an error rather than a silent
 rounding. :func:`format_size` gives back text that parses to the same
-integer, which the printer relies on for its round trip.
+integer, which the printer relies on for its round trip; :func:`human_bytes`
+is the approximate form every table and message shows a person.
 """
 from __future__ import annotations
 
@@ -79,3 +80,15 @@ def format_size(n: int) -> str:
             return f"{n // UNITS[name]}{name}"
     return f"{n}B"
 
+
+def human_bytes(n: float) -> str:
+    """Approximate text for a person (``1.50 GiB``, ``512 B``); not meant to be parsed back.
+
+    The largest binary unit up to TiB that ``abs(n)`` reaches, with two
+    decimals and a space; below 1 KiB whole bytes (a fraction is dropped).
+    Negative ``n`` keeps its sign (``-2.00 MiB``), for differences.
+    """
+    for name in ("TiB", "GiB", "MiB", "KiB"):
+        if abs(n) >= UNITS[name]:
+            return f"{n / UNITS[name]:.2f} {name}"
+    return f"{int(n)} B"

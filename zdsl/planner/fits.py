@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from zdsl.ir import TaskGraph
-from zdsl.planner.report import fmt_bytes
+from zdsl.lang.sizes import human_bytes
 
 OVERSUBSCRIBE = 8      # ranks per core above which a run is refused (a warning from 1 up to this)
 ALIGN = 4096           # a swap file is sized in whole 4 KiB blocks (O_DIRECT)
@@ -120,16 +120,16 @@ class Fit:
     def summary(self) -> list[str]:
         """What was compared, one line per resource."""
         n, floor = self.needs, self.floor
-        have = "unknown" if self.machine.available is None else fmt_bytes(self.machine.available)
-        lines = [f"memory: {n.ranks} ranks need {fmt_bytes(n.ram(floor))} "
-                 f"({n.ranks} x ({fmt_bytes(floor.private)} torch + {fmt_bytes(n.ram_per_rank)} planned) "
-                 f"+ {fmt_bytes(floor.shared)} shared libraries), {have} available",
+        have = "unknown" if self.machine.available is None else human_bytes(self.machine.available)
+        lines = [f"memory: {n.ranks} ranks need {human_bytes(n.ram(floor))} "
+                 f"({n.ranks} x ({human_bytes(floor.private)} torch + {human_bytes(n.ram_per_rank)} planned) "
+                 f"+ {human_bytes(floor.shared)} shared libraries), {have} available",
                  f"cores: {n.ranks} ranks on {self.machine.cores} cores",
                  f"torch floor: {floor.source}"]
         if n.swap_folder is not None:
-            free = "unknown" if self.swap_free is None else fmt_bytes(self.swap_free)
-            lines.insert(2, f"swap: {n.ranks} x {fmt_bytes(n.nvme_per_rank)} = "
-                            f"{fmt_bytes(n.ranks * n.nvme_per_rank)} in {n.swap_folder}, {free} free there")
+            free = "unknown" if self.swap_free is None else human_bytes(self.swap_free)
+            lines.insert(2, f"swap: {n.ranks} x {human_bytes(n.nvme_per_rank)} = "
+                            f"{human_bytes(n.ranks * n.nvme_per_rank)} in {n.swap_folder}, {free} free there")
         return lines
 
     def to_json(self) -> dict:
@@ -155,9 +155,9 @@ def judge(needs: Needs, machine: Machine, floor: TorchFloor, swap_free: int | No
         at = ram_at or (lambda k: needs.ram_per_rank)
         fit.ranks_fitting = most_ranks(lambda k: needs.ram(floor, k, at(k)) <= machine.available, n - 1)
         fit.refusals.append(
-            f"{n} ranks do not fit this machine's memory: they need {fmt_bytes(needs.ram(floor))} "
-            f"({n} x ({fmt_bytes(floor.private)} torch + {fmt_bytes(needs.ram_per_rank)} planned per rank) + "
-            f"{fmt_bytes(floor.shared)} shared), {fmt_bytes(machine.available)} is available; "
+            f"{n} ranks do not fit this machine's memory: they need {human_bytes(needs.ram(floor))} "
+            f"({n} x ({human_bytes(floor.private)} torch + {human_bytes(needs.ram_per_rank)} planned per rank) + "
+            f"{human_bytes(floor.shared)} shared), {human_bytes(machine.available)} is available; "
             + (f"at most {fit.ranks_fitting} ranks fit (--set ranks={fit.ranks_fitting})" if fit.ranks_fitting
                else "not even one rank fits: offload state to cpu or nvme, or a smaller model"))
     if n > OVERSUBSCRIBE * cores:
@@ -171,8 +171,8 @@ def judge(needs: Needs, machine: Machine, floor: TorchFloor, swap_free: int | No
                             f"so the run is slower than with at most {cores} ranks")
     if needs.swap_folder is not None and swap_free is not None and n * needs.nvme_per_rank > swap_free:
         fit.refusals.append(
-            f"the swap folder {needs.swap_folder} has {fmt_bytes(swap_free)} ({swap_free} bytes) free, "
-            f"but {n} ranks need {fmt_bytes(n * needs.nvme_per_rank)} ({n * needs.nvme_per_rank} bytes: "
+            f"the swap folder {needs.swap_folder} has {human_bytes(swap_free)} ({swap_free} bytes) free, "
+            f"but {n} ranks need {human_bytes(n * needs.nvme_per_rank)} ({n * needs.nvme_per_rank} bytes: "
             f"{needs.nvme_per_rank} each); free space there or point nvme(\"...\") at a larger disk")
     return fit
 

@@ -15,6 +15,7 @@ from zdsl.ir import LANES
 from zdsl.ir import TIERS
 
 from zdsl.ir import TaskGraph
+from zdsl.lang.sizes import human_bytes
 from zdsl.planner.bound import worst_working
 from zdsl.planner.comm import CommPlan
 from zdsl.planner.comm import comm_plan
@@ -134,13 +135,6 @@ def build_plan(graph: TaskGraph, schedule: Schedule, sim: Simulation | None = No
     return Plan(graph=graph, schedule=schedule, sim=sim, comm=comm_plan(graph))
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def fmt_count(n: float) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
@@ -182,13 +176,13 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
             continue
         budget = budgets.get(tier)
         over = budget is not None and row["peak"] > budget
-        peak = fmt_bytes(row["peak"])
-        worst_cell = [] if worst is None else [fmt_bytes(worst.get(tier, 0))]
-        mem.add_row(tier, fmt_bytes(ms["parameters"]), fmt_bytes(ms["gradients"]), fmt_bytes(ms["optimizer"]),
-                    fmt_bytes(sum(ms.values())), fmt_bytes(row["working"]), *worst_cell,
-                    f"[red]{peak}[/red]" if over else peak, fmt_bytes(budget) if budget is not None else "-")
+        peak = human_bytes(row["peak"])
+        worst_cell = [] if worst is None else [human_bytes(worst.get(tier, 0))]
+        mem.add_row(tier, human_bytes(ms["parameters"]), human_bytes(ms["gradients"]), human_bytes(ms["optimizer"]),
+                    human_bytes(sum(ms.values())), human_bytes(row["working"]), *worst_cell,
+                    f"[red]{peak}[/red]" if over else peak, human_bytes(budget) if budget is not None else "-")
     formula = plan.zero_formula()
-    mem.add_row("ZeRO formula", *(fmt_bytes(formula[s]) for s in STATES), fmt_bytes(sum(formula.values())),
+    mem.add_row("ZeRO formula", *(human_bytes(formula[s]) for s in STATES), human_bytes(sum(formula.values())),
                 *([""] * (4 if worst is not None else 3)), style="dim")
     console.print(mem)
     if worst is not None:
@@ -200,7 +194,7 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
         split = memory[tier]["working_at_peak"]
         if split:
             console.print(f"  {tier} working at its peak: " +
-                          ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in split.items()))
+                          ", ".join(f"{k.replace('_', ' ')} {human_bytes(v)}" for k, v in split.items()))
 
     c = plan.comm
     comm = Table(title="communication per step per rank", title_justify="left")
@@ -208,11 +202,11 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
         comm.add_column(col, justify="left" if col == "collective" else "right")
     for kind, nbytes in c.by_kind.items():
         if nbytes:
-            comm.add_row(kind.split(".", 1)[1], fmt_bytes(nbytes), fmt_bytes(nbytes * c.bus_factor))
-    comm.add_row("total", fmt_bytes(c.payload_bytes), fmt_bytes(c.wire_bytes), style="bold")
+            comm.add_row(kind.split(".", 1)[1], human_bytes(nbytes), human_bytes(nbytes * c.bus_factor))
+    comm.add_row("total", human_bytes(c.payload_bytes), human_bytes(c.wire_bytes), style="bold")
     elems = zero_comm_elements(plan.parameters, g.stage)
     comm.add_row(f"ZeRO formula ({'3' if g.stage == 3 else '2'}Ψ)",
-                 fmt_bytes(elems * (4 if g.precision == "fp32" else 2)), "", style="dim")
+                 human_bytes(elems * (4 if g.precision == "fp32" else 2)), "", style="dim")
     console.print(comm)
 
     console.print(f"[bold]predicted step {fmt_s(sim.step_s)}[/bold] (lower bound {fmt_s(sim.bound_s)}, "

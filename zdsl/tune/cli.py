@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from zdsl.ir import TIERS
+from zdsl.lang.sizes import human_bytes
 from zdsl.tune.search import (Candidate, TuneUsageError, combinations, parse_vary, predict, ranked,
                        validate_values, write_schedule_text)
 
@@ -206,10 +207,7 @@ def _ms(s: float | None) -> str:
 
 
 def _bytes(n: int | None) -> str:
-    if not n:
-        return "-"
-    from zdsl.planner.report import fmt_bytes
-    return fmt_bytes(n)
+    return human_bytes(n) if n else "-"
 
 
 def verdict(cand: Candidate, winner: Candidate | None, rank: int | None) -> str:
