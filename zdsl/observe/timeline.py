@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
 from zdsl.ir import TIERS
+from zdsl.lang.sizes import human_bytes
 
 # -- what the bars mean ----------------------------------------------------------
 
@@ -133,14 +134,6 @@ def _nice_step(span: float, target: int) -> float:
 def _fmt_ms(us: float, tick: float) -> str:
     decimals = max(0, -math.floor(math.log10(tick / 1000.0))) if tick < 1000 else 0
     return f"{us / 1000.0:.{decimals}f}"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            v = n / size
-            return f"{v:.0f} {unit}" if v >= 100 else f"{v:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def _nice_ceiling_bytes(n: float) -> float:
@@ -389,7 +382,7 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
             y0, bh = lane_y[key] + 3 + level[id(b)] * SUB_ROW + (SUB_ROW - SUB_BAR) / 2, SUB_BAR
         tip = f"{b.name} · {label} · {_fmt_dur(b.dur)} at {b.start / 1000:.3f} ms"
         if b.bytes:
-            tip += f" · {_fmt_bytes(b.bytes)}"
+            tip += f" · {human_bytes(b.bytes)}"
         if on_critical(b):
             stroke, sw = "#111111", 1.6
             tip += " · on the critical path"
@@ -425,9 +418,9 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
             w(f'<text x="20" y="{band_bottom - MEM_BAND / 2 + 4:.1f}" font-size="11" fill="{colours[tier]}" '
               f'font-weight="bold">{escape(tier)}</text>')
             w(f'<text x="20" y="{band_bottom - MEM_BAND / 2 + 17:.1f}" fill="#777777">'
-              f'peak {escape(_fmt_bytes(peak))}</text>')
+              f'peak {escape(human_bytes(peak))}</text>')
             w(f'<text x="{LEFT - 6}" y="{y_of(ymax) + 3.5:.1f}" text-anchor="end" fill="#555555">'
-              f'{escape(_fmt_bytes(ymax))}</text>')
+              f'{escape(human_bytes(ymax))}</text>')
             w(f'<text x="{LEFT - 6}" y="{band_bottom:.1f}" text-anchor="end" fill="#555555">0</text>')
             for rank, pts in sorted(tier_pts.items()):
                 d = f"M{x_of(pts[0][0]):.1f},{y_of(pts[0][1]):.1f}" + "".join(
@@ -440,7 +433,7 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
                 rpeak = max(v for _, v in pts)
                 w(f'<path class="memory" data-tier="{escape(tier)}" data-source="{escape(sources[rank[0]][0])}" '
                   f'data-rank="{rank[1]}" d="{d}" fill="none" stroke="{colours[tier]}" stroke-width="1.6"{dash}>'
-                  f'<title>{escape(f"{group_label(rank)} {tier}: peak {_fmt_bytes(rpeak)}")}</title></path>')
+                  f'<title>{escape(f"{group_label(rank)} {tier}: peak {human_bytes(rpeak)}")}</title></path>')
 
     # Legend: op kinds, then memory tiers with their peaks.
     ly = legend_top
