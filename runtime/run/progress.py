@@ -7,17 +7,10 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from zdsl.lang.sizes import human_bytes
 from zdsl.runtime.run.train import StepMetrics
 
 from zdsl.runtime.run.train import metrics_line
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class Reporter:
@@ -48,7 +41,7 @@ class Reporter:
         mem = max((p.get("device", 0) for p in m.peak_bytes.values()), default=0)
         host = max((p.get("host", 0) for p in m.peak_bytes.values()), default=0)
         info = (f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {m.step_s * 1000:.0f} ms"
-                f"  device {fmt_bytes(mem)}  host {fmt_bytes(host)}" + ("  [overflow: step skipped]" if m.skipped else ""))
+                f"  device {human_bytes(mem)}  host {human_bytes(host)}" + ("  [overflow: step skipped]" if m.skipped else ""))
         if self.progress is not None:
             self.progress.update(self.task, advance=1, info=info)
         elif self.show and (m.step % self.every == 0 or m.step == self.steps - 1 or m.skipped):
@@ -79,7 +72,7 @@ class Reporter:
             table.add_row("skipped steps (fp16 overflow)", str(skipped))
         for rank, peaks in sorted(h[-1].peak_bytes.items()):
             peak = {t: max(m.peak_bytes[rank].get(t, 0) for m in h) for t in peaks}
-            table.add_row(f"rank {rank} peak", "  ".join(f"{t} {fmt_bytes(v)}" for t, v in peak.items() if v))
+            table.add_row(f"rank {rank} peak", "  ".join(f"{t} {human_bytes(v)}" for t, v in peak.items() if v))
         shown = overlap_step(h)
         if shown is not None:
             # every figure from one step, each beside the time it belongs to (zdsl.observe.overlap: for one
@@ -98,7 +91,7 @@ class Reporter:
                                   f"{k.split('.', 1)[1]} {v * 1000:.1f} ms" for k, v in kinds if v > 0))
         if self.checkpoint_costs:
             c = self.checkpoint_costs
-            table.add_row("checkpoint saves", f"{len(c)} x {fmt_bytes(c[0].bytes)} per rank: training waited "
+            table.add_row("checkpoint saves", f"{len(c)} x {human_bytes(c[0].bytes)} per rank: training waited "
                           f"{statistics.median(x.blocking_s for x in c) * 1000:.1f} ms, writer "
                           f"{statistics.median(x.writing_s for x in c) * 1000:.1f} ms (median, overlapped)")
         for k, v in extra_rows or []:
