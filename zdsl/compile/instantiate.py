@@ -80,16 +80,16 @@ class _Draft:
 
 class _Builder:
     def __init__(self, schedule: Schedule, units: list[UnitSpec]):
-        self.s = schedule
+        self.schedule = schedule
         self.specs = units
-        self.L = len(units)
-        self.N = schedule.ranks
+        self.n_units = len(units)
+        self.ranks = schedule.ranks
         self.precision = schedule.train.precision
-        self.b = DTYPE_BYTES[self.precision]
+        self.elem_bytes = DTYPE_BYTES[self.precision]
         self.batch = schedule.train.batch
-        bucket_elems = schedule.bucket_bytes // self.b if schedule.bucket_bytes else 0
-        self.layouts = [flat_layout(u.numel, self.N, bucket_elems) for u in units]
-        self.tiers = {st: self._unit_tiers(st) for st in ("parameters", "gradients", "optimizer")}
+        bucket_elems = schedule.bucket_bytes // self.elem_bytes if schedule.bucket_bytes else 0
+        self.layouts = [flat_layout(u.numel, self.ranks, bucket_elems) for u in units]
+        self.tiers = {state: self._unit_tiers(state) for state in ("parameters", "gradients", "optimizer")}
         self.drafts: list[_Draft] = []
         self.buffers: dict[str, Buffer] = {}
         self.live: set[str] = set()
@@ -104,23 +104,23 @@ class _Builder:
     # -- placement -------------------------------------------------------------
     def _unit_tiers(self, state: str) -> list[str]:
         """Home tier of ``state`` for each unit; ``ratio`` offloads the last units."""
-        p = self.s.placed(state)
-        tier = TIER_OF[p.tier]
+        placed = self.schedule.placed(state)
+        tier = TIER_OF[placed.tier]
         if tier == "device":
-            return ["device"] * self.L
-        offloaded = max(1, round(p.ratio * self.L)) if p.ratio < 1 else self.L
-        return ["device" if i < self.L - offloaded else tier for i in range(self.L)]
+            return ["device"] * self.n_units
+        offloaded = max(1, round(placed.ratio * self.n_units)) if placed.ratio < 1 else self.n_units
+        return ["device" if i < self.n_units - offloaded else tier for i in range(self.n_units)]
 
     def optim_tier(self, u: int) -> str:
         return self.tiers["optimizer"][u]
 
     def param_tier(self, u: int) -> str:
-        return self.tiers["parameters"][u] if self.s.stage == 3 else "device"
+        return self.tiers["parameters"][u] if self.schedule.stage == 3 else "device"
 
     def grad_home(self, u: int) -> str:
         """Where a unit's gradient shard accumulates (stages 2-3)."""
-        off = self.tiers["gradients"][u] != "device" or self.optim_tier(u) != "device"
-        return "host" if off else "device"
+        offloaded = self.tiers["gradients"][u] != "device" or self.optim_tier(u) != "device"
+        return "host" if offloaded else "device"
 
     def has_master(self, u: int) -> bool:
         """An fp32 master copy lives with the optimizer state: in mixed precision, and whenever the
@@ -129,24 +129,24 @@ class _Builder:
 
     # -- buffers ---------------------------------------------------------------
     def home_param(self, u: int) -> str:
-        if self.s.stage < 3:
+        if self.schedule.stage < 3:
             return buffer_name("param_full", u)
-        t = self.param_tier(u)
-        return buffer_name("param_shard", u, None if t == "device" else t)
+        tier = self.param_tier(u)
+        return buffer_name("param_shard", u, None if tier == "device" else tier)
 
     def home_grad(self, u: int) -> str | None:
-        if self.s.stage < 2:
+        if self.schedule.stage < 2:
             return buffer_name("grad_full", u)
-        t = self.grad_home(u)
-        return buffer_name("grad_shard", u, None if t == "device" else t)
+        tier = self.grad_home(u)
+        return buffer_name("grad_shard", u, None if tier == "device" else tier)
 
     def home_optim(self, u: int) -> str:
-        t = self.optim_tier(u)
-        return buffer_name("optim", u, None if t == "device" else t)
+        tier = self.optim_tier(u)
+        return buffer_name("optim", u, None if tier == "device" else tier)
 
     def persistent_names(self) -> list[str]:
         out = []
-        for u in range(self.L):
+        for u in range(self.n_units):
             out.append(self.home_param(u))
             out.append(self.home_grad(u))
             out.append(self.home_optim(u))
@@ -157,25 +157,25 @@ class _Builder:
             return self.buffers[name]
         kind, u, suffix = parse_buffer_name(name)
         tier = suffix or "device"
-        lay = self.layouts[u] if u is not None else None
+        layout = self.layouts[u] if u is not None else None
         spec = self.specs[u] if u is not None else None
-        b, dtype = self.b, self.precision
+        elem_bytes, dtype = self.elem_bytes, self.precision
         if kind in ("param_full", "grad_full"):
-            nbytes = lay.padded_numel * b
+            nbytes = layout.padded_numel * elem_bytes
         elif kind in ("param_shard", "grad_shard"):
-            nbytes = lay.shard_numel * b
+            nbytes = layout.shard_numel * elem_bytes
         elif kind == "optim":
-            numel = lay.padded_numel if self.s.stage == 0 else lay.shard_numel
-            o = self.s.optimizer
-            nbytes = numel * optimizer_bytes_per_param(o.kind, o.momentum, self.has_master(u))
+            numel = layout.padded_numel if self.schedule.stage == 0 else layout.shard_numel
+            optimizer = self.schedule.optimizer
+            nbytes = numel * optimizer_bytes_per_param(optimizer.kind, optimizer.momentum, self.has_master(u))
             dtype = "fp32"
         elif kind == "act":
             elems = spec.input_elems_per_seq + (0 if u in self.recompute else spec.act_elems_per_seq)
-            nbytes = self.batch * elems * b
+            nbytes = self.batch * elems * elem_bytes
         elif kind == "act_inner":
-            nbytes = self.batch * spec.act_elems_per_seq * b
+            nbytes = self.batch * spec.act_elems_per_seq * elem_bytes
         elif kind == "act_grad":
-            nbytes = self.batch * spec.input_elems_per_seq * b
+            nbytes = self.batch * spec.input_elems_per_seq * elem_bytes
         elif kind in ("norm", "loss"):
             nbytes, dtype = 4, "fp32"
         else:  # token
@@ -185,44 +185,44 @@ class _Builder:
         return buf
 
     # -- emission --------------------------------------------------------------
-    def emit(self, d: _Draft) -> None:
-        for name in d.reads + d.writes:
+    def emit(self, draft: _Draft) -> None:
+        for name in draft.reads + draft.writes:
             self.buffer(name)
-        for name in d.writes:
-            if d.kind == "mem.free":
+        for name in draft.writes:
+            if draft.kind == "mem.free":
                 self.live.discard(name)
                 continue
             if name not in self.live and not self.buffers[name].persistent:
-                self.producer_lane[name] = d.lane
+                self.producer_lane[name] = draft.lane
             self.live.add(name)
-            if d.kind == "comm.all_gather":
+            if draft.kind == "comm.all_gather":
                 self.stale.discard(name)
-        self.drafts.append(d)
+        self.drafts.append(draft)
 
     def is_valid(self, name: str) -> bool:
         """Holds data now: persistent model state, or a live working buffer."""
         return name in self._persistent or name in self.live
 
-    def d(self, kind, unit, reads, writes, phase, micro, stmt, lane=None, **kw) -> _Draft:
+    def draft(self, kind, unit, reads, writes, phase, micro, stmt, lane=None, **kw) -> _Draft:
         span = (stmt.span.line, stmt.span.column) if stmt is not None and stmt.span else None
         return _Draft(kind, lane or OP_LANES[kind], unit, list(reads), list(writes), phase, micro,
                       span=span, **kw)
 
     def collective(self, kind, u, reads, writes, phase, micro, stmt, part_bytes, accumulate=False):
-        lay = self.layouts[u]
-        for p in range(lay.parts):
-            self.emit(self.d(kind, u, reads, writes, phase, micro, stmt, bytes=part_bytes,
-                             part=p, parts=lay.parts, accumulate=accumulate))
+        layout = self.layouts[u]
+        for part in range(layout.parts):
+            self.emit(self.draft(kind, u, reads, writes, phase, micro, stmt, bytes=part_bytes,
+                                 part=part, parts=layout.parts, accumulate=accumulate))
 
     def gather(self, u: int, phase: str, micro: int, stmt: PipeStmt) -> None:
         full = buffer_name("param_full", u)
-        if self.s.stage == 0:
+        if self.schedule.stage == 0:
             return
-        if self.s.stage == 3:
+        if self.schedule.stage == 3:
             if not (self.is_valid(full) and full not in self.stale):
                 src = self.device_shard(u, phase, micro, stmt)
                 self.collective("comm.all_gather", u, [src], [full], phase, micro, stmt,
-                                self.layouts[u].part_numel * self.b)
+                                self.layouts[u].part_numel * self.elem_bytes)
                 self.consume(src, phase, micro)
             for j in self.specs[u].uses:
                 self.gather(j, phase, micro, stmt)
@@ -231,7 +231,7 @@ class _Builder:
         src = buffer_name("param_shard", u)   # stages 1-2: the shard a step just updated
         if src in self.live:
             self.collective("comm.all_gather", u, [src], [full], phase, micro, stmt,
-                            self.layouts[u].part_numel * self.b)
+                            self.layouts[u].part_numel * self.elem_bytes)
             self.consume(src, phase, micro)
 
     def device_shard(self, u: int, phase: str, micro: int, stmt: PipeStmt) -> str:
@@ -242,10 +242,10 @@ class _Builder:
         if tier == "device" or self.is_valid(dev):
             return dev
         if tier == "nvme" and not self.is_valid(host):
-            self.emit(self.d("nvme.read", u, [buffer_name("param_shard", u, "nvme")], [host], phase, micro, stmt,
-                             bytes=self.layouts[u].shard_numel * self.b, fresh={host}))
-        self.emit(self.d("copy.h2d", u, [host], [dev], phase, micro, stmt,
-                         bytes=self.layouts[u].shard_numel * self.b, fresh={dev}))
+            self.emit(self.draft("nvme.read", u, [buffer_name("param_shard", u, "nvme")], [host], phase, micro, stmt,
+                                 bytes=self.layouts[u].shard_numel * self.elem_bytes, fresh={host}))
+        self.emit(self.draft("copy.h2d", u, [host], [dev], phase, micro, stmt,
+                             bytes=self.layouts[u].shard_numel * self.elem_bytes, fresh={dev}))
         if tier == "nvme":
             self.consume(host, phase, micro)
         return dev
@@ -261,101 +261,102 @@ class _Builder:
         if kind == "param_full" and self.waiting_users.get(u):
             return   # a tied user gathered it ahead and has not computed yet: its last use frees it
         lane = self.producer_lane.get(name, "compute")
-        self.emit(self.d("mem.free", self.buffers[name].unit, [], [name], phase, micro, stmt, lane=lane))
+        self.emit(self.draft("mem.free", self.buffers[name].unit, [], [name], phase, micro, stmt, lane=lane))
 
-    def run_stmt(self, st: PipeStmt, u: int, phase: str, micro: int) -> None:
-        verb, state = st.verb, st.ref.state
-        L, last_micro = self.L, micro == self.s.train.accumulate - 1
-        stage = self.s.stage
+    def run_stmt(self, stmt: PipeStmt, u: int, phase: str, micro: int) -> None:
+        verb, state = stmt.verb, stmt.ref.state
+        last_micro = micro == self.schedule.train.accumulate - 1
+        stage = self.schedule.stage
         if verb == "compute":
-            self.compute(u, phase, micro, st)
+            self.compute(u, phase, micro, stmt)
         elif verb == "recompute":
             if u in self.recompute and phase == "backward":
                 reads = [buffer_name("act", u), *self.param_reads(u)]
-                self.emit(self.d("compute.recompute", u, reads, [buffer_name("act_inner", u)], phase, micro, st,
-                                 flops=self.specs[u].fwd_flops_per_seq * self.batch,
-                                 kernels=self.specs[u].fwd_kernels, fresh={buffer_name("act_inner", u)}))
+                self.emit(self.draft("compute.recompute", u, reads, [buffer_name("act_inner", u)], phase, micro, stmt,
+                                     flops=self.specs[u].fwd_flops_per_seq * self.batch,
+                                     kernels=self.specs[u].fwd_kernels, fresh={buffer_name("act_inner", u)}))
         elif verb == "step":
-            self.step(u, micro, st)
+            self.step(u, micro, stmt)
         elif verb == "gather":
-            self._need(state, "parameters", st)
-            self.gather(u, phase, micro, st)
+            self._need(state, "parameters", stmt)
+            self.gather(u, phase, micro, stmt)
         elif verb == "free":
             target = {"parameters": "param_full", "gradients": "grad_full",
                       "activations": "act", "optimizer": "optim"}.get(state)
             if target is None:
-                raise LoweringError(f"cannot free {state}", st)
+                raise LoweringError(f"cannot free {state}", stmt)
             if target == "param_full" and phase == "forward" and u in self.persist:
                 return   # persistent units stay gathered until their backward
-            self.free(buffer_name(target, u), phase, micro, st)
+            self.free(buffer_name(target, u), phase, micro, stmt)
         elif verb == "scatter":
-            self._need(state, "gradients", st)
+            self._need(state, "gradients", stmt)
             if stage == 0:
-                raise LoweringError("scatter needs sharded gradients or optimizer state (zero 1 or more)", st,
+                raise LoweringError("scatter needs sharded gradients or optimizer state (zero 1 or more)", stmt,
                                     "use `reduce gradients[u]` at zero 0")
             if stage == 1 and not last_micro:
                 return
             dst = buffer_name("grad_shard", u)
-            acc = stage >= 2 and micro > 0 and self.grad_home(u) == "device"
-            self.collective("comm.reduce_scatter", u, [buffer_name("grad_full", u)], [dst], phase, micro, st,
-                            self.layouts[u].part_numel * self.b, accumulate=acc)
-            if not acc:
+            accumulate = stage >= 2 and micro > 0 and self.grad_home(u) == "device"
+            self.collective("comm.reduce_scatter", u, [buffer_name("grad_full", u)], [dst], phase, micro, stmt,
+                            self.layouts[u].part_numel * self.elem_bytes, accumulate=accumulate)
+            if not accumulate:
                 self.drafts[-1].fresh.add(dst)
         elif verb == "reduce":
-            self._need(state, "gradients", st)
+            self._need(state, "gradients", stmt)
             if stage != 0:
-                raise LoweringError("reduce (all-reduce) keeps full gradients; it is for zero 0", st,
+                raise LoweringError("reduce (all-reduce) keeps full gradients; it is for zero 0", stmt,
                                     "use `scatter gradients[u]` when gradients are sharded")
             if last_micro:
-                g = buffer_name("grad_full", u)
-                self.collective("comm.all_reduce", u, [g], [g], phase, micro, st,
-                                self.layouts[u].part_numel * self.b)
+                grad = buffer_name("grad_full", u)
+                self.collective("comm.all_reduce", u, [grad], [grad], phase, micro, stmt,
+                                self.layouts[u].part_numel * self.elem_bytes)
         elif verb == "copy":
-            self.copy(state, u, st.tier, phase, micro, st)
+            self.copy(state, u, stmt.tier, phase, micro, stmt)
         elif verb in ("read", "write"):
-            self.nvme(verb, state, u, phase, micro, st)
+            self.nvme(verb, state, u, phase, micro, stmt)
         else:
-            raise LoweringError(f"unknown statement {verb!r}", st)
+            raise LoweringError(f"unknown statement {verb!r}", stmt)
 
-    def _need(self, state: str, want: str, st: PipeStmt) -> None:
+    def _need(self, state: str, want: str, stmt: PipeStmt) -> None:
         if state != want:
-            raise LoweringError(f"`{st.verb}` acts on {want}, not {state}", st, f"write `{st.verb} {want}[u]`")
+            raise LoweringError(f"`{stmt.verb}` acts on {want}, not {state}", stmt, f"write `{stmt.verb} {want}[u]`")
 
     def param_reads(self, u: int) -> list[str]:
         return [buffer_name("param_full", j) for j in (u, *self.specs[u].uses)]
 
-    def compute(self, u: int, phase: str, micro: int, st: PipeStmt) -> None:
-        spec, L = self.specs[u], self.L
+    def compute(self, u: int, phase: str, micro: int, stmt: PipeStmt) -> None:
+        spec, last_unit = self.specs[u], self.n_units - 1
         for j in spec.uses:
             self.waiting_users.get(j, set()).discard(u)
         flops = spec.fwd_flops_per_seq * self.batch
         if phase == "forward":
             reads = ([buffer_name("act", u - 1)] if u > 0 else []) + self.param_reads(u)
-            writes = [buffer_name("act", u)] + (["loss"] if u == L - 1 else [])
-            self.emit(self.d("compute.forward", u, reads, writes, phase, micro, st, flops=flops,
-                             kernels=spec.fwd_kernels, fresh={buffer_name("act", u)}))
+            writes = [buffer_name("act", u)] + (["loss"] if u == last_unit else [])
+            self.emit(self.draft("compute.forward", u, reads, writes, phase, micro, stmt, flops=flops,
+                                 kernels=spec.fwd_kernels, fresh={buffer_name("act", u)}))
         elif phase == "backward":
             reads = [buffer_name("act", u)]
             if u in self.recompute:
                 reads.append(buffer_name("act_inner", u))
-            if u < L - 1:
+            if u < last_unit:
                 reads.append(buffer_name("act_grad", u + 1))
             reads += self.param_reads(u)
             grads = [buffer_name("grad_full", j) for j in (u, *spec.uses)]
             writes = grads + ([buffer_name("act_grad", u)] if u > 0 else [])
             # backward accumulates into full gradients, so it also reads them
-            self.emit(self.d("compute.backward", u, reads + [g for g in grads if self.is_valid(g)], writes,
-                             phase, micro, st, flops=2 * flops, kernels=spec.bwd_kernels,
-                             fresh={buffer_name("act_grad", u)} | {g for g in grads if not self.is_valid(g)}))
+            held = [grad for grad in grads if self.is_valid(grad)]
+            fresh = {buffer_name("act_grad", u)} | {grad for grad in grads if not self.is_valid(grad)}
+            self.emit(self.draft("compute.backward", u, reads + held, writes,
+                                 phase, micro, stmt, flops=2 * flops, kernels=spec.bwd_kernels, fresh=fresh))
         else:
-            raise LoweringError("`compute` belongs in a forward or backward template", st,
+            raise LoweringError("`compute` belongs in a forward or backward template", stmt,
                                 "the step template uses `step u`")
 
-    def step(self, u: int, micro: int, st: PipeStmt) -> None:
-        stage = self.s.stage
-        on_host = st.tier == "cpu" and self.optim_tier(u) != "device"
-        sfx = "host" if on_host else None
-        grad = buffer_name("grad_full", u) if stage == 0 else buffer_name("grad_shard", u, sfx)
+    def step(self, u: int, micro: int, stmt: PipeStmt) -> None:
+        stage = self.schedule.stage
+        on_host = stmt.tier == "cpu" and self.optim_tier(u) != "device"
+        shard_tier = "host" if on_host else None
+        grad = buffer_name("grad_full", u) if stage == 0 else buffer_name("grad_shard", u, shard_tier)
         optim = self.home_optim(u)
         if self.optim_tier(u) == "nvme":
             optim = buffer_name("optim", u, "host")
@@ -365,23 +366,24 @@ class _Builder:
             dest = buffer_name("param_full", u)
             reads.append(dest)
         else:
-            dest = buffer_name("param_shard", u, sfx)
+            dest = buffer_name("param_shard", u, shard_tier)
             if not self.has_master(u):
                 reads.append(buffer_name("param_full", u) if stage < 3 else self.home_param(u))
             self.stale.add(buffer_name("param_full", u))
         writes.append(dest)
-        lay = self.layouts[u]
-        numel = lay.padded_numel if stage == 0 else lay.shard_numel
-        o = self.s.optimizer
-        state_bytes = numel * (optimizer_bytes_per_param(o.kind, o.momentum, self.has_master(u)) + 2 * self.b)
-        self.emit(self.d("compute.step", u, reads, writes, "step", micro, st,
-                         lane="host" if on_host else "compute", bytes=state_bytes, flops=12.0 * numel,
-                         fresh={dest} if dest not in self._persistent else set()))
+        layout = self.layouts[u]
+        numel = layout.padded_numel if stage == 0 else layout.shard_numel
+        optimizer = self.schedule.optimizer
+        per_param = optimizer_bytes_per_param(optimizer.kind, optimizer.momentum, self.has_master(u))
+        state_bytes = numel * (per_param + 2 * self.elem_bytes)
+        self.emit(self.draft("compute.step", u, reads, writes, "step", micro, stmt,
+                             lane="host" if on_host else "compute", bytes=state_bytes, flops=12.0 * numel,
+                             fresh={dest} if dest not in self._persistent else set()))
 
-    def copy(self, state: str, u: int, to: str | None, phase: str, micro: int, st: PipeStmt) -> None:
+    def copy(self, state: str, u: int, to: str | None, phase: str, micro: int, stmt: PipeStmt) -> None:
         if to not in ("host", "device"):
-            raise LoweringError("copy goes `to host` or `to device`", st)
-        stage, last_micro = self.s.stage, micro == self.s.train.accumulate - 1
+            raise LoweringError("copy goes `to host` or `to device`", stmt)
+        stage, last_micro = self.schedule.stage, micro == self.schedule.train.accumulate - 1
         if state == "parameters":
             dev, host = buffer_name("param_shard", u), buffer_name("param_shard", u, "host")
             if to == "device":
@@ -389,14 +391,14 @@ class _Builder:
                     return
                 if not self.is_valid(host) or (dev in self.live and phase != "step"):
                     return
-                self.emit(self.d("copy.h2d", u, [host], [dev], phase, micro, st,
-                                 bytes=self.layouts[u].shard_numel * self.b, fresh={dev}))
+                self.emit(self.draft("copy.h2d", u, [host], [dev], phase, micro, stmt,
+                                     bytes=self.layouts[u].shard_numel * self.elem_bytes, fresh={dev}))
                 self.consume(host, phase, micro)
             else:
                 if not self.is_valid(dev) or self.param_tier(u) == "device":
                     return
-                self.emit(self.d("copy.d2h", u, [dev], [host], phase, micro, st,
-                                 bytes=self.layouts[u].shard_numel * self.b))
+                self.emit(self.draft("copy.d2h", u, [dev], [host], phase, micro, stmt,
+                                     bytes=self.layouts[u].shard_numel * self.elem_bytes))
         elif state == "gradients":
             if to != "host" or (self.grad_home(u) == "device" and self.optim_tier(u) == "device"):
                 return
@@ -404,27 +406,28 @@ class _Builder:
             if not self.is_valid(src) or (stage < 2 and not last_micro):
                 return
             if stage == 0:
-                raise LoweringError("gradients move to the host only when sharded (zero 1 or more)", st)
+                raise LoweringError("gradients move to the host only when sharded (zero 1 or more)", stmt)
             dst = buffer_name("grad_shard", u, "host")
-            acc = stage >= 2 and micro > 0
-            self.emit(self.d("copy.d2h", u, [src], [dst], phase, micro, st, accumulate=acc,
-                             bytes=self.layouts[u].shard_numel * self.b, fresh=set() if acc else {dst}))
+            accumulate = stage >= 2 and micro > 0
+            self.emit(self.draft("copy.d2h", u, [src], [dst], phase, micro, stmt, accumulate=accumulate,
+                                 bytes=self.layouts[u].shard_numel * self.elem_bytes,
+                                 fresh=set() if accumulate else {dst}))
         elif state == "activations":
-            a, ah = buffer_name("act", u), buffer_name("act", u, "host")
-            kind, src, dst = ("copy.d2h", a, ah) if to == "host" else ("copy.h2d", ah, a)
+            act, act_host = buffer_name("act", u), buffer_name("act", u, "host")
+            kind, src, dst = ("copy.d2h", act, act_host) if to == "host" else ("copy.h2d", act_host, act)
             if self.is_valid(src):
-                self.emit(self.d(kind, u, [src], [dst], phase, micro, st,
-                                 bytes=self.buffer(a).bytes, fresh={dst}))
+                self.emit(self.draft(kind, u, [src], [dst], phase, micro, stmt,
+                                     bytes=self.buffer(act).bytes, fresh={dst}))
                 self.free(src, phase, micro, None)
         else:
-            raise LoweringError(f"cannot copy {state}", st)
+            raise LoweringError(f"cannot copy {state}", stmt)
 
-    def nvme(self, verb: str, state: str, u: int, phase: str, micro: int, st: PipeStmt) -> None:
-        if st.tier not in (None, "nvme"):
-            raise LoweringError(f"{verb} moves state {'from' if verb == 'read' else 'to'} nvme", st)
+    def nvme(self, verb: str, state: str, u: int, phase: str, micro: int, stmt: PipeStmt) -> None:
+        if stmt.tier not in (None, "nvme"):
+            raise LoweringError(f"{verb} moves state {'from' if verb == 'read' else 'to'} nvme", stmt)
         kind = {"parameters": "param_shard", "optimizer": "optim", "gradients": "grad_shard"}.get(state)
         if kind is None:
-            raise LoweringError(f"cannot {verb} {state} on nvme", st)
+            raise LoweringError(f"cannot {verb} {state} on nvme", stmt)
         home = {"param_shard": self.param_tier(u), "optim": self.optim_tier(u),
                 "grad_shard": self.tiers["gradients"][u]}[kind]
         if home != "nvme":
@@ -434,11 +437,11 @@ class _Builder:
         if verb == "read":
             if host in self.live:
                 return
-            self.emit(self.d("nvme.read", u, [on_disk], [host], phase, micro, st, bytes=nbytes, fresh={host}))
+            self.emit(self.draft("nvme.read", u, [on_disk], [host], phase, micro, stmt, bytes=nbytes, fresh={host}))
         else:
             if host not in self.live:
                 return
-            self.emit(self.d("nvme.write", u, [host], [on_disk], phase, micro, st, bytes=nbytes))
+            self.emit(self.draft("nvme.write", u, [host], [on_disk], phase, micro, stmt, bytes=nbytes))
 
     # -- phases ----------------------------------------------------------------
     def phase_slots(self, pipe: Pipeline, phase: str) -> list[list[tuple[PipeStmt, int]]]:
@@ -446,37 +449,37 @@ class _Builder:
         phase's unit order, and a last slot for the statements that lag behind (epilogue)."""
         order = self.order(phase)
         direction = 1 if phase == "forward" else -1
-        L = self.L
-        slots: list[list[tuple[PipeStmt, int]]] = [[] for _ in range(L + 1)]
-        for i in range(L):
-            for st in pipe.body:
-                if st.ref.absolute is not None:
+        n_units = self.n_units
+        slots: list[list[tuple[PipeStmt, int]]] = [[] for _ in range(n_units + 1)]
+        for i in range(n_units):
+            for stmt in pipe.body:
+                if stmt.ref.absolute is not None:
                     if i == 0:
-                        slots[i].append((st, self._check_unit(st.ref.absolute, st)))
+                        slots[i].append((stmt, self._check_unit(stmt.ref.absolute, stmt)))
                     continue
-                e = st.ref.offset * direction
-                targets = range(0, e + 1) if (e > 0 and i == 0) else [i + e]
+                ahead = stmt.ref.offset * direction
+                targets = range(0, ahead + 1) if (ahead > 0 and i == 0) else [i + ahead]
                 for pos in targets:
-                    if 0 <= pos < L:
-                        slots[i].append((st, order[pos]))
-        for st in pipe.body:   # epilogue: statements that lag behind
-            if st.ref.absolute is None:
-                e = st.ref.offset * direction
-                if e < 0:
-                    for pos in range(L + e, L):
-                        if 0 <= pos < L:
-                            slots[L].append((st, order[pos]))
+                    if 0 <= pos < n_units:
+                        slots[i].append((stmt, order[pos]))
+        for stmt in pipe.body:   # epilogue: statements that lag behind
+            if stmt.ref.absolute is None:
+                ahead = stmt.ref.offset * direction
+                if ahead < 0:
+                    for pos in range(n_units + ahead, n_units):
+                        if 0 <= pos < n_units:
+                            slots[n_units].append((stmt, order[pos]))
         return slots
 
     def order(self, phase: str) -> list[int]:
-        return list(range(self.L)) if phase == "forward" else list(range(self.L - 1, -1, -1))
+        return list(range(self.n_units)) if phase == "forward" else list(range(self.n_units - 1, -1, -1))
 
     def run_phase(self, pipe: Pipeline, phase: str, micro: int) -> None:
         if phase == "step" and self.clip:
             self.norm(micro)
         for slot in self.phase_slots(pipe, phase):
-            for st, u in slot:
-                self.run_stmt(st, u, phase, micro)
+            for stmt, u in slot:
+                self.run_stmt(stmt, u, phase, micro)
 
     def run_backward_and_step(self, backward: Pipeline, step: Pipeline, micro: int) -> None:
         """The last backward with each unit's step woven in, ``lag`` units behind it.
@@ -493,89 +496,90 @@ class _Builder:
         backward's own prefetches ahead of the step's writes on a shared lane.
         """
         order = self.order("backward")
-        pos = {u: i for i, u in enumerate(order)}
-        lag = max(1, self.s.prefetch)
-        bwd, stp = self.phase_slots(backward, "backward"), self.phase_slots(step, "step")
-        last_user = [pos[u] for u in range(self.L)]   # unit -> backward position of its last user
-        for v in range(self.L):
-            for x in self.specs[v].uses:
-                last_user[x] = max(last_user[x], pos[v])
+        position = {u: i for i, u in enumerate(order)}
+        lag = max(1, self.schedule.prefetch)
+        backward_slots, step_slots = self.phase_slots(backward, "backward"), self.phase_slots(step, "step")
+        last_user = [position[u] for u in range(self.n_units)]   # unit -> backward position of its last user
+        for user in range(self.n_units):
+            for used in self.specs[user].uses:
+                last_user[used] = max(last_user[used], position[user])
         # after which backward slot each step slot may go: its unit's last user, plus lag; kept
         # in order so the step's own offsets (read optimizer[u-k]) stay as written
         after, ready = [], 0
-        for i in range(self.L):
+        for i in range(self.n_units):
             ready = max(ready, last_user[order[i]] + lag)
-            after.append(min(ready, self.L - 1))
-        j = 0
-        for i in range(self.L):
-            for st, u in bwd[i]:
-                self.run_stmt(st, u, "backward", micro)
-            while j < self.L and after[j] <= i:
-                for st, u in stp[j]:
-                    self.run_stmt(st, u, "step", micro)
-                j += 1
-        for st, u in bwd[self.L]:
-            self.run_stmt(st, u, "backward", micro)
-        for slot in stp[j:]:
-            for st, u in slot:
-                self.run_stmt(st, u, "step", micro)
+            after.append(min(ready, self.n_units - 1))
+        next_step = 0
+        for i in range(self.n_units):
+            for stmt, u in backward_slots[i]:
+                self.run_stmt(stmt, u, "backward", micro)
+            while next_step < self.n_units and after[next_step] <= i:
+                for stmt, u in step_slots[next_step]:
+                    self.run_stmt(stmt, u, "step", micro)
+                next_step += 1
+        for stmt, u in backward_slots[self.n_units]:
+            self.run_stmt(stmt, u, "backward", micro)
+        for slot in step_slots[next_step:]:
+            for stmt, u in slot:
+                self.run_stmt(stmt, u, "step", micro)
 
-    def _check_unit(self, u: int, st: PipeStmt) -> int:
-        if not 0 <= u < self.L:
-            raise LoweringError(f"unit {u} does not exist (the model has units 0..{self.L - 1})", st)
+    def _check_unit(self, u: int, stmt: PipeStmt) -> int:
+        if not 0 <= u < self.n_units:
+            raise LoweringError(f"unit {u} does not exist (the model has units 0..{self.n_units - 1})", stmt)
         return u
 
     def norm(self, micro: int) -> None:
-        stage = self.s.stage
+        stage = self.schedule.stage
         reads = []
-        for u in range(self.L):
+        for u in range(self.n_units):
             if stage == 0:
                 reads.append(buffer_name("grad_full", u))
             else:
                 on_host = self.optim_tier(u) != "device"
                 reads.append(buffer_name("grad_shard", u, "host" if on_host else None))
-        all_host = all(self.optim_tier(u) != "device" for u in range(self.L))
-        self.emit(self.d("compute.norm", None, reads, ["norm"], "step", micro, None,
-                         lane="host" if all_host else "compute", flops=2.0 * sum(l.shard_numel for l in self.layouts)))
+        all_host = all(self.optim_tier(u) != "device" for u in range(self.n_units))
+        shard_numel = sum(layout.shard_numel for layout in self.layouts)
+        self.emit(self.draft("compute.norm", None, reads, ["norm"], "step", micro, None,
+                             lane="host" if all_host else "compute", flops=2.0 * shard_numel))
         if stage >= 1:
-            self.emit(self.d("comm.all_reduce", None, ["norm"], ["norm"], "step", micro, None, bytes=4))
+            self.emit(self.draft("comm.all_reduce", None, ["norm"], ["norm"], "step", micro, None, bytes=4))
 
     def build(self, pipelines: dict[str, Pipeline]) -> TaskGraph:
         self._persistent = set(self.persistent_names())
         for name in self._persistent:
             self.buffer(name)
-        last = self.s.train.accumulate - 1
-        for m in range(last + 1):
-            self.run_phase(pipelines["forward"], "forward", m)
-            if m == last and not self.clip and self.L > 1:
-                self.run_backward_and_step(pipelines["backward"], pipelines["step"], m)
+        last = self.schedule.train.accumulate - 1
+        for micro in range(last + 1):
+            self.run_phase(pipelines["forward"], "forward", micro)
+            if micro == last and not self.clip and self.n_units > 1:
+                self.run_backward_and_step(pipelines["backward"], pipelines["step"], micro)
             else:
-                self.run_phase(pipelines["backward"], "backward", m)
-        if self.clip or self.L <= 1:
+                self.run_phase(pipelines["backward"], "backward", micro)
+        if self.clip or self.n_units <= 1:
             self.run_phase(pipelines["step"], "step", last)
         self.apply_overlap_policy()
         self.auto_free()
         ops = self.finish()
         return TaskGraph(
-            schedule=self.s.name, ranks=self.N, stage=self.s.stage, precision=self.precision,
-            accumulate=self.s.train.accumulate, units=self.unit_infos(), buffers=self.buffers, ops=ops,
-            config=self.s.to_config())
+            schedule=self.schedule.name, ranks=self.ranks, stage=self.schedule.stage, precision=self.precision,
+            accumulate=self.schedule.train.accumulate, units=self.unit_infos(), buffers=self.buffers, ops=ops,
+            config=self.schedule.to_config())
 
     def apply_overlap_policy(self) -> None:
         verbs = {"comm.all_gather": "gather", "comm.reduce_scatter": "scatter", "comm.all_reduce": "reduce",
                  "nvme.read": "read", "nvme.write": "write", "copy.h2d": "copy", "copy.d2h": "copy"}
-        forbidden = {(v, p) for v in set(verbs.values()) for p in ("forward", "backward", "step")
-                     if f"{v}/{p}" not in self.s.overlap}
+        forbidden = {(verb, phase) for verb in set(verbs.values()) for phase in ("forward", "backward", "step")
+                     if f"{verb}/{phase}" not in self.schedule.overlap}
         if not forbidden:
             return
-        phases = {p for _, p in forbidden}
+        phases = {phase for _, phase in forbidden}
         self.buffer("token")
-        for d in self.drafts:
-            chained = (verbs.get(d.kind), d.phase) in forbidden or (
-                d.kind.startswith("compute.") and d.phase in phases)
+        for draft in self.drafts:
+            chained = (verbs.get(draft.kind), draft.phase) in forbidden or (
+                draft.kind.startswith("compute.") and draft.phase in phases)
             if chained:
-                d.reads.append("token")
-                d.writes.append("token")
+                draft.reads.append("token")
+                draft.writes.append("token")
 
     def auto_free(self) -> None:
         """Free each working buffer instance that no statement frees, right after its last use."""
@@ -584,64 +588,66 @@ class _Builder:
         pending: dict[int, list[str]] = {}  # index in self.drafts -> buffers to free after it
         live: dict[str, None] = {}          # insertion-ordered: the graph must not depend on hashing
         # pass 1: find, for every instance, its last use
-        for i, d in enumerate(self.drafts):
-            for name in d.writes:
+        for i, draft in enumerate(self.drafts):
+            for name in draft.writes:
                 if self.buffers[name].persistent or name == "token":
                     continue
-                if d.kind == "mem.free":
+                if draft.kind == "mem.free":
                     live.pop(name, None)
                     last_use.pop(name, None)
                     continue
-                if name in live and name in d.fresh and name not in d.reads:
+                if name in live and name in draft.fresh and name not in draft.reads:
                     # a fresh write over an instance nobody freed: free it after its last use
                     j = last_use[name]
                     pending.setdefault(j, []).append(name)
                 live[name] = None
                 last_use[name] = i
-            for name in d.reads:
+            for name in draft.reads:
                 if name in live:
                     last_use[name] = i
         for name in live:
             pending.setdefault(last_use[name], []).append(name)
-        for i, d in enumerate(self.drafts):
-            out.append(d)
+        for i, draft in enumerate(self.drafts):
+            out.append(draft)
             for name in pending.get(i, []):
-                out.append(_Draft("mem.free", d.lane, self.buffers[name].unit, [], [name], d.phase, d.micro))
+                out.append(_Draft("mem.free", draft.lane, self.buffers[name].unit, [], [name], draft.phase,
+                                  draft.micro))
         self.drafts = out
 
     def finish(self) -> list[Op]:
         ops: list[Op] = []
         last_write: dict[str, int] = {}
         readers: dict[str, list[int]] = {}
-        for i, d in enumerate(self.drafts):
+        for i, draft in enumerate(self.drafts):
             deps: set[int] = set()
-            for name in d.reads:
+            for name in draft.reads:
                 if name in last_write:
                     deps.add(last_write[name])
-            for name in d.writes:
+            for name in draft.writes:
                 if name in last_write:
                     deps.add(last_write[name])
                 deps.update(readers.get(name, ()))
-            for name in d.reads:
+            for name in draft.reads:
                 readers.setdefault(name, []).append(i)
-            for name in d.writes:
+            for name in draft.writes:
                 last_write[name] = i
                 readers[name] = []
             deps.discard(i)
-            ops.append(Op(id=i, kind=d.kind, lane=d.lane, unit=d.unit, reads=d.reads, writes=d.writes,
-                          bytes=d.bytes, flops=d.flops, kernels=d.kernels, deps=sorted(deps), micro=d.micro,
-                          phase=d.phase, part=d.part, parts=d.parts, accumulate=d.accumulate, span=d.span))
+            ops.append(Op(id=i, kind=draft.kind, lane=draft.lane, unit=draft.unit, reads=draft.reads,
+                          writes=draft.writes, bytes=draft.bytes, flops=draft.flops, kernels=draft.kernels,
+                          deps=sorted(deps), micro=draft.micro, phase=draft.phase, part=draft.part,
+                          parts=draft.parts, accumulate=draft.accumulate, span=draft.span))
         return ops
 
     def unit_infos(self) -> list[UnitInfo]:
         infos = []
-        for i, (spec, lay) in enumerate(zip(self.specs, self.layouts)):
+        for i, (spec, layout) in enumerate(zip(self.specs, self.layouts)):
             infos.append(UnitInfo(
-                index=i, name=spec.name, numel=spec.numel, padded_numel=lay.padded_numel,
-                shard_numel=lay.shard_numel, parts=lay.parts, uses=list(spec.uses),
+                index=i, name=spec.name, numel=spec.numel, padded_numel=layout.padded_numel,
+                shard_numel=layout.shard_numel, parts=layout.parts, uses=list(spec.uses),
                 recompute=i in self.recompute, persistent=i in self.persist,
-                act_bytes=self.batch * spec.act_elems_per_seq * self.b,
-                input_bytes=self.batch * spec.input_elems_per_seq * self.b,
+                act_bytes=self.batch * spec.act_elems_per_seq * self.elem_bytes,
+                input_bytes=self.batch * spec.input_elems_per_seq * self.elem_bytes,
                 fwd_flops=spec.fwd_flops_per_seq * self.batch, master=self.has_master(i)))
         return infos
 

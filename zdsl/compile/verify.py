@@ -84,7 +84,10 @@ def size(n: float) -> str:
     return f"{int(n)} B"
 
 
-class Checker:
+class GraphVerifier:
+    """The checks above over one task graph; ``run`` appends what it finds to ``findings``
+    (the .zs checker, :mod:`zdsl.check.checker`, is the one for schedules)."""
+
     def __init__(self, graph: TaskGraph, schedule: Schedule):
         self.graph = graph
         self.schedule = schedule
@@ -416,9 +419,9 @@ def findings(graph: TaskGraph, schedule: Schedule, sim: Simulation | None = None
              want_sim: bool = True) -> tuple[list[Finding], Simulation | None]:
     """All findings and the simulation the memory check used (reusable by the planner);
     ``want_sim=False`` skips simulating when no budget needs it (``zdsl check``)."""
-    checker = Checker(graph, schedule)
-    sim = checker.run(sim, want_sim)
-    return merge_repeats(checker.findings), sim
+    verifier = GraphVerifier(graph, schedule)
+    sim = verifier.run(sim, want_sim)
+    return merge_repeats(verifier.findings), sim
 
 
 def merge_repeats(found: list[Finding]) -> list[Finding]:
