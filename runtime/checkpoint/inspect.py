@@ -18,6 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from zdsl.lang.sizes import human_bytes
 from zdsl.runtime.checkpoint.index import INDEX_NAME
 
 from zdsl.runtime.checkpoint.index import STEP_RE
@@ -31,14 +32,6 @@ from zdsl.runtime.checkpoint.index import is_padding
 from zdsl.runtime.checkpoint.index import parse_shard_key
 from zdsl.runtime.checkpoint.reader import check_checkpoint
 from zdsl.runtime.checkpoint.reader import list_checkpoints
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -67,7 +60,7 @@ def describe(path: Path, index: Index, verified: bool = True) -> str:
     lines += ["  " + r for r in _table(rows)]
     total = sum(f.bytes for f in index.files)
     lines.append(f"  parameters {sum(u.numel for u in index.units)}, files {len(index.files)} "
-                 f"({_size(total)}): " + ", ".join(f"{f.name} {_size(f.bytes)}" for f in index.files))
+                 f"({human_bytes(total)}): " + ", ".join(f"{f.name} {human_bytes(f.bytes)}" for f in index.files))
     if per_rank:
         lines.append("  per-rank state: " + ", ".join(per_rank))
     if index.aliases:
