@@ -79,8 +79,9 @@ from zdsl.schedule import MACHINE_OPTIONS
 
 from zdsl.schedule import MachineProfile
 
+from zdsl.lang.sizes import human_bytes
 from zdsl.planner.fit import fit_overhead
-from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, CalibrationError, MiB, Settings,
+from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, CalibrationError, Settings,
                                             measure_collectives, measure_compute, measure_copy, measure_disk,
                                             measure_optimizer)
 from zdsl.runtime.calibrate.reference import (RUNTIME_BLOCKS, RUNTIME_STEPS, measure_runtime, reference_graph,
@@ -295,7 +296,7 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     if world > 1:
         c = first["collectives"]
         notes += [f"  link        all_gather (link, latency), reduce_scatter (scatter_*) and all_reduce (reduce_*) "
-                  f"of {_size(c['sizes'][0])} to {_size(c['sizes'][-1])},",
+                  f"of {human_bytes(c['sizes'][0])} to {human_bytes(c['sizes'][-1])},",
                   "              each fitted to latency + payload*(n-1)/n / link (the runtime's own collectives)"]
     else:
         notes.append("  link        default (one rank: no collectives to measure)")
@@ -318,11 +319,11 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                  f"spread over the calibration: {', '.join(f'{b * 1e3:.1f}' for b in block_s)} ms)")
     disk = first["disk"]
     notes.append(f"  disk        the runtime's swapper ({'O_DIRECT' if disk['direct'] else 'buffered: no O_DIRECT here'}, "
-                 f"{_size(s.block)} requests, {s.depth} in flight) writing and reading "
-                 f"{', '.join(_size(n) for n in disk['sizes'])} per rank, each direction fitted to "
+                 f"{human_bytes(s.block)} requests, {s.depth} in flight) writing and reading "
+                 f"{', '.join(human_bytes(n) for n in disk['sizes'])} per rank, each direction fitted to "
                  "latency + bytes / rate")
     notes.append(f"              in {s.disk_folder or tempfile.gettempdir()}; disk_read_cpu, disk_write_cpu: "
-                 f"1 - (a GPT block's forward+backward alone) / (beside back-to-back {_size(DISK_SIZES[2])} "
+                 f"1 - (a GPT block's forward+backward alone) / (beside back-to-back {human_bytes(DISK_SIZES[2])} "
                  f"transfers): {disk['beside_compute']['alone_s'] * 1e3:.2f} ms alone, "
                  + ", ".join(f"{t * 1e3:.2f} beside {w}s" for w, t in disk['beside_compute']['beside_s'].items()))
     details = {"notes": notes, "ranks": raw, "backend": backend, "mm_flops": mm, "block_flops": block}
@@ -345,10 +346,6 @@ def _restore_cores(cores: set[int] | None) -> None:
 def _cores_per_rank(world: int) -> float:
     """The rank's share of this machine's cores (what its lanes compete for)."""
     return round((os.cpu_count() or 1) / max(world, 1), 3)
-
-
-def _size(n: int) -> str:
-    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n >> 10} KiB" if n >= 1024 else f"{n} B"
 
 
 def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = None, quick: bool = False,
