@@ -196,8 +196,8 @@ def test_device_budget_points_at_prefetch_when_gathered_parameters_dominate():
     assert len(errs) == 1
     msg = errs[0].message
     assert "device" in msg and "exceeds the budget" in msg and "line 9" in msg
-    from zdsl.compile.verify import size
-    assert size(peak) in msg and size(peak - 1) in msg
+    from zdsl.lang.sizes import human_bytes
+    assert human_bytes(peak) in msg and human_bytes(peak - 1) in msg
     assert errs[0].span == prefetch_span and "prefetch" in errs[0].hint
     s.memory = {"device": peak}
     assert errors(verify(g, s)) == []

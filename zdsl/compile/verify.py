@@ -23,12 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zdsl.lang.errors import Diagnostic
+from zdsl.lang.sizes import human_bytes
 from zdsl.ir import LANES
 from zdsl.ir import OP_LANES
 from zdsl.ir import TaskGraph
-from zdsl.planner.simulate import CyclicGraphError
+from zdsl.planner.graph_index import CyclicGraphError
 from zdsl.planner.simulate import Simulation
-from zdsl.planner.simulate import index_graph
+from zdsl.planner.graph_index import index_graph
 from zdsl.planner.simulate import simulate
 from zdsl.schedule import Schedule
 from zdsl.schedule import Span
@@ -74,14 +75,6 @@ def plain(name: str) -> str:
     unit = f" of unit {rest.rstrip(']')}" if rest else ""
     where = f" on {tier}" if tier else ""
     return f"{name} (the {words}{unit}{where})"
-
-
-def size(n: float) -> str:
-    """Bytes in binary units, as the `memory` statement writes them."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 class GraphVerifier:
@@ -314,13 +307,13 @@ class GraphVerifier:
             working = peak - model
             if peak > budget:
                 span, hint, cause = self.blame(tier, model, working)
-                split = ", ".join(f"{k} {size(v)}" for k, v in states.items() if v)
-                self.error(f"peak {tier} memory {size(peak)} exceeds the budget of {size(budget)}"
-                           f"{self.budget_where(tier)}: model states {size(model)}"
-                           f"{' (' + split + ')' if split else ''}, working buffers {size(working)}"
+                split = ", ".join(f"{k} {human_bytes(v)}" for k, v in states.items() if v)
+                self.error(f"peak {tier} memory {human_bytes(peak)} exceeds the budget of {human_bytes(budget)}"
+                           f"{self.budget_where(tier)}: model states {human_bytes(model)}"
+                           f"{' (' + split + ')' if split else ''}, working buffers {human_bytes(working)}"
                            f"{cause}", span, hint)
             elif peak == 0:
-                self.warn(f"the {tier} memory budget of {size(budget)} is never reached: "
+                self.warn(f"the {tier} memory budget of {human_bytes(budget)} is never reached: "
                           f"this schedule places nothing on {tier}", self.stmt_span(f"memory.{tier}", "memory"))
 
     def budget_of(self, tier: str) -> int:
@@ -355,7 +348,7 @@ class GraphVerifier:
         if gathered and relief >= excess and self.stmt_span("prefetch"):
             return (self.stmt_span("prefetch"),
                     f"prefetch fewer units ahead (now {self.schedule.prefetch}): the units gathered "
-                    f"ahead hold {size(relief)} at the peak", cause)
+                    f"ahead hold {human_bytes(relief)} at the peak", cause)
         if tier == "device" and working >= model and top in ("act", "act_inner", "act_grad"):
             span = self.stmt_span("recompute", "train", "prefetch", "memory")
             return span, "recompute more units (recompute blocks) or lower the batch", cause
