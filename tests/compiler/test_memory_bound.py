@@ -25,7 +25,7 @@ from zdsl.planner.bound import max_closure
 from zdsl.planner.bound import tier_weights
 from zdsl.planner.bound import worst_working
 from zdsl.planner.memory import working_intervals
-from zdsl.planner.simulate import predecessors
+from zdsl.planner.graph_index import predecessors
 from zdsl.planner.simulate import simulate
 from zdsl.schedule import OptimizerSpec
 from zdsl.schedule import Schedule

@@ -38,7 +38,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from zdsl.ir import TaskGraph
-from zdsl.schedule import MachineProfile
+from zdsl.planner.graph_index import topological_order
+from zdsl.planner.lanes import BackendThreads
+from zdsl.planner.lanes import comm_slots
+from zdsl.planner.lanes import union_length
 
 Times = Mapping[int, tuple[float, float]]
 
@@ -108,68 +111,8 @@ class OverlapReport:
         return "\n".join(lines)
 
 
-def comm_slots(graph: TaskGraph) -> int:
-    """Collectives the graph's machine runs at once (``machine ...(comm_slots=)``; where the
-    graph carries no machine, the default profile's, as the planner reads it)."""
-    try:
-        return max(1, int(MachineProfile.of_config(graph.config).comm_slots))
-    except (TypeError, ValueError):      # a graph file written by hand
-        return MachineProfile.comm_slots
-
-
-class BackendThreads:
-    """A backend that runs ``slots`` of a lane's collectives at once, in issue order (gloo's
-    worker threads), replayed from measured times: an op issued while ``slots`` issued before it
-    are still running starts when the first of them ends (the ``slots``-th latest end)."""
-
-    def __init__(self, slots: int):
-        self.slots = slots
-        self.ends: list[tuple[float, int | None]] = []   # the latest ``slots`` ends, earliest first
-
-    def take(self, issued: float, ended: float, op: int | None = None) -> tuple[float, int | None]:
-        """When the op issued at ``issued`` (ended at ``ended``) had a thread, and the op whose end
-        freed it (None where one was free at issue)."""
-        start, freed_by = issued, None
-        if len(self.ends) >= self.slots and self.ends[0][0] > issued:
-            start, freed_by = self.ends[0]
-        self.ends.append((ended, op))
-        self.ends.sort(key=lambda end: end[0])
-        del self.ends[:-self.slots]
-        return start, freed_by
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by intervals (ops of one lane may touch or, measured, overlap)."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        elif e > cur_e:
-            cur_e = e
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
-
-
-def _topological_order(n: int, preds: Sequence[Sequence[int]]) -> list[int]:
-    """Graph order when every edge points backwards (the compiler's case), else Kahn's order."""
-    if all(p < i for i in range(n) for p in preds[i]):
-        return list(range(n))
-    indeg = [0] * n
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for i in range(n):
-        for p in preds[i]:
-            succs[p].append(i)
-            indeg[i] += 1
-    order = [i for i in range(n) if indeg[i] == 0]
-    for i in order:  # grows while iterating
-        for s in succs[i]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                order.append(s)
-    if len(order) != n:
+def _ordered(order: list[int] | int) -> list[int]:
+    if isinstance(order, int):           # a position on a cycle
         raise ValueError("the task graph has a dependency cycle; no critical path exists")
     return order
 
@@ -261,14 +204,16 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
         except KeyError as e:
             raise ValueError(f"op {op.id} ({op.kind}) depends on unknown op {e.args[0]}") from None
     lane_preds: list[list[int]] = []
+    lane_gate: list[int] = []                       # the one lane predecessor of each op, -1 for none
     prev_in_lane: dict[str, int] = {}
     for i, op in enumerate(ops):
         p = prev_in_lane.get(op.lane) if not (slots > 1 and op.lane == "comm") else gate[i]
         lane_preds.append(dep_preds[i] + [p] if p is not None else dep_preds[i])
+        lane_gate.append(-1 if p is None else p)
         prev_in_lane[op.lane] = i
 
-    dep_chain, _ = _longest_path(_topological_order(n, dep_preds), dep_preds, dur)
-    crit_len, crit_path = _longest_path(_topological_order(n, lane_preds), lane_preds, dur)
+    dep_chain, _ = _longest_path(_ordered(topological_order(dep_preds)), dep_preds, dur)
+    crit_len, crit_path = _longest_path(_ordered(topological_order(dep_preds, lane_gate)), lane_preds, dur)
 
     lane_busy = {lane: union_length(iv) for lane, iv in lane_intervals.items()}
     busiest = max(lane_busy, key=lane_busy.__getitem__) if lane_busy else "compute"

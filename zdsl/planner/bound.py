@@ -28,9 +28,9 @@ from zdsl.ir import TIERS
 
 from zdsl.ir import TaskGraph
 from zdsl.planner.memory import working_intervals
-from zdsl.planner.simulate import CyclicGraphError
-from zdsl.planner.simulate import predecessors
-from zdsl.planner.simulate import topological_order
+from zdsl.planner.graph_index import CyclicGraphError
+from zdsl.planner.graph_index import predecessors
+from zdsl.planner.graph_index import topological_order
 
 
 def tier_weights(graph: TaskGraph) -> dict[str, list[int]]:

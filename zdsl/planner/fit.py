@@ -11,6 +11,8 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 
+from zdsl.planner.lanes import BackendThreads
+from zdsl.planner.lanes import union_length
 from zdsl.planner.simulate import rated_duration, simulate
 from zdsl.schedule import MachineProfile
 
@@ -59,7 +61,6 @@ def comm_intervals(graph, record, slots: int = 1) -> dict[int, tuple[float, floa
     two threads), so one issued behind others starts when the ``slots``-th latest end before it
     has passed. The planner runs a lane's collectives the same way (``comm_slots``), so this is
     the measured time comparable to its duration."""
-    from zdsl.observe.overlap import BackendThreads
     intervals, lanes = {}, {}
     for i in comm_ops(graph):
         t = record.timings[i]
@@ -71,7 +72,6 @@ def comm_intervals(graph, record, slots: int = 1) -> dict[int, tuple[float, floa
 def comm_under_compute(graph, record, intervals: dict[int, tuple[float, float]]) -> dict[int, float]:
     """Seconds of each collective's service interval (:func:`comm_intervals`) during which a
     compute op ran on the rank (the cores were full: what ``comm_under_load`` is fitted on)."""
-    from zdsl.observe.overlap import union_length
     compute = [(record.timings[i].start, record.timings[i].end)
                for i, op in enumerate(graph.ops) if op.kind.startswith("compute.")]
     return {i: union_length([(max(s, cs), min(e, ce)) for cs, ce in compute if cs < e and ce > s])

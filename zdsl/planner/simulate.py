@@ -19,18 +19,14 @@ from dataclasses import dataclass, field
 from zdsl.ir import LANES
 
 from zdsl.ir import TaskGraph
-from zdsl.observe.overlap import union_length
 from zdsl.schedule import MachineProfile
+from zdsl.planner.graph_index import CyclicGraphError
+from zdsl.planner.graph_index import GraphIndex
+from zdsl.planner.graph_index import index_graph
+from zdsl.planner.lanes import lane_slots
+from zdsl.planner.lanes import union_length
 from zdsl.planner.memory import MemoryTimeline
 from zdsl.planner.memory import memory_timeline
-
-
-class CyclicGraphError(ValueError):
-    """The graph has a cycle (the verifier names it; the simulator cannot order it)."""
-
-    def __init__(self, op_index: int):
-        super().__init__(f"op {op_index} is on a dependency cycle")
-        self.op_index = op_index
 
 
 @dataclass
@@ -149,81 +145,6 @@ def collective_seconds(kind: str, wire_bytes: float, machine: MachineProfile) ->
     return gather
 
 
-def predecessors(graph: TaskGraph) -> tuple[list[list[int]], list[int]]:
-    """Per op position: its deps as positions, and the previous op on its lane (-1 if first)."""
-    ops = graph.ops
-    n = len(ops)
-    last_on_lane: dict[str, int] = {}
-    lane_prev = [0] * n
-    deps = [None] * n
-    positional = True                   # ids are positions and deps point inside (the compiler's case)
-    for i, op in enumerate(ops):
-        lane = op.lane
-        lane_prev[i] = last_on_lane.get(lane, -1)
-        last_on_lane[lane] = i
-        ds = op.deps
-        deps[i] = ds
-        if positional and (op.id != i or (ds and (min(ds) < 0 or max(ds) >= n))):
-            positional = False
-    if not positional:
-        index = {op.id: i for i, op in enumerate(ops)}
-        deps = [[index[d] for d in op.deps if d in index] for op in ops]
-    return deps, lane_prev
-
-
-@dataclass
-class GraphIndex:
-    """Predecessors and a topological order, computed once and shared by verifier and simulator."""
-    deps: list[list[int]]
-    lane_prev: list[int]
-    order: list[int] | int              # an int: a position on a cycle
-
-
-def index_graph(graph: TaskGraph) -> GraphIndex:
-    deps, lane_prev = predecessors(graph)
-    return GraphIndex(deps, lane_prev, topological_order(deps, lane_prev))
-
-
-def topological_order(deps: list[list[int]], lane_prev: list[int]) -> list[int] | int:
-    """Graph positions in an order that respects deps and lane order; on a cycle,
-    the position of an op that lies on it (an int)."""
-    n = len(deps)
-    if all(not ds or max(ds) < i for i, ds in enumerate(deps)):
-        return list(range(n))              # the common case: graph order is already topological
-    succ: list[list[int]] = [[] for _ in range(n)]
-    indeg = [0] * n
-    for i in range(n):
-        preds = list(deps[i]) + ([lane_prev[i]] if lane_prev[i] >= 0 else [])
-        for p in preds:
-            succ[p].append(i)
-        indeg[i] = len(preds)
-    ready = [i for i in range(n) if indeg[i] == 0]
-    ready.reverse()
-    order = []
-    while ready:
-        i = ready.pop()
-        order.append(i)
-        for s in succ[i]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                ready.append(s)
-    if len(order) == n:
-        return order
-    return cycle_member(deps, lane_prev, indeg)
-
-
-def cycle_member(deps, lane_prev, indeg) -> int:
-    """Walk predecessors among the ops left with indegree > 0 until one repeats: it is on a cycle."""
-    stuck = {i for i, d in enumerate(indeg) if d > 0}
-    i = min(stuck)
-    seen = set()
-    while i not in seen:
-        seen.add(i)
-        preds = [p for p in (*deps[i], lane_prev[i]) if p >= 0 and p in stuck]
-        i = preds[0]
-    return i
-
-
 def cpu_demand(op, machine: MachineProfile) -> float:
     """Cores of its rank's share an op keeps busy while it runs (the sharing model's weight).
 
@@ -334,14 +255,6 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     return Simulation(step_s=step_s, start=start, end=end, duration=dur, lane_busy=lane_busy,
                       critical_path=critical, bound_s=bound,
                       memory=memory_timeline(graph, start, end), order=order)
-
-
-def lane_slots(machine: MachineProfile) -> dict[str, int]:
-    """Ops a lane runs at once, where more than one: the collectives lane runs ``comm_slots``
-    (gloo works off a queue with two threads, so a collective issued behind another starts
-    when either is free; NCCL's one stream runs them one at a time)."""
-    n = int(machine.comm_slots)
-    return {"comm": n} if n > 1 else {}
 
 
 def _independent_schedule(graph: TaskGraph, dur, deps, lane_prev, order, slots: dict[str, int]):

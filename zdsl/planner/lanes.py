@@ -1,0 +1,66 @@
+"""How a lane runs its ops: one at a time, or the collectives lane ``comm_slots`` at once.
+
+A lane runs its ops in graph order. Most run one op at a time; the collectives lane
+runs as many at once as the backend has threads (gloo takes them off a queue with two;
+NCCL's one stream runs them one at a time), started in issue order. The simulator
+schedules with this model; the overlap analysis of a measured step
+(:mod:`zdsl.observe.overlap`) and the calibration fits replay measured times through
+it, so a measured op's own time is comparable to the simulated one.
+"""
+from __future__ import annotations
+
+from zdsl.ir import TaskGraph
+from zdsl.schedule import MachineProfile
+
+
+def lane_slots(machine: MachineProfile) -> dict[str, int]:
+    """Ops a lane runs at once, where more than one: the collectives lane runs ``comm_slots``
+    (gloo works off a queue with two threads, so a collective issued behind another starts
+    when either is free; NCCL's one stream runs them one at a time)."""
+    n = int(machine.comm_slots)
+    return {"comm": n} if n > 1 else {}
+
+
+def comm_slots(graph: TaskGraph) -> int:
+    """Collectives the graph's machine runs at once (``machine ...(comm_slots=)``; where the
+    graph carries no machine, the default profile's, as the planner reads it)."""
+    try:
+        return max(1, int(MachineProfile.of_config(graph.config).comm_slots))
+    except (TypeError, ValueError):      # a graph file written by hand
+        return MachineProfile.comm_slots
+
+
+class BackendThreads:
+    """A backend that runs ``slots`` of a lane's collectives at once, in issue order (gloo's
+    worker threads), replayed from measured times: an op issued while ``slots`` issued before it
+    are still running starts when the first of them ends (the ``slots``-th latest end)."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.ends: list[tuple[float, int | None]] = []   # the latest ``slots`` ends, earliest first
+
+    def take(self, issued: float, ended: float, op: int | None = None) -> tuple[float, int | None]:
+        """When the op issued at ``issued`` (ended at ``ended``) had a thread, and the op whose end
+        freed it (None where one was free at issue)."""
+        start, freed_by = issued, None
+        if len(self.ends) >= self.slots and self.ends[0][0] > issued:
+            start, freed_by = self.ends[0]
+        self.ends.append((ended, op))
+        self.ends.sort(key=lambda end: end[0])
+        del self.ends[:-self.slots]
+        return start, freed_by
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by intervals (ops of one lane may touch or, measured, overlap)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
