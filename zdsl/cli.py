@@ -1,6 +1,7 @@
 """The ``zdsl`` command: check, plan, and the runtime's subcommands.
 
-``check`` and ``plan`` are the compiler (no torch, fast); ``run``, ``export``,
+``check`` and ``plan`` are the compiler (no torch, fast), ``env`` lists the
+environment variables zdsl reads (``zdsl/env.py``); ``run``, ``export``,
 ``inspect``, ``calibrate`` and ``tune`` live in the runtime and are imported
 only when asked for, so a machine without torch can still check and plan.
 
@@ -14,8 +15,10 @@ import argparse
 import importlib
 import json
 import os
+import shutil
 import sys
 
+from zdsl import env
 from zdsl.driver import EXIT_INTERNAL
 from zdsl.driver import EXIT_OK
 from zdsl.driver import EXIT_USAGE
@@ -127,6 +130,12 @@ def print_lowered(path: str, overrides, units_for) -> int:
     return status_of(compiled)
 
 
+def cmd_env(args, parser) -> int:
+    tty = sys.stdout.isatty()
+    sys.stdout.write(env.render(color=tty, width=shutil.get_terminal_size().columns if tty else None))
+    return EXIT_OK
+
+
 def find_entry(name: str):
     """The ``main`` of the subcommand's module; an error line if it cannot be imported."""
     module_name = DELEGATED[name]
@@ -160,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zdsl", description="ZeRO sharding and offload driven by .zs schedules.",
         epilog="exit status: 0 ok, 1 invalid schedule, 2 usage error, 3 internal error")
-    parser.add_argument("--log-level", default=os.environ.get("ZDSL_LOG", "warning"),
+    parser.add_argument("--log-level", default=env.get("ZDSL_LOG"),
                         choices=["debug", "info", "warning", "error"], help="structlog level (stderr)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -178,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="ranks in the predicted trace (default: all, fewer for very large graphs)")
     plan.add_argument("--lowered", action="store_true", help="print the pipelines the policies expand to (.zs)")
     add_set(plan)
+
+    sub.add_parser("env", help="the environment variables zdsl reads: default, value here, meaning")
 
     for name, module in DELEGATED.items():
         sub.add_parser(name, help=DELEGATED_HELP[name], add_help=False)
@@ -222,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         raise
     except Exception as exc:                 # a bug in zdsl, never the user's fault
-        if os.environ.get("ZDSL_DEBUG"):
+        if env.flag("ZDSL_DEBUG"):
             raise
         print(f"zdsl: internal error: {type(exc).__name__}: {exc}\n"
               f"(this is a bug in zdsl; ZDSL_DEBUG=1 shows the traceback)", file=sys.stderr)
@@ -243,6 +254,8 @@ def _main(argv: list[str]) -> int:
         return cmd_check(args, parser)
     if args.command == "plan":
         return cmd_plan(args, parser)
+    if args.command == "env":
+        return cmd_env(args, parser)
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE
 
