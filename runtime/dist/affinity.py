@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import time
 
+from zdsl import env
+
 
 def rank_cores(local_rank: int, local_world: int, available: list[int]) -> list[int]:
     """The cores of ``available`` that ``local_rank`` of ``local_world`` ranks gets: an even,
@@ -29,7 +31,7 @@ def rank_cores(local_rank: int, local_world: int, available: list[int]) -> list[
 
 
 def binding_wanted() -> bool:
-    return os.environ.get("ZDSL_BIND_CORES", "1") != "0"
+    return env.flag("ZDSL_BIND_CORES")
 
 
 def bind_rank(local_rank: int, local_world: int) -> list[int] | None:
@@ -52,8 +54,8 @@ def bind_rank(local_rank: int, local_world: int) -> list[int] | None:
 def local_rank_and_world(rank: int, world: int) -> tuple[int, int]:
     """This host's rank and rank count (torchrun and ``zdsl run`` set LOCAL_*; else the global ones)."""
     try:
-        return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    except (KeyError, ValueError):
+        return int(env.raw("LOCAL_RANK")), int(env.raw("LOCAL_WORLD_SIZE"))
+    except (TypeError, ValueError):               # unset (None) or not a number
         return rank, world
 
 
@@ -64,7 +66,7 @@ def set_cpu_threads(rank: int, world: int) -> int:
     import torch
     local_rank, local_world = local_rank_and_world(rank, world)
     cores = bind_rank(local_rank, local_world)
-    if "OMP_NUM_THREADS" not in os.environ:
+    if env.raw("OMP_NUM_THREADS") is None:
         share = len(cores) if cores else (os.cpu_count() or 1) // max(1, local_world)
         torch.set_num_threads(max(1, share))
     return torch.get_num_threads()
@@ -77,7 +79,7 @@ LOOP_POLICIES = {"batch": getattr(os, "SCHED_BATCH", None), "idle": getattr(os, 
 
 
 def loop_policy_wanted() -> str:
-    return os.environ.get("ZDSL_GLOO_LOOP_POLICY", "batch")
+    return env.get("ZDSL_GLOO_LOOP_POLICY")
 
 
 def loop_policy_error() -> str | None:

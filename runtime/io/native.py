@@ -32,6 +32,8 @@ from pathlib import Path
 
 import structlog
 
+from zdsl import env
+
 log = structlog.get_logger("zdsl.runtime.io.native")
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
@@ -41,8 +43,7 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("ZDSL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zdsl")
-    return Path(base)
+    return Path(env.get("ZDSL_CACHE")).expanduser()
 
 
 def _cpu_key() -> str:
@@ -56,11 +57,11 @@ def _cpu_key() -> str:
 
 def compiler() -> str | None:
     """The C compiler kernels are built with: ``$CC``, else the first of cc, gcc, clang found."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return env.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
 def _compile(stem: str, source: str, extra: tuple[str, ...] = ()) -> Path | None:
-    if os.environ.get("ZDSL_NO_NATIVE"):
+    if env.flag("ZDSL_NO_NATIVE"):
         return None
     cc = compiler()
     if cc is None:

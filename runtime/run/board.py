@@ -13,6 +13,8 @@ import mmap
 import os
 from pathlib import Path
 
+from zdsl import env
+
 LAUNCHER, STEP, STEP_DONE, LAST_DONE, ISSUED, LAST_ISSUED = range(6)
 LANES, BOARD_SLOTS = 8, 16
 
@@ -38,7 +40,7 @@ _board: list[memoryview | None] = []
 def rank_board() -> memoryview | None:
     """This rank's progress board (None without a zdsl launcher, under torchrun)."""
     if not _board:
-        error_file = os.environ.get("ZDSL_ERROR_FILE")
+        error_file = env.get("ZDSL_ERROR_FILE")
         try:
             _board.append(map_board(Path(error_file).with_suffix(".progress")) if error_file else None)
         except (OSError, ValueError):

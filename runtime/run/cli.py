@@ -13,6 +13,8 @@ import os
 import sys
 import traceback
 
+from zdsl import env
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zdsl run", description="Train with a schedule.")
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if os.environ.get("RANK") is None:
+    if env.raw("RANK") is None:
         return run_command(argv)
     from zdsl.runtime.run.launch import Stopped
     from zdsl.runtime.run.launch import guard_rank
@@ -67,7 +69,7 @@ def run_command(argv: list[str] | None) -> int:
     if args.fresh_optimizer and not args.resume:
         parser.error("--fresh-optimizer starts a resumed run's optimizer afresh: give --resume CHECKPOINT")
     compiled = compile_file(args.file, overrides, simulate=False)
-    rank = os.environ.get("RANK")
+    rank = env.raw("RANK")
     if rank in (None, "0") or not compiled.ok:
         report(compiled)          # errors and warnings once, not once per rank
     if not compiled.ok:
@@ -103,7 +105,7 @@ def run_one_rank(compiled, args) -> int:
     from zdsl.runtime.run.train import RunOptions
     from zdsl.runtime.run.train import train_rank
 
-    rank = int(os.environ["RANK"])
+    rank = int(env.raw("RANK"))
     configure_rank_logging(rank)
     spec = compiled.schedule.checkpoint
     options = RunOptions(metrics=args.metrics, trace=args.trace, timeline=args.timeline, export=args.export,
@@ -127,7 +129,7 @@ def run_one_rank(compiled, args) -> int:
         if stop_requested() is not None:           # what broke while stopping is no error of its own
             return report_stop(stop_requested())
         text = str(exc) if str(exc).startswith(f"rank {rank}") else f"rank {rank}: {type(exc).__name__}: {exc}"
-        if os.environ.get("ZDSL_DEBUG"):
+        if env.flag("ZDSL_DEBUG"):
             traceback.print_exc()
         return fail(rank, name_lost_peer(text, rank))
     finally:
@@ -140,12 +142,12 @@ def name_lost_peer(text: str, rank: int) -> str:
     """Gloo's words for a peer gone (closed connection, timeout) in zdsl's, naming the peer where
     there is only one (two ranks); the zdsl launcher names it from how each rank ended."""
     from zdsl.runtime.run.launch import peer_lost_text
-    world = int(os.environ.get("WORLD_SIZE", "0"))
+    world = env.integer("WORLD_SIZE") or 0
     return peer_lost_text(text, f"rank {1 - rank}" if world == 2 else "a peer")
 
 
 def fail(rank: int, text: str) -> int:
-    path = os.environ.get("ZDSL_ERROR_FILE")
+    path = env.get("ZDSL_ERROR_FILE")
     if path:
         with open(path, "w") as f:
             f.write(text)

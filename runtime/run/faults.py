@@ -12,6 +12,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from zdsl import env
+
 
 @dataclass(frozen=True)
 class Fault:
@@ -26,11 +28,11 @@ class Fault:
         if self.mode == "hang":
             while True:
                 time.sleep(3600)
-        raise RuntimeError(f"injected fault (ZDSL_FAULT={os.environ.get('ZDSL_FAULT')})")
+        raise RuntimeError(f"injected fault (ZDSL_FAULT={env.get('ZDSL_FAULT')})")
 
 
 def fault_for(rank: int) -> Fault | None:
-    spec = os.environ.get("ZDSL_FAULT")
+    spec = env.get("ZDSL_FAULT")
     if not spec:
         return None
     parts = spec.split(":")

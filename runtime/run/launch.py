@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zdsl import env
 from zdsl.runtime.exec.errors import describe_op
 from zdsl.runtime.run.board import BOARD_SLOTS
 from zdsl.runtime.run.board import ISSUED
@@ -159,10 +160,10 @@ def launch_local(child_argv: list[str], ranks: int, timeout_s: float = 120.0, gr
     try:
         boards = [new_board(errors / f"rank{rank}.progress") for rank in range(ranks)]
         for rank in range(ranks):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       ZDSL_ERROR_FILE=str(errors / f"rank{rank}.err"))
-            procs.append(subprocess.Popen([sys.executable, "-m", "zdsl.cli", *child_argv], env=env))
+            rank_env = env.child_environment(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
+                                             LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+                                             MASTER_PORT=str(port), ZDSL_ERROR_FILE=str(errors / f"rank{rank}.err"))
+            procs.append(subprocess.Popen([sys.executable, "-m", "zdsl.cli", *child_argv], env=rank_env))
         watch = Watch(procs, boards, timeout_s)
         codes = watch.run()
         if all(c == 0 for c in codes):
@@ -386,14 +387,14 @@ def stop_requested() -> Stopped | None:
 def report_stop(stopped: Stopped | KeyboardInterrupt) -> int:
     """Say once why this rank stopped; returns its exit status. Under the zdsl launcher, which says
     it for all ranks, only the error file hears it, unless the launcher is gone."""
-    rank = os.environ.get("RANK", "?")
+    rank = env.raw("RANK") or "?"
     if isinstance(stopped, KeyboardInterrupt):
         code, text = 128 + signal.SIGINT, f"rank {rank}: interrupted"
     else:
         code, text = 128 + stopped.signum, f"rank {rank}: {stopped.why}"
     if not _said.acquire(blocking=False):
         return code
-    error_file = os.environ.get("ZDSL_ERROR_FILE")
+    error_file = env.get("ZDSL_ERROR_FILE")
     launcher_gone = isinstance(stopped, Stopped) and "launcher" in stopped.why
     if error_file and not launcher_gone:
         try:

@@ -1,7 +1,7 @@
 """``zdsl run``'s checks before any rank starts: what would otherwise fail later, or take the machine down.
 
 - The ranks must fit this machine's memory, cores and swap space
-  (:mod:`zdsl.planner.fits`); ``--ignore-limits`` starts them anyway.
+  (:mod:`zdsl.planner.machine_fit`); ``--ignore-limits`` starts them anyway.
 - ``--checkpoint-every`` needs a folder, and the folder must be writable: found
   here, not at the first save after minutes of training.
 
@@ -24,11 +24,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from zdsl.planner.fits import Fit
+from zdsl import env
+from zdsl.planner.machine_fit import Fit
 
-from zdsl.planner.fits import TorchFloor
+from zdsl.planner.machine_fit import TorchFloor
 
-from zdsl.planner.fits import schedule_fit
+from zdsl.planner.machine_fit import schedule_fit
 
 EXIT_INVALID, EXIT_USAGE = 1, 2     # zdsl/cli.py's: the schedule cannot run here / the command is wrong
 
@@ -48,14 +49,9 @@ with tempfile.TemporaryDirectory() as tmp:
     os._exit(0)                                    # no teardown: gloo's threads can abort it
 """
 
-# What launchers set for a rank; the measuring process is no rank.
-RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "ZDSL_ERROR_FILE")
-
-
 def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
     """Run the checks for this process's role; None to go on, else the exit status (already explained)."""
-    rank = os.environ.get("RANK")
+    rank = env.raw("RANK")
     problem = checkpoint_folder_missing(args, compiled.schedule)
     if problem:
         if rank in (None, "0"):
@@ -65,9 +61,9 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
         code = refuse_unfit(schedule_fit(compiled, overrides), args.ignore_limits)
         if code is not None:
             return code
-    elif os.environ.get("ZDSL_ERROR_FILE"):
+    elif env.get("ZDSL_ERROR_FILE"):
         return None                  # a rank of `zdsl run`, whose launcher checked all of this
-    elif os.environ.get("LOCAL_RANK", rank) == "0":
+    elif (env.raw("LOCAL_RANK") or rank) == "0":
         warn_unfit(compiled, overrides)
     if rank in (None, "0"):
         problem = checkpoint_folder_unwritable(args, compiled.schedule)
@@ -95,7 +91,7 @@ def refuse_unfit(fit: Fit, ignore_limits: bool) -> int | None:
 def warn_unfit(compiled, overrides) -> None:
     """Under another launcher, on each host's first rank: that host's ranks are running already, torch
     loaded (its floor is in use, not still needed); say what will not fit, without stopping."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or compiled.graph.ranks)
+    local = env.integer("LOCAL_WORLD_SIZE") or env.integer("WORLD_SIZE") or compiled.graph.ranks
     fit = schedule_fit(compiled, overrides, floor=TorchFloor(0, 0, "already loaded by the running ranks"),
                        local_ranks=local)
     for text in fit.refusals + fit.warnings:
@@ -184,8 +180,8 @@ def floor_cache(torch_version: str, python: str) -> Path:
 
 
 def measure_floor(timeout_s: float = 300.0) -> dict[str, int]:
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
-    done = subprocess.run([sys.executable, "-c", FLOOR_CODE], capture_output=True, text=True, env=env,
+    no_rank = env.child_environment(drop=env.LAUNCHER_VARIABLES)      # the measuring process is no rank
+    done = subprocess.run([sys.executable, "-c", FLOOR_CODE], capture_output=True, text=True, env=no_rank,
                           timeout=timeout_s)
     if done.returncode != 0:
         raise subprocess.SubprocessError(f"exit status {done.returncode}: {done.stderr.strip()[-300:]}")

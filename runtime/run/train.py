@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from dataclasses import dataclass, field
 
 import torch
 import trio
 
+from zdsl import env
 from zdsl.ir import TIERS
 from zdsl.ir import TaskGraph
 from zdsl.compile.models import run_context as schedule_context   # the planner sizes the same context
@@ -68,16 +68,16 @@ class StepMetrics:
 
 def env_rank() -> tuple[int, int]:
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if key not in os.environ:
+        if env.raw(key) is None:
             raise LaunchError(f"{key} is not set; start ranks with `zdsl run` or torchrun")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return int(env.raw("RANK")), int(env.raw("WORLD_SIZE"))
 
 
 def pick_device(choice: str, rank: int) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise LaunchError("the schedule asks for `ranks N on cuda` but no CUDA device is visible")
-        local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        local = int(env.raw("LOCAL_RANK") or rank) % torch.cuda.device_count()
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
