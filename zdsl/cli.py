@@ -82,8 +82,8 @@ def cmd_plan(args, parser) -> int:
     report(compiled)
     if compiled.sim is None:                 # did not get as far as a simulated step
         return status_of(compiled)
-    from zdsl.planner.fits import render_fit
-    from zdsl.planner.fits import schedule_fit
+    from zdsl.planner.machine_fit import render_fit
+    from zdsl.planner.machine_fit import schedule_fit
     from zdsl.planner.report import build_plan
     from zdsl.planner.report import render_plan
     plan = build_plan(compiled.graph, compiled.schedule, compiled.sim)

@@ -80,7 +80,7 @@ from zdsl.schedule import MACHINE_OPTIONS
 from zdsl.schedule import MachineProfile
 
 from zdsl.lang.sizes import human_bytes
-from zdsl.planner.fit import fit_overhead
+from zdsl.planner.calibration_fit import fit_overhead
 from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, CalibrationError, Settings,
                                             measure_collectives, measure_compute, measure_copy, measure_disk,
                                             measure_optimizer)

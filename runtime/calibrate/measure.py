@@ -8,7 +8,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from zdsl.planner.fit import fit_latency_bandwidth
+from zdsl.planner.calibration_fit import fit_latency_bandwidth
 
 
 MiB = 1 << 20

@@ -1,5 +1,5 @@
 """The reference step of ``zdsl calibrate``: a tiny ZeRO-3 GPT trained through the real executor,
-whose measured op times the planner's overhead fits (zdsl/planner/fit.py) invert."""
+whose measured op times the planner's overhead fits (zdsl/planner/calibration_fit.py) invert."""
 from __future__ import annotations
 
 import functools
@@ -7,7 +7,7 @@ import os
 import statistics
 import tempfile
 
-from zdsl.planner.fit import comm_intervals, comm_ops, comm_under_compute, lane_ops
+from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_compute, lane_ops
 from zdsl.runtime.calibrate.measure import CalibrationError, Settings
 
 

@@ -1,6 +1,6 @@
 """What `zdsl run` refuses before any rank starts, and what `zdsl plan` says about this machine.
 
-The decision (zdsl/planner/fits.py) is tested on a fake machine; the CLI is tested with a fake
+The decision (zdsl/planner/machine_fit.py) is tested on a fake machine; the CLI is tested with a fake
 torch floor in a private cache (ZDSL_CACHE), so no assertion depends on this host's measured size.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import zdsl
 
-from zdsl.planner.fits import (Machine, Needs, TorchFloor, free_bytes, judge, most_ranks, needs_of,
+from zdsl.planner.machine_fit import (Machine, Needs, TorchFloor, free_bytes, judge, most_ranks, needs_of,
                                schedule_fit)
 
 pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from zdsl.planner.fit import MIN_UNDER_LOAD, fit_latency_bandwidth, fit_overhead
+from zdsl.planner.calibration_fit import MIN_UNDER_LOAD, fit_latency_bandwidth, fit_overhead
 from zdsl.runtime.calibrate.cli import ZS_KEYS, Calibration, main
 from zdsl.runtime.calibrate.reference import reference_graph
 from zdsl.schedule import MachineProfile
@@ -125,7 +125,7 @@ def test_the_fit_recovers_lane_kernel_and_collective_costs(op_cost, comm_cost, k
     import dataclasses
     from zdsl.planner.simulate import rated_duration
     from zdsl.planner.simulate import simulate
-    from zdsl.planner.fit import lane_ops
+    from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=cores)
     graph = reference_graph(2, "cpu").graph
@@ -143,8 +143,8 @@ def test_the_fit_recovers_lane_kernel_and_collective_costs(op_cost, comm_cost, k
 def test_the_lane_cost_line_stands_noise():
     """Each lane op 10% off its fixed costs either way: the costs come back within 10%."""
     from zdsl.planner.simulate import rated_duration
-    from zdsl.planner.fit import lane_costs
-    from zdsl.planner.fit import lane_ops
+    from zdsl.planner.calibration_fit import lane_costs
+    from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
     graph = reference_graph(2, "cpu").graph
     noise = [0.9, 1.1, 1.0]
@@ -156,8 +156,8 @@ def test_the_lane_cost_line_stands_noise():
 
 def test_the_lane_cost_line_never_starts_below_zero():
     from zdsl.planner.simulate import rated_duration
-    from zdsl.planner.fit import lane_costs
-    from zdsl.planner.fit import lane_ops
+    from zdsl.planner.calibration_fit import lane_costs
+    from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
     graph = reference_graph(2, "cpu").graph
     # ops with no kernels took no more than their rates; the others 10 us a kernel, less 50 us
@@ -169,7 +169,7 @@ def test_the_lane_cost_line_never_starts_below_zero():
 
 def test_lane_ops_faster_than_their_rate_give_no_negative_cost():
     from zdsl.planner.simulate import rated_duration
-    from zdsl.planner.fit import lane_ops
+    from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
     graph = reference_graph(2, "cpu").graph
     measured = {i: rated_duration(graph, graph.ops[i], profile) / 2 for i in lane_ops(graph)}
@@ -199,8 +199,8 @@ def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took
     import dataclasses
     from zdsl.planner.simulate import rated_duration
     from zdsl.planner.simulate import simulate
-    from zdsl.planner.fit import comm_ops
-    from zdsl.planner.fit import lane_ops
+    from zdsl.planner.calibration_fit import comm_ops
+    from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=1)
     graph = reference_graph(2, "cpu").graph
@@ -225,7 +225,7 @@ def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took
 def test_a_collectives_service_time_starts_when_the_one_before_it_on_its_lane_ends():
     from types import SimpleNamespace as NS
 
-    from zdsl.planner.fit import comm_intervals
+    from zdsl.planner.calibration_fit import comm_intervals
     graph = NS(ops=[NS(kind="comm.all_gather", lane="comm"), NS(kind="compute.forward", lane="compute"),
                     NS(kind="comm.reduce_scatter", lane="comm"), NS(kind="comm.all_gather", lane="comm")])
     # issued together at 1.0: the second queues behind the first; the third issued after both ended
@@ -237,7 +237,7 @@ def test_a_collectives_service_time_starts_when_the_one_before_it_on_its_lane_en
 def test_with_two_backend_threads_a_collective_waits_only_for_one_of_them():
     from types import SimpleNamespace as NS
 
-    from zdsl.planner.fit import comm_intervals
+    from zdsl.planner.calibration_fit import comm_intervals
     graph = NS(ops=[NS(kind="comm.all_gather", lane="comm")] * 4)
     # issued together at 1.0: the first two start at once; the third when the second's thread is
     # free (2.0), the fourth when the third's is (2.5: the first holds the other until 4.0)
@@ -249,9 +249,9 @@ def test_with_two_backend_threads_a_collective_waits_only_for_one_of_them():
 def test_the_time_compute_ran_beside_a_collective_is_counted_once_and_only_inside_its_service():
     from types import SimpleNamespace as NS
 
-    from zdsl.planner.fit import comm_intervals
+    from zdsl.planner.calibration_fit import comm_intervals
 
-    from zdsl.planner.fit import comm_under_compute
+    from zdsl.planner.calibration_fit import comm_under_compute
     graph = NS(ops=[NS(kind="comm.all_gather", lane="comm"), NS(kind="compute.forward", lane="compute"),
                     NS(kind="compute.step", lane="host"), NS(kind="comm.all_gather", lane="comm"),
                     NS(kind="copy.h2d", lane="h2d")])
@@ -267,8 +267,8 @@ def test_a_scatter_extra_that_alone_overshoots_the_step_is_fitted_to_it():
     import dataclasses
     from zdsl.planner.simulate import rated_duration
     from zdsl.planner.simulate import simulate
-    from zdsl.planner.fit import comm_ops
-    from zdsl.planner.fit import lane_ops
+    from zdsl.planner.calibration_fit import comm_ops
+    from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              memory_bandwidth=1.4e10, cores=1)
     graph = reference_graph(2, "cpu").graph
@@ -288,8 +288,8 @@ def test_a_collectives_rate_under_load_is_fitted_from_the_time_compute_ran_besid
     import dataclasses
     from zdsl.planner.simulate import rated_duration
     from zdsl.planner.simulate import simulate
-    from zdsl.planner.fit import comm_ops
-    from zdsl.planner.fit import lane_ops
+    from zdsl.planner.calibration_fit import comm_ops
+    from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              memory_bandwidth=1.4e10, cores=1)
     graph = reference_graph(2, "cpu").graph
@@ -310,8 +310,8 @@ def test_a_collectives_rate_under_load_is_fitted_from_the_time_compute_ran_besid
 
 def test_collectives_slower_than_waiting_out_the_compute_floor_the_rate():
     from zdsl.planner.simulate import rated_duration
-    from zdsl.planner.fit import comm_ops
-    from zdsl.planner.fit import rate_under_load
+    from zdsl.planner.calibration_fit import comm_ops
+    from zdsl.planner.calibration_fit import rate_under_load
     profile = MachineProfile(link_bandwidth=1.3e9, link_latency=3.5e-4, cores=1)
     graph = reference_graph(2, "cpu").graph
     loaded = {i: 1e-4 * (k % 5) for k, i in enumerate(comm_ops(graph))}
