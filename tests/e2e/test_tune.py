@@ -22,7 +22,7 @@ from zdsl.tune.search import predict
 
 from zdsl.tune.search import split_values
 
-from zdsl.tune.search import write_schedule_text
+from zdsl.tune.write import write_schedule_text
 
 pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
 

@@ -7,27 +7,23 @@ for real (short ``zdsl run`` subprocesses, exactly as a user would run them)
 and the winner is the fastest *measured* one. The table shows both, so the
 user also sees how far the cost model is off on this machine.
 
-The winning schedule is written as a new .zs file that re-checks to the
-winner's task graph (``zdsl.tune.search.write_schedule_text``).
-
-This module imports no torch: every measurement is a subprocess.
+This module turns arguments into calls: the candidates and their ranking
+(``zdsl.tune.search``), the measured runs (``zdsl.tune.measure``), the table
+(``zdsl.tune.table``) and the winner written as a new .zs file that re-checks
+to its task graph (``zdsl.tune.write``). No torch is imported: every
+measurement is a subprocess.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from zdsl.ir import TIERS
-from zdsl.lang.sizes import human_bytes
-from zdsl.tune.search import (Candidate, TuneUsageError, combinations, parse_vary, predict, ranked,
-                       validate_values, write_schedule_text)
+from zdsl.tune.measure import measure
+from zdsl.tune.search import TuneUsageError, combinations, parse_vary, predict, ranked, validate_values
+from zdsl.tune.table import print_table
+from zdsl.tune.write import write_schedule_text
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
@@ -142,121 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"winner: {winner.label} ({how_measured}); wrote {out}"
           f"{' (checked schedule printed: comments not kept)' if how == 'printed' else ''}")
     return EXIT_OK
-
-
-# -- measuring ----------------------------------------------------------------------
-
-def measure(path: str, cand: Candidate, steps: int, timeout_s: float) -> None:
-    """One short real run: median step time (first step excluded) and peak bytes per tier."""
-    with tempfile.TemporaryDirectory(prefix="zdsl-tune-") as tmp:
-        metrics = os.path.join(tmp, "metrics.jsonl")
-        cmd = [sys.executable, "-m", "zdsl.cli", "run", path]
-        for k, v in cand.overrides.items():
-            cmd += ["--set", f"{k}={v}"]
-        cmd += ["--set", f"steps={steps}", "--metrics", metrics, "--quiet"]
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-        except subprocess.TimeoutExpired:
-            cand.failed = f"run took longer than {timeout_s:.0f} s"
-            return
-        rows = read_metrics(metrics)
-        if proc.returncode != 0 or not rows:
-            lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
-            cand.failed = (lines[-1] if lines else f"exit status {proc.returncode}")[:200]
-            return
-    apply_metrics(cand, rows)
-
-
-def read_metrics(path: str) -> list[dict]:
-    rows = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if isinstance(row, dict) and "step_s" in row:
-                        rows.append(row)
-    except OSError:
-        return []
-    return rows
-
-
-def apply_metrics(cand: Candidate, rows: list[dict]) -> None:
-    times = [float(r["step_s"]) for r in rows]
-    cand.measured_steps = times
-    timed = times[1:] if len(times) > 1 else times
-    cand.measured_s = statistics.median(timed)
-    peak: dict[str, int] = {}
-    for r in rows:
-        for per_tier in (r.get("peak_bytes") or {}).values():
-            for tier, b in (per_tier or {}).items():
-                peak[tier] = max(peak.get(tier, 0), int(b))
-    cand.measured_peak = {t: b for t, b in peak.items() if b}
-
-
-# -- the table ------------------------------------------------------------------------
-
-def _ms(s: float | None) -> str:
-    return "-" if s is None else f"{s * 1e3:.2f} ms"
-
-
-def _bytes(n: int | None) -> str:
-    return human_bytes(n) if n else "-"
-
-
-def verdict(cand: Candidate, winner: Candidate | None, rank: int | None) -> str:
-    if cand.rejected:
-        return f"rejected: {cand.rejected}"
-    if cand.failed:
-        return f"run failed: {cand.failed}"
-    if cand is winner:
-        return "best" + (" (measured)" if cand.measured_s is not None else " (predicted; not measured)")
-    if cand.measured_s is not None:
-        return f"slower by {cand.measured_s / winner.measured_s - 1:.0%}" if winner and winner.measured_s \
-            else "measured"
-    return f"not measured (predicted #{rank})"
-
-
-def print_table(cands: list[Candidate], winner: Candidate | None, args) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
-    order = {id(c): i for i, c in enumerate(ranked(cands), 1)}
-    tiers = [t for t in TIERS if any(c.predicted_peak.get(t) or c.measured_peak.get(t) for c in cands)] \
-        or ["device"]
-    table = Table(title=f"zdsl tune {args.file}: {len(cands)} combination(s), "
-                        f"best {min(args.measure, len(order))} measured over {args.steps} steps",
-                  title_justify="left")
-    table.add_column("#", justify="right")
-    table.add_column("combination")
-    table.add_column("predicted", justify="right")
-    table.add_column("measured", justify="right")
-    table.add_column("meas/pred", justify="right")
-    for t in tiers:
-        table.add_column(f"peak {t}", justify="right")
-    table.add_column("verdict", overflow="fold")
-    for cand in sorted(cands, key=lambda c: (order.get(id(c), 10 ** 9), cands.index(c))):
-        rank = order.get(id(cand))
-        ratio = f"{cand.measured_s / cand.predicted_s:.2f}" \
-            if cand.measured_s is not None and cand.predicted_s else "-"
-        peaks = []
-        for t in tiers:
-            if cand.measured_peak.get(t):
-                peaks.append(_bytes(cand.measured_peak[t]))
-            elif cand.predicted_peak.get(t):
-                peaks.append(_bytes(cand.predicted_peak[t]) + " (plan)")
-            else:
-                peaks.append("-")
-        style = "bold green" if cand is winner else ("dim" if cand.rejected else None)
-        table.add_row(str(rank) if rank else "-", cand.label, _ms(cand.predicted_s), _ms(cand.measured_s),
-                      ratio, *peaks, verdict(cand, winner, rank), style=style)
-    console.print(table)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,12 @@
-"""``zdsl tune``, the planner's half: parse ``--vary``, rank every combination by prediction.
+"""``zdsl tune``'s search: the candidates ``--vary`` names, ranked by the planner.
 
 Tuning is a search over a few policy values (``prefetch``, ``bucket``,
 ``overlap``, ...). Every combination is compiled exactly as ``zdsl plan FILE
 --set k=v ...`` would compile it, so the verifier judges it first: a
 combination over a memory budget (or otherwise invalid) is *rejected with
 the verifier's reason* and never run. The rest are ranked by predicted step
-time; the runtime's half (``zdsl.tune.cli``) measures the best few with
-short real runs and writes the winner.
-
-Also here, because it needs no torch: turning the winning overrides into a
-new .zs file that re-checks to the same task graph (:func:`write_schedule_text`).
+time; ``zdsl.tune.measure`` then runs the best few and ``zdsl.tune.write``
+writes the winner.
 
 No torch is imported by this module (the front end's rule).
 """
@@ -17,11 +14,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from zdsl.lang.errors import UsageError
 from zdsl.ir import TIERS
-
 
 
 class TuneUsageError(ValueError):
@@ -192,154 +187,3 @@ def ranked(cands: list[Candidate]) -> list[Candidate]:
     """Accepted candidates, fastest predicted first (ties: less peak memory, then the order given)."""
     ok = [c for c in cands if c.rejected is None]
     return sorted(ok, key=lambda c: (round(c.predicted_s, 9), sum(c.predicted_peak.values())))
-
-
-# -- writing the winner -----------------------------------------------------------
-
-WHOLE_STATEMENT_KEYS = ("ranks", "zero", "shard", "prefetch", "bucket", "overlap", "recompute",
-                        "persist", "model", "data", "optimizer", "machine", "checkpoint")
-
-
-def write_schedule_text(path: str, overrides: dict[str, str], out_path: str, note: str = "",
-                        units_for=None) -> tuple[str, str]:
-    """.zs text for ``path`` with ``overrides`` applied, to be written at ``out_path``.
-
-    Two ways, the first whose output re-checks to the same task graph as
-    ``zdsl plan path --set ...`` wins:
-
-    1. **edit the text**: each overridden statement's line is replaced (comments and
-       layout elsewhere kept; the old line stays as a comment); keys that are not a
-       whole statement, or statements that live in an included file, skip to 2.
-    2. **print the checked schedule** (``zdsl.lang.printer``): always valid, loses comments.
-
-    Paths relative to the schedule (includes) are rewritten for ``out_path``'s folder.
-    Returns (text, how); raises ValueError when neither way reproduces the graph.
-    """
-    from zdsl.driver import compile_file
-    from zdsl.driver import memo_units_for
-    units_for = units_for or memo_units_for()
-    target = compile_file(path, overrides, units_for, simulate=False)
-    if not target.ok or target.graph is None:
-        raise ValueError(f"the combination does not compile: {_first_error(target)}")
-    want = graph_key(target.graph)
-    needed = dict(overrides)
-    for key in list(needed):                 # a value the file already has changes nothing: leave its line
-        rest = {k: v for k, v in needed.items() if k != key}
-        same = compile_file(path, rest, units_for, simulate=False)
-        if same.ok and same.graph is not None and graph_key(same.graph) == want:
-            needed = rest
-    overrides = needed
-    header = f"# written by `zdsl tune` from {path}{': ' + note if note else ''}\n"
-    tries = []
-    edited = _edited_text(path, overrides, out_path)
-    if edited is not None:
-        tries.append(("edited", header + edited))
-    tries.append(("printed", header + _printed_text(target, out_path)))
-    problems = []
-    for how, text in tries:
-        got = _compile_text(text, out_path, units_for)
-        if got is not None and got.ok and got.graph is not None and graph_key(got.graph) == want:
-            return text, how
-        problems.append(f"{how}: " + (_first_error(got) if got is not None and not got.ok
-                                      else "compiles to a different task graph"))
-    raise ValueError("cannot write a schedule that reproduces the winner (" + "; ".join(problems) + ")")
-
-
-def graph_key(graph) -> str:
-    """The graph's digest without source positions (the schedule's file name in the config,
-    each op's span): the same schedule written elsewhere compiles to the same key."""
-    import hashlib
-    import json
-    raw = json.loads(graph.to_json())
-    (raw.get("config") or {}).pop("file", None)
-    for op in raw.get("ops", []):
-        op.pop("span", None)
-    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
-
-
-def _first_error(compiled) -> str:
-    d = next((d for d in compiled.diagnostics if d.is_error), None)
-    return d.message if d else "unknown problem"
-
-
-def _compile_text(text: str, out_path: str, units_for):
-    """Compile text as if it were the file at out_path (written to a temp file beside it)."""
-    import os
-    import tempfile
-    from zdsl.driver import compile_file
-    folder = Path(out_path).resolve().parent
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".zs", prefix=".tune-", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        return compile_file(tmp, {}, units_for, simulate=False)
-    finally:
-        os.unlink(tmp)
-
-
-def _relocated(rel: str, src: str, out_path: str) -> str:
-    """A path written relative to ``src``'s folder, as seen from ``out_path``'s folder."""
-    import os
-    p = Path(rel)
-    if p.is_absolute():
-        return rel
-    absolute = (Path(src).resolve().parent / p).resolve()
-    return os.path.relpath(absolute, Path(out_path).resolve().parent)
-
-
-def _edited_text(path: str, overrides: dict[str, str], out_path: str) -> str | None:
-    from zdsl.lang import ast
-    from zdsl.lang.errors import ZsError
-    from zdsl.lang.overrides import _statement_text
-    from zdsl.lang.parse import parse_file
-    from zdsl.lang.printer import string_text
-    try:
-        program = parse_file(path)
-        source = Path(path).read_text(encoding="utf-8-sig")
-    except (ZsError, OSError, UnicodeDecodeError):
-        return None
-    lines = source.splitlines()
-    appended: list[str] = []
-    for key, value in overrides.items():
-        if key not in WHOLE_STATEMENT_KEYS and not (key.startswith("offload.") and key.count(".") == 1):
-            return None
-        try:
-            text = _statement_text(key, value)
-        except UsageError:
-            return None
-        if key == "ranks" and " on " not in value:
-            return None                     # keeps the file's device: let the printer say it
-        keywords = {"zero", "shard"} if key in ("zero", "shard") else {key.split(".")[0]}
-        hits = [s for s in program.statements if s.keyword in keywords and s.span.file == program.file]
-        if key.startswith("offload."):
-            state = key.split(".")[1]
-            hits = [s for s in hits if isinstance(s, ast.OffloadStmt) and s.state.value == state]
-        if len(hits) > 1:
-            return None
-        if not hits:
-            appended.append(text)
-            continue
-        i = hits[0].span.line - 1
-        old = lines[i].split(" #", 1)[0].strip()
-        lines[i] = f"{text}    # tuned by zdsl tune; was: {old}"
-    for stmt in program.statements:           # includes relative to the new folder
-        if isinstance(stmt, ast.IncludeStmt):
-            i = stmt.span.line - 1
-            new = _relocated(stmt.path.value, path, out_path)
-            if new != stmt.path.value:
-                lines[i] = f"include {string_text(new)}"
-    if appended:
-        lines += ["", "# set by zdsl tune"] + appended
-    return "\n".join(lines) + "\n"
-
-
-def _printed_text(compiled, out_path: str) -> str:
-    import copy
-    from zdsl.lang.printer import print_schedule
-    schedule = copy.deepcopy(compiled.schedule)
-    factory = schedule.model.factory
-    if factory and ".py:" in factory:       # "my_model.py:build" is relative to the schedule
-        file, _, fn = factory.rpartition(":")
-        schedule.model.factory = f"{_relocated(file, compiled.path, out_path)}:{fn}"
-    return print_schedule(schedule)

@@ -1,0 +1,65 @@
+"""``zdsl tune``'s table: every candidate, predicted beside measured, and its verdict."""
+from __future__ import annotations
+
+import sys
+
+from zdsl.ir import TIERS
+from zdsl.lang.sizes import human_bytes
+from zdsl.tune.search import Candidate, ranked
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.2f} ms"
+
+
+def _bytes(n: int | None) -> str:
+    return human_bytes(n) if n else "-"
+
+
+def verdict(cand: Candidate, winner: Candidate | None, rank: int | None) -> str:
+    if cand.rejected:
+        return f"rejected: {cand.rejected}"
+    if cand.failed:
+        return f"run failed: {cand.failed}"
+    if cand is winner:
+        return "best" + (" (measured)" if cand.measured_s is not None else " (predicted; not measured)")
+    if cand.measured_s is not None:
+        return f"slower by {cand.measured_s / winner.measured_s - 1:.0%}" if winner and winner.measured_s \
+            else "measured"
+    return f"not measured (predicted #{rank})"
+
+
+def print_table(cands: list[Candidate], winner: Candidate | None, args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    order = {id(c): i for i, c in enumerate(ranked(cands), 1)}
+    tiers = [t for t in TIERS if any(c.predicted_peak.get(t) or c.measured_peak.get(t) for c in cands)] \
+        or ["device"]
+    table = Table(title=f"zdsl tune {args.file}: {len(cands)} combination(s), "
+                        f"best {min(args.measure, len(order))} measured over {args.steps} steps",
+                  title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("combination")
+    table.add_column("predicted", justify="right")
+    table.add_column("measured", justify="right")
+    table.add_column("meas/pred", justify="right")
+    for t in tiers:
+        table.add_column(f"peak {t}", justify="right")
+    table.add_column("verdict", overflow="fold")
+    for cand in sorted(cands, key=lambda c: (order.get(id(c), 10 ** 9), cands.index(c))):
+        rank = order.get(id(cand))
+        ratio = f"{cand.measured_s / cand.predicted_s:.2f}" \
+            if cand.measured_s is not None and cand.predicted_s else "-"
+        peaks = []
+        for t in tiers:
+            if cand.measured_peak.get(t):
+                peaks.append(_bytes(cand.measured_peak[t]))
+            elif cand.predicted_peak.get(t):
+                peaks.append(_bytes(cand.predicted_peak[t]) + " (plan)")
+            else:
+                peaks.append("-")
+        style = "bold green" if cand is winner else ("dim" if cand.rejected else None)
+        table.add_row(str(rank) if rank else "-", cand.label, _ms(cand.predicted_s), _ms(cand.measured_s),
+                      ratio, *peaks, verdict(cand, winner, rank), style=style)
+    console.print(table)
