@@ -8,7 +8,7 @@ owner, and a reduce-scatter as an in-place all-reduce (or one reduce per
 owner) keeping this rank's slice, because gloo's own flat
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are slower for the same
 bytes. This measures every algorithm through the runtime's own functions
-(selected as ``ZDSL_GLOO_ALL_GATHER`` / ``ZDSL_GLOO_REDUCE_SCATTER`` would),
+(selected by setting its ``GLOO_ALL_GATHER`` / ``GLOO_REDUCE_SCATTER``),
 interleaved, median of ``--repeat`` per size, and prints ours / torch's.
 Sizes are of the full (gathered) tensor; 73 MiB is the 19M-parameter GPT of
 ``vs_peers.py`` in fp32, 12 MiB one of its blocks.

@@ -22,8 +22,9 @@ or faster (one message each way; latency-bound) and are used.
 
 Both give the bits the flat collectives give at 2 ranks (a + b == b + a);
 at more ranks the summation order is gloo's and may differ in the last ulp,
-as any two reduction algorithms do. ``ZDSL_GLOO_ALL_GATHER=native`` and
-``ZDSL_GLOO_REDUCE_SCATTER=native`` restore torch's own (for comparison).
+as any two reduction algorithms do. ``benchmarks/collectives.py`` and the
+tests set ``GLOO_ALL_GATHER`` / ``GLOO_REDUCE_SCATTER`` to ``"native"`` to
+compare with torch's own.
 
 ``reduce_scatter`` may overwrite its input: the runtime only reduce-scatters
 gradients it is done with (the lowering never reads them again before the
@@ -35,7 +36,6 @@ all-reduce as above; it is logged once and counted in ``FALLBACKS``.
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
@@ -44,41 +44,21 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-ALL_GATHER_ALGORITHMS = ("broadcast", "native")
-REDUCE_SCATTER_ALGORITHMS = ("all_reduce", "reduce", "native")
-
-
-def _read_settings() -> tuple[str, str, int, list[str]]:
-    """The ZDSL_GLOO_* variables (defaults where one is unset or bad), and what was bad."""
-    bad = []
-    gather = os.environ.get("ZDSL_GLOO_ALL_GATHER", "broadcast")
-    if gather not in ALL_GATHER_ALGORITHMS:
-        bad.append(f"ZDSL_GLOO_ALL_GATHER={gather!r}: use one of {', '.join(ALL_GATHER_ALGORITHMS)}")
-        gather = "broadcast"
-    scatter = os.environ.get("ZDSL_GLOO_REDUCE_SCATTER", "all_reduce")
-    if scatter not in REDUCE_SCATTER_ALGORITHMS:
-        bad.append(f"ZDSL_GLOO_REDUCE_SCATTER={scatter!r}: use one of {', '.join(REDUCE_SCATTER_ALGORITHMS)}")
-        scatter = "all_reduce"
-    text = os.environ.get("ZDSL_GLOO_NATIVE_BELOW", str(1 << 20))
-    try:
-        below = int(text)
-    except ValueError:
-        bad.append(f"ZDSL_GLOO_NATIVE_BELOW={text!r}: a whole number of bytes")
-        below = 1 << 20
-    return gather, scatter, below, bad
-
-
-# Importing never fails on a bad variable; a run checks them first (check_settings).
-GLOO_ALL_GATHER, GLOO_REDUCE_SCATTER, GLOO_NATIVE_BELOW, SETTING_ERRORS = _read_settings()
+# What gloo runs: the measured winners. Benchmarks and tests set the others to compare them
+# (all-gather: broadcast or native; reduce-scatter: all_reduce, reduce or native).
+GLOO_ALL_GATHER = "broadcast"
+GLOO_REDUCE_SCATTER = "all_reduce"
+GLOO_NATIVE_BELOW = 1 << 20          # bytes of full tensor
 
 
 def check_settings() -> None:
-    """Raise ValueError naming every bad ZDSL_GLOO_* variable (called before a run or a calibration),
-    the event-loop policy (runtime/dist/affinity.py) included."""
+    """Raise ValueError naming a bad ZDSL_GLOO_LOOP_POLICY (runtime/dist/affinity.py), the one
+    variable the collectives read: called before a run or a calibration joins its group, since
+    importing never fails on it."""
     from zdsl.runtime.dist.affinity import loop_policy_error
-    errors = SETTING_ERRORS + [e for e in (loop_policy_error(),) if e]
-    if errors:
-        raise ValueError("; ".join(errors))
+    error = loop_policy_error()
+    if error:
+        raise ValueError(error)
 
 # Collectives the backend lacked, served by a fallback: name -> times used.
 FALLBACKS: dict[str, int] = {}

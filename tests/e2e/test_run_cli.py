@@ -91,9 +91,9 @@ def test_a_bad_schedule_is_rejected_before_launch(tmp_path):
 
 
 def test_a_bad_collectives_variable_is_a_clear_error_not_a_bug():
-    proc, _ = zdsl("run", QUICK, "--quiet", "--set", "steps=1", env={"ZDSL_GLOO_ALL_GATHER": "ring"})
+    proc, _ = zdsl("run", QUICK, "--quiet", "--set", "steps=1", env={"ZDSL_GLOO_LOOP_POLICY": "fast"})
     assert proc.returncode != 0
-    assert "ZDSL_GLOO_ALL_GATHER='ring': use one of broadcast, native" in proc.stderr
+    assert "ZDSL_GLOO_LOOP_POLICY='fast': use one of batch, idle, normal" in proc.stderr
     assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
 
 
