@@ -45,7 +45,6 @@ fast as the reference, far slower than the kernel) and says so in the log.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -200,8 +199,6 @@ def _replica_matches_mkl(lib: ctypes.CDLL, mkl: int) -> bool:
 
 
 def _load_kernel() -> _Kernel | None:
-    if os.environ.get("ZDSL_HOST_ADAM", "") == "aten":
-        return None
     # With OpenMP where the compiler has it (threads in C, no Python hand-off), else without.
     source = native.csrc("host_adam.c")
     lib = native.build("host_adam_omp", source, ("-fopenmp",)) or native.build("host_adam", source)

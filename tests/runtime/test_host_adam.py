@@ -105,11 +105,10 @@ def test_aten_tiled_fallback_is_exact(monkeypatch):
 
 def test_kernel_is_used_where_a_compiler_exists():
     # Not a correctness condition (the fallback is exact), but a silent fallback would cost 5x.
-    import os
-
+    from zdsl import env
     from zdsl.runtime.io import native
 
-    if os.environ.get("ZDSL_NO_NATIVE") or os.environ.get("ZDSL_HOST_ADAM") == "aten":
+    if env.flag("ZDSL_NO_NATIVE"):
         pytest.skip("native kernels switched off by the environment")
     if native.compiler() is None:
         pytest.skip("no C compiler here ($CC, cc, gcc or clang): the exact ATen fallback runs instead")
