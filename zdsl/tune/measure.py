@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 
+from zdsl.env import child_environment
 from zdsl.tune.search import Candidate
 
 
@@ -25,8 +26,8 @@ def measure(path: str, cand: Candidate, steps: int, timeout_s: float) -> None:
         for k, v in cand.overrides.items():
             cmd += ["--set", f"{k}={v}"]
         cmd += ["--set", f"steps={steps}", "--metrics", metrics, "--quiet"]
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        # zdsl run is the launcher here: an outer launcher's rank variables would make it a rank
+        env = child_environment(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         except subprocess.TimeoutExpired:
