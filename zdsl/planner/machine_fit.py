@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from zdsl import env
 from zdsl.ir import TaskGraph
 from zdsl.lang.sizes import human_bytes
 
@@ -76,7 +77,7 @@ def device_in_ram(device: str) -> bool:
         return True
     if device == "cuda":
         return False
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = env.raw("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return True
     try:
