@@ -37,6 +37,7 @@ from zdsl.runtime.checkpoint.stformat import byte_view
 from zdsl.runtime.checkpoint.stformat import dtype_code
 from zdsl.runtime.checkpoint.stformat import torch_dtype
 from zdsl.runtime.checkpoint.stformat import write_new_file
+from zdsl.runtime.checkpoint.writer import renamed_into_place
 
 BUFFER_PREFIX = "buffer."    # a rank file's copy of one of the model's buffers, by its state-dict name
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,7 +106,6 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
 
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
     files = open_files(ckpt, index)
 
     def tensors():
@@ -121,14 +121,10 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
             yield byte_view(files[0].read(key, rec0.tensors[key] if verify else None).to(out_dtype))
 
     try:
-        write_new_file(str(tmp), header, tensors())
-        os.replace(tmp, out_file)
+        with renamed_into_place(out_file) as tmp:
+            write_new_file(str(tmp), header, tensors())
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise CheckpointError(f"{out_file}: write failed: {e.strerror or e}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     finally:
         files.close()
     return [k for k, _, _ in specs]

@@ -16,9 +16,11 @@ filesystem, bounded by ``timeout_s``; a barrier in the caller works too).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -39,14 +41,26 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def renamed_into_place(path: Path) -> Iterator[Path]:
+    """A temporary name beside ``path`` to write; renamed onto ``path`` (atomic on POSIX) when the
+    block succeeds, removed when it fails."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary name, fsync and rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with renamed_into_place(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
     fsync_dir(path.parent)
 
 
@@ -106,18 +120,13 @@ def write_rank_shards(root, step: int, rank: int, ranks: int, shards: dict,
     for stale in step_dir.glob(f".{name}.tmp-*"):
         stale.unlink(missing_ok=True)     # a partial file from a killed attempt (only this rank writes it)
     final = step_dir / name
-    tmp = step_dir / f".{name}.tmp-{os.getpid()}"
     meta = {"format": "pt", "zdsl_step": str(step), "zdsl_rank": str(rank), "zdsl_ranks": str(ranks)}
     try:
-        size, header_crc, entries = write_file(str(tmp), shards, meta)
-        os.replace(tmp, final)
+        with renamed_into_place(final) as tmp:
+            size, header_crc, entries = write_file(str(tmp), shards, meta)
         fsync_dir(step_dir)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise CheckpointError(f"rank {rank}: writing {final} failed: {e.strerror or e}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     record = FileRecord(name, rank, ranks, size, header_crc, entries, tag)
     write_atomic(done, json.dumps(record.to_json()).encode())
     return record
