@@ -88,7 +88,8 @@ def raw(name: str) -> str | None:
 
 def get(name: str) -> str | None:
     """The value; the registered default when unset or empty."""
-    return os.environ.get(name) or variable(name).default
+    default = variable(name).default
+    return os.environ.get(name) or default
 
 
 def flag(name: str) -> bool:
@@ -115,6 +116,13 @@ def child_environment(drop: tuple[str, ...] = (), **values: str) -> dict[str, st
     out = {k: v for k, v in os.environ.items() if k not in drop}
     out.update(values)
     return out
+
+
+def export(**values: str) -> None:
+    """Set registered variables in this process's environment, as a launcher would have (a spawned rank)."""
+    for name in values:
+        variable(name)
+    os.environ.update(values)
 
 
 def render(color: bool = False, width: int | None = None) -> str:
