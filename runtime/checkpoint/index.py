@@ -117,6 +117,28 @@ class UnitMeta:
         return [f"{self.prefix}.{n}" if self.prefix else n for n, _ in self.params]
 
 
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in a file, and the CRC-32 of each of its ``block``-byte blocks."""
+    dtype: str                 # safetensors code, e.g. "F32"
+    shape: tuple[int, ...]
+    begin: int                 # byte offsets inside the data section
+    end: int
+    crc32: tuple[int, ...]     # one checksum per block (of algorithm ``algo``)
+    block: int                 # bytes per checksum block (the writer's stformat.CRC_BLOCK)
+    algo: str = "crc32"
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape), "offsets": [self.begin, self.end],
+                "block": self.block, "algo": self.algo, "crc32": list(self.crc32)}
+
+    @staticmethod
+    def from_json(d: dict) -> "TensorEntry":
+        return TensorEntry(d["dtype"], tuple(int(x) for x in d["shape"]), int(d["offsets"][0]),
+                           int(d["offsets"][1]), tuple(int(c) for c in d["crc32"]), int(d["block"]),
+                           d.get("algo", "crc32"))
+
+
 @dataclass
 class FileRecord:
     """One rank's file as written: size and checksums (the content of its done marker)."""
@@ -125,7 +147,7 @@ class FileRecord:
     ranks: int
     bytes: int
     header_crc32: int
-    tensors: dict          # name -> stformat.TensorEntry
+    tensors: dict          # name -> TensorEntry
     tag: str = ""          # the save's identity, equal on all ranks (guards against stale markers)
 
     def to_json(self) -> dict:
@@ -135,7 +157,6 @@ class FileRecord:
 
     @staticmethod
     def from_json(d: dict) -> "FileRecord":
-        from zdsl.runtime.checkpoint.stformat import TensorEntry
         return FileRecord(d["name"], int(d["rank"]), int(d["ranks"]), int(d["bytes"]),
                           int(d["header_crc32"]), {k: TensorEntry.from_json(v) for k, v in d["tensors"].items()},
                           d.get("tag", ""))

@@ -29,6 +29,7 @@ import torch
 
 from zdsl.runtime.checkpoint.errors import CheckpointError
 from zdsl.runtime.checkpoint.index import PAD_PREFIX
+from zdsl.runtime.checkpoint.index import TensorEntry
 from zdsl.runtime.io import checksum
 from zdsl.runtime.io.aligned import ALIGN
 from zdsl.runtime.io.directio import ZERO_COPY_MIN, FileIOError, Sink, Source, as_bytes
@@ -79,28 +80,6 @@ def torch_dtype(code: str, where: str) -> torch.dtype:
         return TORCH_DTYPES[code]
     except KeyError:
         raise CheckpointError(f"{where}: unknown dtype {code!r}") from None
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor lies in a file, and the CRC-32 of each of its ``block``-byte blocks."""
-    dtype: str                 # safetensors code, e.g. "F32"
-    shape: tuple[int, ...]
-    begin: int                 # byte offsets inside the data section
-    end: int
-    crc32: tuple[int, ...]     # one checksum per block (of algorithm ``algo``)
-    block: int = CRC_BLOCK
-    algo: str = "crc32"
-
-    def to_json(self) -> dict:
-        return {"dtype": self.dtype, "shape": list(self.shape), "offsets": [self.begin, self.end],
-                "block": self.block, "algo": self.algo, "crc32": list(self.crc32)}
-
-    @staticmethod
-    def from_json(d: dict) -> "TensorEntry":
-        return TensorEntry(d["dtype"], tuple(int(x) for x in d["shape"]), int(d["offsets"][0]),
-                           int(d["offsets"][1]), tuple(int(c) for c in d["crc32"]), int(d["block"]),
-                           d.get("algo", "crc32"))
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
