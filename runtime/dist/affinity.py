@@ -83,8 +83,8 @@ def loop_policy_wanted() -> str:
 
 
 def loop_policy_error() -> str | None:
-    """What is wrong with ZDSL_GLOO_LOOP_POLICY, or None (checked with the other ZDSL_GLOO_*
-    variables: ``collectives.check_settings``)."""
+    """What is wrong with ZDSL_GLOO_LOOP_POLICY, or None (checked before a run or a calibration
+    joins its group: ``collectives.check_settings``)."""
     if loop_policy_wanted() not in LOOP_POLICIES:
         return f"ZDSL_GLOO_LOOP_POLICY={loop_policy_wanted()!r}: use one of {', '.join(LOOP_POLICIES)}"
     return None
