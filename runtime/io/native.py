@@ -33,6 +33,7 @@ from pathlib import Path
 import structlog
 
 from zdsl import env
+from zdsl.cache import cache_dir
 
 log = structlog.get_logger("zdsl.runtime.io.native")
 
@@ -40,10 +41,6 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-share
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
-
-
-def cache_dir() -> Path:
-    return Path(env.get("ZDSL_CACHE")).expanduser()
 
 
 def _cpu_key() -> str:

@@ -10,12 +10,13 @@ exist: the fit is only a warning, on rank 0, which also checks the checkpoint fo
 
 The per-process floor of torch is measured once per torch and Python version in a
 subprocess that imports what a rank imports and joins a gloo group of one, and
-cached under ``~/.cache/zdsl`` (``$ZDSL_CACHE``).
+cached under ``~/.cache/zdsl`` (``$ZDSL_CACHE``), where ``zdsl plan`` reads it
+(:func:`zdsl.planner.machine_fit.cached_floor`); ``python -m zdsl.runtime.run.preflight``
+measures it for a plan that finds none.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 import platform
@@ -27,7 +28,11 @@ from pathlib import Path
 from zdsl import env
 from zdsl.planner.machine_fit import Fit
 
+from zdsl.planner.machine_fit import NO_TORCH
 from zdsl.planner.machine_fit import TorchFloor
+from zdsl.planner.machine_fit import cached_floor
+from zdsl.planner.machine_fit import floor_cache
+from zdsl.planner.machine_fit import installed_torch
 
 from zdsl.planner.machine_fit import schedule_fit
 
@@ -58,7 +63,7 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
             print(f"zdsl: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
     if rank is None:
-        code = refuse_unfit(schedule_fit(compiled, overrides), args.ignore_limits)
+        code = refuse_unfit(schedule_fit(compiled, overrides, floor=torch_floor()), args.ignore_limits)
         if code is not None:
             return code
     elif env.get("ZDSL_ERROR_FILE"):
@@ -145,18 +150,15 @@ def checkpoint_folder_unwritable(args, schedule) -> str | None:
 
 def torch_floor(measure: bool = True) -> TorchFloor:
     """Memory each rank holds before its model, from the cache or measured now (a few seconds, once)."""
-    try:
-        version = importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return TorchFloor(0, 0, "not counted: torch is not installed")
+    version = installed_torch()
+    if version is None:
+        return NO_TORCH
     python = platform.python_version()
+    cached = cached_floor(version, python)
+    if cached is not None:
+        return cached
     path = floor_cache(version, python)
     where = f"torch {version}, python {python}"
-    try:
-        cached = json.loads(path.read_text())
-        return TorchFloor(int(cached["private"]), int(cached["shared"]), f"measured for {where} ({path})")
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     if not measure:
         return dataclasses.replace(FLOOR_ESTIMATE, source=f"estimated (not measured yet for {where})")
     try:
@@ -173,12 +175,6 @@ def torch_floor(measure: bool = True) -> TorchFloor:
     return TorchFloor(floor["private"], floor["shared"], f"measured for {where} ({path})")
 
 
-def floor_cache(torch_version: str, python: str) -> Path:
-    from zdsl.runtime.io.native import cache_dir
-    safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in f"{torch_version}-py{python}")
-    return cache_dir() / f"torch-floor-{safe}-{platform.machine()}.json"
-
-
 def measure_floor(timeout_s: float = 300.0) -> dict[str, int]:
     no_rank = env.child_environment(drop=env.LAUNCHER_VARIABLES)      # the measuring process is no rank
     done = subprocess.run([sys.executable, "-c", FLOOR_CODE], capture_output=True, text=True, env=no_rank,
@@ -187,3 +183,13 @@ def measure_floor(timeout_s: float = 300.0) -> dict[str, int]:
         raise subprocess.SubprocessError(f"exit status {done.returncode}: {done.stderr.strip()[-300:]}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
     return {"private": int(out["private"]), "shared": int(out["shared"])}
+
+
+def main() -> None:
+    """Measure (or read back) torch's floor and print it as JSON: how ``zdsl plan``, which never
+    imports the runtime, gets a floor not measured yet (zdsl.planner.machine_fit.floor_from_runtime)."""
+    print(json.dumps(dataclasses.asdict(torch_floor())), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -43,7 +43,7 @@ def schedule_with(tmp_path: Path, source: Path, **replace: str) -> Path:
 @pytest.fixture
 def fake_floor(tmp_path, monkeypatch):
     """A private cache holding a torch floor of HUGE_FLOOR bytes per process (nothing is measured)."""
-    from zdsl.runtime.run.preflight import floor_cache
+    from zdsl.planner.machine_fit import floor_cache
     cache = tmp_path / "cache"
     monkeypatch.setenv("ZDSL_CACHE", str(cache))
     path = floor_cache(importlib.metadata.version("torch"), platform.python_version())

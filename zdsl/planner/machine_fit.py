@@ -7,8 +7,9 @@ what cannot fit; ``zdsl plan`` shows the same comparison.
 
 What a rank needs in RAM: the planner's peak per rank on the host tier (and
 on the device tier where the device is the CPU), plus torch's own floor per
-process (libraries, allocator, gloo's threads: measured once by
-``zdsl.runtime.run.preflight``), whose shared-library pages count once. What the
+process (libraries, allocator, gloo's threads: measured once per torch and Python
+version by ``zdsl.runtime.run.preflight``, which caches it for this module to read),
+whose shared-library pages count once. What the
 machine has: ``MemAvailable``, or less where a cgroup limits this process;
 the cores it may run on (``sched_getaffinity``).
 
@@ -20,17 +21,24 @@ starting its ranks (seconds of CPU each to load torch), takes many times as long
 Swap files of every local rank share their folder's filesystem: their sum must
 fit its free space.
 
-Torch-free: the floor is measured in a subprocess (``zdsl.runtime.run.preflight``).
+Torch-free, and the runtime is never imported: the floor is read from the runtime's cache
+file, or measured by the runtime in a subprocess.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import json
 import os
+import platform
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from zdsl import env
+from zdsl.cache import cache_dir
 from zdsl.ir import TaskGraph
 from zdsl.lang.sizes import human_bytes
 
@@ -251,8 +259,8 @@ def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: Torch
                  machine: Machine | None = None, statvfs: Callable = os.statvfs,
                  local_ranks: int | None = None) -> Fit:
     """The fit of a compiled schedule (``zdsl.driver.Compiled``, with a graph) on this machine, for
-    ``zdsl plan`` and ``zdsl run`` alike. ``floor``: torch's per-process floor, measured (or read
-    from its cache) by the runtime when not given. ``local_ranks``: the ranks on this host, where
+    ``zdsl plan`` and ``zdsl run`` alike. ``floor``: torch's per-process floor, :func:`default_floor`
+    when not given. ``local_ranks``: the ranks on this host, where
     another launcher spreads them over several (then how many would fit is not searched)."""
     from zdsl.driver import compile_file
     from zdsl.planner.simulate import simulate
@@ -273,12 +281,53 @@ def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: Torch
     return judge(needs, machine or Machine.this(), floor or default_floor(), swap_free, ram_at)
 
 
-def default_floor() -> TorchFloor:
+NO_TORCH = TorchFloor(0, 0, "not counted: torch is not installed")
+
+
+def installed_torch() -> str | None:
+    """The installed torch's version (read from its metadata: torch is not imported), None without it."""
     try:
-        from zdsl.runtime.run.preflight import torch_floor    # measures in a subprocess: no torch here
-    except ImportError as exc:
-        return TorchFloor(0, 0, f"not counted: the runtime is not installed ({exc})")
-    return torch_floor()
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def floor_cache(torch_version: str, python: str) -> Path:
+    """The file holding torch's floor measured for this torch and Python (and CPU architecture),
+    written by the runtime (``zdsl.runtime.run.preflight``) and read here."""
+    safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in f"{torch_version}-py{python}")
+    return cache_dir() / f"torch-floor-{safe}-{platform.machine()}.json"
+
+
+def cached_floor(torch_version: str, python: str) -> TorchFloor | None:
+    """torch's floor as the runtime measured and cached it; None where it has not (or the file is unreadable)."""
+    path = floor_cache(torch_version, python)
+    try:
+        cached = json.loads(path.read_text())
+        return TorchFloor(int(cached["private"]), int(cached["shared"]),
+                          f"measured for torch {torch_version}, python {python} ({path})")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def default_floor() -> TorchFloor:
+    """torch's floor where the caller has none (``zdsl plan``): from the runtime's cache; where it was
+    never measured here, measured now by the runtime in a subprocess (a few seconds, once)."""
+    version = installed_torch()
+    if version is None:
+        return NO_TORCH
+    return cached_floor(version, platform.python_version()) or floor_from_runtime()
+
+
+def floor_from_runtime() -> TorchFloor:
+    """``python -m zdsl.runtime.run.preflight``: the runtime measures the floor, caches it and prints it."""
+    done = subprocess.run([sys.executable, "-m", "zdsl.runtime.run.preflight"], capture_output=True, text=True)
+    try:
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        return TorchFloor(int(out["private"]), int(out["shared"]), str(out["source"]))
+    except (IndexError, ValueError, KeyError, TypeError):
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        return TorchFloor(0, 0, f"not counted: the runtime could not measure it ({lines[-1]})")
 
 
 def render_fit(fit: Fit) -> str:

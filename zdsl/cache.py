@@ -1,0 +1,14 @@
+"""The folder where zdsl keeps what it built or measured on this machine: ``$ZDSL_CACHE``.
+
+The runtime writes there (its C kernels, torch's memory floor per process); the
+planner reads the floor back without importing the runtime. Torch-free.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from zdsl import env
+
+
+def cache_dir() -> Path:
+    return Path(env.get("ZDSL_CACHE")).expanduser()
