@@ -6,24 +6,20 @@ The same model (``GPT(..., seed=seed)``), the same batches
 ``clip_grad_norm_``, gradient accumulation with ``no_sync`` and the loss
 divided by ``accumulate``. zdsl must reproduce its parameters (bitwise where
 the reduction order is the same). Also :func:`spawn`, which runs a function
-on N gloo ranks in fresh processes and returns each rank's result, and
-:func:`run_steps`, zdsl's side of the comparisons.
+on N gloo ranks in fresh processes (``runtime/dist/spawn.py``) and returns each
+rank's result, and :func:`run_steps`, zdsl's side of the comparisons.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import tempfile
-import traceback
 
 import torch
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zdsl.runtime.data import make_batch
 from zdsl.runtime.dist.group import init_group, leave_group
-from zdsl.runtime.run.launch import free_port
+from zdsl.runtime.dist.spawn import run_ranks
 from zdsl.runtime.models.gpt import GPT
 from zdsl.runtime.state.optim import make_torch_optimizer
 
@@ -141,37 +137,18 @@ def run_steps(graph, state, schedule, rank: int, world: int) -> list[dict]:
 GROUP_TIMEOUT_S = 300.0   # a collective waiting longer fails the test instead of hanging it
 
 
-def _entry(rank: int, world: int, port: int, fn, args: tuple, outdir: str) -> None:
+def _in_group(rank: int, world: int, fn, args: tuple):
     torch.set_num_threads(1)
-    path = os.path.join(outdir, f"rank{rank}.pt")
     try:
-        init_group(rank, world, torch.device("cpu"), GROUP_TIMEOUT_S, init_method=f"tcp://127.0.0.1:{port}")
-        result = fn(rank, world, *args)
-        torch.save({"ok": result}, path)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, path)
-        raise
+        init_group(rank, world, torch.device("cpu"), GROUP_TIMEOUT_S)   # rendezvous: the spawner's rank variables
+        return fn(rank, world, *args)
     finally:
         leave_group()
 
 
 def spawn(fn, world: int, *args):
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; a list of the results by rank.
+    A rank that fails raises ``RankFailed`` (a RuntimeError) with its traceback.
 
     ``fn`` must be importable (a module-level function)."""
-    with tempfile.TemporaryDirectory() as outdir:
-        try:
-            mp.start_processes(_entry, args=(world, free_port(), fn, args, outdir), nprocs=world,
-                               start_method="spawn", join=True)
-        except Exception:
-            pass   # the rank's own traceback is reported below
-        results = []
-        for rank in range(world):
-            path = os.path.join(outdir, f"rank{rank}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} died without a result")
-            got = torch.load(path, weights_only=False)
-            if "error" in got:
-                raise RuntimeError(f"rank {rank} failed:\n{got['error']}")
-            results.append(got["ok"])
-        return results
+    return run_ranks(_in_group, world, fn, args)

@@ -72,7 +72,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 
 from zdsl.schedule import MACHINE_OPTIONS
@@ -86,7 +85,10 @@ from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, Calibration
                                             measure_optimizer)
 from zdsl.runtime.calibrate.reference import (RUNTIME_BLOCKS, RUNTIME_STEPS, measure_runtime, reference_graph,
                                               reference_times)
-from zdsl.runtime.run.launch import free_port
+from zdsl.runtime.dist.spawn import MASTER_ADDR
+from zdsl.runtime.dist.spawn import LocalRanks
+from zdsl.runtime.dist.spawn import RankFailed
+from zdsl.runtime.dist.spawn import free_port
 
 ZS_KEYS = {field: key for key, field in MACHINE_OPTIONS}   # MachineProfile field -> .zs keyword
 
@@ -144,7 +146,7 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         torch.set_num_threads(threads)
     if world > 1:                         # joined as a run's rank joins (gloo's loop threads calmed)
         from zdsl.runtime.dist.group import init_group
-        init_group(rank, world, device, s.timeout_s, backend=backend, init_method=f"tcp://127.0.0.1:{port}")
+        init_group(rank, world, device, s.timeout_s, backend=backend, init_method=f"tcp://{MASTER_ADDR}:{port}")
     try:
         from zdsl.runtime.dist.collectives import comm_slots
         slots = comm_slots()
@@ -200,25 +202,12 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         leave_group()
 
 
-def _child(rank: int, world: int, port: int, s: Settings, errors) -> None:
-    """A spawned rank (1..world-1). Failures go back to rank 0 in words."""
-    code = 0
-    try:
-        from zdsl.runtime.run.cli import configure_rank_logging
-        configure_rank_logging(rank)      # warnings only, as rank 0's (the swapper logs its opening)
-        _run_rank(rank, world, port, s, _pick_backend(s), lambda step: None)
-    except BaseException as e:  # noqa: BLE001 - reported, then the process exits non-zero
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        errors.put(f"rank {rank} traceback:\n{traceback.format_exc()}")
-        code = 1
-    # As `zdsl run`'s ranks do: leave without interpreter teardown, where torch's C++ statics
-    # (gloo's threads) can abort a rank that measured cleanly ("terminate called without an
-    # active exception", seen once in CI). The queue is flushed first: os._exit skips its feeder.
-    errors.close()
-    errors.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+def _child(rank: int, world: int, port: int, s: Settings) -> None:
+    """A spawned rank (1..world-1); rank 0 gathers its numbers, and a failure is reported to it
+    by the spawner (runtime/dist/spawn.py)."""
+    from zdsl.runtime.run.cli import configure_rank_logging
+    configure_rank_logging(rank)      # warnings only, as rank 0's (the swapper logs its opening)
+    _run_rank(rank, world, port, s, _pick_backend(s), lambda step: None)
 
 
 def _pick_backend(s: Settings) -> str:
@@ -357,8 +346,6 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
     GPT-2 small on CUDA) and the NVMe request size and depth (block, depth).
     ``disk_folder`` should be where NVMe swap files go.
     """
-    import multiprocessing as mp
-
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -374,60 +361,48 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
         raise CalibrationError(f"unknown backend {backend!r}: use gloo, nccl or auto")
     if disk_folder is not None and not os.path.isdir(disk_folder):
         raise CalibrationError(f"disk folder {disk_folder} does not exist")
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    children = [ctx.Process(target=_child, args=(r, ranks, port, s, errors), daemon=True)
-                for r in range(1, ranks)]
     bar = Progress(SpinnerColumn(), TextColumn("calibrating [bold]{task.description}"), BarColumn(),
                    TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=not progress)
     threads_before = None
     cores_before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    port = free_port()
+    children = LocalRanks(_child, ranks, (port, s), first=1, port=port)      # rank 0 measures here
     try:
-        with bar:
-            task = bar.add_task("starting ranks", total=len(STEPS) + 1)
-            for p in children:       # first, so they import torch while this process does
-                p.start()
-            import torch
-            threads_before = torch.get_num_threads()
-            chosen = _pick_backend(s)
-            labels = {"compute": "compute (matmul, GPT block)", "optimizer": "memory (AdamW step)",
-                      "copy": "host-device copies", "collectives": f"collectives ({chosen}, {ranks} ranks)",
-                      "disk": "disk (O_DIRECT)", "runtime": "runtime (a tiny ZeRO-3 step, per-op cost)"}
+        with children:
+            with bar:
+                task = bar.add_task("starting ranks", total=len(STEPS) + 1)
+                import torch             # after the ranks started, so they import torch meanwhile
+                threads_before = torch.get_num_threads()
+                chosen = _pick_backend(s)
+                labels = {"compute": "compute (matmul, GPT block)", "optimizer": "memory (AdamW step)",
+                          "copy": "host-device copies", "collectives": f"collectives ({chosen}, {ranks} ranks)",
+                          "disk": "disk (O_DIRECT)", "runtime": "runtime (a tiny ZeRO-3 step, per-op cost)"}
 
-            def report(step: str) -> None:
-                bar.update(task, description=labels[step], advance=1)
+                def report(step: str) -> None:
+                    bar.update(task, description=labels[step], advance=1)
+                try:
+                    result = _run_rank(0, ranks, port, s, chosen, report)
+                except Exception as e:
+                    cause = _in_words(children.failures())
+                    if isinstance(e, CalibrationError) and not cause:
+                        raise
+                    raise CalibrationError(f"rank 0: {type(e).__name__}: {e}"
+                                           + (f"\n{cause}" if cause else "")) from None
+                bar.update(task, description="done", advance=1)
             try:
-                result = _run_rank(0, ranks, port, s, chosen, report)
-            except Exception as e:
-                cause = _child_errors(errors)
-                if isinstance(e, CalibrationError) and not cause:
-                    raise
-                raise CalibrationError(f"rank 0: {type(e).__name__}: {e}" + (f"\n{cause}" if cause else "")) from None
-            bar.update(task, description="done", advance=1)
-        for p in children:
-            p.join(timeout=s.timeout_s)
-            if p.exitcode not in (0, None):
-                raise CalibrationError(f"a rank failed after measuring:\n{_child_errors(errors)}")
+                children.join(timeout_s=s.timeout_s)
+            except RankFailed as failed:
+                raise CalibrationError(f"a rank failed after measuring:\n{_in_words([failed])}") from None
     finally:
         if threads_before is not None:
             torch.set_num_threads(threads_before)
         _restore_cores(cores_before)
-        for p in children:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
     return _summarise(result["ranks"], s, chosen, ranks)
 
 
-def _child_errors(errors) -> str:
-    lines = []
-    try:
-        while True:
-            lines.append(errors.get(timeout=0.5))
-    except Exception:
-        pass
-    return "\n".join(line for line in lines if "traceback" not in line.split("\n", 1)[0])
+def _in_words(failures: list[RankFailed]) -> str:
+    """The ranks' failures, one line each (their tracebacks stay in the rank)."""
+    return "\n".join(f"rank {f.rank}: {f.error}" if f.error is not None else str(f) for f in failures)
 
 
 def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:

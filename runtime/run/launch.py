@@ -1,4 +1,4 @@
-"""Start one process per rank on this machine and watch them; a rank's half of that contract.
+"""Start one process per rank on this machine and watch them.
 
 ``zdsl run FILE`` (without RANK in the environment) re-runs itself once per
 rank with the variables torchrun would set, and ``ZDSL_ERROR_FILE``: where
@@ -17,55 +17,45 @@ rank hang or outlive it:
 * SIGTERM, SIGHUP or SIGINT to the launcher stops every rank; the launcher
   says so and exits 128 + the signal.
 
-In a rank, :func:`guard_rank` stops the rank cleanly on SIGTERM or SIGHUP
-(torchrun's agent forwards them) and when its launcher is gone, even by
-SIGKILL: whatever the rank's main thread is doing, it is gone a few seconds
-later.
+In a rank, :func:`zdsl.runtime.run.guard.guard_rank` stops the rank cleanly
+on SIGTERM or SIGHUP (torchrun's agent forwards them) and when its launcher
+is gone, even by SIGKILL: whatever the rank's main thread is doing, it is gone
+a few seconds later.
 """
 from __future__ import annotations
 
-import _thread
-import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from zdsl import env
+from zdsl.runtime.dist.spawn import STOP_WAIT_S
+from zdsl.runtime.dist.spawn import describe_exit
+from zdsl.runtime.dist.spawn import free_port
+from zdsl.runtime.dist.spawn import rank_env
 from zdsl.runtime.exec.errors import describe_op
 from zdsl.runtime.run.board import BOARD_SLOTS
 from zdsl.runtime.run.board import ISSUED
 from zdsl.runtime.run.board import LANES
 from zdsl.runtime.run.board import LAST_DONE
-from zdsl.runtime.run.board import LAUNCHER
 from zdsl.runtime.run.board import STEP
 from zdsl.runtime.run.board import STEP_DONE
 from zdsl.runtime.run.board import new_board
-from zdsl.runtime.run.board import rank_board
+from zdsl.runtime.run.guard import STOP_SIGNALS
 
 GRACE_S = 3.0            # after a rank failed: for the others to fail on their own
-STOP_WAIT_S = 4.0        # after SIGTERM to a rank, before SIGKILL
-RANK_DEADLINE_S = 3.0    # a rank told to stop is gone by then, whatever its main thread is doing
 POLL_S = 0.05
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 # What a rank reports when it failed only because another one did (gloo's wording; the last, zdsl's).
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
              "Timed out", "timed out", "Connection refused", "pair closure", "left or stopped answering")
 GLOO_SOURCE = re.compile(r"\[[^\]]*gloo[^\]]*\]\s*")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LauncherStopped(Exception):
@@ -160,10 +150,9 @@ def launch_local(child_argv: list[str], ranks: int, timeout_s: float = 120.0, gr
     try:
         boards = [new_board(errors / f"rank{rank}.progress") for rank in range(ranks)]
         for rank in range(ranks):
-            rank_env = env.child_environment(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
-                                             LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
-                                             MASTER_PORT=str(port), ZDSL_ERROR_FILE=str(errors / f"rank{rank}.err"))
-            procs.append(subprocess.Popen([sys.executable, "-m", "zdsl.cli", *child_argv], env=rank_env))
+            child_env = env.child_environment(**rank_env(rank, ranks, port),
+                                              ZDSL_ERROR_FILE=str(errors / f"rank{rank}.err"))
+            procs.append(subprocess.Popen([sys.executable, "-m", "zdsl.cli", *child_argv], env=child_env))
         watch = Watch(procs, boards, timeout_s)
         codes = watch.run()
         if all(c == 0 for c in codes):
@@ -305,106 +294,3 @@ def root_cause(codes: list[int], messages: dict[int, str], first: int | None) ->
     return first if first is not None else (failed[0] if failed else 0)
 
 
-def describe_exit(rank: int, code: int) -> str:
-    if code < 0:
-        return f"rank {rank} was killed by signal {signal.Signals(-code).name}"
-    return f"rank {rank} exited with status {code}"
-
-
-# ---- in a rank ---------------------------------------------------------------------------------
-
-class Stopped(BaseException):
-    """This rank was told to stop (a signal, or its launcher is gone): no error of its own."""
-
-    def __init__(self, signum: int, why: str):
-        super().__init__(why)
-        self.signum, self.why = signum, why
-
-
-_stop: list[Stopped] = []        # set once, by the lifeline thread
-_parent: list[int] = []          # the launcher's pid, as the rank began
-_said = threading.Lock()
-def guard_rank() -> None:
-    """Stop this rank cleanly on SIGTERM or SIGHUP, or when its launcher is gone.
-
-    Call first thing in the rank's main thread, before any other thread starts:
-    the two signals are blocked in every thread and taken by a lifeline thread
-    (so a main thread blocked in a collective cannot delay them), which raises
-    :class:`Stopped` in the main thread and, if the rank is still there after
-    ``RANK_DEADLINE_S``, ends the process itself. The launcher is the parent
-    process (the zdsl launcher's pid from the board: a launcher gone before this
-    ran is noticed too); under torchrun, its agent.
-    """
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    for s in STOP_SIGNALS:
-        signal.signal(s, _raise_stopped)
-    board = rank_board()
-    _parent.append(board[LAUNCHER] if board is not None else os.getppid())
-    threading.Thread(target=_lifeline, name="zdsl-lifeline", daemon=True).start()
-
-
-def _lifeline() -> None:
-    while True:
-        try:
-            info = signal.sigtimedwait(STOP_SIGNALS, 0.2)
-        except OSError:
-            info = None
-        # CPython returns an uninitialised siginfo when the wait was interrupted (EINTR) as its
-        # time ran out: only one of the signals asked for is one
-        if info is not None and info.si_signo in STOP_SIGNALS:
-            stopped = Stopped(info.si_signo, f"stopped by {signal.Signals(info.si_signo).name}")
-            break
-        stopped = launcher_gone()
-        if stopped is not None:
-            break
-    _stop.append(stopped)
-    _thread.interrupt_main(stopped.signum)       # runs _raise_stopped in the main thread
-    time.sleep(RANK_DEADLINE_S)
-    try:                                         # the main thread did not get out in time
-        report_stop(stopped)
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(128 + stopped.signum)
-
-
-def _raise_stopped(signum, frame):
-    raise _stop[0] if _stop else Stopped(signum, f"stopped by {signal.Signals(signum).name}")
-
-
-def launcher_gone() -> Stopped | None:
-    if _parent and os.getppid() != _parent[0]:
-        return Stopped(signal.SIGTERM, f"stopped: its launcher (pid {_parent[0]}) is gone")
-    return None
-
-
-def stop_requested() -> Stopped | None:
-    """Why this rank was told to stop, if it was (an error raised while stopping is no error; nor is
-    one raised because the launcher is gone, which the lifeline may not have seen yet)."""
-    return _stop[0] if _stop else launcher_gone()
-
-
-def report_stop(stopped: Stopped | KeyboardInterrupt) -> int:
-    """Say once why this rank stopped; returns its exit status. Under the zdsl launcher, which says
-    it for all ranks, only the error file hears it, unless the launcher is gone."""
-    rank = env.raw("RANK") or "?"
-    if isinstance(stopped, KeyboardInterrupt):
-        code, text = 128 + signal.SIGINT, f"rank {rank}: interrupted"
-    else:
-        code, text = 128 + stopped.signum, f"rank {rank}: {stopped.why}"
-    if not _said.acquire(blocking=False):
-        return code
-    error_file = env.get("ZDSL_ERROR_FILE")
-    launcher_gone = isinstance(stopped, Stopped) and "launcher" in stopped.why
-    if error_file and not launcher_gone:
-        try:
-            with open(error_file, "w") as f:
-                f.write(text)
-            return code
-        except OSError:
-            pass
-    try:
-        print(f"zdsl: {text}", file=sys.stderr, flush=True)
-    except OSError:                  # the terminal went with the launcher
-        pass
-    return code
