@@ -37,22 +37,35 @@ def ddp_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumu
     clip = optimizer.get("clip")
     losses = []
     for step in range(steps):
-        step_losses = []
-        for micro in range(accumulate):
-            idx, targets = make_batch(data, seed, step, micro, rank, world, batch)
-            sync = contextlib.nullcontext() if micro == accumulate - 1 else ddp.no_sync()
-            with sync:
-                loss = ddp(idx, targets)
-                (loss / accumulate if accumulate > 1 else loss).backward()
-            step_losses.append(loss.detach())
+        loss = _micro_batches(ddp, data, seed, step, rank, world, batch, accumulate)
         if clip is not None:
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             if norms is not None:
                 norms.append(float(total))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(torch.stack(step_losses).mean()))
+        losses.append(float(loss))
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def _micro_batches(ddp, data, seed: int, step: int, rank: int, world: int, batch: int, accumulate: int,
+                   scale: float | None = None) -> torch.Tensor:
+    """One step's forward and backward over its micro-batches, gradients reduced on the last one
+    only (``no_sync`` before it), the loss divided by ``accumulate`` (and its gradient multiplied
+    by ``scale``, fp16's loss scale); returns the step's mean loss."""
+    losses = []
+    for micro in range(accumulate):
+        idx, targets = make_batch(data, seed, step, micro, rank, world, batch)
+        sync = contextlib.nullcontext() if micro == accumulate - 1 else ddp.no_sync()
+        with sync:
+            loss = ddp(idx, targets)
+            scaled = loss / accumulate if accumulate > 1 else loss
+            if scale is None:
+                scaled.backward()
+            else:
+                scaled.backward(torch.tensor(scale, dtype=scaled.dtype))
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
 
 
 def fp16_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumulate: int, optimizer: dict,
@@ -77,16 +90,7 @@ def fp16_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accum
     clip = optimizer.get("clip")
     clean, out = 0, []
     for step in range(steps):
-        losses = []
-        for micro in range(accumulate):
-            idx, targets = make_batch(data, seed, step, micro, rank, world, batch)
-            sync = contextlib.nullcontext() if micro == accumulate - 1 else ddp.no_sync()
-            with sync:
-                loss = ddp(idx, targets)
-                scaled = loss / accumulate if accumulate > 1 else loss
-                scaled.backward(torch.tensor(scale, dtype=scaled.dtype))
-            losses.append(loss.detach())
-        row = {"loss": float(torch.stack(losses).mean())}
+        row = {"loss": float(_micro_batches(ddp, data, seed, step, rank, world, batch, accumulate, scale))}
         overflow = not all(bool(torch.isfinite(h.grad).all()) for h in halves)
         if overflow:
             scale, clean = max(scale * 0.5, 1.0), 0
