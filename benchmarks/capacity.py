@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zdsl.runtime.run.launch import free_port          # noqa: E402
+from zdsl.runtime.dist.spawn import free_port, rank_env  # noqa: E402
 
 SCHEDULE = ROOT / "programs" / "capacity.zs"
 GIB = 1 << 30
@@ -155,8 +155,7 @@ def main(argv=None) -> int:
 
     if args.dry_run:
         return 0
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), MALLOC_MMAP_THRESHOLD_="65536")
+    env = dict(os.environ, **rank_env(0, 1, free_port()), MALLOC_MMAP_THRESHOLD_="65536")
     cmd = [sys.executable, "-c", "import sys; from zdsl.cli import main; sys.exit(main())", "run",
            str(args.schedule), "--metrics", str(args.out), "--quiet"]
     for s in args.sets:

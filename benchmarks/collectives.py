@@ -25,21 +25,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zdsl.runtime.run.launch import free_port          # noqa: E402
+from zdsl.runtime.dist.spawn import run_ranks          # noqa: E402
 from zdsl.lang.sizes import format_size, parse_size     # noqa: E402
 
 GATHER = ("native", "broadcast")
 SCATTER = ("native", "all_reduce", "reduce")
 
 
-def _rank(rank: int, world: int, port: int, sizes: list[int], repeat: int, queue) -> None:
+def _rank(rank: int, world: int, sizes: list[int], repeat: int) -> list | None:
     import torch
     import torch.distributed as dist
 
     from zdsl.runtime.dist import collectives
     torch.set_num_threads(1)
     collectives.GLOO_NATIVE_BELOW = 0        # every algorithm at every size (the runtime uses native below 1 MiB)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)      # rendezvous: the spawner's MASTER_*
     try:
         rows = []
         for size in sizes:
@@ -70,8 +70,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], repeat: int, queue
             dist.all_gather_object(every, times)
             worst = {k: [max(ts[k][i] for ts in every) for i in range(repeat)] for k in times}
             rows.append((size, {k: statistics.median(v) for k, v in worst.items()}))
-        if rank == 0:
-            queue.put(rows)
+        return rows if rank == 0 else None
     finally:
         dist.destroy_process_group()
 
@@ -82,19 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="1MiB,12MiB,73MiB", help="comma list of full-tensor sizes")
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args(argv)
-    import multiprocessing as mp
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, sizes, args.repeat, queue))
-             for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    rows = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    rows = run_ranks(_rank, args.ranks, sizes, args.repeat)[0]
     print(f"gloo, {args.ranks} ranks on {os.cpu_count()} cores, median of {args.repeat} "
           f"(slowest rank per call), ms")
     head = f"{'size':>8}  " + "".join(f"{'AG ' + a:>14}" for a in GATHER) + \
