@@ -29,8 +29,7 @@ from zdsl.ir import TIERS
 from zdsl.ir import TaskGraph
 from zdsl.planner.memory import working_intervals
 from zdsl.planner.graph_index import CyclicGraphError
-from zdsl.planner.graph_index import predecessors
-from zdsl.planner.graph_index import topological_order
+from zdsl.planner.graph_index import index_graph
 
 
 def tier_weights(graph: TaskGraph) -> dict[str, list[int]]:
@@ -51,12 +50,11 @@ def tier_weights(graph: TaskGraph) -> dict[str, list[int]]:
 
 def requirements(graph: TaskGraph) -> tuple[list[list[int]], list[int]]:
     """Per op position, the ops it requires (deps and its lane's previous op), and a topological order."""
-    deps, lane_prev = predecessors(graph)
-    order = topological_order(deps, lane_prev)
-    if isinstance(order, int):
-        raise CyclicGraphError(order)
-    req = [list(ds) + [p] if p >= 0 else list(ds) for ds, p in zip(deps, lane_prev)]
-    return req, order
+    index = index_graph(graph)
+    if isinstance(index.order, int):
+        raise CyclicGraphError(index.order)
+    req = [list(ds) + [p] if p >= 0 else list(ds) for ds, p in zip(index.deps, index.lane_prev)]
+    return req, index.order
 
 
 def max_closure(weights: list[int], req: list[list[int]], order: list[int] | None = None) -> int:
