@@ -42,6 +42,8 @@ from zdsl.ir import optimizer_bytes_per_param
 from zdsl.ir import parse_buffer_name
 from zdsl.compile.layout import flat_layout
 from zdsl.schedule import Pipeline
+from zdsl.schedule import PHASES
+from zdsl.schedule import STATES
 from zdsl.schedule import PipeStmt
 from zdsl.schedule import Schedule
 from zdsl.compile.units import UnitSpec
@@ -89,7 +91,7 @@ class _Builder:
         self.batch = schedule.train.batch
         bucket_elems = schedule.bucket_bytes // self.elem_bytes if schedule.bucket_bytes else 0
         self.layouts = [flat_layout(u.numel, self.ranks, bucket_elems) for u in units]
-        self.tiers = {state: self._unit_tiers(state) for state in ("parameters", "gradients", "optimizer")}
+        self.tiers = {state: self._unit_tiers(state) for state in STATES}
         self.drafts: list[_Draft] = []
         self.buffers: dict[str, Buffer] = {}
         self.live: set[str] = set()
@@ -568,7 +570,7 @@ class _Builder:
     def apply_overlap_policy(self) -> None:
         verbs = {"comm.all_gather": "gather", "comm.reduce_scatter": "scatter", "comm.all_reduce": "reduce",
                  "nvme.read": "read", "nvme.write": "write", "copy.h2d": "copy", "copy.d2h": "copy"}
-        forbidden = {(verb, phase) for verb in set(verbs.values()) for phase in ("forward", "backward", "step")
+        forbidden = {(verb, phase) for verb in set(verbs.values()) for phase in PHASES
                      if f"{verb}/{phase}" not in self.schedule.overlap}
         if not forbidden:
             return

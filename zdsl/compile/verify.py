@@ -34,7 +34,6 @@ from zdsl.planner.simulate import simulate
 from zdsl.schedule import Schedule
 from zdsl.schedule import Span
 
-TIER_ALIASES = {"cpu": "host", "gpu": "device", "cuda": "device"}
 STATE_WORDS = {"param_full": "gathered parameters", "param_shard": "parameter shards",
                "grad_full": "unreduced gradients", "grad_shard": "gradient shards",
                "optim": "optimizer state", "act": "activations", "act_inner": "recomputed activations",
@@ -49,10 +48,11 @@ class Finding:
     hint: str | None = None
 
 
-VERBS = {"compute.forward": "forward", "compute.backward": "backward", "compute.recompute": "recompute",
-         "compute.norm": "gradient norm", "compute.step": "optimizer step", "comm.all_gather": "all-gather",
-         "comm.reduce_scatter": "reduce-scatter", "comm.all_reduce": "all-reduce", "copy.h2d": "copy to device",
-         "copy.d2h": "copy to host", "nvme.read": "nvme read", "nvme.write": "nvme write", "mem.free": "free"}
+OP_WORDS = {"compute.forward": "forward", "compute.backward": "backward", "compute.recompute": "recompute",
+            "compute.norm": "gradient norm", "compute.step": "optimizer step", "comm.all_gather": "all-gather",
+            "comm.reduce_scatter": "reduce-scatter", "comm.all_reduce": "all-reduce",
+            "copy.h2d": "copy to device", "copy.d2h": "copy to host", "nvme.read": "nvme read",
+            "nvme.write": "nvme write", "mem.free": "free"}
 BUFFER_WORDS = {"param_full": "gathered parameters", "param_shard": "parameter shard",
                 "grad_full": "full gradients", "grad_shard": "gradient shard", "optim": "optimizer state",
                 "act": "activations", "act_inner": "recomputed activations", "act_grad": "activation gradients"}
@@ -62,7 +62,7 @@ def describe(op) -> str:
     """``forward of unit 3 (op 17, lane compute)``: what a user's statement became."""
     unit = "" if op.unit is None else f" of unit {op.unit}"
     micro = f", micro-batch {op.micro}" if op.micro else ""
-    return f"{VERBS.get(op.kind, op.kind)}{unit} (op {op.id}, lane {op.lane}{micro})"
+    return f"{OP_WORDS.get(op.kind, op.kind)}{unit} (op {op.id}, lane {op.lane}{micro})"
 
 
 def plain(name: str) -> str:
@@ -296,11 +296,8 @@ class GraphVerifier:
 
     # -- memory ---------------------------------------------------------------------------
     def check_memory(self, sim: Simulation) -> None:
-        budgets: dict[str, int] = {}
-        for tier, limit in (self.schedule.memory or {}).items():
-            budgets[TIER_ALIASES.get(tier, tier)] = limit
         mem = sim.memory
-        for tier, budget in sorted(budgets.items()):
+        for tier, budget in sorted((self.schedule.memory or {}).items()):   # the checker's tier names
             peak = mem.peak(tier)
             states = mem.states.get(tier, {})
             model = sum(states.values())
@@ -317,7 +314,7 @@ class GraphVerifier:
                           f"this schedule places nothing on {tier}", self.stmt_span(f"memory.{tier}", "memory"))
 
     def budget_of(self, tier: str) -> int:
-        return {TIER_ALIASES.get(t, t): b for t, b in (self.schedule.memory or {}).items()}.get(tier, 0)
+        return (self.schedule.memory or {}).get(tier, 0)
 
     def budget_where(self, tier: str) -> str:
         span = self.stmt_span(f"memory.{tier}", "memory")
