@@ -62,6 +62,10 @@ class OptimizerSpec:
     clip: float | None = None              # max global gradient norm
 
 
+# O_DIRECT moves whole 4 KiB blocks: an nvme block size, a swap file's size, a checkpoint's offsets.
+DIRECT_IO_ALIGN = 4096
+
+
 @dataclass
 class Placement:
     """Where one kind of state lives (``offload STATE -> TIER``)."""

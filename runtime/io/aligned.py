@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-ALIGN = 4096
+from zdsl.schedule import DIRECT_IO_ALIGN as ALIGN
 
 
 def round_up(nbytes: int, align: int = ALIGN) -> int:

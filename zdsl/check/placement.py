@@ -12,6 +12,7 @@ from __future__ import annotations
 from zdsl.lang import ast
 from zdsl.lang.errors import did_you_mean
 from zdsl.schedule import ALL_OVERLAPS
+from zdsl.schedule import DIRECT_IO_ALIGN
 from zdsl.schedule import OVERLAP_VERBS
 from zdsl.schedule import PHASES
 from zdsl.schedule import STATES
@@ -22,7 +23,6 @@ from zdsl.ir import DTYPE_BYTES
 from zdsl.ir import TIERS
 
 OFFLOAD_TIERS = ("cpu", "nvme", "device")
-NVME_ALIGN = 4096
 
 
 class PlacementChecks:
@@ -105,8 +105,8 @@ class PlacementChecks:
                 if value is not None:
                     p.ratio = value
             elif opt == "block":
-                value = self.r.size(arg.value, "block", lo=NVME_ALIGN)
-                if value is not None and value % NVME_ALIGN:
+                value = self.r.size(arg.value, "block", lo=DIRECT_IO_ALIGN)
+                if value is not None and value % DIRECT_IO_ALIGN:
                     self.r.error(arg.value.span, f"block must be a multiple of 4KiB (O_DIRECT), "
                                                  f"not {arg.value.text}", hint="e.g. block=1MiB")
                 elif value is not None:

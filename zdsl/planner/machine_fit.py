@@ -41,9 +41,9 @@ from zdsl import env
 from zdsl.cache import cache_dir
 from zdsl.ir import TaskGraph
 from zdsl.lang.sizes import human_bytes
+from zdsl.schedule import DIRECT_IO_ALIGN as ALIGN      # a swap file is sized in whole 4 KiB blocks
 
 OVERSUBSCRIBE = 8      # ranks per core above which a run is refused (a warning from 1 up to this)
-ALIGN = 4096           # a swap file is sized in whole 4 KiB blocks (O_DIRECT)
 
 
 @dataclass(frozen=True)
