@@ -9,15 +9,9 @@ import time
 from dataclasses import dataclass
 
 from zdsl.planner.calibration_fit import fit_latency_bandwidth
-
+from zdsl.schedule import Placement
 
 MiB = 1 << 20
-
-
-BLOCK = 1 * MiB          # NVMe block, the schedule default
-
-
-DEPTH = 8                # NVMe requests in flight, the schedule default
 
 
 class CalibrationError(RuntimeError):
@@ -37,8 +31,8 @@ class Settings:
     heads: int | None = None
     context: int | None = None
     batch: int | None = None
-    block: int = BLOCK               # NVMe I/O size and requests in flight (the schedule's nvme(...))
-    depth: int = DEPTH
+    block: int = Placement.block_bytes   # NVMe I/O size and requests in flight: the schedule's defaults
+    depth: int = Placement.queue_depth
     timeout_s: float = 60.0
 
     def budget(self, full: float, quick: float) -> float:
