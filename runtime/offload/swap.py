@@ -414,11 +414,15 @@ class Swapper:
 
     # -- per-block work (runs in worker threads) ----------------------------------
 
-    def _write_block(self, t: "_Transfer", index: int) -> None:
-        f = t.file
+    def _block(self, f: _SwapFile, index: int) -> tuple[int, int, int]:
+        """Block ``index`` of ``f``: its offset, its bytes, and those rounded up to whole O_DIRECT blocks."""
         off = index * self.block_bytes
         n = min(self.block_bytes, f.nbytes - off)
-        padded = round_up(n)
+        return off, n, round_up(n)
+
+    def _write_block(self, t: "_Transfer", index: int) -> None:
+        f = t.file
+        off, n, padded = self._block(f, index)
         try:
             if n == padded and t.zero_copy:  # straight from the caller's memory
                 view = t.view[off : off + n]
@@ -457,9 +461,7 @@ class Swapper:
 
     def _read_block(self, t: "_Transfer", index: int) -> None:
         f = t.file
-        off = index * self.block_bytes
-        n = min(self.block_bytes, f.nbytes - off)
-        padded = round_up(n)
+        off, n, padded = self._block(f, index)
         try:
             if n == padded and t.zero_copy:  # straight into the caller's memory
                 view = t.view[off : off + n]
