@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from zdsl.runtime.dist.spawn import free_port
 from zdsl.runtime.run import launch
 from zdsl.runtime.run.board import LANES
 from zdsl.runtime.run.board import STEP_DONE
@@ -177,7 +178,7 @@ def test_sigterm_to_a_rank_under_another_launcher_stops_it_cleanly(tmp_path):
     line; its peer says which rank left, in zdsl's words, not gloo's."""
     metrics = tmp_path / "m.jsonl"
     procs = []
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     for rank in range(2):
         procs.append(subprocess.Popen([sys.executable, "-m", "zdsl.cli", "run", str(QUICK), *LONG, "--quiet",
                                        "--metrics", str(metrics)], env=dict(env, RANK=str(rank)),
