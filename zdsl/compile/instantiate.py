@@ -90,7 +90,7 @@ class _Builder:
         self.elem_bytes = DTYPE_BYTES[self.precision]
         self.batch = schedule.train.batch
         bucket_elems = schedule.bucket_bytes // self.elem_bytes if schedule.bucket_bytes else 0
-        self.layouts = [flat_layout(u.numel, self.ranks, bucket_elems) for u in units]
+        self.layouts = [flat_layout(spec.numel, self.ranks, bucket_elems) for spec in units]
         self.tiers = {state: self._unit_tiers(state) for state in STATES}
         self.drafts: list[_Draft] = []
         self.buffers: dict[str, Buffer] = {}
@@ -100,8 +100,8 @@ class _Builder:
         self.waiting_users: dict[int, set[int]] = {}   # unit -> tied users gathered but not yet computed
         self.clip = schedule.optimizer.clip is not None or self.precision == "fp16"
         self.recompute = set(schedule.recompute)
-        self.persist = {i for i, u in enumerate(units)
-                        if schedule.stage == 3 and schedule.persist_below and u.numel < schedule.persist_below}
+        self.persist = {i for i, spec in enumerate(units)
+                        if schedule.stage == 3 and schedule.persist_below and spec.numel < schedule.persist_below}
 
     # -- placement -------------------------------------------------------------
     def _unit_tiers(self, state: str) -> list[str]:
@@ -661,5 +661,5 @@ def instantiate(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, 
 
 
 def parameter_count(units: list[UnitSpec]) -> int:
-    return sum(u.numel for u in units)
+    return sum(spec.numel for spec in units)
 
