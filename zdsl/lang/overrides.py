@@ -53,7 +53,7 @@ def apply_overrides(statements: list[ast.Stmt], overrides: dict[str, str],
     lines: list[str] = []
     for key, value in overrides.items():
         key, value = str(key).strip(), str(value).strip()
-        text = _statement_text(key, value)
+        text = statement_text(key, value)
         lines.append(text)
         sources[OVERRIDE_FILE] = "\n".join(lines)
         stmt = _parse_one(text, len(lines), key, value)
@@ -65,7 +65,7 @@ def _usage(message: str, hint: str | None = None) -> UsageError:
     return UsageError([error(None, message, hint)])
 
 
-def _statement_text(key: str, value: str) -> str:
+def statement_text(key: str, value: str) -> str:
     """The .zs line an override stands for."""
     if "\n" in value or "\r" in value or "\n" in key:
         raise _usage(f"--set {key}: the value must be on one line")

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zdsl import schedule
 from zdsl.ir import TIERS
 
 from zdsl.ir import TaskGraph
 from zdsl.ir import optimizer_bytes_per_param
 
-STATES = ("parameters", "gradients", "optimizer")
+STATES = tuple(reversed(schedule.STATES))   # the plan's columns: parameters first, as a reader meets them
 
 # What a working buffer is, for the breakdown of the working peak.
 WORKING_KINDS = {"param_full": "gathered_parameters", "act": "activations", "act_inner": "activations",

@@ -76,7 +76,7 @@ def _top_level(text: str, sep: str) -> bool:
 
 def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
     """``["prefetch=1,2,4", "bucket=16MiB,64MiB"]`` -> [(key, values)], keys checked against ``--set``'s."""
-    from zdsl.lang.overrides import _statement_text
+    from zdsl.lang.overrides import statement_text
     out: list[tuple[str, list[str]]] = []
     seen: set[str] = set()
     for item in items:
@@ -92,7 +92,7 @@ def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
         if len(set(values)) != len(values):
             raise TuneUsageError(f"--vary {key}: a value is listed twice in {rest!r}")
         try:
-            _statement_text(key, values[0])          # unknown keys fail here, with the nearest valid key
+            statement_text(key, values[0])          # unknown keys fail here, with the nearest valid key
         except UsageError as exc:
             d = exc.diagnostics[0]
             raise TuneUsageError(d.message.replace("--set", "--vary") +

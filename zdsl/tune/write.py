@@ -106,7 +106,7 @@ def _relocated(rel: str, src: str, out_path: str) -> str:
 def _edited_text(path: str, overrides: dict[str, str], out_path: str) -> str | None:
     from zdsl.lang import ast
     from zdsl.lang.errors import ZsError
-    from zdsl.lang.overrides import _statement_text
+    from zdsl.lang.overrides import statement_text
     from zdsl.lang.parse import parse_file
     from zdsl.lang.printer import string_text
     try:
@@ -120,7 +120,7 @@ def _edited_text(path: str, overrides: dict[str, str], out_path: str) -> str | N
         if key not in WHOLE_STATEMENT_KEYS and not (key.startswith("offload.") and key.count(".") == 1):
             return None
         try:
-            text = _statement_text(key, value)
+            text = statement_text(key, value)
         except UsageError:
             return None
         if key == "ranks" and " on " not in value:
