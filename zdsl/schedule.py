@@ -30,9 +30,10 @@ class Span:
 
 @dataclass
 class ModelSpec:
-    kind: str                              # "gpt" or "user"
-    args: dict = field(default_factory=dict)
+    kind: str                              # "gpt", "user" or "hf"
+    args: dict = field(default_factory=dict)   # gpt: sizes; user: the factory's kwargs; hf: config overrides
     factory: str | None = None             # "path/to/file.py:build" or "pkg.module:build" for kind "user"
+    path: str | None = None                # kind "hf": the model folder (absolute)
 
 
 @dataclass

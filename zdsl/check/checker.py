@@ -32,6 +32,13 @@ from zdsl.lang.parse import parse_text
 from zdsl.lang.parse import read_source
 from zdsl.schedule import (ALL_OVERLAPS, DEVICES, MACHINE_MAY_BE_ZERO, MACHINE_OPTIONS, PRECISIONS,
                        CheckpointSpec, DataSpec, MachineProfile, ModelSpec, OptimizerSpec, Schedule, Span, TrainSpec)
+from zdsl.compile.hf_folder import ATTENTION_CHOICES
+from zdsl.compile.hf_folder import ATTENTION_KEY
+from zdsl.compile.hf_folder import HfModelError
+from zdsl.compile.hf_folder import find_folder
+from zdsl.compile.hf_folder import model_sizes
+from zdsl.compile.hf_folder import read_config
+from zdsl.compile.hf_folder import transformers_installed
 from zdsl.compile.units import GPT_DEFAULTS
 from zdsl.compile.units import UnitSpec
 from zdsl.compile.units import gpt_units
@@ -184,11 +191,16 @@ class Checker(PlacementChecks):
         self.span("model", st.span)
         self._errors_before_model = sum(d.is_error for d in self.r.diagnostics)
         call = st.call
-        if isinstance(call.callee, ast.Name):
+        if isinstance(call.callee, ast.Name) and call.callee.value == "hf":
+            spec = self._hf_model(call)
+            if spec is None:
+                return
+            self.s.model = spec
+        elif isinstance(call.callee, ast.Name):
             if call.callee.value != "gpt":
                 self.r.error(call.callee.span, f"unknown model {call.callee.value!r}",
-                             hint=did_you_mean(call.callee.value, ["gpt"]) or
-                             'built-in: gpt(...); your own: "file.py:build"(...)')
+                             hint=did_you_mean(call.callee.value, ["gpt", "hf"]) or
+                             'built-in: gpt(...); Hugging Face: hf("DIR"); your own: "file.py:build"(...)')
                 return
             self.s.model = ModelSpec("gpt", self._gpt_args(call))
             if sum(d.is_error for d in self.r.diagnostics) > self._errors_before_model:
@@ -227,6 +239,42 @@ class Checker(PlacementChecks):
                          hint=f"e.g. width={args['heads'] * max(1, args['width'] // args['heads'])}")
         return args
 
+    def _hf_model(self, call: ast.Call) -> ModelSpec | None:
+        """``hf("DIR", key=value...)``: a Hugging Face model folder and overrides of its config."""
+        positional = [a for a in call.args if a.key is None]
+        if len(positional) != 1:
+            self.r.error(positional[1].span if positional[1:] else call.span,
+                         "hf(...) takes one model folder, then key=value overrides",
+                         hint='model hf("path/to/model", layers=2)')
+            return None
+        where = positional[0].value
+        name = self.r.string(where, "the model folder")
+        args: dict = {}
+        for arg in call.args:
+            if arg.key is None:
+                continue
+            key = arg.key.value
+            if key in args:
+                self.r.error(arg.key.span, f"{key} is set twice")
+                continue
+            args[key] = self.r.python(arg.value)
+            self.span(f"model.{key}", arg.span)
+            if key == ATTENTION_KEY and args[key] not in ATTENTION_CHOICES:
+                self.r.error(arg.value.span, f"{ATTENTION_KEY} is one of {', '.join(ATTENTION_CHOICES)}")
+        if name is None:
+            return None
+        if not transformers_installed():
+            self.r.error(call.callee.span, "model hf(...) needs transformers, which is not installed",
+                         hint="pip install 'zdsl[hf]'")
+            return None
+        try:   # the overrides are checked against the family's config class when sized
+            folder = find_folder(name, resolve_relative(".", where.span.file))
+            read_config(folder)
+        except HfModelError as exc:
+            self.r.error(where.span, str(exc), hint=exc.hint)
+            return None
+        return ModelSpec("hf", args, path=str(folder))
+
     def _factory(self, callee: ast.Str) -> str | None:
         text = callee.value
         target, sep, func = text.rpartition(":")
@@ -255,6 +303,9 @@ class Checker(PlacementChecks):
             units = (self.units_for or default_units_for)(self.s.model)
         except ZsError:
             raise
+        except HfModelError as exc:    # the runtime checked the config against transformers' class
+            self.r.error(self.s.spans.get(f"model.{exc.key}") or st.call.span, str(exc), hint=exc.hint)
+            return
         except Exception as exc:   # noqa: BLE001 - a user's factory may raise anything
             self.r.error(st.call.callee.span, f"cannot size the model: {type(exc).__name__}: {exc}")
             return
@@ -414,29 +465,39 @@ class Checker(PlacementChecks):
             self.r.error(at, f"with your own model the data must give its {' and '.join(missing)}",
                          hint=f"data {example}")
 
+    def _data_fits(self, ctx: int, vocab: int, call: str) -> None:
+        """The data's context and vocab default to the model's and must fit in them (``call``:
+        the model statement's opening, for the hints)."""
+        data = self.s.data
+        data.args.setdefault("context", ctx)
+        if data.kind == "synthetic":
+            data.args.setdefault("vocab", vocab)
+        at = self.s.spans.get("data.context") or self.s.spans.get("data")
+        if data.args["context"] > ctx:
+            self.r.error(at, f"data context {data.args['context']} is longer than the "
+                             f"model's context {ctx}",
+                         hint=f"model {call}context={data.args['context']}) or a shorter data context")
+        if data.kind == "synthetic" and data.args["vocab"] > vocab:
+            self.r.error(self.s.spans.get("data.vocab") or at,
+                         f"data vocab {data.args['vocab']} is larger than the model's vocab {vocab}")
+        if data.kind == "corpus" and vocab < 256:
+            self.r.error(self.s.spans.get("model.vocab") or self.s.spans.get("model"),
+                         f"corpus data is byte-level (256 tokens) but the model's vocab is {vocab}",
+                         hint=f"model {call}vocab=256)")
+
     def _cross_checks(self, by_key) -> None:
         s = self.s
         if "machine" not in by_key and s.device == "cuda":
             s.machine = MachineProfile(**vars(CUDA_PROFILE))
         model = s.model
         if model.kind == "gpt" and self.units is not None:
-            data = s.data
-            ctx, vocab = model.args.get("context"), model.args.get("vocab")
-            data.args.setdefault("context", ctx)
-            if data.kind == "synthetic":
-                data.args.setdefault("vocab", vocab)
-            at = self.s.spans.get("data.context") or self.s.spans.get("data")
-            if data.args["context"] > ctx:
-                self.r.error(at, f"data context {data.args['context']} is longer than the "
-                                 f"model's context {ctx}",
-                             hint=f"model gpt(context={data.args['context']}) or a shorter data context")
-            if data.kind == "synthetic" and data.args["vocab"] > vocab:
-                self.r.error(self.s.spans.get("data.vocab") or at,
-                             f"data vocab {data.args['vocab']} is larger than the model's vocab {vocab}")
-            if data.kind == "corpus" and vocab < 256:
-                self.r.error(self.s.spans.get("model.vocab") or self.s.spans.get("model"),
-                             f"corpus data is byte-level (256 tokens) but the model's vocab is {vocab}",
-                             hint="model gpt(vocab=256)")
+            self._data_fits(model.args.get("context"), model.args.get("vocab"), "gpt(")
+        if model.kind == "hf" and model.path is not None:
+            sizes = model_sizes(Path(model.path), model.args)
+            if None in sizes.values():
+                self._user_model_data()
+            else:
+                self._data_fits(sizes["context"], sizes["vocab"], 'hf(..., ')
         if model.kind == "user" and "model" in s.spans:
             self._user_model_data()
         if s.persist_below and s.stage < 3 and "persist" in s.spans:

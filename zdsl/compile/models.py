@@ -1,8 +1,9 @@
 """Sizing a schedule's model as the compiler's list of units.
 
-The built-in GPT is sized analytically (no torch). A user's own model can only
-be sized by building it, which needs torch, so that path imports the runtime
-lazily: ``zdsl check``/``zdsl plan`` on built-in models never load torch.
+The built-in GPT is sized analytically (no torch). A user's own model and a
+Hugging Face model (``hf``) can only be sized by building them, which needs
+torch, so that path imports the runtime lazily: ``zdsl check``/``zdsl plan``
+on built-in models never load torch.
 """
 from __future__ import annotations
 
@@ -41,11 +42,11 @@ def units_for(spec: ModelSpec, context: int | None = None) -> list[UnitSpec]:
             raise ModelSizingError(
                 f"gpt(width={args['width']}) must be a multiple of heads={args['heads']}")
         return gpt_units(**args, tokens=context)
-    if spec.kind == "user":
-        try:
-            from zdsl.runtime.models.sizing import units_for_user_model  # torch: only for user models
+    if spec.kind in ("user", "hf"):
+        try:   # torch (and transformers for hf): only for models built to be sized
+            from zdsl.runtime.models.sizing import units_for_user_model
         except ImportError as exc:
             raise ModelSizingError(
-                f"sizing a user model needs the runtime (zdsl.runtime.models.sizing): {exc}") from exc
+                f"sizing this model needs the runtime (zdsl.runtime.models.sizing): {exc}") from exc
         return units_for_user_model(spec, context)
-    raise ModelSizingError(f"unknown model kind {spec.kind!r}; expected gpt or a user factory")
+    raise ModelSizingError(f"unknown model kind {spec.kind!r}; expected gpt, hf or a user factory")

@@ -124,6 +124,8 @@ def _policies(s: Schedule) -> list[str]:
 
 def _model(s: Schedule) -> str:
     m = s.model
+    if m.kind == "hf":      # the folder as the checker resolved it (absolute): valid from any folder
+        return f"hf({', '.join([string_text(m.path or '')] + ([_kwargs(m.args.items())] if m.args else []))})"
     callee = "gpt" if m.kind == "gpt" else string_text(m.factory or "")
     return f"{callee}({_kwargs(m.args.items())})"
 
