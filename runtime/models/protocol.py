@@ -153,6 +153,10 @@ def build_model(model_spec, seed: int = 0, device=None, base_dir=None) -> nn.Mod
         except TypeError as exc:
             raise ModelProtocolError(f"model gpt(...): {exc}") from None
         return model
+    if model_spec.kind == "hf":
+        from zdsl.runtime.models.hf import load     # transformers: only for model hf(...)
+        model = load(model_spec, seed=seed)
+        return model.to(device) if device is not None and torch.empty(0).device.type != "meta" else model
     if model_spec.kind != "user" or not model_spec.factory:
         raise ModelProtocolError(f"model kind {model_spec.kind!r}: expected gpt(...) or \"file.py:build\"(...)")
     where = f'model "{model_spec.factory}"'
