@@ -1,7 +1,8 @@
 """Plain data-parallel training (torch DDP) of the built-in GPT: the reference.
 
 The same model (``GPT(..., seed=seed)``), the same batches
-(``zdsl.runtime.data.make_batch``), the same torch optimizer
+(``zdsl.runtime.data.make_batch`` as a ``Batch``, or a test's own ``make``:
+positions, masks, labels with -100), the same torch optimizer
 (``zdsl.runtime.state.optim.make_torch_optimizer``), clipping with
 ``clip_grad_norm_``, gradient accumulation with ``no_sync`` and the loss
 divided by ``accumulate``. zdsl must reproduce its parameters (bitwise where
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -20,24 +22,31 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zdsl.runtime.data import make_batch
 from zdsl.runtime.dist.group import init_group, leave_group
 from zdsl.runtime.dist.spawn import run_ranks
+from zdsl.runtime.models.batch import Batch
 from zdsl.runtime.models.gpt import GPT
 from zdsl.runtime.state.optim import make_torch_optimizer
 
 
+def default_batch(data, seed: int, step: int, micro: int, rank: int, world: int, batch: int) -> Batch:
+    """The micro-batch ``zdsl run`` trains on: the data source's ``(idx, targets)``."""
+    return Batch.of(*make_batch(data, seed, step, micro, rank, world, batch))
+
+
 def ddp_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumulate: int,
               optimizer: dict, rank: int, world: int, build=None,
-              norms: list | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+              norms: list | None = None, make=default_batch) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train with DDP inside an initialised process group; returns (final fp32 params, losses).
 
     ``build()``: the model instead of ``GPT(**model_kw, seed=seed)`` (a user's model, built
-    from the run's seed). ``norms``: a list that gets each step's ``clip_grad_norm_`` total."""
+    from the run's seed). ``norms``: a list that gets each step's ``clip_grad_norm_`` total.
+    ``make``: each micro-batch, called as :func:`default_batch` (give zdsl's side the same)."""
     model = build() if build is not None else GPT(**model_kw, seed=seed)
     ddp = DDP(model)
     opt = make_torch_optimizer(model.parameters(), optimizer)
     clip = optimizer.get("clip")
     losses = []
     for step in range(steps):
-        loss = _micro_batches(ddp, data, seed, step, rank, world, batch, accumulate)
+        loss = _micro_batches(ddp, data, seed, step, rank, world, batch, accumulate, make=make)
         if clip is not None:
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             if norms is not None:
@@ -49,16 +58,21 @@ def ddp_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumu
 
 
 def _micro_batches(ddp, data, seed: int, step: int, rank: int, world: int, batch: int, accumulate: int,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, make=default_batch) -> torch.Tensor:
     """One step's forward and backward over its micro-batches, gradients reduced on the last one
     only (``no_sync`` before it), the loss divided by ``accumulate`` (and its gradient multiplied
-    by ``scale``, fp16's loss scale); returns the step's mean loss."""
+    by ``scale``, fp16's loss scale); returns the step's mean loss. The model runs as a plain
+    module, through its own ``forward``: ``forward(batch)`` when that takes one argument, else
+    ``forward(input_ids, labels)``."""
+    required = [p for p in inspect.signature(ddp.module.forward).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    batch_form = len(required) == 1
     losses = []
     for micro in range(accumulate):
-        idx, targets = make_batch(data, seed, step, micro, rank, world, batch)
+        b = make(data, seed, step, micro, rank, world, batch)
         sync = contextlib.nullcontext() if micro == accumulate - 1 else ddp.no_sync()
         with sync:
-            loss = ddp(idx, targets)
+            loss = ddp(b) if batch_form else ddp(b.input_ids, b.labels)
             scaled = loss / accumulate if accumulate > 1 else loss
             if scale is None:
                 scaled.backward()
@@ -117,9 +131,10 @@ def fp16_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accum
     return {n: p.detach().clone() for n, p in master.named_parameters()}, out
 
 
-def run_steps(graph, state, schedule, rank: int, world: int) -> list[dict]:
+def run_steps(graph, state, schedule, rank: int, world: int, make=default_batch) -> list[dict]:
     """zdsl's side, as ``zdsl run`` trains: the trio executor (compute in lane worker threads,
-    collectives in flight beside them) over the schedule's steps; each step's ``step_end()``."""
+    collectives in flight beside them) over the schedule's steps; each step's ``step_end()``.
+    ``make``: each micro-batch, as for :func:`ddp_train`."""
     import trio
 
     from zdsl.runtime.exec.executor import Executor
@@ -129,7 +144,7 @@ def run_steps(graph, state, schedule, rank: int, world: int) -> list[dict]:
     async def loop():
         rows = []
         for step in range(t.steps):
-            state.step_begin(step, [make_batch(schedule.data, t.seed, step, m, rank, world, t.batch)
+            state.step_begin(step, [make(schedule.data, t.seed, step, m, rank, world, t.batch)
                                     for m in range(t.accumulate)])
             await executor.run_step()
             rows.append(state.step_end())

@@ -1,39 +1,14 @@
 """The built-in GPT (nanoGPT class), split into units.
 
-Unit protocol (what zdsl needs of any model, built-in or a user's own)
------------------------------------------------------------------------
-A model is a plain ``nn.Module`` that also offers:
-
-``units() -> list[nn.Module]``
-    An ordered chain of at least two modules. Every parameter of the model
-    is registered in exactly one unit; a unit's parameters are flattened in
-    its ``named_parameters()`` order (registration order).
-    * Unit 0 takes the token ids, an int64 tensor ``(batch, context)``.
-    * Unit i > 0 takes unit i-1's output (one tensor).
-    * The last unit takes ``(hidden, targets)`` (targets: int64
-      ``(batch, context)``) and returns the scalar mean loss.
-    Units only pass one tensor forward; everything else a unit needs must be
-    its own parameters or a declared tied parameter.
-
-``tied: dict[tuple[int, int], str | tuple[str, ...]]``
-    ``{(user_unit, owner_unit): "param name in the owner unit"}``: unit
-    ``user_unit`` reads a parameter registered in ``owner_unit`` without
-    registering it itself (here the head reads the embedding's
-    ``wte.weight``). zdsl gathers the owner's parameters where the user runs
-    and sends the user's gradient of that parameter to the owner's gradient.
-    Optional; missing means no tied parameters.
-
-``forward(idx, targets) -> loss``
-    Running the units in order. Keeps the model usable as a plain module
-    (DDP, FSDP2, DeepSpeed, export).
-
-A user's model comes from ``model "file.py:build"(k=v, ...)``: ``build(**kwargs)``
-returns such a module (see ``zdsl.runtime.models.protocol``).
+It follows the unit protocol, documented in one place: :mod:`zdsl.runtime.models.protocol`.
 
 This GPT: token and position embeddings, pre-LayerNorm blocks (causal
 self-attention through ``scaled_dot_product_attention`` and a GELU MLP),
 final LayerNorm, logits through the token embedding's weight (tied), biases,
-no dropout. Parameter names and order per unit are exactly
+no dropout. The embedding and the head take the batch (positions; labels with
+``-100`` not counted); the blocks only the hidden state. Attention is causal and
+ignores ``attention_mask``: pad at the end of a row, with labels ``-100`` there.
+Parameter names and order per unit are exactly
 ``zdsl.compile.units.gpt_units`` (a test holds them together).
 """
 from __future__ import annotations
@@ -43,6 +18,9 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.loss import causal_lm_loss
 
 
 # Above this many parameters (4 GiB in fp32) a GPT is built lazily, unit by unit (see GPT).
@@ -58,13 +36,17 @@ def parameter_count(layers: int, width: int, vocab: int, context: int) -> int:
 class Embedding(nn.Module):
     """Unit 0: token ids -> hidden states (token plus position embedding)."""
 
+    takes_batch = True
+
     def __init__(self, vocab: int, context: int, width: int):
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(context, width)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:
+        positions = batch.positions if batch is not None else None
+        if positions is None:   # one row of positions, broadcast over the batch (bits as ever)
+            positions = torch.arange(idx.shape[1], device=idx.device)
         return self.wte(idx) + self.wpe(positions)
 
 
@@ -118,15 +100,18 @@ class Head(nn.Module):
     storage and this reference follows.
     """
 
+    takes_batch = True
+
     def __init__(self, width: int, embedding: Embedding):
         super().__init__()
         self.ln_f = nn.LayerNorm(width)
         object.__setattr__(self, "_embedding", embedding)   # not a submodule: tied, not owned
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: Batch | torch.Tensor) -> torch.Tensor:
+        """The loss; ``batch`` is the micro-batch, or its labels alone."""
+        labels = batch.labels if isinstance(batch, Batch) else batch
         logits = F.linear(self.ln_f(x), self._embedding.wte.weight)
-        # The loss in fp32 whatever the compute dtype (as mixed-precision peers do).
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return causal_lm_loss(logits, labels)
 
 
 class GPT(nn.Module):
@@ -234,18 +219,20 @@ class GPT(nn.Module):
     def units(self) -> list[nn.Module]:
         return [self.embedding, *self.blocks, self.head]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor | Batch, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of ``(idx, targets)`` or of a :class:`Batch`."""
         if self._lazy is not None:
             raise RuntimeError("this GPT was built lazily (too large to build at once): call materialize() "
                                "before using it as a module")
-        x = self.embedding(idx)
+        batch = idx if isinstance(idx, Batch) else Batch.of(idx, targets)
+        x = self.embedding(batch.input_ids, batch)
         for block in self.blocks:
             x = block(x)
-        return self.head(x, targets)
+        return self.head(x, batch)
 
 
 def build(layers: int = 4, width: int = 128, heads: int = 4, vocab: int = 256, context: int = 64,
           seed: int = 0, device=None, lazy: bool | None = None) -> GPT:
-    """Factory with the same shape as a user's ``build`` (unit protocol)."""
+    """Factory with the same shape as a user's ``build``."""
     return GPT(layers=layers, width=width, heads=heads, vocab=vocab, context=context,
                seed=seed, device=device, lazy=lazy)

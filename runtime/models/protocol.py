@@ -1,18 +1,58 @@
-"""Loading a model and checking that it follows the unit protocol.
+"""The unit protocol (what zdsl needs of any model: built-in, Hugging Face or a user's own),
+loading a model and checking it.
 
-The protocol itself is documented in :mod:`zdsl.runtime.models.gpt` (the
-built-in model follows it): ``units()`` lists an ordered chain of modules
-that together register every parameter once; unit 0 takes token ids, each
-next unit the previous one's output, the last ``(hidden, targets)`` and
-returns the loss; ``tied`` declares parameters a unit reads from another.
+The protocol
+------------
+A model is a plain ``nn.Module`` that also offers:
 
-A user's model is named in a schedule as ``model "file.py:build"(k=v)`` (a
-file, relative to the schedule's folder, whose folder goes on ``sys.path``
-as a script's does, so it can import the modules beside it) or
-``model "pkg.module:build"()`` (an importable module). ``build(**kwargs)``
-returns the module. Every way this can go wrong is a
-:class:`ModelProtocolError` whose message names the factory and says what to
-change; it never surfaces as a bare traceback.
+``units() -> list[nn.Module]``
+    An ordered chain of at least two modules. Every parameter of the model is registered in
+    exactly one unit; a unit's parameters are flattened in its ``named_parameters()`` order
+    (registration order). Units pass ONE tensor between them (the hidden state); everything
+    else a unit needs comes from its own parameters, a declared tied parameter, or the batch.
+
+The batch (:class:`zdsl.runtime.models.batch.Batch`)
+    One micro-batch on the rank's device: ``input_ids`` and ``labels`` (int64 ``(B, T)``;
+    ``labels[b, t]`` is the token to predict at ``t``, already shifted; ``-100`` is not
+    counted in the loss), optional ``positions`` (None: ``0..T-1``; ``batch.position_ids()``
+    gives them either way) and ``attention_mask`` (None: every token real), and ``extras``, a
+    dict the model's ``prepare`` fills.
+
+How zdsl calls a unit
+    A unit whose class sets ``takes_batch = True`` is called ``unit(x, batch)``: unit 0 with
+    ``x = batch.input_ids``, the others with the previous unit's output; the last returns the
+    scalar loss. A unit without it is called as in the first protocol: unit 0
+    ``unit(input_ids)``, a middle one ``unit(hidden)``, the last ``unit(hidden, labels)``.
+    Both forms mix freely in one model. The last unit's loss is the mean over the micro-batch's
+    counted tokens: :func:`zdsl.runtime.models.loss.causal_lm_loss` computes it (fp32, ``-100``
+    ignored, 0 when nothing is counted).
+
+``prepare(batch) -> None`` (optional)
+    Called once per micro-batch, before unit 0, under ``torch.no_grad()``: on the rank's device
+    when training, on the meta device when zdsl sizes the model (make tensors on
+    ``batch.input_ids.device``). It puts per-batch tensors into ``batch.extras`` (rotary tables
+    from the positions, a 4-D causal and padding mask) so that no unit recomputes them. It may
+    read the model's buffers, never its parameters (they live in zdsl's flat shards and may not
+    be gathered then). It must be deterministic: a recomputed unit sees the same ``batch``.
+
+``tied: dict[tuple[int, int], str | tuple[str, ...]]`` (optional)
+    ``{(user_unit, owner_unit): "param name in the owner unit"}``: unit ``user_unit`` reads a
+    parameter registered in ``owner_unit`` without registering it itself (the built-in GPT's
+    head reads the embedding's ``wte.weight``). zdsl gathers the owner's parameters where the
+    user runs and sends the user's gradient of that parameter to the owner's gradient.
+
+``forward(input_ids, labels)`` or ``forward(batch)``
+    Running the units in order (:func:`run_units` does it for a batch), so the model stays
+    usable as a plain module (DDP, FSDP2, DeepSpeed, export). zdsl itself calls the units.
+
+Loading
+-------
+A user's model is named in a schedule as ``model "file.py:build"(k=v)`` (a file, relative to
+the schedule's folder, whose folder goes on ``sys.path`` as a script's does, so it can import
+the modules beside it) or ``model "pkg.module:build"()`` (an importable module).
+``build(**kwargs)`` returns the module. Every way this can go wrong is a
+:class:`ModelProtocolError` whose message names the factory and says what to change; it never
+surfaces as a bare traceback.
 """
 from __future__ import annotations
 
@@ -26,7 +66,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-PROTOCOL_DOC = "the unit protocol (zdsl.runtime.models.gpt)"
+from zdsl.runtime.models.batch import Batch
+
+PROTOCOL_DOC = "the unit protocol (zdsl.runtime.models.protocol)"
 
 
 class ModelProtocolError(ValueError):
@@ -103,6 +145,9 @@ def check_model(model, where: str) -> list[nn.Module]:
     if missing:
         raise ModelProtocolError(f"{where}: parameters outside every unit: {', '.join(missing[:5])}"
                                  f"{' ...' if len(missing) > 5 else ''}; every parameter must belong to one unit")
+    if getattr(model, "prepare", None) is not None and not callable(model.prepare):
+        raise ModelProtocolError(f"{where}: `prepare` must be a method prepare(batch) that fills batch.extras "
+                                 f"({PROTOCOL_DOC})")
     tied = getattr(model, "tied", {}) or {}
     if not isinstance(tied, dict):
         raise ModelProtocolError(f"{where}: `tied` must be a dict {{(user_unit, owner_unit): 'param name'}}")
@@ -119,6 +164,38 @@ def check_model(model, where: str) -> list[nn.Module]:
                 raise ModelProtocolError(f"{where}: tied {key!r}: unit {own} has no parameter {name!r} "
                                          f"(it has {', '.join(list(owned)[:6])})")
     return units
+
+
+def takes_batch(unit: nn.Module) -> bool:
+    """Whether zdsl calls ``unit(x, batch)`` (else the first protocol's form)."""
+    return bool(getattr(unit, "takes_batch", False))
+
+
+def call_unit(unit: nn.Module, x: torch.Tensor, batch: Batch, last: bool) -> torch.Tensor:
+    """Run one unit as zdsl does: ``x`` is ``batch.input_ids`` for unit 0, else the previous
+    unit's output; the last unit returns the loss."""
+    if takes_batch(unit):
+        return unit(x, batch)
+    return unit(x, batch.labels) if last else unit(x)
+
+
+def prepare_batch(model: nn.Module, batch: Batch) -> Batch:
+    """The model's ``prepare(batch)`` when it has one (under no_grad); returns ``batch``."""
+    prepare = getattr(model, "prepare", None)
+    if prepare is not None:
+        with torch.no_grad():
+            prepare(batch)
+    return batch
+
+
+def run_units(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The loss of ``batch`` through the model's units, as zdsl runs them (a ``forward(batch)``)."""
+    prepare_batch(model, batch)
+    units = list(model.units())
+    x = batch.input_ids
+    for i, unit in enumerate(units):
+        x = call_unit(unit, x, batch, last=i == len(units) - 1)
+    return x
 
 
 def tied_uses(model, n_units: int) -> list[list[int]]:

@@ -6,8 +6,9 @@ parameters from, and per-sequence forward flops, saved-activation elements
 and input elements, and the kernels (aten ops) its forward and backward
 dispatch. The built-in GPT is sized analytically in ``zdsl/``
 (instant, no torch); a user's model is built under ``torch.device("meta")``
-(no memory, no init) and one sequence of ``context`` tokens is pushed
-through its units on meta tensors: flops come from torch's
+(no memory, no init) and one sequence of ``context`` tokens (a meta
+``Batch``, given to the model's ``prepare`` first) is pushed through its
+units on meta tensors, called as zdsl calls them: flops come from torch's
 ``FlopCounterMode``, activations from the tensors autograd saves
 (``saved_tensors_hooks``; parameters excluded), inputs from each unit's
 input. If the model cannot run on meta (data-dependent Python control flow),
@@ -26,11 +27,17 @@ from zdsl.compile.units import UnitSpec
 
 from zdsl.compile.units import gpt_units
 
+from zdsl.runtime.models.batch import Batch
+
 from zdsl.runtime.models.protocol import ModelProtocolError
+
+from zdsl.runtime.models.protocol import call_unit
 
 from zdsl.runtime.models.protocol import build_model
 
 from zdsl.runtime.models.protocol import check_model
+
+from zdsl.runtime.models.protocol import prepare_batch
 
 from zdsl.runtime.models.protocol import tied_uses
 
@@ -47,7 +54,7 @@ def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
     specs = [UnitSpec(name=f"unit.{i}", params=[(n, tuple(p.shape)) for n, p in u.named_parameters()],
                       uses=uses[i]) for i, u in enumerate(units)]
     try:
-        _measure(units, specs, context)
+        _measure(model, units, specs, context)
     except Exception as exc:   # the user's forward cannot run on meta: keep exact sizes, estimate the rest
         warnings.warn(f"{where}: could not trace one sequence on the meta device "
                       f"({type(exc).__name__}: {exc}); flops and activations are estimates")
@@ -71,18 +78,28 @@ def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
 ESTIMATED_KERNELS = (1, 3)
 
 
-def _measure(units, specs: list[UnitSpec], context: int) -> None:
+def meta_batch(context: int) -> Batch:
+    """One sequence of ``context`` tokens on the meta device (every label counted)."""
+    ids = torch.zeros(1, context, dtype=torch.long, device="meta")
+    return Batch.of(ids, ids.clone())
+
+
+def _measure(model, units, specs: list[UnitSpec], context: int) -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
-    x = torch.zeros(1, context, dtype=torch.long, device="meta")
-    targets = torch.zeros(1, context, dtype=torch.long, device="meta")
+    batch = prepare_batch(model, meta_batch(context))
+    x = batch.input_ids
+    # prepare's extras belong to the micro-batch, held once whichever units save them (the runtime
+    # counts them so too), not to a unit's activations
+    extras = {id(v._base if v._base is not None else v) for v in batch.extras.values()
+              if isinstance(v, torch.Tensor)}
     for i, (unit, spec) in enumerate(zip(units, specs)):
-        params = {id(p) for p in unit.parameters()}
+        not_acts = {id(p) for p in unit.parameters()} | extras
         saved: dict[int, int] = {}    # id of the saved tensor's base -> its elements (views count once)
 
-        def pack(t, params=params, saved=saved):
+        def pack(t, not_acts=not_acts, saved=saved):
             base = t._base if t._base is not None else t
-            if id(base) not in params and not isinstance(base, torch.nn.Parameter):
+            if id(base) not in not_acts and not isinstance(base, torch.nn.Parameter):
                 saved[id(base)] = base.numel()
             return t
 
@@ -90,7 +107,7 @@ def _measure(units, specs: list[UnitSpec], context: int) -> None:
         x_in = x.detach().requires_grad_(x.is_floating_point())
         counter = FlopCounterMode(display=False)
         with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = unit(x_in, targets) if i == len(units) - 1 else unit(x_in)
+            out = call_unit(unit, x_in, batch, last=i == len(units) - 1)
         if i < len(units) - 1 and not isinstance(out, torch.Tensor):
             raise ModelProtocolError(f"unit {i} returned {type(out).__name__}; units pass one tensor forward")
         spec.fwd_flops_per_seq = float(counter.get_total_flops())
@@ -100,8 +117,8 @@ def _measure(units, specs: list[UnitSpec], context: int) -> None:
 
 def _count_kernels(model, units, specs: list[UnitSpec], context: int) -> None:
     from zdsl.runtime.models.kernel_count import model_kernels
-    x = torch.zeros(1, context, dtype=torch.long, device="meta")
-    for spec, (fwd, bwd) in zip(specs, model_kernels(model, units, x, x.clone())):
+    batch = meta_batch(context)
+    for spec, (fwd, bwd) in zip(specs, model_kernels(model, units, batch.input_ids, batch.labels)):
         spec.fwd_kernels, spec.bwd_kernels = fwd, bwd
 
 

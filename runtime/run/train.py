@@ -32,6 +32,7 @@ from zdsl.runtime.run.board import STEP
 from zdsl.runtime.run.board import STEP_DONE
 from zdsl.runtime.run.board import rank_board
 from zdsl.runtime.exec.streams import lane_streams
+from zdsl.runtime.models.batch import Batch
 
 
 class LaunchError(RuntimeError):
@@ -155,8 +156,8 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every, options.checkpoint_keep,
                                     graph, units, rank, world, say)
     for step in range(first, steps):
-        batches = [make_batch(schedule.data, train["seed"], step, m, rank, world, batch) for m in range(acc)]
-        batches = [(x.to(device), y.to(device)) for x, y in batches]
+        batches = [Batch.of(*make_batch(schedule.data, train["seed"], step, m, rank, world, batch)).to(device)
+                   for m in range(acc)]
         state.step_begin(step, batches)
         if executor.board is not None:
             executor.board[STEP] = step

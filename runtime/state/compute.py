@@ -1,6 +1,9 @@
 """What the compute ops do: ``compute.forward|backward|recompute|norm|step``, and the step frame.
 
-* Units run one at a time. Forward keeps a unit's input (detached, so autograd stops at the unit
+* Units run one at a time, called as the unit protocol says (``runtime/models/protocol.py``):
+  each micro-batch is a ``Batch`` the model's ``prepare`` sees once, in ``step_begin``; every
+  unit of that micro-batch, recomputed ones included, gets that same object.
+  Forward keeps a unit's input (detached, so autograd stops at the unit
   boundary) and its output; backward runs autograd for that one unit with the gradient of its
   output and leaves the gradient of its input in ``act_grad[u]``. A recomputed unit's forward runs
   without autograd and keeps only its input and output; ``compute.recompute`` re-runs it with
@@ -34,6 +37,8 @@ import torch.nn as nn
 from zdsl.ir import Op
 from zdsl.ir import TaskGraph
 from zdsl.ir import parse_buffer_name
+from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.protocol import call_unit
 from zdsl.runtime.state.buffers import ActRecord
 from zdsl.runtime.state.buffers import BufferTable
 from zdsl.runtime.state.buffers import Slot
@@ -58,8 +63,10 @@ class Compute:
     """Runs one rank's compute ops on its units, step by step."""
 
     def __init__(self, graph: TaskGraph, table: BufferTable, transfers: Transfers, modules: list[nn.Module],
-                 tied: dict, world: int, prescale: Prescale, clip):
+                 tied: dict, world: int, prescale: Prescale, clip, prepare=None):
+        """``prepare``: the model's ``prepare(batch)``, or None."""
         self.graph, self.table, self.transfers = graph, table, transfers
+        self.prepare = prepare
         self.modules, self.tied, self.world, self.prescale, self.clip = modules, tied, world, prescale, clip
         self.device = table.device
         self.mixed = graph.precision != "fp32"
@@ -70,20 +77,28 @@ class Compute:
         self.norm_reduced = any(op.kind == "comm.all_reduce" and "norm" in op.writes for op in graph.ops)
         self._lock = threading.Lock()
         self._pending_tied: dict[tuple[int, int], torch.Tensor] = {}
-        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.batches: list[Batch] = []
         self.losses: list[torch.Tensor] = []
         self._plan: StepPlan | None = None
         self.step_index = 0
 
     # -- step frame ----------------------------------------------------------------
-    def step_begin(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Start a step: one ``(idx, targets)`` per micro-batch for this rank."""
+    def step_begin(self, step: int, batches: list[Batch]) -> None:
+        """Start a step: one ``Batch`` per micro-batch for this rank (moved to the device here, then
+        given to the model's ``prepare``; the caller's objects are left as they are)."""
         if len(batches) != self.accumulate:
             raise StateError(f"rank {self.table.rank}: step {step} got {len(batches)} micro-batches, "
                              f"the graph accumulates {self.accumulate}")
+        wrong = next((type(b).__name__ for b in batches if not isinstance(b, Batch)), None)
+        if wrong is not None:
+            raise StateError(f"rank {self.table.rank}: step {step} got a {wrong} for a micro-batch; "
+                             f"step_begin takes Batch objects (Batch.of(idx, targets) wraps a pair)")
         self.step_index = step
-        self.batches = [(i.to(self.device, non_blocking=True), t.to(self.device, non_blocking=True))
-                        for i, t in batches]
+        self.batches = [b.to(self.device, non_blocking=True) for b in batches]
+        if self.prepare is not None:
+            with torch.no_grad():
+                for b in self.batches:
+                    self.prepare(b)
         self.losses = []
         self._plan = None
         self._pending_tied.clear()
@@ -117,7 +132,7 @@ class Compute:
         if u == 0:
             if op.micro >= len(self.batches):
                 raise self.table.error(op, "no batch for this micro-batch (step_begin not called?)")
-            return self.batches[op.micro][0]
+            return self.batches[op.micro].input_ids
         rec = self.table.read(f"act[{u - 1}]", op).record
         return rec.output
 
@@ -126,9 +141,12 @@ class Compute:
                 if fp.full.untyped_storage().nbytes()}
 
     def _run_unit(self, u: int, x: torch.Tensor, micro: int, grad: bool) -> tuple[torch.Tensor, int]:
-        """Run unit ``u`` on ``x``; returns the output and the bytes autograd saved."""
+        """Run unit ``u`` on ``x``; returns the output and the bytes autograd saved (not counting
+        ``prepare``'s extras: the micro-batch holds them once, whichever units save them)."""
         module = self.modules[u]
-        skip = self._param_storages() | {x.untyped_storage().data_ptr()}
+        batch = self.batches[micro]
+        extras = {v.untyped_storage().data_ptr() for v in batch.extras.values() if isinstance(v, torch.Tensor)}
+        skip = self._param_storages() | {x.untyped_storage().data_ptr()} | extras
         seen: dict[int, int] = {}
 
         def pack(t):
@@ -139,12 +157,10 @@ class Compute:
             return t
 
         with torch.set_grad_enabled(grad), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = call_unit(module, x, batch, last=u == self.last)
             if u == self.last:
-                loss = module(x, self.batches[micro][1])
-                self.losses.append(loss.detach().float())
-                out = loss / self.accumulate if self.accumulate > 1 else loss
-            else:
-                out = module(x)
+                self.losses.append(out.detach().float())
+                out = out / self.accumulate if self.accumulate > 1 else out
         optr = out.untyped_storage().data_ptr()
         if optr not in seen:
             seen[optr] = out.untyped_storage().nbytes()

@@ -29,6 +29,7 @@ import torch.nn as nn
 from zdsl.ir import Buffer
 from zdsl.ir import Op
 from zdsl.ir import TaskGraph
+from zdsl.runtime.models.batch import Batch
 from zdsl.runtime.models.protocol import tied_indices
 from zdsl.runtime.state.buffers import ACT_KINDS
 from zdsl.runtime.state.buffers import BufferTable
@@ -82,7 +83,7 @@ class RankState:
                                      f"but the graph does not list that use")
         check_step_outputs(graph, self.table.error)
         self._build_units(model, modules)
-        for module in modules:   # non-parameter buffers (masks, tables) go where the compute runs
+        for module in (model, *modules):   # non-parameter buffers (masks, tables) go where the compute runs
             for sub in module.modules():
                 for key, value in list(sub._buffers.items()):
                     if value is not None and value.device != self.device:
@@ -91,7 +92,7 @@ class RankState:
         self.prescale = plan_prescale(graph, world, self.table.error)
         self.collectives = Collectives(self.table, world, self.prescale)
         self.compute = Compute(graph, self.table, self.transfers, modules, tied, world, self.prescale,
-                               self.opt_config.get("clip"))
+                               self.opt_config.get("clip"), prepare=getattr(model, "prepare", None))
 
     # -- start-up ------------------------------------------------------------------
     def _build_units(self, model: nn.Module, modules: list[nn.Module]) -> None:
@@ -197,8 +198,8 @@ class RankState:
             raise self.table.error(op, f"unknown op kind {kind!r}")
 
     # -- the step frame (the training loop) ------------------------------------------------
-    def step_begin(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Start a step: one ``(idx, targets)`` per micro-batch for this rank."""
+    def step_begin(self, step: int, batches: list[Batch]) -> None:
+        """Start a step: one ``Batch`` per micro-batch for this rank."""
         self.compute.step_begin(step, batches)
 
     def step_end(self) -> dict:

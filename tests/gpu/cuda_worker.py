@@ -16,6 +16,7 @@ import torch  # noqa: E402
 
 from zdsl.driver import compile_file  # noqa: E402
 from zdsl.runtime.data import make_batch  # noqa: E402
+from zdsl.runtime.models.batch import Batch  # noqa: E402
 from zdsl.runtime.dist.group import init_group  # noqa: E402
 from zdsl.runtime.run.train import env_rank, pick_device  # noqa: E402
 
@@ -61,8 +62,8 @@ def pinned(compiled, rank: int, world: int, device) -> dict:
     async def loop():
         losses = []
         for step in range(2):
-            state.step_begin(step, [tuple(x.to(device) for x in make_batch(schedule.data, t.seed, step, m, rank,
-                                                                           world, t.batch))
+            state.step_begin(step, [Batch.of(*make_batch(schedule.data, t.seed, step, m, rank, world,
+                                                         t.batch)).to(device)
                                     for m in range(t.accumulate)])
             await executor.run_step()
             losses.append(state.step_end()["loss"])

@@ -61,6 +61,7 @@ def zdsl_train(schedule: Schedule, rank: int, world: int, inject_overflow_at: in
     """Train with RankState: ops run one by one in graph order (``sequential``), or by
     the trio executor (``trio``: lanes run concurrently, ordered only by dependencies)."""
     from zdsl.runtime.data import make_batch
+    from zdsl.runtime.models.batch import Batch
     from zdsl.runtime.models.gpt import GPT
     from zdsl.runtime.state.rank import RankState
 
@@ -74,7 +75,8 @@ def zdsl_train(schedule: Schedule, rank: int, world: int, inject_overflow_at: in
             shards, taken = state.shard_state(), state.optimizer_steps()
             state = RankState(graph, GPT(**MODEL, seed=99), rank, world, device="cpu")
             state.load_shard_state(shards, taken)
-        batches = [make_batch(schedule.data, t.seed, step, m, rank, world, t.batch) for m in range(t.accumulate)]
+        batches = [Batch.of(*make_batch(schedule.data, t.seed, step, m, rank, world, t.batch))
+                   for m in range(t.accumulate)]
         state.step_begin(step, batches)
         if driver == "trio":
             import trio
@@ -312,7 +314,8 @@ def test_an_op_that_reads_a_buffer_holding_no_data_names_rank_op_and_buffer():
     graph, state = _single_rank_state(stage=3)
     from zdsl.runtime.data import make_batch
     sched = make_schedule(1, stage=3)
-    state.step_begin(0, [make_batch(sched.data, 0, 0, 0, 0, 1, 2)])
+    from zdsl.runtime.models.batch import Batch
+    state.step_begin(0, [Batch.of(*make_batch(sched.data, 0, 0, 0, 0, 1, 2))])
     forward = next(op for op in graph.ops if op.kind == "compute.forward" and op.unit == 1)
     with pytest.raises(StateError, match=rf"rank 0: op {forward.id} compute.forward unit 1: reads act\[0\]"):
         state.run_op(forward)
