@@ -1,9 +1,9 @@
 """An example of your own model for zdsl: a small byte-level MLP language model.
 
-zdsl trains any ``nn.Module`` that follows the unit protocol (see
-``zdsl/runtime/models/gpt.py``): ``units()`` returns the model as an ordered
-chain of modules, and zdsl gathers, computes, frees and offloads one unit at
-a time. Point a schedule at this file with
+zdsl trains any ``nn.Module`` that follows the unit protocol (written down in
+``zdsl/runtime/models/protocol.py``): ``units()`` returns the model as an
+ordered chain of modules, and zdsl gathers, computes, frees and offloads one
+unit at a time. Point a schedule at this file with
 
     model "my_model.py:build"(hidden=64, layers=2)
 
@@ -16,21 +16,28 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.loss import causal_lm_loss
+from zdsl.runtime.models.protocol import run_units
+
 
 class Embed(nn.Module):
     """Unit 0: token ids (batch, context) -> hidden states (batch, context, hidden)."""
+
+    takes_batch = True   # zdsl calls embed(input_ids, batch): the micro-batch's positions are in it
 
     def __init__(self, vocab: int, context: int, hidden: int):
         super().__init__()
         self.tokens = nn.Embedding(vocab, hidden)
         self.positions = nn.Embedding(context, hidden)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return self.tokens(idx) + self.positions(batch.position_ids())
 
 
 class Block(nn.Module):
-    """A middle unit: one residual MLP over each position (no attention: it stays tiny)."""
+    """A middle unit: one residual MLP over each position (no attention: it stays tiny). It needs
+    nothing from the batch, so it takes the hidden state alone."""
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -43,16 +50,17 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """The last unit: (hidden, targets) -> mean cross-entropy loss."""
+    """The last unit: (hidden, batch) -> the mean cross-entropy over the counted labels (-100: not counted)."""
+
+    takes_batch = True
 
     def __init__(self, vocab: int, hidden: int):
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
         self.out = nn.Linear(hidden, vocab, bias=False)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.out(self.norm(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return causal_lm_loss(self.out(self.norm(x)), batch.labels)
 
 
 class TinyMLPLM(nn.Module):
@@ -67,10 +75,8 @@ class TinyMLPLM(nn.Module):
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x, targets)
+        """As a plain module: the loss of token ids and their next tokens."""
+        return run_units(self, Batch.of(idx, targets))
 
 
 def build(vocab: int = 256, context: int = 32, hidden: int = 64, layers: int = 2) -> TinyMLPLM:
