@@ -146,3 +146,27 @@ def test_sizing_on_meta_reads_no_weights(pretrained):
     assert all(p.is_meta for p in model.parameters())
     batch = Batch(torch.zeros(1, 8, dtype=torch.long, device="meta"), torch.zeros(1, 8, dtype=torch.long, device="meta"))
     assert model(batch).is_meta
+
+
+def test_sharded_weights_and_unprefixed_names_load(tmp_path):
+    """Shards listed by model.safetensors.index.json; GPT-2's original files, whose names lack
+    the ``transformer.`` prefix: both load to transformers' numbers."""
+    from safetensors.torch import load_file, save_file
+    rows = windows(seed=3)
+    for family in ("llama", "gpt2"):
+        folder = save_tiny(family, tmp_path / family)
+        with torch.no_grad():
+            expected = float(transformers_loss(transformers_model(folder), rows[:, :-1], rows[:, 1:]))
+        sharded = tmp_path / f"{family}-sharded"
+        transformers_model(folder).save_pretrained(sharded, max_shard_size="40KB")
+        assert (sharded / "model.safetensors.index.json").is_file()
+        with torch.no_grad():
+            assert float(zdsl_model(sharded)(rows[:, :-1], rows[:, 1:])) == pytest.approx(expected, rel=1e-6)
+    tensors = load_file(tmp_path / "gpt2" / "model.safetensors")
+    save_file({k.removeprefix("transformer."): v.contiguous() for k, v in tensors.items()},
+              tmp_path / "gpt2" / "model.safetensors")
+    assert not any(k.startswith("transformer.") for k in load_file(tmp_path / "gpt2" / "model.safetensors"))
+    with torch.no_grad():
+        loss = zdsl_model(tmp_path / "gpt2")(rows[:, :-1], rows[:, 1:])
+        expected = transformers_loss(transformers_model(tmp_path / "gpt2-sharded"), rows[:, :-1], rows[:, 1:])
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
