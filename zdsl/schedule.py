@@ -38,9 +38,22 @@ class ModelSpec:
 
 @dataclass
 class DataSpec:
-    kind: str                              # "corpus" or "synthetic"
-    source: str | None = None              # corpus: "stdlib" or a path
+    kind: str                              # "corpus", "tokens" or "synthetic"
+    source: str | None = None              # corpus: "stdlib" or a path; tokens: the file (absolute)
     args: dict = field(default_factory=dict)   # context=..., vocab=...
+    dtype: str | None = None               # tokens: the file's integer type, a key of TOKEN_DTYPES
+
+    def to_config(self) -> dict:
+        """Plain JSON; ``dtype`` only for a token file, so other sources keep their graph digest."""
+        raw = dataclasses.asdict(self)
+        if raw["dtype"] is None:
+            del raw["dtype"]
+        return raw
+
+
+# ``data tokens("FILE", dtype=...)``: a flat file of little-endian token ids (nanoGPT's train.bin
+# is uint16) -> bytes per token.
+TOKEN_DTYPES = {"uint16": 2, "uint32": 4}
 
 
 @dataclass
@@ -213,4 +226,5 @@ class Schedule:
         raw["overlap"] = sorted(self.overlap)
         raw["recompute"] = sorted(self.recompute)
         raw["optimizer"]["betas"] = list(self.optimizer.betas)
+        raw["data"] = self.data.to_config()
         return raw

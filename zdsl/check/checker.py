@@ -13,6 +13,7 @@ Public API: :func:`load_schedule` and :func:`check_text`.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Callable
@@ -32,6 +33,7 @@ from zdsl.lang.parse import parse_text
 from zdsl.lang.parse import read_source
 from zdsl.schedule import (ALL_OVERLAPS, DEVICES, MACHINE_MAY_BE_ZERO, MACHINE_OPTIONS, PRECISIONS,
                        CheckpointSpec, DataSpec, MachineProfile, ModelSpec, OptimizerSpec, Schedule, Span, TrainSpec)
+from zdsl.schedule import TOKEN_DTYPES
 from zdsl.compile.hf_folder import ATTENTION_CHOICES
 from zdsl.compile.hf_folder import ATTENTION_KEY
 from zdsl.compile.hf_folder import HfModelError
@@ -52,6 +54,12 @@ OPTIMIZERS = {
     "adam": ("lr", "betas", "eps", "weight_decay", "clip"),
     "sgd": ("lr", "momentum", "weight_decay", "clip"),
 }
+# ``data SOURCE(...)``: its settings, and an example for a hint.
+DATA_SETTINGS = {"corpus": ("context",), "tokens": ("dtype", "context", "vocab"),
+                 "synthetic": ("context", "vocab")}
+DATA_EXAMPLES = {"corpus": 'corpus("stdlib", context=64)',
+                 "tokens": 'tokens("train.bin", dtype=uint16, context=64)',
+                 "synthetic": "synthetic(vocab=256, context=64)"}
 # ``machine cpu(...)`` option -> MachineProfile field.
 MACHINE_FIELDS = dict(MACHINE_OPTIONS)
 CUDA_PROFILE = MachineProfile(name="cuda", flops=2e14, host_flops=5e10, link_bandwidth=1e11,
@@ -110,6 +118,7 @@ class Checker(PlacementChecks):
         self.r = Reader()
         self.sources: dict[str, str] = {}
         self.units: list[UnitSpec] | None = None
+        self._token_count: int | None = None     # data tokens(...): the file's length in tokens
 
     # -- driver ----------------------------------------------------------------
 
@@ -317,35 +326,46 @@ class Checker(PlacementChecks):
     def _data(self, st: ast.CallStmt) -> None:
         self.span("data", st.span)
         call = st.call
-        kind = self.r.choice(call.callee, "data source", ("corpus", "synthetic")) \
+        kind = self.r.choice(call.callee, "data source", tuple(DATA_SETTINGS)) \
             if isinstance(call.callee, ast.Name) else None
         if kind is None:
             if isinstance(call.callee, ast.Str):
-                self.r.error(call.callee.span, "data is corpus(...) or synthetic(...)",
-                             hint=f'write corpus("{call.callee.value}")')
+                self.r.error(call.callee.span, "data is corpus(...), tokens(...) or synthetic(...)",
+                             hint=f'write corpus("{call.callee.value}") for text, '
+                                  f'tokens("{call.callee.value}") for a file of token ids')
             return
         positional = [a for a in call.args if a.key is None]
         keyword = [a for a in call.args if a.key is not None]
-        source = None
-        if kind == "corpus":
+        source, source_span = None, call.span
+        if kind in ("corpus", "tokens"):
             if not positional:
-                self.r.error(call.span, "corpus needs a source", hint='corpus("stdlib", context=64)')
+                self.r.error(call.span, f"{kind} needs a source", hint=DATA_EXAMPLES[kind])
                 return
-            source = self.r.string(positional[0].value, "the corpus")
-            if source is not None and source != "stdlib":
-                source = self._corpus_path(source, positional[0].value.span)
+            source_span = positional[0].value.span
+            source = self.r.string(positional[0].value, f"the {kind} file")
+            if source is not None and kind == "tokens":
+                source = self._tokens_path(source, source_span)
+            elif source is not None and source != "stdlib":
+                source = self._corpus_path(source, source_span)
             positional = positional[1:]
         for extra in positional:
             self.r.error(extra.span, f"{kind} takes key=value settings here")
-        allowed = ("context",) if kind == "corpus" else ("context", "vocab")
-        given = self.r.keywords(keyword, allowed, f"{kind}()")
-        args = {}
+        given = self.r.keywords(keyword, DATA_SETTINGS[kind], f"{kind}()")
+        args, dtype = {}, None
         for key, arg in given.items():
+            if key == "dtype":
+                dtype = self.r.choice(arg.value, "token dtype", tuple(TOKEN_DTYPES))
+                self.span("data.dtype", arg.span)
+                continue
             value = self.r.integer(arg.value, f"{kind}({key}=)", 1, 1 << 24)
             if value is not None:
                 args[key] = value
                 self.span(f"data.{key}", arg.span)
-        self.s.data = DataSpec(kind, source, args)
+        if kind == "tokens":
+            dtype = dtype or ("uint16" if "dtype" not in given else None)
+            if source is not None and dtype is not None:
+                self._token_count = self._whole_tokens(source, dtype, source_span)
+        self.s.data = DataSpec(kind, source, args, dtype if kind == "tokens" else None)
 
     def _corpus_path(self, source: str, span: Span) -> str | None:
         here = Path(resolve_relative(source, span.file))
@@ -355,6 +375,44 @@ class Checker(PlacementChecks):
         self.r.error(span, f"corpus not found: {source}",
                      hint='a path relative to the schedule file, or "stdlib"')
         return None
+
+    def _tokens_path(self, source: str, span: Span) -> str | None:
+        path = Path(resolve_relative(source, span.file)).expanduser()
+        if path_exists(path, "file") and os.access(path, os.R_OK):
+            return str(path.resolve())
+        why = "is a folder, not a file" if path_exists(path) and path.is_dir() \
+            else "cannot be read" if path_exists(path) else "not found"
+        self.r.error(span, f"token file {why}: {path}",
+                     hint="a path relative to the schedule's folder to a flat file of token ids "
+                          "(nanoGPT's prepare.py writes train.bin)")
+        return None
+
+    def _whole_tokens(self, path: str, dtype: str, span: Span) -> int | None:
+        """The file's token count; an error where its size is not a whole number of tokens."""
+        size, width = os.path.getsize(path), TOKEN_DTYPES[dtype]
+        if size == 0:
+            self.r.error(span, f"token file {path} is empty (0 bytes)",
+                         hint="regenerate it (nanoGPT: python prepare.py)")
+            return None
+        if size % width:
+            other = [d for d, w in TOKEN_DTYPES.items() if size % w == 0 and d != dtype]
+            self.r.error(span, f"token file {path} holds {size} bytes, not a whole number of {dtype} "
+                               f"tokens ({width} bytes each)",
+                         hint=(f"is it dtype={other[0]}? " if other else "")
+                              + "a file cut short by an interrupted write ends in part of a token")
+            return None
+        return size // width
+
+    def _tokens_long_enough(self) -> None:
+        """A window is context+1 tokens: the file must hold at least one."""
+        data, count = self.s.data, self._token_count
+        context = data.args.get("context")
+        if data.kind != "tokens" or count is None or context is None or count >= context + 1:
+            return
+        self.r.error(self.s.spans.get("data.context") or self.s.spans.get("data"),
+                     f"token file {data.source} holds {count} tokens; context={context} needs at "
+                     f"least {context + 1} (a window of context+1 tokens)",
+                     hint=f"a shorter context (at most {count - 1}) or a longer file")
 
     def _train(self, st: ast.TrainStmt) -> None:
         self.span("train", st.span)
@@ -460,8 +518,8 @@ class Checker(PlacementChecks):
         missing = [k for k in needed if k not in data.args]
         if missing:
             at = spans.get("data") or spans["model"]
-            example = 'corpus("stdlib", context=64)' if data.kind == "corpus" \
-                else "synthetic(vocab=256, context=64)"
+            example = DATA_EXAMPLES[data.kind].replace(")", ", vocab=256)") if data.kind == "tokens" \
+                else DATA_EXAMPLES[data.kind]
             self.r.error(at, f"with your own model the data must give its {' and '.join(missing)}",
                          hint=f"data {example}")
 
@@ -470,14 +528,14 @@ class Checker(PlacementChecks):
         the model statement's opening, for the hints)."""
         data = self.s.data
         data.args.setdefault("context", ctx)
-        if data.kind == "synthetic":
+        if data.kind in ("synthetic", "tokens"):
             data.args.setdefault("vocab", vocab)
         at = self.s.spans.get("data.context") or self.s.spans.get("data")
         if data.args["context"] > ctx:
             self.r.error(at, f"data context {data.args['context']} is longer than the "
                              f"model's context {ctx}",
                          hint=f"model {call}context={data.args['context']}) or a shorter data context")
-        if data.kind == "synthetic" and data.args["vocab"] > vocab:
+        if data.kind in ("synthetic", "tokens") and data.args["vocab"] > vocab:
             self.r.error(self.s.spans.get("data.vocab") or at,
                          f"data vocab {data.args['vocab']} is larger than the model's vocab {vocab}")
         if data.kind == "corpus" and vocab < 256:
@@ -500,6 +558,7 @@ class Checker(PlacementChecks):
                 self._data_fits(sizes["context"], sizes["vocab"], 'hf(..., ')
         if model.kind == "user" and "model" in s.spans:
             self._user_model_data()
+        self._tokens_long_enough()
         if s.persist_below and s.stage < 3 and "persist" in s.spans:
             self.r.warn(s.spans["persist"], "persist has an effect only with zero 3 "
                                             "(parameters are not sharded here)")

@@ -133,9 +133,11 @@ def _model(s: Schedule) -> str:
 def _data(s: Schedule) -> str:
     d = s.data
     args = list(d.args.items())
-    if d.kind == "corpus":
+    if d.kind in ("corpus", "tokens"):
+        if d.dtype:
+            args.insert(0, ("dtype", _Raw(d.dtype)))
         inner = ", ".join([string_text(d.source or "stdlib")] + ([_kwargs(args)] if args else []))
-        return f"corpus({inner})"
+        return f"{d.kind}({inner})"
     return f"{d.kind}({_kwargs(args)})"
 
 
