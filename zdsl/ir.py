@@ -144,6 +144,9 @@ class UnitInfo:
     input_bytes: int = 0      # bytes of the unit's input per micro-batch
     fwd_flops: float = 0.0    # per micro-batch
     master: bool = False      # its optimizer state holds an fp32 master copy of its parameters
+    # element ranges of its flat parameters that weight decay applies to (zdsl/compile/decay.py);
+    # None: all of them (left out of the JSON then, so graphs without no_decay hash as before)
+    decay: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -161,7 +164,11 @@ class TaskGraph:
 
     # -- serialisation -------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        raw = dataclasses.asdict(self)
+        for unit in raw["units"]:
+            if unit["decay"] is None:
+                del unit["decay"]
+        return json.dumps(raw, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "TaskGraph":

@@ -74,6 +74,29 @@ class OptimizerSpec:
     weight_decay: float = 0.0
     momentum: float = 0.0                  # sgd
     clip: float | None = None              # max global gradient norm
+    # the rate per step (zdsl/lr.py has the formula): warmup steps, then decay to min_lr
+    warmup: int = 0
+    decay: str = "constant"                # "constant", "linear", "cosine"
+    min_lr: float = 0.0
+    decay_steps: int | None = None         # None: every step after warmup
+    # parameters exempt from weight_decay (zdsl/compile/decay.py): classes and name globs
+    no_decay: tuple[str, ...] = ()         # "biases", "norms", "embeddings"
+    no_decay_names: tuple[str, ...] = ()   # fnmatch globs over "unit.param" names
+
+    def to_config(self) -> dict:
+        """Plain JSON; the rate schedule and decay groups only when set, so a schedule without
+        them keeps the graph digest it had before they existed."""
+        raw = dataclasses.asdict(self)
+        raw["betas"] = list(self.betas)
+        for key in OPTIONAL_OPTIMIZER_KEYS:
+            if raw[key] == getattr(OptimizerSpec, key):
+                del raw[key]
+            elif isinstance(raw[key], tuple):
+                raw[key] = list(raw[key])
+        return raw
+
+
+OPTIONAL_OPTIMIZER_KEYS = ("warmup", "decay", "min_lr", "decay_steps", "no_decay", "no_decay_names")
 
 
 # O_DIRECT moves whole 4 KiB blocks: an nvme block size, a swap file's size, a checkpoint's offsets.
@@ -225,6 +248,6 @@ class Schedule:
         raw.pop("pipelines")
         raw["overlap"] = sorted(self.overlap)
         raw["recompute"] = sorted(self.recompute)
-        raw["optimizer"]["betas"] = list(self.optimizer.betas)
+        raw["optimizer"] = self.optimizer.to_config()
         raw["data"] = self.data.to_config()
         return raw

@@ -34,6 +34,8 @@ from zdsl.lang.parse import read_source
 from zdsl.schedule import (ALL_OVERLAPS, DEVICES, MACHINE_MAY_BE_ZERO, MACHINE_OPTIONS, PRECISIONS,
                        CheckpointSpec, DataSpec, MachineProfile, ModelSpec, OptimizerSpec, Schedule, Span, TrainSpec)
 from zdsl.schedule import TOKEN_DTYPES
+from zdsl.compile.decay import NO_DECAY_CLASSES
+from zdsl.lr import DECAYS
 from zdsl.compile.hf_folder import ATTENTION_CHOICES
 from zdsl.compile.hf_folder import ATTENTION_KEY
 from zdsl.compile.hf_folder import HfModelError
@@ -49,10 +51,12 @@ from zdsl.check.values import describe
 
 UnitsFor = Callable[[ModelSpec], list[UnitSpec]]
 
+# Every optimizer also takes the rate schedule (zdsl/lr.py) and the decay groups (zdsl/compile/decay.py).
+_SCHEDULE_KEYS = ("warmup", "decay", "min_lr", "decay_steps", "no_decay")
 OPTIMIZERS = {
-    "adamw": ("lr", "betas", "eps", "weight_decay", "clip"),
-    "adam": ("lr", "betas", "eps", "weight_decay", "clip"),
-    "sgd": ("lr", "momentum", "weight_decay", "clip"),
+    "adamw": ("lr", "betas", "eps", "weight_decay", "clip", *_SCHEDULE_KEYS),
+    "adam": ("lr", "betas", "eps", "weight_decay", "clip", *_SCHEDULE_KEYS),
+    "sgd": ("lr", "momentum", "weight_decay", "clip", *_SCHEDULE_KEYS),
 }
 # ``data SOURCE(...)``: its settings, and an example for a hint.
 DATA_SETTINGS = {"corpus": ("context",), "tokens": ("dtype", "context", "vocab"),
@@ -454,11 +458,56 @@ class Checker(PlacementChecks):
                 if isinstance(v, ast.Name) and v.value == "none":
                     continue
                 value = self.r.real(v, "clip", 0.0, None, lo_open=True)
+            elif key in ("warmup", "decay_steps"):
+                value = self.r.integer(v, key, 0 if key == "warmup" else 1, 10 ** 9)
+            elif key == "decay":
+                value = self.r.choice(v, "decay", DECAYS)
+            elif key == "min_lr":
+                value = self.r.real(v, "min_lr", 0.0, None)
+            elif key == "no_decay":
+                self._no_decay(v, o)
+                continue
             else:   # betas
                 value = self._betas(v)
             if value is not None:
                 setattr(o, key, value)
+        self._lr_schedule(o, given)
         self.s.optimizer = o
+
+    def _lr_schedule(self, o: OptimizerSpec, given: dict) -> None:
+        """The rate schedule's values against each other and the training steps (zdsl/lr.py)."""
+        steps = self.s.train.steps
+        if "min_lr" in given and o.min_lr > o.lr:
+            self.r.error(given["min_lr"].value.span, f"min_lr {o.min_lr:g} is above lr {o.lr:g}",
+                         hint="the rate decays from lr down to min_lr")
+        for key in ("min_lr", "decay_steps"):
+            if key in given and o.decay == "constant":
+                self.r.error(given[key].value.span, f"{key} has no effect with decay=constant",
+                             hint="add decay=cosine or decay=linear, or remove it")
+        if o.warmup > steps:    # torchtitan warns and warms up over the whole run
+            self.r.warn(given["warmup"].value.span, f"warmup {o.warmup} is longer than the {steps} "
+                        f"training steps: the rate warms up over all {steps} and never decays",
+                        hint=f"warmup={steps // 10 or 1}")
+        elif o.decay_steps is not None and o.warmup + o.decay_steps > steps:
+            self.r.error(given["decay_steps"].value.span, f"warmup {o.warmup} plus decay_steps "
+                         f"{o.decay_steps} is more than the {steps} training steps",
+                         hint=f"decay_steps={steps - o.warmup}" if steps > o.warmup else "lower warmup")
+
+    def _no_decay(self, v, o: OptimizerSpec) -> None:
+        """``no_decay=(biases, norms, "*.glob")``: classes by name, parameter names by glob."""
+        items = v.items if isinstance(v, ast.Tuple) else [v]
+        classes, globs = [], []
+        for item in items:
+            if isinstance(item, ast.Str) and item.value:
+                globs.append(item.value)
+            elif isinstance(item, ast.Name) and item.value in NO_DECAY_CLASSES:
+                classes.append(item.value)
+            else:
+                self.r.error(item.span, f"no_decay takes {', '.join(NO_DECAY_CLASSES)} or a quoted "
+                             f"name glob, not {describe(item)}",
+                             hint=did_you_mean(describe(item), NO_DECAY_CLASSES, what="a class is one of")
+                             or 'e.g. no_decay=(biases, norms) or no_decay="*.bias"')
+        o.no_decay, o.no_decay_names = tuple(dict.fromkeys(classes)), tuple(dict.fromkeys(globs))
 
     def _betas(self, v) -> tuple[float, float] | None:
         if not isinstance(v, ast.Tuple) or len(v.items) != 2:

@@ -41,6 +41,8 @@ from zdsl.ir import buffer_name
 from zdsl.ir import optimizer_bytes_per_param
 from zdsl.ir import parse_buffer_name
 from zdsl.compile.layout import flat_layout
+from zdsl.compile.decay import NoDecayError
+from zdsl.compile.decay import decay_groups
 from zdsl.schedule import Pipeline
 from zdsl.schedule import PHASES
 from zdsl.schedule import STATES
@@ -641,8 +643,21 @@ class _Builder:
                           parts=draft.parts, accumulate=draft.accumulate, span=draft.span))
         return ops
 
+    def decay_ranges(self) -> list[list[tuple[int, int]] | None]:
+        """Per unit, the ranges weight decay applies to (None: all; see zdsl/compile/decay.py)."""
+        o = self.schedule.optimizer
+        if not (o.no_decay or o.no_decay_names):
+            return [None] * self.n_units
+        try:
+            return decay_groups(self.specs, o.no_decay, o.no_decay_names).ranges
+        except NoDecayError as exc:
+            error = LoweringError(str(exc), hint=exc.hint)
+            error.span = self.schedule.spans.get("optimizer.no_decay")
+            raise error from None
+
     def unit_infos(self) -> list[UnitInfo]:
         infos = []
+        decay = self.decay_ranges()
         for i, (spec, layout) in enumerate(zip(self.specs, self.layouts)):
             infos.append(UnitInfo(
                 index=i, name=spec.name, numel=spec.numel, padded_numel=layout.padded_numel,
@@ -650,7 +665,7 @@ class _Builder:
                 recompute=i in self.recompute, persistent=i in self.persist,
                 act_bytes=self.batch * spec.act_elems_per_seq * self.elem_bytes,
                 input_bytes=self.batch * spec.input_elems_per_seq * self.elem_bytes,
-                fwd_flops=spec.fwd_flops_per_seq * self.batch, master=self.has_master(i)))
+                fwd_flops=spec.fwd_flops_per_seq * self.batch, master=self.has_master(i), decay=decay[i]))
         return infos
 
 

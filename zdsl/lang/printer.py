@@ -150,6 +150,13 @@ def _optimizer(o: OptimizerSpec) -> str:
     items.append(("weight_decay", o.weight_decay))
     if o.clip is not None:
         items.append(("clip", o.clip))
+    base = OptimizerSpec()
+    for key in ("warmup", "decay", "min_lr", "decay_steps"):
+        if getattr(o, key) != getattr(base, key):
+            items.append((key, _Raw(o.decay) if key == "decay" else getattr(o, key)))
+    groups = [*o.no_decay, *(string_text(g) for g in o.no_decay_names)]
+    if groups:
+        items.append(("no_decay", _Raw(groups[0] if len(groups) == 1 else f"({', '.join(groups)})")))
     return f"{o.kind}({_kwargs(items)})"
 
 

@@ -144,6 +144,23 @@ def fmt_s(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s"
 
 
+def optimizer_lines(plan: Plan) -> list[str]:
+    """The rate schedule and the weight decay groups, when the optimizer statement sets them."""
+    o, units = plan.schedule.optimizer, plan.graph.units
+    out = []
+    if o.warmup or o.decay != "constant":
+        rest = "constant" if o.decay == "constant" else \
+            f"{o.decay} to {o.min_lr:g}" + (f" over {o.decay_steps} steps" if o.decay_steps else "")
+        out.append(f"lr {o.lr:g}: warmup {min(o.warmup, plan.schedule.train.steps)} steps, then {rest} "
+                   f"(zdsl/lr.py)")
+    if any(u.decay is not None for u in units):
+        decay = sum(b - a for u in units for a, b in (u.decay if u.decay is not None else [(0, u.numel)]))
+        exempt = ", ".join([*o.no_decay, *(repr(g) for g in o.no_decay_names)])
+        out.append(f"weight decay {o.weight_decay:g} on {decay:,} parameters ({fmt_count(decay)}), "
+                   f"none on {plan.parameters - decay:,} ({fmt_count(plan.parameters - decay)}: {exempt})")
+    return out
+
+
 def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
     """The readable report: summary, memory per tier, communication, lanes."""
     from rich.console import Console
@@ -158,6 +175,8 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
     console.print(f"{len(g.units)} units, Ψ = {plan.parameters:,} parameters ({fmt_count(plan.parameters)}), "
                   f"{g.ranks} ranks, ZeRO stage {g.stage}, {g.precision}, {o.kind}, "
                   f"accumulate {g.accumulate}, {len(g.ops):,} ops")
+    for line in optimizer_lines(plan):
+        console.print(line)
 
     mem = Table(title="memory per rank", title_justify="left")
     worst = plan.working_worst
