@@ -48,7 +48,7 @@ def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
         return gpt_units(**{**GPT_DEFAULTS, **model_spec.args})
     with torch.device("meta"):
         model = build_model(model_spec, seed=0, base_dir=base_dir)
-    where = f'model "{model_spec.factory}"'
+    where = f'model hf("{model_spec.path}")' if model_spec.kind == "hf" else f'model "{model_spec.factory}"'
     units = check_model(model, where)
     uses = tied_uses(model, len(units))
     specs = [UnitSpec(name=f"unit.{i}", params=[(n, tuple(p.shape)) for n, p in u.named_parameters()],
