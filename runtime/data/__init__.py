@@ -1,4 +1,4 @@
-"""Built-in data sources: ``corpus("stdlib")``, ``corpus("PATH")`` and ``synthetic(...)``.
+"""Built-in data sources: ``corpus("stdlib")``, ``corpus("PATH")``, ``tokens("FILE")`` and ``synthetic(...)``.
 
 :func:`make_batch` is the only entry point the runtime and the DDP reference
 use. A batch is a pure function of (seed, step, micro-batch, global sample
@@ -9,6 +9,8 @@ the order in which ranks or threads ask.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -16,6 +18,9 @@ from zdsl.runtime.data.corpus import CorpusError
 
 from zdsl.runtime.data.corpus import corpus_tokens
 from zdsl.runtime.data.synthetic import synthetic_tokens
+from zdsl.runtime.data.tokens import TokenFileError
+from zdsl.runtime.data.tokens import check_token_file
+from zdsl.runtime.data.tokens import token_rows
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -69,11 +74,20 @@ def make_batch(spec, seed: int, step: int, micro: int, rank: int, ranks: int, ba
                               f"context={context} needs at least {context + 2}")
         starts = torch.from_numpy((keys % np.uint64(span)).astype(np.int64))
         rows = tokens[starts[:, None] + torch.arange(context + 1)].long()
+    elif spec.kind == "tokens":
+        _checked(spec.source, spec.dtype, vocab_size(spec), context)
+        rows = torch.from_numpy(token_rows(spec.source, spec.dtype, keys, context))
     elif spec.kind == "synthetic":
         rows = synthetic_tokens(keys, vocab_size(spec), context + 1)
     else:
-        raise ValueError(f"unknown data source {spec.kind!r} (expected corpus or synthetic)")
+        raise ValueError(f"unknown data source {spec.kind!r} (expected corpus, tokens or synthetic)")
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+@functools.lru_cache(maxsize=8)
+def _checked(path: str, dtype: str, vocab: int, context: int) -> None:
+    """Once per process: the launcher's check left its verdict beside the file, so this reads it."""
+    check_token_file(path, dtype, vocab, context)
 
 
 def make_batches(spec, seed: int, step: int, micro: int, rank: int, batch: int, ranks: int | None = None):
@@ -81,4 +95,4 @@ def make_batches(spec, seed: int, step: int, micro: int, rank: int, batch: int, 
     return make_batch(spec, seed, step, micro, rank, ranks if ranks is not None else rank + 1, batch)
 
 
-__all__ = ["make_batch", "make_batches", "vocab_size", "sample_keys", "CorpusError"]
+__all__ = ["make_batch", "make_batches", "vocab_size", "sample_keys", "CorpusError", "TokenFileError"]

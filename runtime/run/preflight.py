@@ -4,6 +4,8 @@
   (:mod:`zdsl.planner.machine_fit`); ``--ignore-limits`` starts them anyway.
 - ``--checkpoint-every`` needs a folder, and the folder must be writable: found
   here, not at the first save after minutes of training.
+- A ``data tokens(...)`` file must hold only ids below the vocab: scanned once, its verdict
+  cached beside the file (:mod:`zdsl.runtime.data.tokens`), so the ranks start at once.
 
 Under another launcher (torchrun: RANK set, not by ``zdsl run``) the ranks already
 exist: the fit is only a warning, on rank 0, which also checks the checkpoint folder.
@@ -70,6 +72,13 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
         return None                  # a rank of `zdsl run`, whose launcher checked all of this
     elif (env.raw("LOCAL_RANK") or rank) == "0":
         warn_unfit(compiled, overrides)
+    if compiled.schedule.data.kind == "tokens":      # ids below the vocab: one scan, its verdict cached
+        from zdsl.runtime.data.tokens import token_file_problem     # (imports torch: only when needed)
+        problem = token_file_problem(compiled.schedule.data)
+        if problem:
+            if rank in (None, "0"):
+                print(f"zdsl: error: {problem}", file=sys.stderr)
+            return EXIT_INVALID
     if rank in (None, "0"):
         problem = checkpoint_folder_unwritable(args, compiled.schedule)
         if problem:
