@@ -20,6 +20,7 @@ from zdsl.ir import TIERS
 from zdsl.ir import TaskGraph
 from zdsl.compile.models import run_context as schedule_context   # the planner sizes the same context
 from zdsl.observe.overlap import analyze
+from zdsl.lr import LrSchedule
 
 
 from zdsl.runtime.dist.affinity import set_cpu_threads
@@ -65,6 +66,7 @@ class StepMetrics:
     grad_norm: float | None
     peak_bytes: dict = field(default_factory=dict)   # rank -> tier -> bytes
     overlap: dict | None = None                      # efficiency, lower bound, rank 0's lanes and critical path
+    lr: float | None = None                          # the step's learning rate (zdsl/lr.py)
 
 
 def env_rank() -> tuple[int, int]:
@@ -139,6 +141,7 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
     records: list[tuple[int, StepRecord]] = []
     history: list[StepMetrics] = []
     say = (lambda text: print(f"zdsl: {text}", flush=True)) if rank == 0 else (lambda text: None)
+    rates = LrSchedule.of(cfg["optimizer"], steps)   # from the global step: a resumed run continues it
     first = 0
     if options.resume:
         from zdsl.runtime.checkpoint.checkpointer import resume
@@ -158,6 +161,9 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
     for step in range(first, steps):
         batches = [Batch.of(*make_batch(schedule.data, train["seed"], step, m, rank, world, batch)).to(device)
                    for m in range(acc)]
+        lr = rates.at(step)
+        for opt in state.optims:
+            opt.set_lr(lr)
         state.step_begin(step, batches)
         if executor.board is not None:
             executor.board[STEP] = step
@@ -173,6 +179,7 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
                           step_time=record.seconds) if (options.metrics or step == steps - 1) else None
         metrics = gather_metrics(step, record, result, state, world, device, tokens=batch * acc * context,
                                  overlap=overlap)
+        metrics.lr = lr
         history.append(metrics)
         if rank == 0 and reporter is not None:
             reporter.step(metrics)
@@ -217,7 +224,7 @@ def gather_metrics(step, record: StepRecord, result: dict, state, world, device,
 
 def metrics_line(m: StepMetrics) -> str:
     return json.dumps({"step": m.step, "loss": m.loss, "step_s": m.step_s, "tokens_per_s": m.tokens_per_s,
-                       "skipped": m.skipped, "grad_norm": m.grad_norm,
+                       "skipped": m.skipped, "grad_norm": m.grad_norm, "lr": m.lr,
                        "peak_bytes": {str(r): v for r, v in m.peak_bytes.items()}, "overlap": m.overlap})
 
 

@@ -19,6 +19,13 @@ through ``runtime/offload/host_adam.py``'s single-pass kernel, which is checked 
 load to give torch's single-tensor bits (about 2.5x faster than torch's
 seven kernels); the step count stays in the torch optimizer's state.
 
+The rate is set before every step from the schedule's formula (``set_lr``,
+zdsl/lr.py). Weight decay applies where the task graph says (``UnitInfo.decay``,
+zdsl/compile/decay.py): the shard is cut at the edges of those ranges into
+pieces, one Parameter each, in two param groups (decay and ``weight_decay=0``),
+which gives the bits of a torch optimizer with the same two groups over whole
+parameters.
+
 Gradient clipping follows ``torch.nn.utils.clip_grad_norm_``: coefficient
 ``max_norm / (total_norm + 1e-6)`` clamped at 1, multiplied into the
 gradients before the step.
@@ -59,22 +66,60 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
+def segment_decay(decay, layout, rank: int, whole: bool) -> list[tuple[int, int]] | None:
+    """A unit's decaying ranges (``UnitInfo.decay``: elements of its full flat buffer) as
+    ranges of its optimizer segment: the full buffer itself when ``whole`` (stage 0), else
+    the rank's shard (its slice of every part, in order). None stays None (all decay)."""
+    if decay is None:
+        return None
+    if whole:
+        return [(a, b) for a, b in decay]
+    out = []
+    for p, (a, b) in enumerate(layout.owned_full_ranges(rank)):
+        base = p * layout.part_shard_numel
+        out += [(max(lo, a) - a + base, min(hi, b) - a + base) for lo, hi in decay if max(lo, a) < min(hi, b)]
+    return out
+
+
+def _pieces(part_ranges, decay) -> list[tuple[int, int, int, bool]]:
+    """(part, start, end within the part, decays) of every piece a part is cut into."""
+    if decay is None:
+        return [(i, 0, b - a, True) for i, (a, b) in enumerate(part_ranges)]
+    out = []
+    for i, (a, b) in enumerate(part_ranges):
+        edges = sorted({a, b, *(x for r in decay for x in r if a < x < b)})
+        for lo, hi in zip(edges, edges[1:]):
+            decays = any(r0 <= lo and hi <= r1 for r0, r1 in decay)
+            out.append((i, lo - a, hi - a, decays))
+    return out
+
+
 class UnitOptimizer:
-    """torch.optim over the flat shard of one unit (one Parameter per bucket part).
+    """torch.optim over the flat shard of one unit (one Parameter per piece of a bucket part).
 
     ``part_ranges``: the (start, end) elements of each part within a segment
-    (the shard's part slices; at stage 0 the full buffer's parts).
+    (the shard's part slices; at stage 0 the full buffer's parts). ``decay``:
+    the segment's ranges weight decay applies to (``segment_decay``), None for all.
     """
 
-    def __init__(self, config: dict, part_ranges: list[tuple[int, int]], master: bool):
+    def __init__(self, config: dict, part_ranges: list[tuple[int, int]], master: bool,
+                 decay: list[tuple[int, int]] | None = None):
         self.config = config
         self.kind = config.get("kind", "adamw")
         self.names = state_names(self.kind, config.get("momentum", 0.0))
         self.master = master
         self.ranges = part_ranges
         self.numel = part_ranges[-1][1] if part_ranges else 0
-        self.params = [nn.Parameter(torch.zeros(b - a)) for a, b in part_ranges]
-        self.opt = make_torch_optimizer(self.params, config)
+        self.pieces = _pieces(part_ranges, decay)
+        self.params = [nn.Parameter(torch.zeros(hi - lo)) for _, lo, hi, _ in self.pieces]
+        if decay is None:
+            self.opt = make_torch_optimizer(self.params, config)
+        else:
+            groups = [{"params": [p for p, piece in zip(self.params, self.pieces) if piece[3] == want],
+                       "weight_decay": config.get("weight_decay", 0.0) if want else 0.0}
+                      for want in (True, False)]
+            self.opt = make_torch_optimizer([g for g in groups if g["params"]], config)
+        self._group = {id(p): g for g in self.opt.param_groups for p in g["params"]}
         self.fast_adam = self.kind in MOMENTS and not config.get("foreach") and not config.get("fused")
         self._plain_steps = 0   # SGD keeps no step count of its own
         for p in self.params:   # our state slices replace torch's lazy init (filled in bind)
@@ -102,18 +147,25 @@ class UnitOptimizer:
                 self.opt.state[p]["step"] = torch.tensor(float(steps))
         self._plain_steps = steps
 
+    def set_lr(self, lr: float) -> None:
+        """The rate of the coming step (every group: the schedule scales one rate)."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
     def master_parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[a:b] for a, b in self.ranges]
 
-    def _segment_parts(self, flat: torch.Tensor, k: int) -> list[torch.Tensor]:
+    def _segment_pieces(self, flat: torch.Tensor, k: int) -> list[torch.Tensor]:
         base = k * self.numel
-        return [flat[base + a:base + b] for a, b in self.ranges]
+        return [flat[base + self.ranges[i][0] + lo:base + self.ranges[i][0] + hi] for i, lo, hi, _ in self.pieces]
 
     def step(self, flat: torch.Tensor, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """One update. ``params``: the parts to update (the master parts when ``master``),
         fp32, contiguous; ``grads``: fp32 gradients, already unscaled and clipped."""
         first = 1 if self.master else 0
-        moments = [self._segment_parts(flat, first + k) for k in range(len(self.names))]
+        moments = [self._segment_pieces(flat, first + k) for k in range(len(self.names))]
+        params = [params[i][lo:hi] for i, lo, hi, _ in self.pieces]
+        grads = [grads[i][lo:hi] for i, lo, hi, _ in self.pieces]
         if self.fast_adam and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                                   for t in (*params, *grads, *moments[0], *moments[1])):
             self._host_adam(params, grads, moments)
@@ -134,9 +186,9 @@ class UnitOptimizer:
 
     def _host_adam(self, params, grads, moments) -> None:
         from zdsl.runtime.offload.host_adam import host_adamw_
-        group = self.opt.param_groups[0]
-        b1, b2 = group["betas"]
         for i, p in enumerate(self.params):
+            group = self._group[id(p)]
+            b1, b2 = group["betas"]
             state = self.opt.state[p]
             state["step"] += 1
             host_adamw_(params[i], grads[i], moments[0][i], moments[1][i], int(state["step"].item()),

@@ -42,6 +42,7 @@ from zdsl.runtime.state.flat import FlatParam
 from zdsl.runtime.state.flat import layout_of
 from zdsl.runtime.state.memory import MemoryMeter
 from zdsl.runtime.state.optim import UnitOptimizer
+from zdsl.runtime.state.optim import segment_decay
 from zdsl.runtime.state.precision import compute_dtype
 from zdsl.runtime.state.transfers import Transfers
 from zdsl.runtime.state.views import StateViews
@@ -117,7 +118,8 @@ class RankState:
             self.table.flats.append(fp)
             ranges = ([lay.full_range(p) for p in range(lay.parts)] if self.stage == 0   # stage 0: whole unit
                       else [lay.shard_range(p) for p in range(lay.parts)])
-            opt = UnitOptimizer(self.opt_config, ranges, master=info.master)
+            opt = UnitOptimizer(self.opt_config, ranges, master=info.master,
+                                decay=segment_decay(info.decay, lay, rank, whole=self.stage == 0))
             for p in opt.params:    # placeholders (each step points them at the real slices): a
                 p.data = torch.empty(0)   # shard-size fp32 zero per unit would be 4 bytes/param held
             self.table.optims.append(opt)
