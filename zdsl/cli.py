@@ -38,7 +38,7 @@ DELEGATED = {                         # subcommand -> the module whose main(argv
 }
 DELEGATED_HELP = {
     "run": "train with a schedule (one process per rank)",
-    "export": "write a checkpoint as a plain state dict (safetensors)",
+    "export": "write a checkpoint as a plain state dict (safetensors) or a Hugging Face folder",
     "inspect": "show what a checkpoint holds",
     "calibrate": "measure this machine and write a `machine` profile",
     "tune": "try prefetch/bucket/... variants, predicted then measured",

@@ -75,7 +75,8 @@ class Checkpointer:
             "loss_scaler": state.scaler.__dict__.copy() if getattr(state.scaler, "enabled", False) else None,
             "aliases": dict(state.aliases),
             "extra": {"optimizer_steps": state.optimizer_steps(), "stage": self.graph.stage,
-                      "precision": self.graph.precision, "optimizer": dict(state.opt_config)},
+                      "precision": self.graph.precision, "optimizer": dict(state.opt_config),
+                      "model": self.graph.config.get("model")},   # what export --format hf rebuilds
         }
         cost = SaveCost(completed, blocking_s=time.perf_counter() - t0,
                         bytes=sum(t.numel() * t.element_size() for t in shards.values()))

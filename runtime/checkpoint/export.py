@@ -13,6 +13,8 @@ model's persistent buffers, which each rank saves as ``buffer.NAME`` (rank
 0's are exported). The header is known from the index before any data is
 read, so the file is written unit by unit: host memory holds one unit's
 full buffer and one saved shard at a time, whatever the model's size.
+A ``model hf(...)`` model can instead go back to a Hugging Face folder
+under HF's names (``--format hf``: export_hf.py).
 """
 from __future__ import annotations
 
@@ -65,6 +67,18 @@ def _out_dtype(dtype, unit_dtype: str) -> torch.dtype:
         raise CheckpointError(f"export dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}") from None
 
 
+def param_entries(unit) -> list[tuple[str, tuple, int, int]]:
+    """(name, shape, offset, numel) of each parameter in ``unit``'s (a ``UnitMeta``) flat buffer."""
+    out, off = [], 0
+    for name, shape in unit.params:
+        n = 1
+        for s in shape:
+            n *= s
+        out.append((name, tuple(shape), off, n))
+        off += n
+    return out
+
+
 def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[str]:
     """Write checkpoint ``ckpt_path``'s parameters to ``out_file`` (atomically); returns the keys written.
 
@@ -80,16 +94,12 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
         if shard_key(i, "param") not in rec0.tensors:
             raise CheckpointError(f"{ckpt / rec0.name}: holds no parameters for unit {i} ({shard_key(i, 'param')})")
         out_dtype = _out_dtype(dtype, unit.dtype)
-        entries, off = [], 0
-        for (name, shape), key in zip(unit.params, unit.state_dict_keys()):
-            n = 1
-            for s in shape:
-                n *= s
+        entries = []
+        for (_, shape, off, n), key in zip(param_entries(unit), unit.state_dict_keys()):
             keys = [key] + [a for a, src in index.aliases.items() if src == key]
             for k in keys:
                 entries.append((k, shape, out_dtype, off, n))
                 specs.append((k, dtype_code(out_dtype), tuple(shape)))
-            off += n
         plan.append(entries)
     buffers = []        # (key in rank 0's file, state-dict name, dtype)
     for key, entry in rec0.tensors.items():
@@ -131,13 +141,26 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
 
 
 def main(argv=None) -> int:
-    """``python -m zdsl.runtime.checkpoint.export DIR -o model.safetensors [--dtype bf16]``."""
-    ap = argparse.ArgumentParser(prog="zdsl export", description="consolidate a checkpoint into one safetensors file")
+    """``zdsl export DIR -o model.safetensors [--dtype bf16]``, or ``-o FOLDER --format hf``."""
+    from zdsl.runtime.checkpoint.export_hf import DEFAULT_MAX_SHARD_SIZE
+    from zdsl.runtime.checkpoint.export_hf import FORMATS
+    from zdsl.runtime.checkpoint.export_hf import export_hf
+    ap = argparse.ArgumentParser(prog="zdsl export", description="consolidate a checkpoint into one safetensors "
+                                 "file, or (--format hf) a Hugging Face model folder")
     ap.add_argument("checkpoint", help="a step-* folder, or a checkpoint root (the newest complete one is used)")
-    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("-o", "--output", required=True, help="the .safetensors file; with --format hf, a folder")
     ap.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="fp32")
+    ap.add_argument("--format", choices=FORMATS, default="plain",
+                    help="plain: the model's state dict (default); hf: a folder from_pretrained loads "
+                         "(`model hf(...)` models)")
+    ap.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+                    help=f"--format hf: split the weights into files of at most SIZE (default {DEFAULT_MAX_SHARD_SIZE})")
     args = ap.parse_args(argv)
     try:
+        if args.format == "hf":
+            files = export_hf(args.checkpoint, args.output, args.dtype, max_shard_size=args.max_shard_size)
+            print(f"wrote {args.output}: {', '.join(files)} ({args.dtype})")
+            return 0
         keys = export(args.checkpoint, args.output, args.dtype)
     except CheckpointError as e:
         print(f"zdsl export: error: {e}", file=sys.stderr)

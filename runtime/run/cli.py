@@ -26,7 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-steps", type=int, default=3, metavar="N",
                    help="steps the trace keeps, the last N (default 3)")
     p.add_argument("--timeline", metavar="OUT.svg", help="picture of one measured step")
-    p.add_argument("--export", metavar="OUT.safetensors", help="final full fp32 state dict")
+    p.add_argument("--export", metavar="OUT.safetensors", help="final full fp32 state dict "
+                   "(with --format hf: a Hugging Face model folder)")
+    p.add_argument("--format", choices=("plain", "hf"), default="plain",
+                   help="--export as the model's state dict (plain, default) or a folder from_pretrained "
+                        "loads (hf: `model hf(...)` models)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="--format hf: split the weights into files of at most SIZE (default 5GB)")
     p.add_argument("--checkpoint-every", type=int, metavar="N", help="save a checkpoint every N steps")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go (default: the schedule's)")
     p.add_argument("--keep", type=int, metavar="K", help="keep the last K complete checkpoints")
@@ -68,12 +74,18 @@ def run_command(argv: list[str] | None) -> int:
         parser.error("--trace-steps must be at least 1")
     if args.fresh_optimizer and not args.resume:
         parser.error("--fresh-optimizer starts a resumed run's optimizer afresh: give --resume CHECKPOINT")
+    if args.format == "hf":
+        check_hf_export(args, parser)
     compiled = compile_file(args.file, overrides, simulate=False)
     rank = env.raw("RANK")
     if rank in (None, "0") or not compiled.ok:
         report(compiled)          # errors and warnings once, not once per rank
     if not compiled.ok:
         return status_of(compiled)
+    if args.format == "hf" and compiled.schedule.model.kind != "hf":
+        from zdsl.runtime.checkpoint.export_hf import not_hf_error
+        print(f"zdsl run: error: {not_hf_error(compiled.schedule.model.kind)}", file=sys.stderr)
+        return 2
     from zdsl.runtime.run.preflight import preflight
     refused = preflight(compiled, args, overrides)   # before any rank starts (or, in a rank, before step 1)
     if refused is not None:
@@ -108,7 +120,8 @@ def run_one_rank(compiled, args) -> int:
     rank = int(env.raw("RANK"))
     configure_rank_logging(rank)
     spec = compiled.schedule.checkpoint
-    options = RunOptions(metrics=args.metrics, trace=args.trace, timeline=args.timeline, export=args.export,
+    export = hf_staging(args.export, rank) if args.format == "hf" else args.export
+    options = RunOptions(metrics=args.metrics, trace=args.trace, timeline=args.timeline, export=export,
                          progress=not args.quiet, timeout_s=args.timeout, resume=args.resume,
                          fresh_optimizer=args.fresh_optimizer,
                          trace_steps=args.trace_steps,
@@ -135,6 +148,43 @@ def run_one_rank(compiled, args) -> int:
     finally:
         if reporter is not None:
             reporter.close(finished=finished)      # a summary only for a run that finished
+    if args.format == "hf" and rank == 0:
+        return export_hf_folder(compiled, args, export)
+    return 0
+
+
+def check_hf_export(args, parser) -> None:
+    """``--format hf``'s arguments, before anything trains."""
+    from zdsl.runtime.checkpoint.errors import CheckpointError
+    from zdsl.runtime.checkpoint.export_hf import parse_size
+    if not args.export:
+        parser.error("--format hf says how --export writes: give --export DIR")
+    try:
+        parse_size(args.max_shard_size)
+    except CheckpointError as exc:
+        parser.error(str(exc))
+
+
+def hf_staging(folder: str, rank: int) -> str:
+    """Where the run's plain state dict goes before ``--format hf`` converts it (in the folder)."""
+    from pathlib import Path
+    if rank == 0:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    return str(Path(folder) / ".zdsl-state.safetensors")
+
+
+def export_hf_folder(compiled, args, staged: str) -> int:
+    """Rank 0, after training: the plain state dict ``staged`` becomes the HF folder ``--export``."""
+    from pathlib import Path
+    from zdsl.runtime.checkpoint.errors import CheckpointError
+    from zdsl.runtime.checkpoint.export_hf import convert_state_dict
+    try:
+        convert_state_dict(staged, compiled.graph.config["model"], args.export,
+                           max_shard_size=args.max_shard_size)
+    except CheckpointError as exc:
+        return fail(0, f"rank 0: export --format hf: {exc}")
+    finally:
+        Path(staged).unlink(missing_ok=True)
     return 0
 
 
