@@ -40,7 +40,8 @@ class Reporter:
             self.metrics.flush()
         mem = max((p.get("device", 0) for p in m.peak_bytes.values()), default=0)
         host = max((p.get("host", 0) for p in m.peak_bytes.values()), default=0)
-        info = (f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {m.step_s * 1000:.0f} ms"
+        info = (f"loss {m.loss:.4f}" + (f"  lr {m.lr:.3g}" if m.lr is not None else "")
+                + f"  {m.tokens_per_s:,.0f} tok/s  {m.step_s * 1000:.0f} ms"
                 f"  device {human_bytes(mem)}  host {human_bytes(host)}" + ("  [overflow: step skipped]" if m.skipped else ""))
         if self.progress is not None:
             self.progress.update(self.task, advance=1, info=info)
