@@ -24,7 +24,8 @@ from zdsl.ir import TIERS
 OVERRIDE_FILE = "--set"
 
 TRAIN_KEYS = ("steps", "batch", "accumulate", "precision", "seed")
-OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "clip")
+OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "clip", "warmup", "decay", "min_lr",
+                  "decay_steps", "no_decay")
 MACHINE_KEYS = tuple(key for key, _ in MACHINE_OPTIONS)
 OFFLOAD_KEYS = ("pinned", "ratio", "block", "depth")
 # Statements replaced whole by ``--set KEYWORD=REST`` (the rest of the statement's line).
