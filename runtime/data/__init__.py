@@ -20,9 +20,10 @@ from zdsl.runtime.data.corpus import corpus_tokens
 from zdsl.runtime.data.synthetic import synthetic_tokens
 from zdsl.runtime.data.tokens import TokenFileError
 from zdsl.runtime.data.tokens import check_token_file
-from zdsl.runtime.data.tokens import token_rows
+from zdsl.runtime.data.tokens import open_token_file
 
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+_MASK_INT = 0xFFFFFFFFFFFFFFFF
+_MASK = np.uint64(_MASK_INT)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -34,13 +35,21 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def _splitmix64_int(x: int) -> int:
+    """:func:`_splitmix64` of one value in Python integers (the same bits, without numpy's per-call cost)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK_INT
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_INT
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK_INT
+    return x ^ (x >> 31)
+
+
 def sample_keys(seed: int, step: int, micro: int, first: int, count: int) -> np.ndarray:
     """One 64-bit key per global sample ``first .. first+count-1`` of a micro-batch."""
-    key = np.uint64(seed & 0xFFFFFFFF)
+    key = seed & 0xFFFFFFFF
     for part in (step, micro):
-        key = _splitmix64(np.array([key ^ np.uint64(part & 0xFFFFFFFFFFFF)], dtype=np.uint64))[0]
+        key = _splitmix64_int(key ^ (part & 0xFFFFFFFFFFFF))
     samples = np.arange(first, first + count, dtype=np.uint64)
-    return _splitmix64(samples ^ key)
+    return _splitmix64(samples ^ np.uint64(key))
 
 
 def _arg(spec, name: str) -> int:
@@ -76,7 +85,9 @@ def make_batch(spec, seed: int, step: int, micro: int, rank: int, ranks: int, ba
         rows = tokens[starts[:, None] + torch.arange(context + 1)].long()
     elif spec.kind == "tokens":
         _checked(spec.source, spec.dtype, vocab_size(spec), context)
-        rows = torch.from_numpy(token_rows(spec.source, spec.dtype, keys, context))
+        tokens = open_token_file(spec.source, spec.dtype)
+        rows = torch.from_numpy(tokens.rows(keys, context))
+        tokens.prefetch(sample_keys(seed, step + 1, micro, rank * batch, batch), context)   # read during the step
     elif spec.kind == "synthetic":
         rows = synthetic_tokens(keys, vocab_size(spec), context + 1)
     else:

@@ -4,7 +4,9 @@ nanoGPT's ``train.bin`` (uint16) and Megatron's raw format. The file is
 memory-mapped, never read whole: a batch reads only its windows' pages. The
 sample with key ``k`` is the window of ``context + 1`` tokens starting at
 ``k mod (n - context)`` for a file of ``n`` tokens (every start nanoGPT's
-``randint(len(data) - block_size)`` can draw).
+``randint(len(data) - block_size)`` can draw). The next step's windows are known
+at once, so each batch asks the kernel to start reading them (:meth:`TokenFile.prefetch`):
+a file not in the page cache is read while the step computes.
 
 Every id must be below the vocab. :func:`check_token_file` proves it once: numpy's
 max per chunk, the first offending offset searched only when a chunk's max fails.
@@ -43,24 +45,50 @@ def numpy_dtype(dtype: str) -> np.dtype:
     return np.dtype(f"<u{TOKEN_DTYPES[dtype]}")
 
 
-def token_memmap(path: str, dtype: str) -> np.memmap:
-    """The whole file as a read-only memmap (pages load on touch), one per process and version."""
+class TokenFile:
+    """One open token file: its read-only memmap (pages load on touch) and a descriptor for read-ahead."""
+
+    def __init__(self, path: str, dtype: str, size: int):
+        kind = numpy_dtype(dtype)
+        if size == 0:
+            raise TokenFileError(f"token file {path} is empty (0 bytes)")
+        if size % kind.itemsize:
+            raise TokenFileError(f"token file {path} holds {size} bytes, not a whole number of {dtype} "
+                                 f"tokens ({kind.itemsize} bytes each)")
+        self.data = np.memmap(path, dtype=kind, mode="r")
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __del__(self):
+        with contextlib.suppress(AttributeError, OSError):
+            os.close(self.fd)
+
+    def rows(self, keys: np.ndarray, context: int) -> np.ndarray:
+        """``(len(keys), context + 1)`` int64 windows, a pure function of the keys."""
+        starts = window_starts(keys, len(self.data), context)
+        rows = np.empty((len(keys), context + 1), dtype=np.int64)
+        for row, start in zip(rows, starts.tolist()):     # one contiguous slice per sample: its pages only
+            row[:] = self.data[start:start + context + 1]
+        return rows
+
+    def prefetch(self, keys: np.ndarray, context: int) -> None:
+        """Ask the kernel to start reading these windows (``POSIX_FADV_WILLNEED``) and return at once."""
+        width = self.data.dtype.itemsize
+        for start in window_starts(keys, len(self.data), context).tolist():
+            os.posix_fadvise(self.fd, start * width, (context + 1) * width, os.POSIX_FADV_WILLNEED)
+
+
+def open_token_file(path: str, dtype: str) -> TokenFile:
+    """The file, opened once per process and version (size, mtime)."""
     try:
         st = os.stat(path)
     except OSError as exc:
         raise TokenFileError(f"token file {path}: {exc.strerror or exc}") from None
-    return _memmap(path, dtype, st.st_size, st.st_mtime_ns)
+    return _open(path, dtype, st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=8)
-def _memmap(path: str, dtype: str, size: int, mtime_ns: int) -> np.memmap:
-    kind = numpy_dtype(dtype)
-    if size == 0:
-        raise TokenFileError(f"token file {path} is empty (0 bytes)")
-    if size % kind.itemsize:
-        raise TokenFileError(f"token file {path} holds {size} bytes, not a whole number of {dtype} "
-                             f"tokens ({kind.itemsize} bytes each)")
-    return np.memmap(path, dtype=kind, mode="r")
+def _open(path: str, dtype: str, size: int, mtime_ns: int) -> TokenFile:
+    return TokenFile(path, dtype, size)
 
 
 def window_starts(keys: np.ndarray, tokens: int, context: int) -> np.ndarray:
@@ -69,16 +97,6 @@ def window_starts(keys: np.ndarray, tokens: int, context: int) -> np.ndarray:
     if span <= 0:
         raise TokenFileError(f"a file of {tokens} tokens has no window of context+1 = {context + 1}")
     return (keys % np.uint64(span)).astype(np.int64)
-
-
-def token_rows(path: str, dtype: str, keys: np.ndarray, context: int) -> np.ndarray:
-    """``(len(keys), context + 1)`` int64 windows of the file, a pure function of the keys."""
-    data = token_memmap(path, dtype)
-    starts = window_starts(keys, len(data), context)
-    rows = np.empty((len(keys), context + 1), dtype=np.int64)
-    for row, start in zip(rows, starts):     # one contiguous slice per sample: its pages only
-        row[:] = data[start:start + context + 1]
-    return rows
 
 
 # -- the one-time check: every id below the vocab --------------------------------------
@@ -137,7 +155,7 @@ def first_at_or_above(data: np.ndarray, vocab: int, chunk: int = CHUNK_TOKENS) -
 def check_token_file(path: str, dtype: str, vocab: int, context: int | None = None) -> int:
     """Raise :class:`TokenFileError` unless every id is below ``vocab`` (and the file holds a
     window of ``context + 1`` tokens); return the largest id. Cached beside the file."""
-    data = token_memmap(path, dtype)
+    data = open_token_file(path, dtype).data
     if context is not None and len(data) < context + 1:
         raise TokenFileError(f"token file {path} holds {len(data)} tokens; context={context} needs "
                              f"at least {context + 1}")

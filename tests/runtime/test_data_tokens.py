@@ -154,3 +154,33 @@ def test_where_the_files_folder_cannot_take_the_verdict_zdsls_cache_keeps_it(tmp
     monkeypatch.setattr(tokens_module, "scan_max", lambda data, *a: scans.append(1) or 0)
     check_token_file(path, "uint16", 100)
     assert scans == []
+
+
+def test_each_batch_asks_the_kernel_for_the_next_steps_windows(tmp_path, monkeypatch):
+    path, _ = token_file(tmp_path, "uint32", 4000, 1000)
+    s = spec(path, "uint32", 1000)
+    make_batch(s, 3, 5, 1, 1, 2, 4)                  # opened and checked before recording
+    hints = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: hints.append((offset, length, advice)))
+    make_batch(s, 3, 5, 1, 1, 2, 4)
+    keys = sample_keys(3, 6, 1, 4, 4)              # step 6, same micro-batch and samples
+    starts = (keys % np.uint64(4000 - CONTEXT)).astype(np.int64)
+    assert hints == [(int(a) * 4, (CONTEXT + 1) * 4, os.POSIX_FADV_WILLNEED) for a in starts]
+
+
+def test_sample_keys_are_the_splitmix_chain_over_seed_step_micro_then_sample():
+    """The keys every source draws from, against the hash written out with numpy scalars."""
+    from zdsl.runtime.data import _splitmix64
+
+    def reference(seed, step, micro, first, count):
+        key = np.uint64(seed & 0xFFFFFFFF)
+        for part in (step, micro):
+            key = _splitmix64(np.array([key ^ np.uint64(part & 0xFFFFFFFFFFFF)], dtype=np.uint64))[0]
+        return _splitmix64(np.arange(first, first + count, dtype=np.uint64) ^ key)
+
+    rng = np.random.default_rng(0)
+    for seed, step in [(0, 0), (2**32 - 1, 2**48 - 1), (2**63 - 1, 12345)] + \
+            [(int(a), int(b)) for a, b in rng.integers(0, 2**62, (20, 2))]:
+        for micro, first, count in [(0, 0, 1), (3, 8, 5), (63, 1 << 20, 2)]:
+            assert np.array_equal(sample_keys(seed, step, micro, first, count),
+                                  reference(seed, step, micro, first, count))
