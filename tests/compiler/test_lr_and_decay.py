@@ -85,6 +85,12 @@ def test_warmup_longer_than_training_warns_as_torchtitan_does():
     assert (w.span.line, w.span.column) == (4, 33) and "longer than the 10 training steps" in w.message
 
 
+def test_no_decay_without_weight_decay_warns():
+    _, diags = check_text(HEADER + "optimizer adamw(lr=1e-3, no_decay=(biases, norms))\n", "t.zs")
+    (w,) = [d for d in diags if d.severity == "warning"]
+    assert (w.span.line, w.span.column) == (4, 26) and "no_decay has no effect" in w.message
+
+
 def test_unmatched_glob_is_positioned_with_the_closest_names(tmp_path):
     path = tmp_path / "t.zs"
     path.write_text(HEADER + 'optimizer adamw(lr=1e-3, weight_decay=0.1, no_decay=(norms, "*c_atn*"))\n')

@@ -472,6 +472,9 @@ class Checker(PlacementChecks):
             if value is not None:
                 setattr(o, key, value)
         self._lr_schedule(o, given)
+        if "no_decay" in given and o.weight_decay == 0:
+            self.r.warn(given["no_decay"].span, "no_decay has no effect: no parameter decays without "
+                                                "weight_decay", hint="add e.g. weight_decay=0.1")
         self.s.optimizer = o
 
     def _lr_schedule(self, o: OptimizerSpec, given: dict) -> None:
