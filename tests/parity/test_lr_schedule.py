@@ -114,6 +114,7 @@ CASES = {   # name: (optimizer, --set overrides)
     "zero3": ("adamw", []),
     "zero3_optimizer_on_host": ("adamw", ["offload.optimizer=cpu"]),
     "zero3_optimizer_on_nvme": ("adamw", ["offload.optimizer=nvme"]),
+    "zero2_buckets": ("adamw", ["zero=2", "bucket=4KiB"]),     # pieces cut at part edges and decay edges
     "zero1_sgd": ("sgd", ["zero=1"]),
 }
 
