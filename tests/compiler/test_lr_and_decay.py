@@ -152,8 +152,10 @@ def test_plan_lists_the_groups_and_the_rate(tmp_path):
     path.write_text(HEADER + "optimizer adamw(lr=1e-3, weight_decay=0.1, warmup=2, decay=cosine, min_lr=1e-4, "
                              "no_decay=(biases, norms))\n")
     c = compile_file(str(path), {}, simulate=True)
-    text = render_plan(build_plan(c.graph, c.schedule, c.sim))
+    plan = build_plan(c.graph, c.schedule, c.sim)
+    text = render_plan(plan)
     g = decay_groups(UNITS, ("biases", "norms"), ())
+    assert plan.to_json()["weight_decay_groups"] == {"decay": g.decay, "no_decay": sum(g.exempt.values())}
     assert f"weight decay 0.1 on {g.decay:,} parameters" in text
     assert f"none on {sum(g.exempt.values()):,}" in text and "biases, norms" in text
     assert "lr 0.001: warmup 2 steps, then cosine to 0.0001" in text

@@ -91,6 +91,14 @@ class Plan:
             out[kind] = out.get(kind, 0.0) + float(self.sim.duration[i])
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
+    def decay_split(self) -> dict[str, int] | None:
+        """Parameters weight decay applies to and those exempt (``no_decay``), or None without groups."""
+        units = self.graph.units
+        if all(u.decay is None for u in units):
+            return None
+        decay = sum(b - a for u in units for a, b in (u.decay if u.decay is not None else [(0, u.numel)]))
+        return {"decay": decay, "no_decay": self.parameters - decay}
+
     def to_json(self) -> dict:
         g, sim = self.graph, self.sim
         memory = sim.memory.to_json()
@@ -102,6 +110,8 @@ class Plan:
             for tier, row in memory.items():
                 row["working_worst"] = worst.get(tier, 0)
         extra = {} if worst is not None else {"working_worst_note": self.working_worst_note()}
+        if self.decay_split() is not None:
+            extra["weight_decay_groups"] = self.decay_split()
         return {
             "schedule": g.schedule,
             "file": self.schedule.file,
@@ -146,18 +156,19 @@ def fmt_s(s: float) -> str:
 
 def optimizer_lines(plan: Plan) -> list[str]:
     """The rate schedule and the weight decay groups, when the optimizer statement sets them."""
-    o, units = plan.schedule.optimizer, plan.graph.units
+    o = plan.schedule.optimizer
     out = []
     if o.warmup or o.decay != "constant":
         rest = "constant" if o.decay == "constant" else \
             f"{o.decay} to {o.min_lr:g}" + (f" over {o.decay_steps} steps" if o.decay_steps else "")
         out.append(f"lr {o.lr:g}: warmup {min(o.warmup, plan.schedule.train.steps)} steps, then {rest} "
                    f"(zdsl/lr.py)")
-    if any(u.decay is not None for u in units):
-        decay = sum(b - a for u in units for a, b in (u.decay if u.decay is not None else [(0, u.numel)]))
+    split = plan.decay_split()
+    if split is not None:
+        decay, none = split["decay"], split["no_decay"]
         exempt = ", ".join([*o.no_decay, *(repr(g) for g in o.no_decay_names)])
         out.append(f"weight decay {o.weight_decay:g} on {decay:,} parameters ({fmt_count(decay)}), "
-                   f"none on {plan.parameters - decay:,} ({fmt_count(plan.parameters - decay)}: {exempt})")
+                   f"none on {none:,} ({fmt_count(none)}: {exempt})")
     return out
 
 
