@@ -105,12 +105,12 @@ def timed(run, path: Path, cold: bool) -> float:
     return time.perf_counter() - start
 
 
-def measured_step_s(schedule: Path, steps: int, warmup: int, sets: list[str]) -> float | None:
+def measured_step_s(schedule: Path, steps: int, warmup: int) -> float | None:
     """Median step_s of ``zdsl run --metrics`` after ``warmup`` steps; None if the run fails."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         command = [sys.executable, "-m", "zdsl.cli", "run", str(schedule), "--quiet", "--metrics", str(metrics),
-                   "--set", f"steps={steps + warmup}", *[a for s in sets for a in ("--set", s)]]
+                   "--set", f"steps={steps + warmup}"]
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"  zdsl run {schedule.name} failed: {proc.stderr.strip()[-300:]}")
@@ -180,8 +180,8 @@ def main() -> None:
         if args.no_steps:
             return
         print("\nstep times: zdsl run --metrics, 2 ranks, median step_s after 2 warm-up steps")
-        steps = {"quickstart": measured_step_s(QUICK, 10, 2, []),
-                 "vs_peers": measured_step_s(vs_peers_schedule(Path(tmp)), 4, 2, [])}
+        steps = {"quickstart": measured_step_s(QUICK, 10, 2),
+                 "vs_peers": measured_step_s(vs_peers_schedule(Path(tmp)), 4, 2)}
         print(f"{'size':<14}{'cache':<6}{'step ms':>9}{'first ms':>10}{'data ms':>9}{'share':>9}   (data: "
               f"median over the {args.share_steps} steps after the first; target <= 2%)")
         for name, batch, accumulate, context in SIZES:
