@@ -184,3 +184,35 @@ def test_sample_keys_are_the_splitmix_chain_over_seed_step_micro_then_sample():
         for micro, first, count in [(0, 0, 1), (3, 8, 5), (63, 1 << 20, 2)]:
             assert np.array_equal(sample_keys(seed, step, micro, first, count),
                                   reference(seed, step, micro, first, count))
+
+
+RANK_CODE = """
+import sys, time
+from pathlib import Path
+from zdsl.runtime.data import tokens
+folder, path, ranks = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+real = tokens.scan_max
+def counted(data, *rest):
+    with open(folder / "scans", "a") as log:
+        log.write("scan\\n")
+    time.sleep(0.5)                                  # long enough for the others to arrive meanwhile
+    return real(data, *rest)
+tokens.scan_max = counted
+(folder / f"ready{sys.argv[4]}").touch()
+while len(list(folder.glob("ready*"))) < ranks:      # start together, as ranks under torchrun do
+    time.sleep(0.01)
+print(tokens.check_token_file(path, "uint16", 1000))
+"""
+
+
+@pytest.mark.slow      # spawns 3 processes
+def test_ranks_started_together_scan_the_file_once(tmp_path):
+    import subprocess
+    import sys
+    path, ids = token_file(tmp_path, "uint16", 100_000, 1000)
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_CODE, str(tmp_path), path, "3", str(r)],
+                              stdout=subprocess.PIPE, text=True) for r in range(3)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert [int(o) for o in outs] == [int(ids.max())] * 3
+    assert (tmp_path / "scans").read_text().count("scan") == 1
