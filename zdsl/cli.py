@@ -31,7 +31,7 @@ from zdsl.log import configure_logging
 
 DELEGATED = {                         # subcommand -> the module whose main(argv) runs it
     "run": "zdsl.runtime.run.cli",
-    "export": "zdsl.runtime.checkpoint.export",
+    "export": "zdsl.runtime.checkpoint.export_cli",
     "inspect": "zdsl.runtime.checkpoint.inspect",
     "calibrate": "zdsl.runtime.calibrate.cli",
     "tune": "zdsl.tune.cli",

@@ -18,9 +18,6 @@ under HF's names (``--format hf``: export_hf.py).
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -56,7 +53,8 @@ def resolve(path) -> Path:
     return found
 
 
-def _out_dtype(dtype, unit_dtype: str) -> torch.dtype:
+def export_dtype(dtype, unit_dtype: str) -> torch.dtype:
+    """The torch dtype an export writes: ``dtype`` (a name, a torch dtype) or, for None, the unit's."""
     if dtype is None:
         return getattr(torch, unit_dtype)
     if isinstance(dtype, torch.dtype):
@@ -93,7 +91,7 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
     for i, unit in enumerate(index.units):
         if shard_key(i, "param") not in rec0.tensors:
             raise CheckpointError(f"{ckpt / rec0.name}: holds no parameters for unit {i} ({shard_key(i, 'param')})")
-        out_dtype = _out_dtype(dtype, unit.dtype)
+        out_dtype = export_dtype(dtype, unit.dtype)
         entries = []
         for (_, shape, off, n), key in zip(param_entries(unit), unit.state_dict_keys()):
             keys = [key] + [a for a, src in index.aliases.items() if src == key]
@@ -105,7 +103,7 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
     for key, entry in rec0.tensors.items():
         if key.startswith(BUFFER_PREFIX):
             saved = torch_dtype(entry.dtype, key)
-            out_dtype = _out_dtype(dtype, "") if dtype is not None and saved.is_floating_point else saved
+            out_dtype = export_dtype(dtype, "") if dtype is not None and saved.is_floating_point else saved
             buffers.append((key, key[len(BUFFER_PREFIX):], out_dtype))
             specs.append((key[len(BUFFER_PREFIX):], dtype_code(out_dtype), tuple(entry.shape)))
     known = {k for k, _, _ in specs}
@@ -138,36 +136,3 @@ def export(ckpt_path, out_file, dtype="fp32", *, verify: bool = True) -> list[st
     finally:
         files.close()
     return [k for k, _, _ in specs]
-
-
-def main(argv=None) -> int:
-    """``zdsl export DIR -o model.safetensors [--dtype bf16]``, or ``-o FOLDER --format hf``."""
-    from zdsl.runtime.checkpoint.export_hf import DEFAULT_MAX_SHARD_SIZE
-    from zdsl.runtime.checkpoint.export_hf import FORMATS
-    from zdsl.runtime.checkpoint.export_hf import export_hf
-    ap = argparse.ArgumentParser(prog="zdsl export", description="consolidate a checkpoint into one safetensors "
-                                 "file, or (--format hf) a Hugging Face model folder")
-    ap.add_argument("checkpoint", help="a step-* folder, or a checkpoint root (the newest complete one is used)")
-    ap.add_argument("-o", "--output", required=True, help="the .safetensors file; with --format hf, a folder")
-    ap.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="fp32")
-    ap.add_argument("--format", choices=FORMATS, default="plain",
-                    help="plain: the model's state dict (default); hf: a folder from_pretrained loads "
-                         "(`model hf(...)` models)")
-    ap.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
-                    help=f"--format hf: split the weights into files of at most SIZE (default {DEFAULT_MAX_SHARD_SIZE})")
-    args = ap.parse_args(argv)
-    try:
-        if args.format == "hf":
-            files = export_hf(args.checkpoint, args.output, args.dtype, max_shard_size=args.max_shard_size)
-            print(f"wrote {args.output}: {', '.join(files)} ({args.dtype})")
-            return 0
-        keys = export(args.checkpoint, args.output, args.dtype)
-    except CheckpointError as e:
-        print(f"zdsl export: error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {len(keys)} tensors to {args.output} ({os.path.getsize(args.output)} bytes, {args.dtype})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

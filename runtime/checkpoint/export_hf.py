@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 
 from zdsl.runtime.checkpoint.errors import CheckpointError
+from zdsl.runtime.checkpoint.export import export_dtype
+from zdsl.runtime.checkpoint.export import param_entries
+from zdsl.runtime.checkpoint.export import resolve
 from zdsl.runtime.checkpoint.index import unit_prefixes
+from zdsl.runtime.checkpoint.reader import full_unit
+from zdsl.runtime.checkpoint.reader import open_files
+from zdsl.runtime.checkpoint.reader import read_index
 from zdsl.runtime.checkpoint.stformat import _nbytes as tensor_bytes
 from zdsl.runtime.checkpoint.stformat import build_header
 from zdsl.runtime.checkpoint.stformat import byte_view
@@ -150,12 +156,6 @@ def write_hf_folder(out_dir, config, specs: list[tuple[str, str, tuple]], tensor
 def export_hf(ckpt_path, out_dir, dtype="fp32", *, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
               verify: bool = True) -> list[str]:
     """Write checkpoint ``ckpt_path``'s model as an HF folder ``out_dir``; returns the files written."""
-    from zdsl.runtime.checkpoint.export import _out_dtype
-    from zdsl.runtime.checkpoint.export import param_entries
-    from zdsl.runtime.checkpoint.export import resolve
-    from zdsl.runtime.checkpoint.reader import full_unit
-    from zdsl.runtime.checkpoint.reader import open_files
-    from zdsl.runtime.checkpoint.reader import read_index
     ckpt = resolve(ckpt_path)
     index = read_index(ckpt)
     spec = index.extra.get("model")
@@ -167,7 +167,7 @@ def export_hf(ckpt_path, out_dir, dtype="fp32", *, max_shard_size=DEFAULT_MAX_SH
     if len(units) != len(index.units):
         raise CheckpointError(f"{ckpt}: holds {len(index.units)} units but {spec['path']} makes "
                               f"{len(units)}: the model folder changed since the checkpoint was saved")
-    out_dtype = _out_dtype(dtype, "float32")
+    out_dtype = export_dtype(dtype, "float32")
     specs, plan = [], []
     for u, (unit, meta) in enumerate(zip(units, index.units)):
         mine = [(n, tuple(p.shape)) for n, p in unit.named_parameters()]
@@ -198,10 +198,9 @@ def convert_state_dict(state_file, model_spec: dict, out_dir, dtype="fp32", *,
     """An HF folder from a plain state-dict file of the ``model hf`` ``model_spec`` names (what
     ``zdsl run --export`` writes), read tensor by tensor."""
     from safetensors import safe_open
-    from zdsl.runtime.checkpoint.export import _out_dtype
     model = hf_model_on_meta(model_spec)
     names = hf_names_by_key(model)
-    out_dtype = _out_dtype(dtype, "float32")
+    out_dtype = export_dtype(dtype, "float32")
     with safe_open(str(state_file), framework="pt") as f:
         keys = [k for k in names if k in set(f.keys())]
         if len(keys) != len(names):

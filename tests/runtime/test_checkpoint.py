@@ -408,7 +408,7 @@ def test_lazy_shards_fetched_one_at_a_time(tmp_path, model):
 
 
 def test_cli_errors_name_the_file_without_traceback(tmp_path, model, capsys):
-    from zdsl.runtime.checkpoint.export import main as export_main
+    from zdsl.runtime.checkpoint.export_cli import main as export_main
     from zdsl.runtime.checkpoint.inspect import main as inspect_main
     assert export_main([str(tmp_path / "nowhere"), "-o", str(tmp_path / "m.safetensors")]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
