@@ -78,7 +78,8 @@ def hf_model_on_meta(model_spec: dict):
             return load(ModelSpec(**model_spec))
     except HfModelError as exc:
         hint = f" ({exc.hint})" if getattr(exc, "hint", None) else ""
-        raise CheckpointError(f"the model's source folder {model_spec.get('path')}: {exc}{hint}") from None
+        raise CheckpointError(f"the export reads the model's config from its source folder, "
+                              f"{model_spec.get('path')}: {exc}{hint}") from None
 
 
 def hf_config(model, dtype: torch.dtype):
@@ -119,10 +120,10 @@ def write_hf_folder(out_dir, config, specs: list[tuple[str, str, tuple]], tensor
     """Write an HF folder: ``config``, the ``specs`` (HF name, dtype code, shape) whose bytes
     ``tensors`` yields in the same order, and ``source``'s tokenizer files. Returns the files written."""
     out = Path(out_dir)
+    shards = plan_shards(specs, parse_size(max_shard_size))
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out}: exists and is not a folder (--format hf writes a folder)")
     out.mkdir(parents=True, exist_ok=True)
-    shards = plan_shards(specs, parse_size(max_shard_size))
     names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for i in range(len(shards))]
     stream: Iterator[memoryview] = iter(tensors)
@@ -202,13 +203,10 @@ def convert_state_dict(state_file, model_spec: dict, out_dir, dtype="fp32", *,
     names = hf_names_by_key(model)
     out_dtype = export_dtype(dtype, "float32")
     with safe_open(str(state_file), framework="pt") as f:
-        keys = [k for k in names if k in set(f.keys())]
-        if len(keys) != len(names):
-            raise CheckpointError(f"{state_file}: lacks {sorted(set(names) - set(keys))[:5]}")
-        specs = []
-        for key in keys:
-            shape = tuple(f.get_slice(key).get_shape())
-            specs.append((names[key], dtype_code(out_dtype), shape))
-        tensors = (byte_view(f.get_tensor(key).to(out_dtype).contiguous()) for key in keys)
+        lacking = sorted(set(names) - set(f.keys()))
+        if lacking:
+            raise CheckpointError(f"{state_file}: lacks the model's {', '.join(lacking[:5])}")
+        specs = [(hf, dtype_code(out_dtype), tuple(f.get_slice(key).get_shape())) for key, hf in names.items()]
+        tensors = (byte_view(f.get_tensor(key).to(out_dtype).contiguous()) for key in names)
         return write_hf_folder(out_dir, hf_config(model, out_dtype), specs, tensors, max_shard_size,
                                model_spec["path"])
