@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import zdsl
+
 pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
 
 ROOT = Path(__file__).parents[2]
@@ -20,10 +22,7 @@ MODEL = dict(layers=2, width=64, heads=4, vocab=256, context=32)
 
 
 def run(*args, env=None, ok=True, program=QUICK):
-    e = dict(os.environ, **(env or {}))
-    e.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "zdsl.cli", "run", str(program), "--quiet", *args],
-                          capture_output=True, text=True, env=e, timeout=300)
+    proc = zdsl("run", str(program), "--quiet", *args, env=env)
     if ok:
         assert proc.returncode == 0, proc.stderr
     return proc

@@ -15,9 +15,7 @@ uninterrupted run's rates, losses and parameters.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from ddp_reference import _micro_batches, spawn
+from helpers import zdsl
 
 from zdsl.driver import compile_file
 from zdsl.lr import LrSchedule
@@ -82,10 +81,7 @@ def reference_all(rank: int, world: int, data, optimizer: dict, steps: int):
 
 
 def zdsl_run(program: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "zdsl.cli", "run", str(program), "--quiet", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = zdsl("run", str(program), "--quiet", *args)
     if ok:
         assert proc.returncode == 0, proc.stderr
     return proc
