@@ -38,16 +38,18 @@ class ModelSpec:
 
 @dataclass
 class DataSpec:
-    kind: str                              # "corpus", "tokens" or "synthetic"
-    source: str | None = None              # corpus: "stdlib" or a path; tokens: the file (absolute)
+    kind: str                              # "corpus", "tokens", "text" or "synthetic"
+    source: str | None = None              # corpus: "stdlib" or a path; tokens, text: the file/folder (absolute)
     args: dict = field(default_factory=dict)   # context=..., vocab=...
     dtype: str | None = None               # tokens: the file's integer type, a key of TOKEN_DTYPES
+    tokenizer: str | None = None           # text: tokenizer.json or the folder holding it (absolute)
 
     def to_config(self) -> dict:
-        """Plain JSON; ``dtype`` only for a token file, so other sources keep their graph digest."""
+        """Plain JSON; ``dtype`` and ``tokenizer`` only where set, so other sources keep their graph digest."""
         raw = dataclasses.asdict(self)
-        if raw["dtype"] is None:
-            del raw["dtype"]
+        for key in ("dtype", "tokenizer"):
+            if raw[key] is None:
+                del raw[key]
         return raw
 
 

@@ -1,4 +1,5 @@
-"""Built-in data sources: ``corpus("stdlib")``, ``corpus("PATH")``, ``tokens("FILE")`` and ``synthetic(...)``.
+"""Built-in data sources: ``corpus("stdlib")``, ``corpus("PATH")``, ``tokens("FILE")``, ``text("PATH", tokenizer=...)``
+and ``synthetic(...)``.
 
 :func:`make_batch` is the only entry point the runtime and the DDP reference
 use. A batch is a pure function of (seed, step, micro-batch, global sample
@@ -18,6 +19,7 @@ from zdsl.runtime.data.corpus import CorpusError
 
 from zdsl.runtime.data.corpus import corpus_tokens
 from zdsl.runtime.data.synthetic import synthetic_tokens
+from zdsl.runtime.data.text import text_token_file
 from zdsl.runtime.data.tokens import TokenFileError
 from zdsl.runtime.data.tokens import check_token_file
 from zdsl.runtime.data.tokens import open_token_file
@@ -83,15 +85,16 @@ def make_batch(spec, seed: int, step: int, micro: int, rank: int, ranks: int, ba
                               f"context={context} needs at least {context + 2}")
         starts = torch.from_numpy((keys % np.uint64(span)).astype(np.int64))
         rows = tokens[starts[:, None] + torch.arange(context + 1)].long()
-    elif spec.kind == "tokens":
-        _checked(spec.source, spec.dtype, vocab_size(spec), context)
-        tokens = open_token_file(spec.source, spec.dtype)
+    elif spec.kind in ("tokens", "text"):       # text: its cached token file, read as tokens(FILE) is
+        path, dtype = text_token_file(spec) if spec.kind == "text" else (spec.source, spec.dtype)
+        _checked(path, dtype, vocab_size(spec), context)
+        tokens = open_token_file(path, dtype)
         rows = torch.from_numpy(tokens.rows(keys, context))
         tokens.prefetch(sample_keys(seed, step + 1, micro, rank * batch, batch), context)   # read during the step
     elif spec.kind == "synthetic":
         rows = synthetic_tokens(keys, vocab_size(spec), context + 1)
     else:
-        raise ValueError(f"unknown data source {spec.kind!r} (expected corpus, tokens or synthetic)")
+        raise ValueError(f"unknown data source {spec.kind!r} (expected corpus, tokens, text or synthetic)")
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 

@@ -6,6 +6,8 @@
   here, not at the first save after minutes of training.
 - A ``data tokens(...)`` file must hold only ids below the vocab: scanned once, its verdict
   cached beside the file (:mod:`zdsl.runtime.data.tokens`), so the ranks start at once.
+- ``data text(...)`` is tokenised here, once, into its cached token file
+  (:mod:`zdsl.runtime.data.text`), then checked as a token file: no rank tokenises.
 
 Under another launcher (torchrun: RANK set, not by ``zdsl run``) the ranks already
 exist: the fit is only a warning, on rank 0, which also checks the checkpoint folder.
@@ -72,6 +74,13 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
         return None                  # a rank of `zdsl run`, whose launcher checked all of this
     elif (env.raw("LOCAL_RANK") or rank) == "0":
         warn_unfit(compiled, overrides)
+    if compiled.schedule.data.kind == "text":        # tokenised once (under a lock), before the ranks train
+        from zdsl.runtime.data.text import text_problem
+        problem = text_problem(compiled.schedule.data, progress=rank in (None, "0"))
+        if problem:
+            if rank in (None, "0"):
+                print(f"zdsl: error: {problem}", file=sys.stderr)
+            return EXIT_INVALID
     if compiled.schedule.data.kind == "tokens":      # ids below the vocab: one scan, its verdict cached
         from zdsl.runtime.data.tokens import token_file_problem     # (imports torch: only when needed)
         problem = token_file_problem(compiled.schedule.data)

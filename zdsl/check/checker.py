@@ -34,6 +34,7 @@ from zdsl.lang.parse import read_source
 from zdsl.schedule import (ALL_OVERLAPS, DEVICES, MACHINE_MAY_BE_ZERO, MACHINE_OPTIONS, PRECISIONS,
                        CheckpointSpec, DataSpec, MachineProfile, ModelSpec, OptimizerSpec, Schedule, Span, TrainSpec)
 from zdsl.schedule import TOKEN_DTYPES
+from zdsl import text_source
 from zdsl.compile.decay import NO_DECAY_CLASSES
 from zdsl.lr import DECAYS
 from zdsl.compile.hf_folder import ATTENTION_CHOICES
@@ -60,9 +61,10 @@ OPTIMIZERS = {
 }
 # ``data SOURCE(...)``: its settings, and an example for a hint.
 DATA_SETTINGS = {"corpus": ("context",), "tokens": ("dtype", "context", "vocab"),
-                 "synthetic": ("context", "vocab")}
+                 "text": ("tokenizer", "context"), "synthetic": ("context", "vocab")}
 DATA_EXAMPLES = {"corpus": 'corpus("stdlib", context=64)',
                  "tokens": 'tokens("train.bin", dtype=uint16, context=64)',
+                 "text": 'text("corpus/", tokenizer="tokenizer.json", context=64)',
                  "synthetic": "synthetic(vocab=256, context=64)"}
 # ``machine cpu(...)`` option -> MachineProfile field.
 MACHINE_FIELDS = dict(MACHINE_OPTIONS)
@@ -334,14 +336,14 @@ class Checker(PlacementChecks):
             if isinstance(call.callee, ast.Name) else None
         if kind is None:
             if isinstance(call.callee, ast.Str):
-                self.r.error(call.callee.span, "data is corpus(...), tokens(...) or synthetic(...)",
+                self.r.error(call.callee.span, "data is corpus(...), tokens(...), text(...) or synthetic(...)",
                              hint=f'write corpus("{call.callee.value}") for text, '
                                   f'tokens("{call.callee.value}") for a file of token ids')
             return
         positional = [a for a in call.args if a.key is None]
         keyword = [a for a in call.args if a.key is not None]
         source, source_span = None, call.span
-        if kind in ("corpus", "tokens"):
+        if kind in ("corpus", "tokens", "text"):
             if not positional:
                 self.r.error(call.span, f"{kind} needs a source", hint=DATA_EXAMPLES[kind])
                 return
@@ -349,14 +351,20 @@ class Checker(PlacementChecks):
             source = self.r.string(positional[0].value, f"the {kind} file")
             if source is not None and kind == "tokens":
                 source = self._tokens_path(source, source_span)
+            elif source is not None and kind == "text":
+                source = self._text_path(source, source_span)
             elif source is not None and source != "stdlib":
                 source = self._corpus_path(source, source_span)
             positional = positional[1:]
         for extra in positional:
             self.r.error(extra.span, f"{kind} takes key=value settings here")
         given = self.r.keywords(keyword, DATA_SETTINGS[kind], f"{kind}()")
-        args, dtype = {}, None
+        args, dtype, tokenizer = {}, None, None
         for key, arg in given.items():
+            if key == "tokenizer":
+                self.span("data.tokenizer", arg.span)
+                tokenizer = self._tokenizer(arg.value, args)
+                continue
             if key == "dtype":
                 dtype = self.r.choice(arg.value, "token dtype", tuple(TOKEN_DTYPES))
                 self.span("data.dtype", arg.span)
@@ -369,7 +377,43 @@ class Checker(PlacementChecks):
             dtype = dtype or ("uint16" if "dtype" not in given else None)
             if source is not None and dtype is not None:
                 self._token_count = self._whole_tokens(source, dtype, source_span)
-        self.s.data = DataSpec(kind, source, args, dtype if kind == "tokens" else None)
+        if kind == "text" and "tokenizer" not in given:
+            self.r.error(call.span, "text needs a tokenizer", hint=DATA_EXAMPLES["text"])
+        if kind == "text" and (missing := text_source.tokenizers_missing()):
+            self.r.error(call.callee.span, missing)
+        self.s.data = DataSpec(kind, source, args, dtype if kind == "tokens" else None, tokenizer)
+
+    def _text_path(self, source: str, span: Span) -> str | None:
+        """A text file, or a folder holding at least one (zdsl/text_source.py's rule)."""
+        path = Path(resolve_relative(source, span.file)).expanduser()
+        if not path_exists(path):
+            self.r.error(span, f"text not found: {path}",
+                         hint="a text file or a folder of them, relative to the schedule's folder")
+            return None
+        if not text_source.text_files(path):
+            self.r.error(span, f"no text files in {path}" if path.is_dir() else f"{path} is not a text file",
+                         hint="text files are the regular files that hold no NUL byte; names starting "
+                              "with . are skipped")
+            return None
+        return str(path.resolve())
+
+    def _tokenizer(self, value, args: dict) -> str | None:
+        """tokenizer="tokenizer.json" or an HF model folder: it must parse, and have an end-of-text
+        token; its id count becomes the data's vocab."""
+        given = self.r.string(value, "the tokenizer")
+        if given is None:
+            return None
+        path = Path(resolve_relative(given, value.span.file)).expanduser()
+        try:
+            file = text_source.tokenizer_file(path)
+            data = text_source.tokenizer_json(file)
+            text_source.end_of_text(file, data)
+        except text_source.TextSourceError as exc:
+            self.r.error(value.span, str(exc), hint='a tokenizer.json file, or a Hugging Face model folder '
+                                                    'holding one')
+            return None
+        args["vocab"] = text_source.id_count(data)
+        return str(path.resolve())
 
     def _corpus_path(self, source: str, span: Span) -> str | None:
         here = Path(resolve_relative(source, span.file))
@@ -566,7 +610,7 @@ class Checker(PlacementChecks):
     def _user_model_data(self) -> None:
         """zdsl cannot see a user model's context or vocab, so the data must state them."""
         data, spans = self.s.data, self.s.spans
-        needed = ("context",) if data.kind == "corpus" else ("context", "vocab")
+        needed = ("context",) if data.kind in ("corpus", "text") else ("context", "vocab")
         missing = [k for k in needed if k not in data.args]
         if missing:
             at = spans.get("data") or spans["model"]
@@ -587,6 +631,11 @@ class Checker(PlacementChecks):
             self.r.error(at, f"data context {data.args['context']} is longer than the "
                              f"model's context {ctx}",
                          hint=f"model {call}context={data.args['context']}) or a shorter data context")
+        if data.kind == "text" and data.args.get("vocab", 0) > vocab:
+            self.r.error(self.s.spans.get("data.tokenizer") or at,
+                         f"the tokenizer {data.tokenizer} produces ids up to {data.args['vocab'] - 1} "
+                         f"({data.args['vocab']} ids) but the model's vocab is {vocab}",
+                         hint=f"model {call}vocab={data.args['vocab']}) or a tokenizer made for this model")
         if data.kind in ("synthetic", "tokens") and data.args["vocab"] > vocab:
             self.r.error(self.s.spans.get("data.vocab") or at,
                          f"data vocab {data.args['vocab']} is larger than the model's vocab {vocab}")

@@ -133,7 +133,9 @@ def _model(s: Schedule) -> str:
 def _data(s: Schedule) -> str:
     d = s.data
     args = list(d.args.items())
-    if d.kind in ("corpus", "tokens"):
+    if d.kind == "text":              # its vocab is the tokenizer's, found again when checked
+        args = [("tokenizer", d.tokenizer or "")] + [(k, v) for k, v in args if k != "vocab"]
+    if d.kind in ("corpus", "tokens", "text"):
         if d.dtype:
             args.insert(0, ("dtype", _Raw(d.dtype)))
         inner = ", ".join([string_text(d.source or "stdlib")] + ([_kwargs(args)] if args else []))
