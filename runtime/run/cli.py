@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a train or policy value (repeatable)")
     p.add_argument("--metrics", metavar="OUT.jsonl", help="one JSON line per step")
+    p.add_argument("--tensorboard", metavar="DIR", help="TensorBoard scalars per step, in a new run folder "
+                   "under DIR (needs the extra: pip install 'zdsl[tensorboard]')")
     p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the measured ops (Perfetto)")
     p.add_argument("--trace-steps", type=int, default=3, metavar="N",
                    help="steps the trace keeps, the last N (default 3)")
@@ -76,6 +78,12 @@ def run_command(argv: list[str] | None) -> int:
         parser.error("--fresh-optimizer starts a resumed run's optimizer afresh: give --resume CHECKPOINT")
     if args.format == "hf":
         check_hf_export(args, parser)
+    if args.tensorboard:
+        from zdsl.runtime.run.tensorboard import missing_tensorboard
+        missing = missing_tensorboard()
+        if missing is not None:
+            print(f"zdsl run: error: {missing}", file=sys.stderr)
+            return 2
     compiled = compile_file(args.file, overrides, simulate=False)
     rank = env.raw("RANK")
     if rank in (None, "0") or not compiled.ok:
@@ -122,6 +130,7 @@ def run_one_rank(compiled, args) -> int:
     spec = compiled.schedule.checkpoint
     export = hf_staging(args.export, rank) if args.format == "hf" else args.export
     options = RunOptions(metrics=args.metrics, trace=args.trace, timeline=args.timeline, export=export,
+                         tensorboard=args.tensorboard,
                          progress=not args.quiet, timeout_s=args.timeout, resume=args.resume,
                          fresh_optimizer=args.fresh_optimizer,
                          trace_steps=args.trace_steps,

@@ -43,6 +43,7 @@ class LaunchError(RuntimeError):
 @dataclass
 class RunOptions:
     metrics: str | None = None          # JSONL, one line per step (rank 0 writes)
+    tensorboard: str | None = None      # a folder of TensorBoard runs, one per invocation (rank 0 writes)
     trace: str | None = None            # Chrome trace of the measured ops
     timeline: str | None = None         # SVG of one measured step
     export: str | None = None           # safetensors of the final full fp32 state dict
@@ -129,11 +130,16 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         stack.callback(state.close_swap)    # even when the step failed (ranks end by os._exit: no atexit)
         executor = Executor(graph, state, rank, record=True, streams=lane_streams(graph, device),
                             board=rank_board())
+        scalars = None
+        if rank == 0 and options.tensorboard:
+            from zdsl.runtime.run.tensorboard import TensorBoardWriter
+            scalars = stack.enter_context(TensorBoardWriter(options.tensorboard, schedule.name))
         return trio.run(_loop, graph, schedule, units, state, executor, rank, world, device, options,
-                        reporter, make_batch)
+                        reporter, make_batch, scalars)
 
 
-async def _loop(graph, schedule, units, state, executor, rank, world, device, options, reporter, make_batch):
+async def _loop(graph, schedule, units, state, executor, rank, world, device, options, reporter, make_batch,
+                scalars=None):
     cfg = graph.config
     train = cfg["train"]
     steps, acc, batch = train["steps"], train["accumulate"], train["batch"]
@@ -183,6 +189,8 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         history.append(metrics)
         if rank == 0 and reporter is not None:
             reporter.step(metrics)
+        if scalars is not None:
+            scalars.step(metrics)
         if checkpointer is not None and (step + 1) % checkpointer.every == 0:
             checkpointer.save(step + 1, state)
     if checkpointer is not None:
