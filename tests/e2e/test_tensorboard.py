@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from zdsl.runtime.run.tensorboard import TensorBoardWriter
 from zdsl.runtime.run.tensorboard import run_folder
 from zdsl.runtime.run.train import StepMetrics
 
@@ -115,7 +114,8 @@ def metrics_at(step: int, **extra) -> StepMetrics:
 
 WRITE_AND_DIE = """
 import os, sys
-from tests.e2e.test_tensorboard import TensorBoardWriter, metrics_at
+from zdsl.runtime.run.tensorboard import TensorBoardWriter
+from tests.e2e.test_tensorboard import metrics_at
 writer = TensorBoardWriter(sys.argv[1], "demo")
 writer.step(metrics_at(0))
 writer.step(metrics_at(1, val_loss=1.5))
