@@ -129,13 +129,12 @@ def tokenise(files: list[Path], tokenizer: Path, eos: int, dtype: str, out: Path
     with _progress(progress, sum(p.stat().st_size for p in files), len(files)) as advance, \
             open(partial, "wb") as sink:
         for batch, size in document_batches(files):
-            encodings = encoder.encode_batch([read_document(p) for p in batch], add_special_tokens=False)
-            for enc in encodings:
-                ids = np.empty(len(enc.ids) + 1, dtype=kind)
-                ids[:-1] = enc.ids
-                ids[-1] = eos
-                sink.write(ids.tobytes())
-                count += len(ids)
+            flat: list[int] = []
+            for enc in encoder.encode_batch([read_document(p) for p in batch], add_special_tokens=False):
+                flat += enc.ids
+                flat.append(eos)
+            sink.write(np.array(flat, dtype=kind).tobytes())
+            count += len(flat)
             advance(size)
     os.replace(partial, out)                      # readers see the whole file or none
     TOKENISED += 1
