@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from zdsl import env
 
@@ -84,6 +85,10 @@ def run_command(argv: list[str] | None) -> int:
         if missing is not None:
             print(f"zdsl run: error: {missing}", file=sys.stderr)
             return 2
+    unwritable = output_problem(args)
+    if unwritable is not None:
+        print(f"zdsl run: error: {unwritable}", file=sys.stderr)
+        return 2
     compiled = compile_file(args.file, overrides, simulate=False)
     rank = env.raw("RANK")
     if rank in (None, "0") or not compiled.ok:
@@ -103,6 +108,25 @@ def run_command(argv: list[str] | None) -> int:
         child = ["run", *(argv if argv is not None else sys.argv[2:])]
         return launch_local(child, compiled.graph.ranks, timeout_s=args.timeout, graph=compiled.graph)
     leave(run_one_rank(compiled, args))
+
+
+def output_problem(args) -> str | None:
+    """Make the folders the run's output files go in, before any rank starts (as torchtitan and
+    TensorBoard do), so a run does not train and then fail writing; the reason when one cannot be."""
+    outputs = [("--metrics", args.metrics), ("--trace", args.trace), ("--timeline", args.timeline)]
+    if args.format != "hf":
+        outputs.append(("--export", args.export))
+    for flag, path in outputs:
+        if not path:
+            continue
+        target = Path(path)
+        if target.is_dir():
+            return f"{flag} {path} is a folder; give a file name"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"{flag} {path}: cannot make its folder {target.parent}: {exc.strerror or exc}"
+    return None
 
 
 def leave(code: int) -> None:

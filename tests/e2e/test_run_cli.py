@@ -132,3 +132,17 @@ def test_run_writes_a_measured_trace_and_timeline(tmp_path):
     assert "<svg" in svg.read_text()[:500]
     proc, _ = zdsl("run", QUICK, "--trace", str(trace), "--trace-steps", "0")
     assert proc.returncode == 2 and "--trace-steps must be at least 1" in proc.stderr
+
+
+def test_output_folders_are_made_before_training_or_refused(tmp_path):
+    metrics = tmp_path / "not" / "yet" / "m.jsonl"
+    proc, _ = zdsl("run", QUICK, "--set", "steps=2", "--quiet", "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    assert len(metrics.read_text().splitlines()) == 2
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for flag, path, words in (("--metrics", tmp_path, "is a folder"),
+                              ("--trace", blocker / "t.json", "cannot make its folder")):
+        proc, _ = zdsl("run", QUICK, "--quiet", flag, str(path))
+        assert proc.returncode == 2, proc.stderr
+        assert words in proc.stderr and "Traceback" not in proc.stderr and "rank" not in proc.stderr
