@@ -135,3 +135,50 @@ def test_bad_inputs_are_errors_naming_what_is_wrong(corpus, tmp_path):
     problem = text_problem(spec(folder, tokenizer, made.vocab - 1))
     assert problem and f"not below the model's vocab {made.vocab - 1}" in problem
     assert text_problem(spec(folder, tokenizer, made.vocab)) is None
+
+
+RANK_CODE = """
+import sys, time
+from pathlib import Path
+from zdsl.runtime.data import text
+folder, source, tokenizer, ranks = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+real = text.tokenise
+def counted(*args):
+    with open(folder / "tokenised", "a") as log:
+        log.write("tokenise\\n")
+    time.sleep(0.5)                                  # long enough for the others to arrive meanwhile
+    return real(*args)
+text.tokenise = counted
+(folder / f"ready{sys.argv[5]}").touch()
+while len(list(folder.glob("ready*"))) < ranks:      # start together, as ranks under torchrun do
+    time.sleep(0.01)
+print(text.text_tokens(source, tokenizer).tokens)
+"""
+
+
+@pytest.mark.slow      # spawns 3 processes
+def test_ranks_started_together_tokenise_once(corpus, tmp_path):
+    import subprocess
+    import sys
+    folder, tokenizer = corpus
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_CODE, str(tmp_path), str(folder), str(tokenizer),
+                               "3", str(r)], stdout=subprocess.PIPE, text=True) for r in range(3)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert [int(o) for o in outs] == [len(reference_ids(folder, tokenizer)[0])] * 3
+    assert (tmp_path / "tokenised").read_text().count("tokenise") == 1
+
+
+def test_zdsl_check_names_the_extra_when_tokenizers_is_missing(corpus, monkeypatch):
+    import importlib.util
+    from zdsl.check.checker import check_text
+    from zdsl.lang.errors import ZsError
+    folder, tokenizer = corpus
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tokenizers" else real(name, *a))
+    source = (f'schedule t\nmodel gpt(layers=1, width=8, heads=1, vocab=256, context=8)\n'
+              f'data text("{folder}", tokenizer="{tokenizer}")\n')
+    with pytest.raises(ZsError) as raised:
+        check_text(source, "t.zs")
+    errors = [d for d in raised.value.diagnostics if "tokenizers" in d.message]
+    assert errors and "zdsl[hf]" in errors[0].message and errors[0].span.line == 3
