@@ -174,6 +174,10 @@ def text_problem(spec, progress: bool = False) -> str | None:
     from zdsl.runtime.data.tokens import check_token_file
     try:
         made = text_tokens(spec.source, spec.tokenizer, progress)
+        context = spec.args.get("context")
+        if context is not None and made.tokens < context + 1:
+            return (f"text {spec.source} holds {made.tokens} tokens through its tokenizer; context={context} "
+                    f"needs at least {context + 1} (a window of context+1 tokens)")
         check_token_file(made.path, made.dtype, spec.args["vocab"], spec.args.get("context"))
     except (TextSourceError, TokenFileError) as exc:
         return str(exc)

@@ -135,6 +135,10 @@ def test_bad_inputs_are_errors_naming_what_is_wrong(corpus, tmp_path):
     problem = text_problem(spec(folder, tokenizer, made.vocab - 1))
     assert problem and f"not below the model's vocab {made.vocab - 1}" in problem
     assert text_problem(spec(folder, tokenizer, made.vocab)) is None
+    short = text_tokens(str(folder / "a.txt"), str(tokenizer))
+    problem = text_problem(DataSpec("text", str(folder / "a.txt"), {"context": 40, "vocab": 9}, None, str(tokenizer)))
+    assert problem == (f"text {folder / 'a.txt'} holds {short.tokens} tokens through its tokenizer; context=40 "
+                       f"needs at least 41 (a window of context+1 tokens)")
 
 
 RANK_CODE = """
