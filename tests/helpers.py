@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def zdsl(*args, env=None, cwd=None, timeout=300) -> subprocess.CompletedProcess:
@@ -12,3 +13,17 @@ def zdsl(*args, env=None, cwd=None, timeout=300) -> subprocess.CompletedProcess:
     full.update(env or {})
     return subprocess.run([sys.executable, "-m", "zdsl.cli", *args], capture_output=True, text=True,
                           env=full, cwd=cwd, timeout=timeout)
+
+
+QUICKSTART = Path(__file__).parents[1] / "programs" / "quickstart.zs"     # gpt vocab=256, context=32, 2 ranks
+
+
+def quickstart_with_data(folder: Path, data: str, name: str = "data.zs") -> Path:
+    """programs/quickstart.zs with its data statement replaced by ``data``, written into ``folder``
+    (where the statement's relative paths then point)."""
+    text = QUICKSTART.read_text()
+    old = 'data      corpus("stdlib", context=32)'
+    assert old in text
+    out = folder / name
+    out.write_text(text.replace(old, f"data      {data}"))
+    return out

@@ -7,21 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from helpers import quickstart_with_data
 from helpers import zdsl
 
-ROOT = Path(__file__).parents[2]
-QUICK = ROOT / "programs" / "quickstart.zs"          # gpt vocab=256, context=32, 2 ranks
 
 pytest.importorskip("tokenizers")
-
-
-def schedule(folder: Path, data: str) -> Path:
-    text = QUICK.read_text()
-    old = 'data      corpus("stdlib", context=32)'
-    assert old in text
-    out = folder / "text.zs"
-    out.write_text(text.replace(old, f"data      {data}"))
-    return out
 
 
 def train_tokenizer(path: Path, words: int, eos: str | None = "<|endoftext|>") -> Path:
@@ -47,7 +38,7 @@ def documents(folder: Path) -> Path:
 def test_a_text_folder_trains_two_steps_at_two_ranks_tokenised_once(tmp_path):
     documents(tmp_path)
     train_tokenizer(tmp_path / "tokenizer.json", 200)
-    zs = schedule(tmp_path, 'text("docs", tokenizer="tokenizer.json")')
+    zs = quickstart_with_data(tmp_path, 'text("docs", tokenizer="tokenizer.json")', "text.zs")
     cache = tmp_path / "cache"
     for run in range(2):
         metrics = tmp_path / f"m{run}.jsonl"
@@ -81,7 +72,7 @@ def test_bad_text_data_are_positioned_errors_in_zdsl_check(tmp_path):
         'text("docs")': ["text needs a tokenizer"],
     }
     for data, expected in cases.items():
-        zs = schedule(tmp_path, data)
+        zs = quickstart_with_data(tmp_path, data, "text.zs")
         for command in ("check", "run"):
             proc = zdsl(command, str(zs), env={"ZDSL_CACHE": str(tmp_path / "cache")})
             assert proc.returncode == 1, (data, command, proc.stderr)

@@ -7,19 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from helpers import quickstart_with_data
 from helpers import zdsl
-
-ROOT = Path(__file__).parents[2]
-QUICK = ROOT / "programs" / "quickstart.zs"          # gpt vocab=256, context=32, 2 ranks
-
-
-def schedule(folder: Path, data: str) -> Path:
-    text = QUICK.read_text()
-    old = 'data      corpus("stdlib", context=32)'
-    assert old in text
-    out = folder / "tokens.zs"
-    out.write_text(text.replace(old, f"data      {data}"))
-    return out
 
 
 def write_ids(path: Path, ids, dtype="<u2") -> None:
@@ -29,7 +19,7 @@ def write_ids(path: Path, ids, dtype="<u2") -> None:
 @pytest.mark.slow      # spawns 2 ranks
 def test_a_token_file_trains_two_steps_at_two_ranks_and_keeps_its_check(tmp_path):
     write_ids(tmp_path / "train.bin", np.random.default_rng(0).integers(0, 256, 20_000))
-    zs = schedule(tmp_path, 'tokens("train.bin", dtype=uint16)')
+    zs = quickstart_with_data(tmp_path, 'tokens("train.bin", dtype=uint16)', "tokens.zs")
     metrics = tmp_path / "m.jsonl"
     proc = zdsl("run", str(zs), "--quiet", "--set", "steps=2", "--metrics", str(metrics))
     assert proc.returncode == 0, proc.stderr
@@ -54,7 +44,7 @@ def test_bad_token_files_are_positioned_errors_in_zdsl_check(tmp_path):
         'tokens("ok.bin", vocab=300)': ["data vocab 300 is larger than the model's vocab 256"],
     }
     for data, expected in cases.items():
-        zs = schedule(tmp_path, data)
+        zs = quickstart_with_data(tmp_path, data, "tokens.zs")
         for command in ("check", "run"):
             proc = zdsl(command, str(zs))
             assert proc.returncode == 1, (data, command, proc.stderr)
@@ -66,7 +56,7 @@ def test_an_id_at_or_above_the_vocab_stops_zdsl_run_before_any_rank(tmp_path):
     ids = np.random.default_rng(1).integers(0, 256, 5000)
     ids[4321] = 300
     write_ids(tmp_path / "train.bin", ids)
-    zs = schedule(tmp_path, 'tokens("train.bin")')
+    zs = quickstart_with_data(tmp_path, 'tokens("train.bin")', "tokens.zs")
     assert zdsl("check", str(zs)).returncode == 0      # the scan is the run's, once, before ranks start
     proc = zdsl("run", str(zs), "--quiet")
     assert proc.returncode == 1
