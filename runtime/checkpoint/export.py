@@ -36,7 +36,7 @@ from zdsl.runtime.checkpoint.stformat import byte_view
 from zdsl.runtime.checkpoint.stformat import dtype_code
 from zdsl.runtime.checkpoint.stformat import torch_dtype
 from zdsl.runtime.checkpoint.stformat import write_new_file
-from zdsl.runtime.checkpoint.writer import renamed_into_place
+from zdsl.runtime.io.atomic import renamed_into_place
 
 BUFFER_PREFIX = "buffer."    # a rank file's copy of one of the model's buffers, by its state-dict name
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -40,7 +40,7 @@ from zdsl.runtime.checkpoint.stformat import build_header
 from zdsl.runtime.checkpoint.stformat import byte_view
 from zdsl.runtime.checkpoint.stformat import dtype_code
 from zdsl.runtime.checkpoint.stformat import write_new_file
-from zdsl.runtime.checkpoint.writer import renamed_into_place
+from zdsl.runtime.io.atomic import renamed_into_place
 from zdsl.runtime.checkpoint.writer import write_atomic
 
 FORMATS = ("plain", "hf")

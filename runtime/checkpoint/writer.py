@@ -16,11 +16,9 @@ filesystem, bounded by ``timeout_s``; a barrier in the caller works too).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from zdsl.runtime.checkpoint.errors import CheckpointError
 from zdsl.runtime.checkpoint.index import (INDEX_NAME, FileRecord, Index, UnitMeta, checkpoint_path,
                     done_name, parse_shard_key, rank_file_name)
 from zdsl.runtime.checkpoint.stformat import write_file
+from zdsl.runtime.io.atomic import renamed_into_place
 
 
 def fsync_dir(path: Path) -> None:
@@ -39,19 +38,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-@contextlib.contextmanager
-def renamed_into_place(path: Path) -> Iterator[Path]:
-    """A temporary name beside ``path`` to write; renamed onto ``path`` (atomic on POSIX) when the
-    block succeeds, removed when it fails."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -21,7 +21,6 @@ import fcntl
 import functools
 import hashlib
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from zdsl.cache import cache_dir
+from zdsl.runtime.io.atomic import renamed_into_place
 from zdsl.text_source import TextSourceError
 from zdsl.text_source import end_of_text
 from zdsl.text_source import id_count
@@ -95,9 +95,8 @@ def text_tokens(source: str, tokenizer: str, progress: bool = False) -> TextToke
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    partial.write_text(text)
-    os.replace(partial, path)
+    with renamed_into_place(path) as partial:
+        partial.write_text(text)
 
 
 def read_document(path: Path) -> str:
@@ -124,10 +123,10 @@ def tokenise(files: list[Path], tokenizer: Path, eos: int, dtype: str, out: Path
 
     encoder = Tokenizer.from_file(str(tokenizer))
     kind = np.dtype(f"<u{2 if dtype == 'uint16' else 4}")
-    partial = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     count = 0
-    with _progress(progress, sum(p.stat().st_size for p in files), len(files)) as advance, \
-            open(partial, "wb") as sink:
+    with renamed_into_place(out) as partial, \
+            _progress(progress, sum(p.stat().st_size for p in files), len(files)) as advance, \
+            open(partial, "wb") as sink:                 # readers see the whole file or none
         for batch, size in document_batches(files):
             flat: list[int] = []
             for enc in encoder.encode_batch([read_document(p) for p in batch], add_special_tokens=False):
@@ -136,7 +135,6 @@ def tokenise(files: list[Path], tokenizer: Path, eos: int, dtype: str, out: Path
             sink.write(np.array(flat, dtype=kind).tobytes())
             count += len(flat)
             advance(size)
-    os.replace(partial, out)                      # readers see the whole file or none
     TOKENISED += 1
     return count
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from zdsl.cache import cache_dir
+from zdsl.runtime.io.atomic import renamed_into_place
 from zdsl.schedule import TOKEN_DTYPES
 
 CHUNK_TOKENS = 1 << 24          # tokens per max() during the check: 32 MiB of uint16
@@ -127,15 +128,13 @@ def _cached_max(path: str, stamp: dict) -> int | None:
 def _save_max(path: str, stamp: dict, largest: int) -> None:
     text = json.dumps({**stamp, "max": largest})
     for record in check_record_paths(path):
-        partial = record.with_name(f"{record.name}.{os.getpid()}.tmp")
         try:
             record.parent.mkdir(parents=True, exist_ok=True)
-            partial.write_text(text)
-            os.replace(partial, record)        # readers see a whole record or none
+            with renamed_into_place(record) as partial:    # readers see a whole record or none
+                partial.write_text(text)
             return
         except OSError:                        # a read-only folder: try the next place
-            with contextlib.suppress(OSError):
-                partial.unlink(missing_ok=True)
+            continue
 
 
 def scan_max(data: np.ndarray, chunk: int = CHUNK_TOKENS) -> int:
