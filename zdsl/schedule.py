@@ -182,6 +182,18 @@ class CheckpointSpec:
     keep: int = 0                          # 0 keeps all
 
 
+@dataclass
+class EvalSpec:
+    """``eval every N steps on SOURCE batches=K``: the mean loss over the same K batches of
+    SOURCE (per rank, sharded as training batches are), forward only, every N steps."""
+    every: int
+    data: DataSpec
+    batches: int = 1
+
+    def to_config(self) -> dict:
+        return {"every": self.every, "batches": self.batches, "data": self.data.to_config()}
+
+
 # -- pipelines level -----------------------------------------------------------
 
 @dataclass
@@ -237,6 +249,8 @@ class Schedule:
     memory: dict[str, int] = field(default_factory=dict)  # tier -> budget bytes
     machine: MachineProfile = field(default_factory=MachineProfile)
     checkpoint: CheckpointSpec | None = None
+    freeze: tuple[str, ...] = ()           # parameter-name globs kept frozen (fine-tuning)
+    eval: EvalSpec | None = None
     pipelines: dict[str, Pipeline] = field(default_factory=dict)    # written by hand, else lowered
     spans: dict[str, Span] = field(default_factory=dict)   # statement keyword -> where it was set
 
@@ -252,4 +266,11 @@ class Schedule:
         raw["recompute"] = sorted(self.recompute)
         raw["optimizer"] = self.optimizer.to_config()
         raw["data"] = self.data.to_config()
+        for key in ("freeze", "eval"):      # only where set, so other schedules keep their graph digest
+            if not getattr(self, key):
+                del raw[key]
+        if self.eval is not None:
+            raw["eval"] = self.eval.to_config()
+        if self.freeze:
+            raw["freeze"] = list(self.freeze)
         return raw

@@ -34,6 +34,9 @@ from zdsl.lang.parse import read_source
 from zdsl.schedule import (ALL_OVERLAPS, DEVICES, MACHINE_MAY_BE_ZERO, MACHINE_OPTIONS, PRECISIONS,
                        CheckpointSpec, DataSpec, MachineProfile, ModelSpec, OptimizerSpec, Schedule, Span, TrainSpec)
 from zdsl.schedule import TOKEN_DTYPES
+from zdsl.schedule import EvalSpec
+from zdsl.compile.freeze import FreezeError
+from zdsl.compile.freeze import frozen_params
 from zdsl import text_source
 from zdsl.compile.decay import NO_DECAY_CLASSES
 from zdsl.lr import DECAYS
@@ -75,7 +78,7 @@ CPU_PROFILE = MachineProfile()
 MAX_RANKS = 1 << 16
 STATEMENT_ORDER = ("schedule", "model", "data", "train", "optimizer", "ranks", "machine", "zero",
                    "shard", "offload", "prefetch", "bucket", "overlap", "recompute", "persist",
-                   "memory", "checkpoint")
+                   "memory", "checkpoint", "freeze", "eval")
 
 
 def default_units_for(spec: ModelSpec) -> list[UnitSpec] | None:
@@ -124,7 +127,7 @@ class Checker(PlacementChecks):
         self.r = Reader()
         self.sources: dict[str, str] = {}
         self.units: list[UnitSpec] | None = None
-        self._token_count: int | None = None     # data tokens(...): the file's length in tokens
+        self._token_counts: dict[str, int | None] = {}   # data/eval tokens(...): the file's length in tokens
 
     # -- driver ----------------------------------------------------------------
 
@@ -331,7 +334,12 @@ class Checker(PlacementChecks):
 
     def _data(self, st: ast.CallStmt) -> None:
         self.span("data", st.span)
-        call = st.call
+        spec = self._data_source(st.call, "data")
+        if spec is not None:
+            self.s.data = spec
+
+    def _data_source(self, call: ast.Call, key: str) -> DataSpec | None:
+        """A data source call (``data``'s, ``eval``'s); ``key`` prefixes the spans of its settings."""
         kind = self.r.choice(call.callee, "data source", tuple(DATA_SETTINGS)) \
             if isinstance(call.callee, ast.Name) else None
         if kind is None:
@@ -339,14 +347,14 @@ class Checker(PlacementChecks):
                 self.r.error(call.callee.span, "data is corpus(...), tokens(...), text(...) or synthetic(...)",
                              hint=f'write corpus("{call.callee.value}") for text, '
                                   f'tokens("{call.callee.value}") for a file of token ids')
-            return
+            return None
         positional = [a for a in call.args if a.key is None]
         keyword = [a for a in call.args if a.key is not None]
         source, source_span = None, call.span
         if kind in ("corpus", "tokens", "text"):
             if not positional:
                 self.r.error(call.span, f"{kind} needs a source", hint=DATA_EXAMPLES[kind])
-                return
+                return None
             source_span = positional[0].value.span
             source = self.r.string(positional[0].value, f"the {kind} file")
             if source is not None and kind == "tokens":
@@ -360,28 +368,28 @@ class Checker(PlacementChecks):
             self.r.error(extra.span, f"{kind} takes key=value settings here")
         given = self.r.keywords(keyword, DATA_SETTINGS[kind], f"{kind}()")
         args, dtype, tokenizer = {}, None, None
-        for key, arg in given.items():
-            if key == "tokenizer":
-                self.span("data.tokenizer", arg.span)
+        for name, arg in given.items():
+            if name == "tokenizer":
+                self.span(f"{key}.tokenizer", arg.span)
                 tokenizer = self._tokenizer(arg.value, args)
                 continue
-            if key == "dtype":
+            if name == "dtype":
                 dtype = self.r.choice(arg.value, "token dtype", tuple(TOKEN_DTYPES))
-                self.span("data.dtype", arg.span)
+                self.span(f"{key}.dtype", arg.span)
                 continue
-            value = self.r.integer(arg.value, f"{kind}({key}=)", 1, 1 << 24)
+            value = self.r.integer(arg.value, f"{kind}({name}=)", 1, 1 << 24)
             if value is not None:
-                args[key] = value
-                self.span(f"data.{key}", arg.span)
+                args[name] = value
+                self.span(f"{key}.{name}", arg.span)
         if kind == "tokens":
             dtype = dtype or ("uint16" if "dtype" not in given else None)
             if source is not None and dtype is not None:
-                self._token_count = self._whole_tokens(source, dtype, source_span)
+                self._token_counts[key] = self._whole_tokens(source, dtype, source_span)
         if kind == "text" and "tokenizer" not in given:
             self.r.error(call.span, "text needs a tokenizer", hint=DATA_EXAMPLES["text"])
         if kind == "text" and (missing := text_source.tokenizers_missing()):
             self.r.error(call.callee.span, missing)
-        self.s.data = DataSpec(kind, source, args, dtype if kind == "tokens" else None, tokenizer)
+        return DataSpec(kind, source, args, dtype if kind == "tokens" else None, tokenizer)
 
     def _text_path(self, source: str, span: Span) -> str | None:
         """A text file, or a folder holding at least one (zdsl/text_source.py's rule)."""
@@ -451,13 +459,13 @@ class Checker(PlacementChecks):
             return None
         return size // width
 
-    def _tokens_long_enough(self) -> None:
+    def _tokens_long_enough(self, key: str = "data") -> None:
         """A window is context+1 tokens: the file must hold at least one."""
-        data, count = self.s.data, self._token_count
+        data, count = self._source(key), self._token_counts.get(key)
         context = data.args.get("context")
         if data.kind != "tokens" or count is None or context is None or count >= context + 1:
             return
-        self.r.error(self.s.spans.get("data.context") or self.s.spans.get("data"),
+        self.r.error(self.s.spans.get(f"{key}.context") or self.s.spans.get(key),
                      f"token file {data.source} holds {count} tokens; context={context} needs at "
                      f"least {context + 1} (a window of context+1 tokens)",
                      hint=f"a shorter context (at most {count - 1}) or a longer file")
@@ -605,61 +613,96 @@ class Checker(PlacementChecks):
         if None not in (every, directory, keep):
             self.s.checkpoint = CheckpointSpec(every, directory, keep)
 
+    def _freeze(self, st: ast.FreezeStmt) -> None:
+        self.span("freeze", st.span)
+        globs = tuple(dict.fromkeys(p.value for p in st.patterns if p.value))
+        for p in st.patterns:
+            if not p.value:
+                self.r.error(p.span, "an empty freeze pattern", hint='e.g. freeze embed*, "*.bias"')
+        if self.units is not None:      # else sized later, by the runtime, which checks again
+            try:
+                frozen_params(self.units, globs)
+            except FreezeError as exc:
+                at = next((p.span for p in st.patterns if p.value == exc.glob), st.span)
+                self.r.error(at, str(exc), hint=exc.hint)
+                return
+        self.s.freeze = globs
+
+    def _eval(self, st: ast.EvalStmt) -> None:
+        self.span("eval", st.span)
+        every = self.r.integer(st.every, "eval interval", 1, 10 ** 9)
+        batches = 1 if st.batches is None else self.r.integer(st.batches, "eval batches", 1, 10 ** 6)
+        self.span("eval.data", st.source.span)
+        data = self._data_source(st.source, "eval.data")
+        if None not in (every, batches, data):
+            self.s.eval = EvalSpec(every, data, batches)
+
     # -- rules across statements -----------------------------------------------
 
-    def _user_model_data(self) -> None:
+    def _source(self, key: str) -> DataSpec:
+        """The data source ``key`` names: "data" (training) or "eval.data"."""
+        return self.s.data if key == "data" else self.s.eval.data
+
+    def _user_model_data(self, key: str = "data") -> None:
         """zdsl cannot see a user model's context or vocab, so the data must state them."""
-        data, spans = self.s.data, self.s.spans
+        data, spans = self._source(key), self.s.spans
         needed = ("context",) if data.kind in ("corpus", "text") else ("context", "vocab")
         missing = [k for k in needed if k not in data.args]
         if missing:
-            at = spans.get("data") or spans["model"]
+            at = spans.get(key) or spans["model"]
             example = DATA_EXAMPLES[data.kind].replace(")", ", vocab=256)") if data.kind == "tokens" \
                 else DATA_EXAMPLES[data.kind]
             self.r.error(at, f"with your own model the data must give its {' and '.join(missing)}",
                          hint=f"data {example}")
 
-    def _data_fits(self, ctx: int, vocab: int, call: str) -> None:
+    def _data_fits(self, ctx: int, vocab: int, call: str, key: str = "data") -> None:
         """The data's context and vocab default to the model's and must fit in them (``call``:
         the model statement's opening, for the hints)."""
-        data = self.s.data
+        data = self._source(key)
         data.args.setdefault("context", ctx)
         if data.kind in ("synthetic", "tokens"):
             data.args.setdefault("vocab", vocab)
-        at = self.s.spans.get("data.context") or self.s.spans.get("data")
+        at = self.s.spans.get(f"{key}.context") or self.s.spans.get(key)
         if data.args["context"] > ctx:
             self.r.error(at, f"data context {data.args['context']} is longer than the "
                              f"model's context {ctx}",
                          hint=f"model {call}context={data.args['context']}) or a shorter data context")
         if data.kind == "text" and data.args.get("vocab", 0) > vocab:
-            self.r.error(self.s.spans.get("data.tokenizer") or at,
+            self.r.error(self.s.spans.get(f"{key}.tokenizer") or at,
                          f"the tokenizer {data.tokenizer} produces ids up to {data.args['vocab'] - 1} "
                          f"({data.args['vocab']} ids) but the model's vocab is {vocab}",
                          hint=f"model {call}vocab={data.args['vocab']}) or a tokenizer made for this model")
         if data.kind in ("synthetic", "tokens") and data.args["vocab"] > vocab:
-            self.r.error(self.s.spans.get("data.vocab") or at,
+            self.r.error(self.s.spans.get(f"{key}.vocab") or at,
                          f"data vocab {data.args['vocab']} is larger than the model's vocab {vocab}")
         if data.kind == "corpus" and vocab < 256:
             self.r.error(self.s.spans.get("model.vocab") or self.s.spans.get("model"),
                          f"corpus data is byte-level (256 tokens) but the model's vocab is {vocab}",
                          hint=f"model {call}vocab=256)")
 
+    def _data_fits_model(self, key: str) -> None:
+        """The data source ``key`` against the model's context and vocab."""
+        model = self.s.model
+        if model.kind == "gpt" and self.units is not None:
+            self._data_fits(model.args.get("context"), model.args.get("vocab"), "gpt(", key)
+        if model.kind == "hf" and model.path is not None:
+            sizes = model_sizes(Path(model.path), model.args)
+            if None in sizes.values():
+                self._user_model_data(key)
+            else:
+                self._data_fits(sizes["context"], sizes["vocab"], 'hf(..., ', key)
+        if model.kind == "user" and "model" in self.s.spans:
+            self._user_model_data(key)
+
     def _cross_checks(self, by_key) -> None:
         s = self.s
         if "machine" not in by_key and s.device == "cuda":
             s.machine = MachineProfile(**vars(CUDA_PROFILE))
-        model = s.model
-        if model.kind == "gpt" and self.units is not None:
-            self._data_fits(model.args.get("context"), model.args.get("vocab"), "gpt(")
-        if model.kind == "hf" and model.path is not None:
-            sizes = model_sizes(Path(model.path), model.args)
-            if None in sizes.values():
-                self._user_model_data()
-            else:
-                self._data_fits(sizes["context"], sizes["vocab"], 'hf(..., ')
-        if model.kind == "user" and "model" in s.spans:
-            self._user_model_data()
-        self._tokens_long_enough()
+        for key in ("data", "eval.data") if s.eval is not None else ("data",):
+            if key == "eval.data" and "context" in s.data.args:   # evaluated as it trains, unless told
+                s.eval.data.args.setdefault("context", s.data.args["context"])
+            self._data_fits_model(key)
+            self._tokens_long_enough(key)
         if s.persist_below and s.stage < 3 and "persist" in s.spans:
             self.r.warn(s.spans["persist"], "persist has an effect only with zero 3 "
                                             "(parameters are not sharded here)")

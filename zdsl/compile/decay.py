@@ -14,20 +14,19 @@ models and a user's model:
   or is ``wte`` / ``wpe`` (GPT-2's names), e.g. ``wte.weight``,
   ``embed_tokens.weight``. A head tied to it is the same parameter.
 
-A glob (``fnmatch``, case-sensitive) matches a parameter if it matches its
-name within the unit (``ln_1.weight``) or its name with the unit's in front
-(``block.0.ln_1.weight``); a glob that matches nothing is an error. The result
+A glob matches parameter names as :mod:`zdsl.compile.param_names` says; a
+glob that matches nothing is an error. The result
 travels in the task graph: per unit, the element ranges of its flat
 parameters (registration order) that decay; the runtime applies decay on
 those ranges of each rank's shard and none elsewhere.
 """
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 
+from zdsl.compile.param_names import closest_names
+from zdsl.compile.param_names import glob_matches
 from zdsl.compile.units import UnitSpec
 
 NO_DECAY_CLASSES = ("biases", "norms", "embeddings")
@@ -75,7 +74,7 @@ def decay_groups(units: list[UnitSpec], classes: tuple[str, ...], globs: tuple[s
             why = param_class(name, shape)
             why = why if why in classes else None
             for g in globs:
-                if fnmatchcase(name, g) or fnmatchcase(f"{spec.name}.{name}", g):
+                if glob_matches(g, spec, name):
                     matched[g] = True
                     why = why or "names"
             if why is None:
@@ -90,9 +89,6 @@ def decay_groups(units: list[UnitSpec], classes: tuple[str, ...], globs: tuple[s
         ranges.append(unit_ranges)
     unmatched = [g for g, hit in matched.items() if not hit]
     if unmatched:
-        names = [f"{spec.name}.{name}" for spec in units for name, _ in spec.params]
-        close = difflib.get_close_matches(unmatched[0], names, n=3, cutoff=0.3)
         raise NoDecayError(f"no_decay glob {unmatched[0]!r} matches no parameter",
-                           hint=f"closest names: {', '.join(close)}" if close else
-                           f"parameter names look like {', '.join(names[:3])}")
+                           hint=closest_names(units, unmatched[0]))
     return DecayGroups(ranges, decay, exempt)

@@ -169,6 +169,18 @@ class CheckpointStmt(Stmt):
     keep: Num | None = None
 
 
+@dataclass
+class FreezeStmt(Stmt):
+    patterns: list[Str] = field(default_factory=list)   # parameter-name globs, quoted or not
+
+
+@dataclass
+class EvalStmt(Stmt):
+    every: Num = None
+    source: Call = None        # a data source, as in ``data``
+    batches: Num | None = None
+
+
 # -- pipelines ------------------------------------------------------------------
 
 @dataclass

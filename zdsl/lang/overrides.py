@@ -30,7 +30,7 @@ MACHINE_KEYS = tuple(key for key, _ in MACHINE_OPTIONS)
 OFFLOAD_KEYS = ("pinned", "ratio", "block", "depth")
 # Statements replaced whole by ``--set KEYWORD=REST`` (the rest of the statement's line).
 STATEMENT_KEYS = ("model", "data", "optimizer", "ranks", "zero", "shard", "prefetch", "bucket",
-                  "overlap", "recompute", "persist", "memory", "machine", "checkpoint")
+                  "overlap", "recompute", "persist", "memory", "machine", "checkpoint", "freeze", "eval")
 CALL_STATEMENTS = ("model", "data", "optimizer", "machine")
 
 

@@ -229,7 +229,7 @@ def _syntax_error(exc: UnexpectedInput, text: str, file: str):
 
 _STATEMENTS = ("schedule", "model", "data", "train", "optimizer", "ranks", "zero", "shard",
                "offload", "prefetch", "bucket", "overlap", "recompute", "persist", "memory",
-               "machine", "include", "checkpoint", "forward", "backward", "step")
+               "machine", "include", "checkpoint", "freeze", "eval", "forward", "backward", "step")
 _PIPELINE_VERBS = ("gather", "scatter", "reduce", "read", "write", "copy", "compute", "free")
 
 
@@ -414,6 +414,17 @@ class _ToAst(Transformer):
         every, _steps, directory, keep = children
         return self._stmt(ast.CheckpointStmt, "checkpoint", meta, every=every,
                           dir=self.string(directory), keep=keep)
+
+    def pattern(self, meta, children):
+        (tok,) = children
+        return self.string(tok) if tok.type == "STRING" else ast.Str(str(tok), self.tspan(tok))
+
+    def freeze(self, meta, children):
+        return self._stmt(ast.FreezeStmt, "freeze", meta, patterns=list(children))
+
+    def eval(self, meta, children):
+        every, _steps, source, batches = children
+        return self._stmt(ast.EvalStmt, "eval", meta, every=every, source=source, batches=batches)
 
     # pipelines
     def index_var(self, meta, children):

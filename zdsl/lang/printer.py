@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 from zdsl.schedule import (ALL_OVERLAPS, MACHINE_OPTIONS, OVERLAP_VERBS, PHASES, STATES, OptimizerSpec,
                        Pipeline, Placement, PipeStmt, Ref, Schedule)
@@ -119,7 +120,18 @@ def _policies(s: Schedule) -> list[str]:
         c = s.checkpoint
         out.append(f"checkpoint every {c.every} steps -> {string_text(c.dir)}"
                    + (f" keep {c.keep}" if c.keep else ""))
+    if s.freeze:
+        out.append("freeze    " + ", ".join(_pattern(g) for g in s.freeze))
+    if s.eval is not None:
+        e = s.eval
+        out.append(f"eval      every {e.every} steps on {_data_text(e.data)} batches={e.batches}")
     return out
+
+
+def _pattern(glob: str) -> str:
+    """A glob as the grammar reads it back: bare where it is a name or a glob token, else quoted."""
+    return glob if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*|[A-Za-z0-9_]*[.*?\[][A-Za-z0-9_.*?\[\]]*", glob) \
+        else string_text(glob)
 
 
 def _model(s: Schedule) -> str:
@@ -131,7 +143,10 @@ def _model(s: Schedule) -> str:
 
 
 def _data(s: Schedule) -> str:
-    d = s.data
+    return _data_text(s.data)
+
+
+def _data_text(d) -> str:
     args = list(d.args.items())
     if d.kind == "text":              # its vocab is the tokenizer's, found again when checked
         args = [("tokenizer", d.tokenizer or "")] + [(k, v) for k, v in args if k != "vocab"]
