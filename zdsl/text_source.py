@@ -3,7 +3,8 @@
 Torch-free and ``tokenizers``-free: the checker reads the same facts the runtime
 tokenises with (zdsl/runtime/data/text.py), so they cannot disagree.
 
-- Files: a FILE is one document. A FOLDER's documents are its regular files, at any
+- Files: a FILE is one document; ``"stdlib"`` is the running Python's standard library
+  sources (``corpus("stdlib")``'s files, whole files up to ``STDLIB_CAP`` bytes). A FOLDER's documents are its regular files, at any
   depth, in sorted path order, skipping names that start with ``.`` (``.git``,
   ``.DS_Store``) and binary files (a NUL byte in the first 8 KiB, git's rule).
 - Tokenizer: a ``tokenizer.json`` path, or a folder holding one (a Hugging Face model's).
@@ -17,6 +18,9 @@ import json
 import os
 from pathlib import Path
 
+STDLIB = "stdlib"
+STDLIB_CAP = 16 << 20        # bytes read from the standard library (plenty for a laptop-sized model)
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[EOS]")
 SNIFF_BYTES = 8192
 
@@ -33,8 +37,27 @@ def is_text_file(path: Path) -> bool:
         return False
 
 
+def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files (the folder of ``os.__file__``, no site-packages), sorted."""
+    root = Path(os.__file__).resolve().parent
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return sorted(files)
+
+
 def text_files(source: str | Path) -> list[Path]:
     """The documents of ``source`` in the order they are tokenised (see the module's rule)."""
+    if str(source) == STDLIB:
+        found, total = [], 0
+        for path in stdlib_files():
+            if total >= STDLIB_CAP:
+                break
+            if is_text_file(path):
+                found.append(path)
+                total += path.stat().st_size
+        return found
     root = Path(source)
     if root.is_file():
         return [root]
@@ -100,10 +123,10 @@ def end_of_text(path: Path, data: dict) -> tuple[str, int]:
                           f"(looked for {', '.join(END_OF_TEXT)} and eos_token in {config.name})")
 
 
-def tokenizers_missing() -> str | None:
+def tokenizers_missing(source: str = "text") -> str | None:
     """Why the runtime could not tokenise, or None: ``tokenizers`` is an optional extra."""
     if importlib.util.find_spec("tokenizers") is None:
-        return "data text(...) needs the tokenizers package: pip install 'zdsl[hf]'"
+        return f"data {source}(...) needs the tokenizers package: pip install 'zdsl[hf]'"
     return None
 
 

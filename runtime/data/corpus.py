@@ -15,21 +15,12 @@ from pathlib import Path
 
 import torch
 
-STDLIB_CAP = 16 << 20        # bytes read from the standard library
-SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+from zdsl.text_source import STDLIB_CAP
+from zdsl.text_source import stdlib_files
 
 
 class CorpusError(ValueError):
     """A corpus that cannot be read or is too small; the message names the path."""
-
-
-def stdlib_files() -> list[Path]:
-    root = Path(os.__file__).resolve().parent
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
-    return sorted(files)
 
 
 def _is_text(head: bytes) -> bool:

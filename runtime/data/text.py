@@ -29,6 +29,7 @@ import numpy as np
 
 from zdsl.cache import cache_dir
 from zdsl.runtime.io.atomic import renamed_into_place
+from zdsl.text_source import STDLIB
 from zdsl.text_source import TextSourceError
 from zdsl.text_source import end_of_text
 from zdsl.text_source import id_count
@@ -73,7 +74,7 @@ def text_tokens(source: str, tokenizer: str, progress: bool = False) -> TextToke
     path = tokenizer_file(tokenizer)
     data = tokenizer_json(path)
     _, eos = end_of_text(path, data)
-    if not Path(source).exists():
+    if source != STDLIB and not Path(source).exists():
         raise TextSourceError(f"text not found: {source}")
     files = text_files(source)
     if not files:

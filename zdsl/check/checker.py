@@ -37,6 +37,8 @@ from zdsl.schedule import TOKEN_DTYPES
 from zdsl.schedule import EvalSpec
 from zdsl.compile.freeze import FreezeError
 from zdsl.compile.freeze import frozen_params
+from zdsl import python_source
+from zdsl import jsonl_source
 from zdsl import text_source
 from zdsl.compile.decay import NO_DECAY_CLASSES
 from zdsl.lr import DECAYS
@@ -63,12 +65,16 @@ OPTIMIZERS = {
     "sgd": ("lr", "momentum", "weight_decay", "clip", *_SCHEDULE_KEYS),
 }
 # ``data SOURCE(...)``: its settings, and an example for a hint.
-DATA_SETTINGS = {"corpus": ("context",), "tokens": ("dtype", "context", "vocab"),
-                 "text": ("tokenizer", "context"), "synthetic": ("context", "vocab")}
+# python(...) takes any key=value: its settings go to the user's function as keyword arguments.
+DATA_SETTINGS = {"corpus": ("context",), "tokens": ("dtype", "context", "vocab"), "python": (),
+                 "text": ("tokenizer", "context"), "synthetic": ("context", "vocab"),
+                 "jsonl": ("tokenizer", "prompt", "response", "pack", "context")}
 DATA_EXAMPLES = {"corpus": 'corpus("stdlib", context=64)',
                  "tokens": 'tokens("train.bin", dtype=uint16, context=64)',
                  "text": 'text("corpus/", tokenizer="tokenizer.json", context=64)',
-                 "synthetic": "synthetic(vocab=256, context=64)"}
+                 "jsonl": 'jsonl("sft.jsonl", tokenizer="tokenizer.json", pack=true, context=256)',
+                 "synthetic": "synthetic(vocab=256, context=64)",
+                 "python": 'python("data.py:batches", features=16)'}
 # ``machine cpu(...)`` option -> MachineProfile field.
 MACHINE_FIELDS = dict(MACHINE_OPTIONS)
 CUDA_PROFILE = MachineProfile(name="cuda", flops=2e14, host_flops=5e10, link_bandwidth=1e11,
@@ -76,12 +82,13 @@ CUDA_PROFILE = MachineProfile(name="cuda", flops=2e14, host_flops=5e10, link_ban
                               disk_write=2e9, memory_bandwidth=2e12, comm_slots=1)
 CPU_PROFILE = MachineProfile()
 MAX_RANKS = 1 << 16
-STATEMENT_ORDER = ("schedule", "model", "data", "train", "optimizer", "ranks", "machine", "zero",
+# data before model: a model built to be sized takes python(...) data's tensors
+STATEMENT_ORDER = ("schedule", "data", "model", "train", "optimizer", "ranks", "machine", "zero",
                    "shard", "offload", "prefetch", "bucket", "overlap", "recompute", "persist",
                    "memory", "checkpoint", "freeze", "eval")
 
 
-def default_units_for(spec: ModelSpec) -> list[UnitSpec] | None:
+def default_units_for(spec: ModelSpec, data=None) -> list[UnitSpec] | None:
     """Built-in models are sized here; a user's model needs the runtime, so None."""
     if spec.kind == "gpt":
         return gpt_units(**{**GPT_DEFAULTS, **spec.args})
@@ -318,9 +325,12 @@ class Checker(PlacementChecks):
         if sum(d.is_error for d in self.r.diagnostics) > self._errors_before_model:
             return
         try:
-            units = (self.units_for or default_units_for)(self.s.model)
+            units = (self.units_for or default_units_for)(self.s.model, **python_source.sizing_data(self.s.data))
         except ZsError:
             raise
+        except python_source.PythonDataError as exc:   # the data function sizing called broke its contract
+            self.r.error(self.s.spans.get("data") or st.call.span, str(exc), hint=exc.hint)
+            return
         except HfModelError as exc:    # the runtime checked the config against transformers' class
             self.r.error(self.s.spans.get(f"model.{exc.key}") or st.call.span, str(exc), hint=exc.hint)
             return
@@ -344,10 +354,17 @@ class Checker(PlacementChecks):
             if isinstance(call.callee, ast.Name) else None
         if kind is None:
             if isinstance(call.callee, ast.Str):
-                self.r.error(call.callee.span, "data is corpus(...), tokens(...), text(...) or synthetic(...)",
-                             hint=f'write corpus("{call.callee.value}") for text, '
+                self.r.error(call.callee.span, "data is corpus(...), tokens(...), text(...), synthetic(...) "
+                                               "or python(...)",
+                             hint=f'write python("{call.callee.value}") for your function'
+                                  if ":" in call.callee.value else
+                                  f'write corpus("{call.callee.value}") for text, '
                                   f'tokens("{call.callee.value}") for a file of token ids')
             return None
+        if kind == "python":
+            return self._python_source(call, key)
+        if kind == "jsonl":
+            return self._jsonl_source(call, key)
         positional = [a for a in call.args if a.key is None]
         keyword = [a for a in call.args if a.key is not None]
         source, source_span = None, call.span
@@ -391,8 +408,92 @@ class Checker(PlacementChecks):
             self.r.error(call.callee.span, missing)
         return DataSpec(kind, source, args, dtype if kind == "tokens" else None, tokenizer)
 
+    def _python_source(self, call: ast.Call, key: str) -> DataSpec | None:
+        """``python("file.py:batches", k=v...)``: the user's function (found as zdsl/python_source.py
+        says), its settings passed to it as keyword arguments."""
+        positional = [a for a in call.args if a.key is None]
+        if not positional:
+            self.r.error(call.span, "python needs the function that makes batches", hint=DATA_EXAMPLES["python"])
+            return None
+        for extra in positional[1:]:
+            self.r.error(extra.span, "python takes key=value settings after the function",
+                         hint=DATA_EXAMPLES["python"])
+        args: dict = {}
+        for arg in call.args:
+            if arg.key is None:
+                continue
+            name = arg.key.value
+            if name in args:
+                self.r.error(arg.key.span, f"{name} is set twice")
+            elif name in python_source.CALL_ARGS:
+                self.r.error(arg.key.span, f"zdsl passes {name} to the function itself",
+                             hint=f"remove {name}=; the function is called with "
+                                  f"{', '.join(python_source.CALL_ARGS)} and the settings written here")
+            else:
+                args[name] = self.r.python(arg.value)
+                self.span(f"{key}.{name}", arg.span)
+        where = positional[0].value
+        target = self.r.string(where, "the data function")
+        if target is None:
+            return None
+        try:
+            source = python_source.resolve(target, where.span.file)
+        except python_source.PythonDataError as exc:
+            self.r.error(where.span, str(exc), hint=exc.hint)
+            return None
+        return DataSpec("python", source, args)
+
+    def _jsonl_source(self, call: ast.Call, key: str) -> DataSpec | None:
+        """``jsonl("FILE", tokenizer=..., prompt=, response=, pack=, context=)``: the file is read here as
+        the runtime reads it (zdsl/jsonl_source.py), so a bad line is an error before any rank starts."""
+        positional = [a for a in call.args if a.key is None]
+        if not positional:
+            self.r.error(call.span, "jsonl needs a file", hint=DATA_EXAMPLES["jsonl"])
+            return None
+        for extra in positional[1:]:
+            self.r.error(extra.span, "jsonl takes key=value settings after the file", hint=DATA_EXAMPLES["jsonl"])
+        given = self.r.keywords([a for a in call.args if a.key is not None], DATA_SETTINGS["jsonl"], "jsonl()")
+        args, tokenizer = dict(jsonl_source.DEFAULTS), None
+        for name, arg in given.items():
+            self.span(f"{key}.{name}", arg.span)
+            if name == "tokenizer":
+                tokenizer = self._tokenizer(arg.value, args)
+            elif name == "pack":
+                args[name] = self.r.boolean(arg.value, "jsonl(pack=)")
+            elif name in ("prompt", "response"):
+                args[name] = self.r.string(arg.value, f"the {name}'s field name")
+            else:
+                args[name] = self.r.integer(arg.value, f"jsonl({name}=)", 1, 1 << 24)
+        if "tokenizer" not in given:
+            self.r.error(call.span, "jsonl needs a tokenizer", hint=DATA_EXAMPLES["jsonl"])
+        elif missing := text_source.tokenizers_missing("jsonl"):
+            self.r.error(call.callee.span, missing)
+        if args["prompt"] is not None and args["prompt"] == args["response"]:
+            self.r.error(given["response"].span if "response" in given else call.span,
+                         f'prompt and response both name the field "{args["prompt"]}"',
+                         hint='jsonl("FILE", ..., prompt="question", response="answer")')
+            return None
+        where = positional[0].value
+        source = self.r.string(where, "the jsonl file")
+        if source is None or tokenizer is None or None in args.values():
+            return None
+        path = Path(resolve_relative(source, where.span.file)).expanduser()
+        if not path.is_file():
+            self.r.error(where.span, f"jsonl not found: {path}" if not path_exists(path) else f"{path} is not a file",
+                         hint="a file of one JSON object per line, relative to the schedule's folder")
+            return None
+        try:
+            jsonl_source.check_jsonl(path, args["prompt"], args["response"])
+        except jsonl_source.JsonlSourceError as exc:
+            self.r.error(where.span, str(exc), hint=f'each line one JSON object with string fields '
+                                                    f'"{args["prompt"]}" and "{args["response"]}"')
+            return None
+        return DataSpec("jsonl", str(path.resolve()), args, None, tokenizer)
+
     def _text_path(self, source: str, span: Span) -> str | None:
-        """A text file, or a folder holding at least one (zdsl/text_source.py's rule)."""
+        """A text file, or a folder holding at least one (zdsl/text_source.py's rule), or "stdlib"."""
+        if source == text_source.STDLIB:
+            return source
         path = Path(resolve_relative(source, span.file)).expanduser()
         if not path_exists(path):
             self.r.error(span, f"text not found: {path}",
@@ -646,7 +747,7 @@ class Checker(PlacementChecks):
     def _user_model_data(self, key: str = "data") -> None:
         """zdsl cannot see a user model's context or vocab, so the data must state them."""
         data, spans = self._source(key), self.s.spans
-        needed = ("context",) if data.kind in ("corpus", "text") else ("context", "vocab")
+        needed = ("context",) if data.kind in ("corpus", "text", "jsonl") else ("context", "vocab")
         missing = [k for k in needed if k not in data.args]
         if missing:
             at = spans.get(key) or spans["model"]
@@ -667,7 +768,7 @@ class Checker(PlacementChecks):
             self.r.error(at, f"data context {data.args['context']} is longer than the "
                              f"model's context {ctx}",
                          hint=f"model {call}context={data.args['context']}) or a shorter data context")
-        if data.kind == "text" and data.args.get("vocab", 0) > vocab:
+        if data.kind in ("text", "jsonl") and data.args.get("vocab", 0) > vocab:
             self.r.error(self.s.spans.get(f"{key}.tokenizer") or at,
                          f"the tokenizer {data.tokenizer} produces ids up to {data.args['vocab'] - 1} "
                          f"({data.args['vocab']} ids) but the model's vocab is {vocab}",
@@ -683,6 +784,8 @@ class Checker(PlacementChecks):
     def _data_fits_model(self, key: str) -> None:
         """The data source ``key`` against the model's context and vocab."""
         model = self.s.model
+        if self._source(key).kind == "python":       # its tensors are seen when the function is called
+            return
         if model.kind == "gpt" and self.units is not None:
             self._data_fits(model.args.get("context"), model.args.get("vocab"), "gpt(", key)
         if model.kind == "hf" and model.path is not None:
@@ -699,7 +802,8 @@ class Checker(PlacementChecks):
         if "machine" not in by_key and s.device == "cuda":
             s.machine = MachineProfile(**vars(CUDA_PROFILE))
         for key in ("data", "eval.data") if s.eval is not None else ("data",):
-            if key == "eval.data" and "context" in s.data.args:   # evaluated as it trains, unless told
+            if key == "eval.data" and "context" in s.data.args \
+                    and "python" not in (s.data.kind, s.eval.data.kind):   # evaluated as it trains, unless told
                 s.eval.data.args.setdefault("context", s.data.args["context"])
             self._data_fits_model(key)
             self._tokens_long_enough(key)
