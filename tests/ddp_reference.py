@@ -23,13 +23,14 @@ from zdsl.runtime.data import make_batch
 from zdsl.runtime.dist.group import init_group, leave_group
 from zdsl.runtime.dist.spawn import run_ranks
 from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.batch import as_batch
 from zdsl.runtime.models.gpt import GPT
 from zdsl.runtime.state.optim import make_torch_optimizer
 
 
 def default_batch(data, seed: int, step: int, micro: int, rank: int, world: int, batch: int) -> Batch:
     """The micro-batch ``zdsl run`` trains on: the data source's ``(idx, targets)``."""
-    return Batch.of(*make_batch(data, seed, step, micro, rank, world, batch))
+    return as_batch(make_batch(data, seed, step, micro, rank, world, batch))
 
 
 def ddp_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumulate: int,

@@ -55,7 +55,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
 
     from zdsl.runtime.data import make_batch
     from zdsl.runtime.exec.executor import Executor
-    from zdsl.runtime.models.batch import Batch
+    from zdsl.runtime.models.batch import as_batch
     from zdsl.runtime.models.protocol import build_model
     from zdsl.runtime.state.rank import RankState
     from zdsl.runtime.dist.collectives import all_gather
@@ -71,7 +71,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     async def loop() -> list:
         records = []
         for step in range(steps):
-            batches = [Batch.of(*make_batch(schedule.data, t.seed, step, m, rank, world, t.batch)).to(device)
+            batches = [as_batch(make_batch(schedule.data, t.seed, step, m, rank, world, t.batch)).to(device)
                        for m in range(t.accumulate)]
             state.step_begin(step, batches)
             records.append(await executor.run_step())

@@ -5,9 +5,12 @@ It follows the unit protocol, documented in one place: :mod:`zdsl.runtime.models
 This GPT: token and position embeddings, pre-LayerNorm blocks (causal
 self-attention through ``scaled_dot_product_attention`` and a GELU MLP),
 final LayerNorm, logits through the token embedding's weight (tied), biases,
-no dropout. The embedding and the head take the batch (positions; labels with
-``-100`` not counted); the blocks only the hidden state. Attention is causal and
-ignores ``attention_mask``: pad at the end of a row, with labels ``-100`` there.
+no dropout. Every unit takes the batch: the embedding its positions, the blocks its
+attention mask, the head its labels (``-100`` not counted). Attention is causal; a
+batch with an ``attention_mask`` or ``segments`` (padded or packed rows) also hides
+padding keys and other segments' keys (:func:`zdsl.runtime.models.batch.allowed_keys`),
+through one boolean mask made by ``prepare``. A batch with neither takes the plain
+causal kernel, bit for bit as before masks existed.
 Parameter names and order per unit are exactly
 ``zdsl.compile.units.gpt_units`` (a test holds them together).
 """
@@ -20,8 +23,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.batch import allowed_keys
 from zdsl.runtime.models.loss import causal_lm_loss
 
+
+ALLOWED = "gpt.allowed"     # extras: (B or 1, 1, T, T) bool, True where a query may see a key
 
 # Above this many parameters (4 GiB in fp32) a GPT is built lazily, unit by unit (see GPT).
 LAZY_ABOVE = 1 << 30
@@ -59,11 +65,15 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(width, 3 * width)
         self.c_proj = nn.Linear(width, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """``allowed``: None for plain causal attention, else :func:`attention_mask`'s mask."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if allowed is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -77,8 +87,24 @@ class MLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x)))
 
 
+def attention_mask(batch: Batch | None) -> torch.Tensor | None:
+    """None for a batch that needs only causality; else its boolean mask, made once per micro-batch
+    and kept in ``batch.extras``. Every query also sees itself, so that a padding query with no
+    key left (a row padded on the left) gives a finite output, not NaN."""
+    if batch is None or not batch.masked:
+        return None
+    allowed = batch.extras.get(ALLOWED)
+    if allowed is None:
+        T = batch.input_ids.shape[1]
+        allowed = allowed_keys(batch) | torch.eye(T, dtype=torch.bool, device=batch.input_ids.device)
+        batch.extras[ALLOWED] = allowed
+    return allowed
+
+
 class Block(nn.Module):
     """A pre-LayerNorm transformer block: one unit."""
+
+    takes_batch = True
 
     def __init__(self, width: int, heads: int):
         super().__init__()
@@ -87,8 +113,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(width)
         self.mlp = MLP(width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attention_mask(batch))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -219,6 +245,11 @@ class GPT(nn.Module):
     def units(self) -> list[nn.Module]:
         return [self.embedding, *self.blocks, self.head]
 
+    @torch.no_grad()
+    def prepare(self, batch: Batch) -> None:
+        """The attention mask of a padded or packed batch, made once before the units run."""
+        attention_mask(batch)
+
     def forward(self, idx: torch.Tensor | Batch, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of ``(idx, targets)`` or of a :class:`Batch`."""
         if self._lazy is not None:
@@ -226,8 +257,9 @@ class GPT(nn.Module):
                                "before using it as a module")
         batch = idx if isinstance(idx, Batch) else Batch.of(idx, targets)
         x = self.embedding(batch.input_ids, batch)
+        attention_mask(batch)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, batch)
         return self.head(x, batch)
 
 

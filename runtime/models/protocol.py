@@ -15,8 +15,12 @@ The batch (:class:`zdsl.runtime.models.batch.Batch`)
     One micro-batch on the rank's device: ``input_ids`` and ``labels`` (int64 ``(B, T)``;
     ``labels[b, t]`` is the token to predict at ``t``, already shifted; ``-100`` is not
     counted in the loss), optional ``positions`` (None: ``0..T-1``; ``batch.position_ids()``
-    gives them either way) and ``attention_mask`` (None: every token real), and ``extras``, a
-    dict the model's ``prepare`` fills.
+    gives them either way), ``attention_mask`` (None: every token real; 0 marks padding) and
+    ``segments`` (None: one sequence per row; else a row packs several and a token attends only
+    to earlier tokens of its own segment: :func:`zdsl.runtime.models.batch.allowed_keys`), and
+    ``extras``, a dict the model's ``prepare`` fills. The built-in GPT and the HF models honour
+    the mask, the segments and the positions; a model of yours that ignores them trains wrongly
+    on padded or packed data (``data jsonl(...)``).
 
 How zdsl calls a unit
     A unit whose class sets ``takes_batch = True`` is called ``unit(x, batch)``: unit 0 with

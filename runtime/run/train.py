@@ -33,7 +33,7 @@ from zdsl.runtime.run.board import STEP
 from zdsl.runtime.run.board import STEP_DONE
 from zdsl.runtime.run.board import rank_board
 from zdsl.runtime.exec.streams import lane_streams
-from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.batch import as_batch
 
 
 class LaunchError(RuntimeError):
@@ -165,7 +165,7 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every, options.checkpoint_keep,
                                     graph, units, rank, world, say)
     for step in range(first, steps):
-        batches = [Batch.of(*make_batch(schedule.data, train["seed"], step, m, rank, world, batch)).to(device)
+        batches = [as_batch(make_batch(schedule.data, train["seed"], step, m, rank, world, batch)).to(device)
                    for m in range(acc)]
         lr = rates.at(step)
         for opt in state.optims:

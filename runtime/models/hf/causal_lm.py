@@ -7,8 +7,10 @@ rotary tables), the seeded initialisation and the map from unit-local
 parameter names to the HF checkpoint's names.
 
 Attention is causal whatever ``attn_implementation`` is: every layer gets an
-explicit 4-D additive mask (causal, padding from ``batch.attention_mask``, a
-sliding window where the layer has one), never ``None``.
+explicit 4-D additive mask (causal, padding from ``batch.attention_mask``, packed
+records kept apart by ``batch.segments``, a sliding window where the layer has one),
+never ``None``; positions (rotary tables, learned embeddings) come from
+``batch.position_ids()``, so a packed record starts at position 0.
 """
 from __future__ import annotations
 
@@ -19,19 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.batch import allowed_keys
 from zdsl.runtime.models.loss import causal_lm_loss
 
 ALLOWED = "hf.allowed"        # extras: (B or 1, 1, T, T) bool, True where a query may see a key
-
-
-def allowed_keys(batch: Batch) -> torch.Tensor:
-    """Causal, and padding keys hidden: (B or 1, 1, T, T) bool."""
-    T = batch.input_ids.shape[1]
-    device = batch.input_ids.device
-    allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
-    if batch.attention_mask is not None:
-        allowed = allowed & batch.attention_mask.bool()[:, None, None, :]
-    return allowed
 
 
 def additive_mask(batch: Batch, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
