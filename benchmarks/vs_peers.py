@@ -1,7 +1,17 @@
-"""zdsl against its peers: the same GPT, the same steps, at 2 ranks on gloo.
+"""zdsl against its peers: the same model, the same steps, at 2 ranks on gloo.
 
     python benchmarks/vs_peers.py                      # every peer, 8 measured steps, 2 repetitions
     python benchmarks/vs_peers.py --peers ddp,fsdp2,zdsl3 --steps 8 --reps 3 --json out.json
+    python benchmarks/vs_peers.py --model hf:llama     # an HF Llama: zdsl stage 3, FSDP2, DeepSpeed ZeRO-3
+
+Models: zdsl's built-in GPT (``--model gpt``), or a transformers
+``LlamaForCausalLM`` (``--model hf:llama``, about 25M parameters by default)
+saved once with ``save_pretrained`` from a seeded init into the work folder,
+which zdsl reads as ``model hf("DIR")`` and the torch peers load with
+``from_pretrained``. Every peer's ranks are bound to their share of the cores
+(``--bind cores``, the default: zdsl's own binding, DeepSpeed's
+``--bind_cores_to_rank``, ``taskset`` for torch's ranks) or all unbound
+(``--bind none``).
 
 Peers: torch DDP, torch FSDP2 (``fully_shard`` per block, then the root),
 DeepSpeed ZeRO-3 and ZeRO-2 (``DS_ACCELERATOR=cpu``; optional, installed by
@@ -15,8 +25,9 @@ Per peer it prints the median step time over the measured steps of every
 repetition (warm-up steps left out; a step's time is the slowest rank's),
 the peak RSS of the largest rank, both as a ratio to the baseline (zdsl
 stage 3 by default), the final loss, and the largest difference of the
-per-step loss from DDP's (they train the same thing, so it should be
-small: bitwise zero for none of them is promised, ~1e-5 is float noise).
+per-step loss from DDP's, or FSDP2's where DDP is not in the run (they train
+the same thing, so it should be small: bitwise zero for none of them is
+promised, ~1e-5 is float noise).
 A peer that cannot run here (DeepSpeed not installed, zdsl's ``run`` not
 available) is a row that says why, never a made-up number.
 """
@@ -37,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.peers import BenchConfig, job_env, run_bounded  # noqa: E402
+from benchmarks.peers import BINDINGS, MODELS, BenchConfig, job_env, run_bounded  # noqa: E402
 from benchmarks.peers import zdsl_peer  # noqa: E402
 
 
@@ -56,6 +67,8 @@ class Peer:
     def is_deepspeed(self) -> bool:
         return self.module == "deepspeed_peer"
 
+
+HF_PEERS = ("fsdp2", "ds3", "zdsl3")   # issue 20's comparison: ZeRO-3 against ZeRO-3
 
 PEERS = {p.key: p for p in [
     Peer("ddp", "torch DDP", "ddp_peer"),
@@ -94,11 +107,11 @@ class Outcome:
 
 # -- availability -----------------------------------------------------------------
 
-def deepspeed_missing() -> str | None:
+def deepspeed_missing(cfg: BenchConfig) -> str | None:
     """Why ``import deepspeed`` fails here (its own last line), or None."""
     try:
         probe = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, text=True,
-                               env=job_env(), timeout=300)
+                               env=job_env(cfg), timeout=300)
     except subprocess.TimeoutExpired:
         return "import deepspeed did not finish in 300 s"
     if probe.returncode == 0:
@@ -110,7 +123,7 @@ def deepspeed_missing() -> str | None:
 
 def check_availability(outcomes: dict[str, Outcome], cfg: BenchConfig, workdir: Path) -> None:
     if any(o.peer.is_deepspeed for o in outcomes.values()):
-        why = deepspeed_missing()
+        why = deepspeed_missing(cfg)
         for o in outcomes.values():
             if o.peer.is_deepspeed:
                 o.unavailable = why
@@ -142,7 +155,7 @@ def run_job(peer: Peer, cfg: BenchConfig, workdir: Path, rep: int, timeout_s: fl
     log = out / "job.log"
     with open(log, "w") as sink:
         code = run_bounded(job_command(peer, config_path, out, timeout_s), timeout_s + 30, cwd=REPO,
-                           env=job_env(), stdout=sink, stderr=subprocess.STDOUT)
+                           env=job_env(cfg), stdout=sink, stderr=subprocess.STDOUT)
     ranks = sorted(out.glob("rank*.json"))
     if code != 0 or not ranks:
         ended = "timed out" if code is None else f"exited {code}"
@@ -180,11 +193,18 @@ def max_loss_diff(a: list[float] | None, b: list[float] | None) -> float | None:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+LOSS_REFERENCES = ("ddp", "fsdp2")   # whose per-step loss the others are compared with: the first that ran
+
+
+def loss_reference(outcomes: dict[str, Outcome]) -> str | None:
+    return next((k for k in LOSS_REFERENCES if k in outcomes and outcomes[k].ok), None)
+
+
 def summary(outcomes: dict[str, Outcome], baseline: str) -> list[dict]:
     base = outcomes.get(baseline)
     base = base if base and base.ok else None
-    ddp = outcomes.get("ddp")
-    ddp_loss = ddp.loss if ddp and ddp.ok else None
+    ref = loss_reference(outcomes)
+    ref_loss = outcomes[ref].loss if ref else None
     rows = []
     for key, o in outcomes.items():
         row = dict(peer=key, system=o.peer.label)
@@ -194,7 +214,8 @@ def summary(outcomes: dict[str, Outcome], baseline: str) -> list[dict]:
             continue
         row.update(status="ok", median_step_s=o.median_s, min_step_s=min(o.step_s), steps_measured=len(o.step_s),
                    peak_rss_mib=o.peak / 2**20, final_loss=o.loss[-1] if o.loss else None,
-                   loss_diff_vs_ddp=max_loss_diff(o.loss, ddp_loss), loss=o.loss, step_s=o.step_s,
+                   loss_diff_vs_ref=max_loss_diff(o.loss, ref_loss), loss_reference=ref, loss=o.loss,
+                   step_s=o.step_s,
                    info=o.info)
         if base:
             row["time_ratio"] = o.median_s / base.median_s
@@ -208,8 +229,10 @@ def _fmt(value, spec: str) -> str:
 
 
 def print_table(rows: list[dict], baseline: str, out=sys.stdout) -> None:
+    ref = next((r["loss_reference"] for r in rows if r.get("loss_reference")), None)
+    ref_label = {"ddp": "DDP", "fsdp2": "FSDP2"}.get(ref, "-")
     head = ("system", "median step s", "min step s", "peak RSS MiB", f"time / {baseline}", f"mem / {baseline}",
-            "final loss", "max |loss - DDP|")
+            "final loss", f"max |loss - {ref_label}|")
     body = []
     notes = []
     for r in rows:
@@ -220,7 +243,7 @@ def print_table(rows: list[dict], baseline: str, out=sys.stdout) -> None:
         body.append((r["system"], _fmt(r["median_step_s"], ".3f"), _fmt(r["min_step_s"], ".3f"),
                      _fmt(r["peak_rss_mib"], ".0f"),
                      _fmt(r.get("time_ratio"), ".2f"), _fmt(r.get("memory_ratio"), ".2f"),
-                     _fmt(r["final_loss"], ".4f"), _fmt(r["loss_diff_vs_ddp"], ".2e")))
+                     _fmt(r["final_loss"], ".4f"), _fmt(r["loss_diff_vs_ref"], ".2e")))
     widths = [max(len(str(line[i])) for line in [head, *body]) for i in range(len(head))]
     for line in [head, tuple("-" * w for w in widths), *body]:
         print("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
@@ -235,17 +258,18 @@ def print_table(rows: list[dict], baseline: str, out=sys.stdout) -> None:
                   file=out)
 
 
-TARGETS = [   # (zdsl row, peer row, target ratio of step times): the issues' goals
-    ("zdsl3", "fsdp2", 0.9), ("zdsl3", "ds3", 0.9),          # issue 5: overlap to beat them by 10%
-    ("zdsl1", "ddp", 1.0), ("zdsl2", "ddp", 1.0),
-]
+TARGETS = {   # model -> (zdsl row, peer row, target ratio of step times): the issues' goals
+    "gpt": [("zdsl3", "fsdp2", 0.9), ("zdsl3", "ds3", 0.9),          # issue 5: overlap to beat them by 10%
+            ("zdsl1", "ddp", 1.0), ("zdsl2", "ddp", 1.0)],
+    "hf:llama": [("zdsl3", "fsdp2", 0.8), ("zdsl3", "ds3", 0.8)],    # issue 20: the same HF model, 20% faster
+}
 
 
-def target_lines(rows: list[dict]) -> list[str]:
+def target_lines(rows: list[dict], model: str = "gpt") -> list[str]:
     """zdsl's step time over each peer's, against the target, for the rows that ran."""
     by_key = {r["peer"]: r for r in rows if r["status"] == "ok"}
     lines = []
-    for ours, theirs, target in TARGETS:
+    for ours, theirs, target in TARGETS[model]:
         if ours in by_key and theirs in by_key:
             ratio = by_key[ours]["median_step_s"] / by_key[theirs]["median_step_s"]
             verdict = "met" if ratio <= target else "not met"
@@ -257,12 +281,17 @@ def target_lines(rows: list[dict]) -> list[str]:
 # -- command line -----------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="zdsl against torch DDP, FSDP2 and DeepSpeed: same GPT, 2 ranks, gloo.")
-    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)} (default: all)")
+    p = argparse.ArgumentParser(description="zdsl against torch DDP, FSDP2 and DeepSpeed: same model, 2 ranks, gloo.")
+    p.add_argument("--model", choices=MODELS, default="gpt",
+                   help="zdsl's built-in GPT, or a transformers Llama saved once and loaded by every peer")
+    p.add_argument("--peers", help=f"comma list of {', '.join(PEERS)} (default: all; with --model hf:llama "
+                                   f"{','.join(HF_PEERS)})")
+    p.add_argument("--bind", choices=BINDINGS, default="cores",
+                   help="cores: every peer's ranks each on its own share of the cores (default); none: all unbound")
     p.add_argument("--steps", type=int, default=8, help="measured steps per repetition (default 8)")
     p.add_argument("--warmup", type=int, default=2, help="steps run first and not timed (default 2)")
     p.add_argument("--reps", type=int, default=2, help="interleaved repetitions of every peer (default 2)")
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--layers", type=int, help="default 6 (gpt), 8 (hf:llama)")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=256)
@@ -283,6 +312,10 @@ def parse_args(argv=None):
     p.add_argument("--workdir", help="keep job folders (configs, logs, per-rank results) here")
     p.add_argument("--json", metavar="OUT", help="write the table and every measurement as JSON")
     args = p.parse_args(argv)
+    if args.layers is None:
+        args.layers = 8 if args.model == "hf:llama" else 6
+    if args.peers is None:
+        args.peers = ",".join(HF_PEERS if args.model == "hf:llama" else PEERS)
     keys = [k.strip() for k in args.peers.split(",") if k.strip()]
     unknown = [k for k in keys if k not in PEERS]
     if unknown or not keys:
@@ -310,28 +343,48 @@ def main(argv=None) -> int:
         return 130
 
 
-def _main(argv=None) -> int:
-    args = parse_args(argv)
+def prepare_model(cfg: BenchConfig, workdir: Path) -> int:
+    """Make what every peer loads (the HF folder) and say what the model is; its parameter count."""
+    if cfg.model == "hf:llama":
+        from benchmarks.peers import hf_llama
+        cfg.hf_dir = str(workdir / "llama")
+        params = hf_llama.save_folder(cfg, Path(cfg.hf_dir))
+        kw = hf_llama.config_kwargs(cfg)
+        print(f"HF Llama layers={cfg.layers} width={cfg.width} heads={cfg.heads} "
+              f"intermediate={kw['intermediate_size']} vocab={cfg.vocab} context={cfg.context}: "
+              f"{params:,} parameters ({params / 1e6:.1f}M), saved to {cfg.hf_dir}")
+        return params
     from zdsl.compile.units import gpt_parameter_count
-
-    cfg = BenchConfig(layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab,
-                      context=args.context, batch=args.batch, steps=args.steps, warmup=args.warmup,
-                      seed=args.seed, data=args.data, lr=args.lr, extra={"ds_optimizer": args.ds_optimizer})
-    if args.malloc_mmap_threshold > 0:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)   # inherited by every job
     params = gpt_parameter_count(**cfg.model_kwargs())
     print(f"GPT layers={cfg.layers} width={cfg.width} heads={cfg.heads} vocab={cfg.vocab} "
           f"context={cfg.context}: {params:,} parameters ({params / 1e6:.1f}M)")
-    print(f"2 ranks on gloo, batch {cfg.batch} per rank, AdamW fp32, {cfg.warmup} warm-up + {cfg.steps} "
-          f"measured steps, {args.reps} interleaved repetitions, data {cfg.data}, "
-          f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'glibc default')}", flush=True)
+    return params
 
+
+def _main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = BenchConfig(layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab,
+                      context=args.context, batch=args.batch, steps=args.steps, warmup=args.warmup,
+                      seed=args.seed, data=args.data, lr=args.lr, model=args.model, bind=args.bind,
+                      extra={"ds_optimizer": args.ds_optimizer})
+    if args.malloc_mmap_threshold > 0:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)   # inherited by every job
     try:
         workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vs_peers-"))
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         print(f"vs_peers.py: error: cannot use --workdir {args.workdir}: {exc.strerror}", file=sys.stderr)
         return 2
+    try:
+        params = prepare_model(cfg, workdir)
+    except ImportError as exc:
+        print(f"vs_peers.py: error: --model {cfg.model} needs {exc.name or exc}; "
+              "install it with benchmarks/setup_peers.sh", file=sys.stderr)
+        return 2
+    print(f"2 ranks on gloo, batch {cfg.batch} per rank, AdamW fp32, {cfg.warmup} warm-up + {cfg.steps} "
+          f"measured steps, {args.reps} interleaved repetitions, data {cfg.data}, "
+          f"ranks {'bound to their cores' if cfg.bind == 'cores' else 'unbound'} (every peer), "
+          f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'glibc default')}", flush=True)
     outcomes = {k: Outcome(PEERS[k]) for k in args.peer_keys}
     check_availability(outcomes, cfg, workdir)
     for rep in range(args.reps):
@@ -352,7 +405,7 @@ def _main(argv=None) -> int:
     rows = summary(outcomes, args.baseline)
     print()
     print_table(rows, args.baseline)
-    for line in target_lines(rows):
+    for line in target_lines(rows, cfg.model):
         print(line)
     print(f"(job folders: {workdir})")
     if args.json:
@@ -360,7 +413,7 @@ def _main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(dict(parameters=params, config=json.loads(cfg.to_json()),
                                                        reps=args.reps, baseline=args.baseline,
                                                        malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-                                                       rows=rows, targets=[t.strip() for t in target_lines(rows)]),
+                                                       rows=rows, targets=[t.strip() for t in target_lines(rows, cfg.model)]),
                                                   indent=1))
         except OSError as exc:
             print(f"vs_peers.py: error: cannot write --json {args.json}: {exc.strerror}", file=sys.stderr)

@@ -25,6 +25,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# "gpt": zdsl's built-in GPT; "hf:llama": a transformers LlamaForCausalLM saved once (hf_llama.py)
+MODELS = ("gpt", "hf:llama")
+# "cores": each rank of every peer on its own share of the cores (zdsl's default; DeepSpeed's
+# --bind_cores_to_rank; taskset for torch's ranks); "none": every peer's ranks unbound
+BINDINGS = ("cores", "none")
+
 
 @dataclass
 class BenchConfig:
@@ -43,6 +49,9 @@ class BenchConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
+    model: str = "gpt"                  # one of MODELS
+    hf_dir: str = ""                    # model "hf:llama": the saved folder every peer loads
+    bind: str = "cores"                 # one of BINDINGS: the same for every peer
     extra: dict = field(default_factory=dict)   # per-peer knobs (e.g. the DeepSpeed stage)
 
     @property
@@ -94,13 +103,33 @@ def rss_bytes() -> int:
 # -- model and data: the same for every peer --------------------------------------
 
 def build_model(cfg: BenchConfig):
-    """zdsl's built-in GPT with the init every peer shares (seeded, on CPU, fp32).
+    """The model with the init every peer shares (seeded, on CPU, fp32).
 
     The GPT seeds its own private generator, exactly as ``zdsl run`` builds it
-    from the schedule's ``seed``, so zdsl starts from the same numbers too.
+    from the schedule's ``seed``, so zdsl starts from the same numbers too. The
+    HF Llama is ``from_pretrained`` of the one folder zdsl also reads.
     """
+    if cfg.model == "hf:llama":
+        from benchmarks.peers import hf_llama
+        return hf_llama.load(cfg)
     from zdsl.runtime.models.gpt import GPT
     return GPT(**cfg.model_kwargs(), seed=cfg.seed)
+
+
+def blocks(cfg: BenchConfig, model) -> list:
+    """The repeated blocks (FSDP2's per-block shard groups): GPT's middle units, Llama's decoder layers."""
+    if cfg.model == "hf:llama":
+        from benchmarks.peers import hf_llama
+        return hf_llama.blocks(model)
+    return model.units()[1:-1]
+
+
+def forward_loss(cfg: BenchConfig):
+    """``loss(model, tokens, targets)`` for this model: the GPT's own forward, or HF logits' cross entropy."""
+    if cfg.model == "hf:llama":
+        from benchmarks.peers import hf_llama
+        return hf_llama.loss
+    return lambda model, tokens, targets: model(tokens, targets)
 
 
 def data_spec(cfg: BenchConfig):
@@ -124,10 +153,12 @@ def batch_for(cfg: BenchConfig, spec, step: int, rank: int, world: int):
     return make_batch(spec, cfg.seed, step, 0, rank, world, cfg.batch)
 
 
-def plain_step(model, optimizer):
+def plain_step(cfg: BenchConfig, model, optimizer):
     """One training step as a user of a wrapper writes it: forward, backward, step, zero."""
+    loss_of = forward_loss(cfg)
+
     def step(tokens, targets):
-        loss = model(tokens, targets)
+        loss = loss_of(model, tokens, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -160,10 +191,11 @@ def run_peer(name: str, setup, backend: str = "gloo", argv=None) -> None:
     Ranks meet at a barrier before every step so a step's time is the
     system's, not the wait for a slower rank's previous step.
     """
+    cfg, out = _parse_job_args(argv)
+    cores = bind_rank(cfg)          # before torch starts a thread: each inherits the mask, as under taskset
     import torch
     import torch.distributed as dist
 
-    cfg, out = _parse_job_args(argv)
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group(backend)
@@ -185,17 +217,40 @@ def run_peer(name: str, setup, backend: str = "gloo", argv=None) -> None:
     result = dict(peer=name, rank=rank, world=world, step_s=times, loss=losses,
                   warmup=cfg.warmup, peak_rss=peak_rss_bytes(), base_rss=base_rss,
                   cuda_peak=(torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None),
-                  torch=torch.__version__, info=info)
+                  torch=torch.__version__, cores=cores, info=info)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def job_env() -> dict:
-    """Environment for a peer job: one intra-op thread, CPU DeepSpeed, repo importable."""
+def bind_rank(cfg: BenchConfig) -> list[int] | None:
+    """With ``cfg.bind == "cores"``, restrict this process to its rank's share of the cores.
+
+    The share is zdsl's (``zdsl.runtime.dist.affinity.rank_cores``: an even,
+    contiguous slice; no binding with fewer cores than ranks), which is also
+    the cores DeepSpeed's ``--bind_cores_to_rank`` gives a rank. Called first
+    thing in a rank, it is ``taskset -c CORES`` on the rank's command line.
+    """
+    if cfg.bind != "cores" or not hasattr(os, "sched_setaffinity"):
+        return None
+    from zdsl.runtime.dist.affinity import rank_cores
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    available = sorted(os.sched_getaffinity(0))
+    mine = rank_cores(local_rank, local_world, available)
+    if mine == available:
+        return None
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
+def job_env(cfg: BenchConfig | None = None) -> dict:
+    """Environment for a peer job: one intra-op thread, CPU DeepSpeed, repo importable, and
+    zdsl's ranks bound or not as ``cfg.bind`` says (the torch peers bind in :func:`bind_rank`)."""
     repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
+    if cfg is not None:
+        env["ZDSL_BIND_CORES"] = "1" if cfg.bind == "cores" else "0"
     env["DS_ACCELERATOR"] = env.get("DS_ACCELERATOR", "cpu")
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

@@ -15,7 +15,7 @@ def setup(cfg, rank, world):
     model = DDP(build_model(cfg))
     optimizer = adamw(cfg, model.parameters())
 
-    return plain_step(model, optimizer), dict(wrapper="DistributedDataParallel", optimizer="torch.optim.AdamW")
+    return plain_step(cfg, model, optimizer), dict(wrapper="DistributedDataParallel", optimizer="torch.optim.AdamW")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from benchmarks.peers import adamw, build_model, run_peer
+from benchmarks.peers import adamw, build_model, forward_loss, run_peer
 
 
 def _optimizer(cfg, model):
@@ -62,9 +62,10 @@ def setup(cfg, rank, world):
     model = build_model(cfg)
     optimizer, optimizer_name = _optimizer(cfg, model)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(cfg, world))
+    loss_of = forward_loss(cfg)
 
     def step(tokens, targets):
-        loss = engine(tokens, targets)
+        loss = loss_of(engine, tokens, targets)
         engine.backward(loss)
         engine.step()
         return loss.detach()

@@ -26,13 +26,21 @@ from pathlib import Path
 from benchmarks.peers import BenchConfig, data_statement, job_env, run_bounded
 
 
+def model_statement(cfg: BenchConfig) -> str:
+    """The ``model`` the torch peers train: the built-in GPT, or the saved HF folder they load."""
+    if cfg.model == "hf:llama":
+        from benchmarks.peers.hf_llama import ATTENTION
+        return f'hf("{cfg.hf_dir}", attn_implementation="{ATTENTION}")'
+    return (f"gpt(layers={cfg.layers}, width={cfg.width}, heads={cfg.heads}, "
+            f"vocab={cfg.vocab}, context={cfg.context})")
+
+
 def schedule_text(cfg: BenchConfig, stage: int = 3) -> str:
     """A .zs file training exactly what the torch peers train (fp32 AdamW, no clipping)."""
     b1, b2 = cfg.betas
     return "\n".join([
-        f'schedule vs_peers "benchmarks/vs_peers.py: the peers\' GPT at 2 ranks on gloo"',
-        f"model     gpt(layers={cfg.layers}, width={cfg.width}, heads={cfg.heads}, "
-        f"vocab={cfg.vocab}, context={cfg.context})",
+        f'schedule vs_peers "benchmarks/vs_peers.py: the peers\' {cfg.model} at 2 ranks on gloo"',
+        f"model     {model_statement(cfg)}",
         f"data      {data_statement(cfg)}",
         f"train     steps={cfg.total_steps}, batch={cfg.batch}, accumulate=1, precision=fp32, seed={cfg.seed}",
         f"optimizer adamw(lr={cfg.lr!r}, betas=({b1!r}, {b2!r}), weight_decay={cfg.weight_decay!r}, "
@@ -44,8 +52,10 @@ def schedule_text(cfg: BenchConfig, stage: int = 3) -> str:
 
 
 def zdsl_command() -> list[str]:
-    """How to call the CLI: the console script, else ``python -m zdsl.cli``."""
-    exe = shutil.which("zdsl")
+    """How to call the CLI: the console script of this Python's environment (a venv run by its
+    own python need not be on PATH), else the one on PATH, else ``python -m zdsl.cli``."""
+    beside = Path(sys.executable).parent / "zdsl"
+    exe = str(beside) if beside.is_file() else shutil.which("zdsl")
     return [exe] if exe else [sys.executable, "-m", "zdsl.cli"]
 
 
@@ -59,7 +69,7 @@ def availability(cfg: BenchConfig, workdir: Path) -> str | None:
     base = zdsl_command()
     try:
         helped = subprocess.run([*base, "run", "--help"], capture_output=True, text=True, timeout=120,
-                                env=job_env())
+                                env=job_env(cfg))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"`zdsl run --help` did not run: {exc}"
     if helped.returncode != 0 or "--metrics" not in helped.stdout:
@@ -69,7 +79,7 @@ def availability(cfg: BenchConfig, workdir: Path) -> str | None:
     probe.write_text(schedule_text(cfg))
     try:
         checked = subprocess.run([*base, "check", str(probe)], capture_output=True, text=True, timeout=120,
-                                 env=job_env())
+                                 env=job_env(cfg))
     except subprocess.TimeoutExpired:
         return "`zdsl check` did not finish in 120 s"
     if checked.returncode != 0:
@@ -80,7 +90,9 @@ def availability(cfg: BenchConfig, workdir: Path) -> str | None:
 def _smoke_run(base: list[str], cfg: BenchConfig, workdir: Path) -> str | None:
     """One step of a tiny copy of the schedule at stage 3: does ``zdsl run`` train at all?"""
     tiny = BenchConfig.from_json(cfg.to_json())
-    tiny.layers, tiny.width, tiny.heads, tiny.context, tiny.steps, tiny.warmup = 1, 32, 2, 16, 1, 0
+    tiny.context, tiny.steps, tiny.warmup = 16, 1, 0
+    if cfg.model == "gpt":     # the HF folder's weights fix its sizes: only the context shrinks
+        tiny.layers, tiny.width, tiny.heads = 1, 32, 2
     schedule = workdir / "zdsl_smoke.zs"
     schedule.write_text(schedule_text(tiny))
     metrics = workdir / "zdsl_smoke.jsonl"
@@ -88,7 +100,7 @@ def _smoke_run(base: list[str], cfg: BenchConfig, workdir: Path) -> str | None:
     log = workdir / "zdsl_smoke.log"
     with open(log, "w") as sink:
         code = run_bounded([*base, "run", str(schedule), "--metrics", str(metrics), "--quiet"], 180,
-                           env=job_env(), stdout=sink, stderr=subprocess.STDOUT)
+                           env=job_env(cfg), stdout=sink, stderr=subprocess.STDOUT)
     if code is None:
         return "`zdsl run` did not finish a 1-step smoke run of a tiny model in 180 s"
     if code != 0:
@@ -120,7 +132,7 @@ def run_job(cfg: BenchConfig, stage: int, out: Path, timeout_s: float) -> int:
     command = [*zdsl_command(), "run", str(schedule), "--set", f"zero={stage}",
                "--metrics", str(metrics), "--quiet"]
     print("$", " ".join(command), flush=True)
-    code = run_bounded(command, timeout_s, env=job_env())
+    code = run_bounded(command, timeout_s, env=job_env(cfg))
     if code is None:
         print(f"zdsl run did not finish in {timeout_s:.0f} s", file=sys.stderr)
         return 1
