@@ -122,10 +122,12 @@ def print_lowered(path: str, overrides, units_for) -> int:
     """The pipelines a policy file expands to, as valid .zs."""
     from zdsl.compile.lower import lower_policies
     from zdsl.lang.printer import print_schedule
+    from zdsl.python_source import sizing_data
     compiled = load(path, overrides, units_for)
     if compiled.ok:
         schedule = compiled.schedule
-        sys.stdout.write(print_schedule(schedule, lower_policies(schedule, units_for(schedule.model))))
+        units = units_for(schedule.model, **sizing_data(schedule.data))
+        sys.stdout.write(print_schedule(schedule, lower_policies(schedule, units)))
     report(compiled)
     return status_of(compiled)
 

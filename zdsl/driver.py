@@ -81,11 +81,16 @@ def size(out: Compiled, units_for) -> bool:
     from zdsl.compile.models import ModelSizingError
     from zdsl.compile.models import run_context
     from zdsl.lang.errors import Diagnostic
+    from zdsl.python_source import PythonDataError
+    from zdsl.python_source import sizing_data
     model_span = out.schedule.spans.get("model")
     try:
-        out.units = units_for(out.schedule.model, run_context(out.schedule))
+        out.units = units_for(out.schedule.model, run_context(out.schedule), **sizing_data(out.schedule.data))
     except ModelSizingError as exc:
         out.diagnostics.append(Diagnostic("error", model_span, str(exc)))
+        return False
+    except PythonDataError as exc:            # the data function sizing called broke its contract
+        out.diagnostics.append(Diagnostic("error", out.schedule.spans.get("data") or model_span, str(exc)))
         return False
     except Exception as exc:                  # a user's model factory that fails to build
         out.diagnostics.append(Diagnostic("error", model_span, f"cannot size the model: "
@@ -123,10 +128,10 @@ def memo_units_for():
     from zdsl.compile.models import units_for
     cache: dict[tuple[str, int | None], list] = {}
 
-    def cached(spec, context: int | None = None):
-        key = (repr(spec), context)
+    def cached(spec, context: int | None = None, data=None):
+        key = (repr(spec), context, repr(data))
         if key not in cache:
-            cache[key] = units_for(spec, context)
+            cache[key] = units_for(spec, context, data)
         return cache[key]
     return cached
 

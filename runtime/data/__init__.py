@@ -1,5 +1,5 @@
 """Built-in data sources: ``corpus("stdlib")``, ``corpus("PATH")``, ``tokens("FILE")``, ``text("PATH", tokenizer=...)``
-and ``synthetic(...)``.
+and ``synthetic(...)``, and a user's function, ``python("file.py:batches")``.
 
 :func:`make_batch` is the only entry point the runtime and the DDP reference
 use. A batch is a pure function of (seed, step, micro-batch, global sample
@@ -18,6 +18,7 @@ import torch
 from zdsl.runtime.data.corpus import CorpusError
 
 from zdsl.runtime.data.corpus import corpus_tokens
+from zdsl.runtime.data.python_source import python_batch
 from zdsl.runtime.data.synthetic import synthetic_tokens
 from zdsl.runtime.data.text import text_token_file
 from zdsl.runtime.data.tokens import TokenFileError
@@ -68,13 +69,16 @@ def vocab_size(spec) -> int:
 
 def make_batch(spec, seed: int, step: int, micro: int, rank: int, ranks: int, batch: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(idx, targets)``, int64 tensors of shape ``(batch, context)`` on the CPU.
+    """``(idx, targets)``, int64 tensors of shape ``(batch, context)`` on the CPU (``python(...)``:
+    the user's function's pair, any tensors with ``batch`` rows, runtime/data/python_source.py).
 
     ``targets`` is ``idx`` shifted by one token. ``ranks`` only checks ``rank``:
     the tokens depend on the global sample index ``rank * batch + i``.
     """
     if not 0 <= rank < ranks:
         raise ValueError(f"rank {rank} is outside 0..{ranks - 1}")
+    if spec.kind == "python":                   # the user's function gives the whole pair, any tensors
+        return python_batch(spec, seed, step, micro, rank, ranks, batch)
     context = _arg(spec, "context")
     keys = sample_keys(seed, step, micro, rank * batch, batch)
     if spec.kind == "corpus":

@@ -68,7 +68,7 @@ def unit_kernels(unit, x: torch.Tensor, batch: Batch, last: bool, tied: list) ->
     """(forward kernels, backward kernels, output) of one ``unit`` on input ``x`` of ``batch``
     (called as zdsl calls it; ``last``: it returns the loss); ``tied``: the parameters of other
     units it reads. Works on the meta device (nothing computed) as on a real one."""
-    x_in = x.detach().requires_grad_(x.is_floating_point())
+    x_in = x.detach().requires_grad_(x.is_floating_point() and x is not batch.input_ids)   # data: no gradient
     with KernelCount() as forward:
         out = call_unit(unit, x_in, batch, last)
     params = [p for p in unit.parameters() if p.requires_grad] + list(tied)

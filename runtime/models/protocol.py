@@ -79,21 +79,23 @@ class ModelProtocolError(ValueError):
     """A model that cannot be loaded or does not follow the unit protocol."""
 
 
-def load_factory(spec: str, base_dir: str | os.PathLike | None = None) -> Callable[..., nn.Module]:
-    """``"path/to/file.py:build"`` or ``"pkg.module:build"`` -> the callable."""
+def load_factory(spec: str, base_dir: str | os.PathLike | None = None, what: str | None = None) -> Callable:
+    """``"path/to/file.py:build"`` or ``"pkg.module:build"`` -> the callable. ``what`` names it in
+    errors (default ``model "SPEC"``; a data function is another user callable loaded the same way)."""
+    what = what or f'model "{spec}"'
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise ModelProtocolError(f'model "{spec}": expected "file.py:build" or "package.module:build"')
+        raise ModelProtocolError(f'{what}: expected "file.py:build" or "package.module:build"')
     if target.endswith(".py") or os.sep in target or "/" in target:
         path = Path(target).expanduser()
         if not path.is_absolute() and base_dir is not None:
             path = Path(base_dir) / path
         if not path.is_file():
-            raise ModelProtocolError(f'model "{spec}": no such file {path}')
+            raise ModelProtocolError(f'{what}: no such file {path}')
         name = f"zdsl_user_model_{abs(hash(str(path.resolve())))}"
         module_spec = importlib.util.spec_from_file_location(name, path)
         if module_spec is None or module_spec.loader is None:
-            raise ModelProtocolError(f'model "{spec}": cannot load {path} as Python')
+            raise ModelProtocolError(f'{what}: cannot load {path} as Python')
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module   # so the module pickles and dataclasses in it work
         folder = str(path.resolve().parent)
@@ -103,19 +105,19 @@ def load_factory(spec: str, base_dir: str | os.PathLike | None = None) -> Callab
             module_spec.loader.exec_module(module)
         except Exception as exc:
             sys.modules.pop(name, None)
-            raise ModelProtocolError(f'model "{spec}": importing {path} failed: {type(exc).__name__}: {exc}') \
+            raise ModelProtocolError(f'{what}: importing {path} failed: {type(exc).__name__}: {exc}') \
                 from None
     else:
         try:
             module = importlib.import_module(target)
         except Exception as exc:
-            raise ModelProtocolError(f'model "{spec}": cannot import {target}: {type(exc).__name__}: {exc}') \
+            raise ModelProtocolError(f'{what}: cannot import {target}: {type(exc).__name__}: {exc}') \
                 from None
     factory = getattr(module, attr, None)
     if factory is None:
-        raise ModelProtocolError(f'model "{spec}": {target} defines no {attr!r}')
+        raise ModelProtocolError(f'{what}: {target} defines no {attr!r}')
     if not callable(factory):
-        raise ModelProtocolError(f'model "{spec}": {attr} is not callable; it must build and return the model')
+        raise ModelProtocolError(f'{what}: {attr} is not callable; it must build and return the model')
     return factory
 
 

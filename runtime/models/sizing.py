@@ -42,8 +42,9 @@ from zdsl.runtime.models.protocol import prepare_batch
 from zdsl.runtime.models.protocol import tied_uses
 
 
-def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
-    """The units of the model a schedule names, for a sequence of ``context`` tokens."""
+def unit_specs(model_spec, context: int, base_dir=None, sample=None) -> list[UnitSpec]:
+    """The units of the model a schedule names, for a sequence of ``context`` tokens, or for
+    ``sample``, one row of the data's ``(inputs, targets)`` (``data python(...)``: any tensors)."""
     if model_spec.kind == "gpt":
         return gpt_units(**{**GPT_DEFAULTS, **model_spec.args})
     with torch.device("meta"):
@@ -54,7 +55,7 @@ def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
     specs = [UnitSpec(name=f"unit.{i}", params=[(n, tuple(p.shape)) for n, p in u.named_parameters()],
                       uses=uses[i]) for i, u in enumerate(units)]
     try:
-        _measure(model, units, specs, context)
+        _measure(model, units, specs, lambda: meta_batch(context, sample))
     except Exception as exc:   # the user's forward cannot run on meta: keep exact sizes, estimate the rest
         warnings.warn(f"{where}: could not trace one sequence on the meta device "
                       f"({type(exc).__name__}: {exc}); flops and activations are estimates")
@@ -63,7 +64,7 @@ def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
             s.input_elems_per_seq = s.input_elems_per_seq or context
             s.act_elems_per_seq = s.act_elems_per_seq or context
     try:                       # apart: a backward that cannot run on meta leaves the forward's figures exact
-        _count_kernels(model, units, specs, context)
+        _count_kernels(model, units, specs, lambda: meta_batch(context, sample))
     except Exception as exc:
         warnings.warn(f"{where}: could not count its kernels on the meta device "
                       f"({type(exc).__name__}: {exc}); kernel counts are estimates")
@@ -78,16 +79,20 @@ def unit_specs(model_spec, context: int, base_dir=None) -> list[UnitSpec]:
 ESTIMATED_KERNELS = (1, 3)
 
 
-def meta_batch(context: int) -> Batch:
-    """One sequence of ``context`` tokens on the meta device (every label counted)."""
+def meta_batch(context: int, sample=None) -> Batch:
+    """One sequence of ``context`` tokens on the meta device (every label counted), or one row of
+    the data's ``sample`` pair."""
+    if sample is not None:
+        return Batch.of(*(t.to("meta") for t in sample))
     ids = torch.zeros(1, context, dtype=torch.long, device="meta")
     return Batch.of(ids, ids.clone())
 
 
-def _measure(model, units, specs: list[UnitSpec], context: int) -> None:
+def _measure(model, units, specs: list[UnitSpec], example) -> None:
+    """``example()``: a fresh meta batch of one sequence."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    batch = prepare_batch(model, meta_batch(context))
+    batch = prepare_batch(model, example())
     x = batch.input_ids
     # prepare's extras belong to the micro-batch, held once whichever units save them (the runtime
     # counts them so too), not to a unit's activations
@@ -104,7 +109,7 @@ def _measure(model, units, specs: list[UnitSpec], context: int) -> None:
             return t
 
         spec.input_elems_per_seq = int(x.numel())
-        x_in = x.detach().requires_grad_(x.is_floating_point())
+        x_in = x.detach().requires_grad_(x.is_floating_point() and i > 0)    # unit 0's data: no gradient
         counter = FlopCounterMode(display=False)
         with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = call_unit(unit, x_in, batch, last=i == len(units) - 1)
@@ -115,9 +120,9 @@ def _measure(model, units, specs: list[UnitSpec], context: int) -> None:
         x = out.detach()
 
 
-def _count_kernels(model, units, specs: list[UnitSpec], context: int) -> None:
+def _count_kernels(model, units, specs: list[UnitSpec], example) -> None:
     from zdsl.runtime.models.kernel_count import model_kernels
-    batch = meta_batch(context)
+    batch = example()
     for spec, (fwd, bwd) in zip(specs, model_kernels(model, units, batch.input_ids, batch.labels)):
         spec.fwd_kernels, spec.bwd_kernels = fwd, bwd
 
@@ -125,10 +130,15 @@ def _count_kernels(model, units, specs: list[UnitSpec], context: int) -> None:
 DEFAULT_CONTEXT = 64
 
 
-def units_for_user_model(spec, context: int | None = None, base_dir=None) -> list[UnitSpec]:
+def units_for_user_model(spec, context: int | None = None, base_dir=None, data=None) -> list[UnitSpec]:
     """A user's model (``ModelSpec`` kind "user") as the compiler's units. The sequence length
-    for flops and activations is ``context``, else the factory's ``context`` argument, else 64."""
+    for flops and activations is ``context``, else the factory's ``context`` argument, else 64;
+    with ``data python(...)`` (a ``DataSpec``), one row of what its function returns."""
     if context is None:
         value = spec.args.get("context")
         context = value if isinstance(value, int) and value > 0 else DEFAULT_CONTEXT
-    return unit_specs(spec, context, base_dir=base_dir)
+    sample = None
+    if data is not None and data.kind == "python":
+        from zdsl.runtime.data.python_source import meta_sample
+        sample = meta_sample(data)
+    return unit_specs(spec, context, base_dir=base_dir, sample=sample)

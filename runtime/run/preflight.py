@@ -8,6 +8,8 @@
   cached beside the file (:mod:`zdsl.runtime.data.tokens`), so the ranks start at once.
 - ``data text(...)`` is tokenised here, once, into its cached token file
   (:mod:`zdsl.runtime.data.text`), then checked as a token file: no rank tokenises.
+- ``data python(...)``'s function is called as rank 0 (twice: the same tensors?) and as the
+  last rank (the same shapes?) at step 0 (:mod:`zdsl.runtime.data.python_source`).
 
 Under another launcher (torchrun: RANK set, not by ``zdsl run``) the ranks already
 exist: the fit is only a warning, on rank 0, which also checks the checkpoint folder.
@@ -84,6 +86,14 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
     if compiled.schedule.data.kind == "tokens":      # ids below the vocab: one scan, its verdict cached
         from zdsl.runtime.data.tokens import token_file_problem     # (imports torch: only when needed)
         problem = token_file_problem(compiled.schedule.data)
+        if problem:
+            if rank in (None, "0"):
+                print(f"zdsl: error: {problem}", file=sys.stderr)
+            return EXIT_INVALID
+    if compiled.schedule.data.kind == "python":      # a broken contract stops here, not inside a rank
+        from zdsl.runtime.data.python_source import python_problem
+        train = compiled.schedule.train
+        problem = python_problem(compiled.schedule.data, train.seed, compiled.schedule.ranks, train.batch)
         if problem:
             if rank in (None, "0"):
                 print(f"zdsl: error: {problem}", file=sys.stderr)

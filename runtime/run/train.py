@@ -18,7 +18,6 @@ import trio
 from zdsl import env
 from zdsl.ir import TIERS
 from zdsl.ir import TaskGraph
-from zdsl.compile.models import run_context as schedule_context   # the planner sizes the same context
 from zdsl.observe.overlap import analyze
 from zdsl.lr import LrSchedule
 
@@ -143,7 +142,6 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
     cfg = graph.config
     train = cfg["train"]
     steps, acc, batch = train["steps"], train["accumulate"], train["batch"]
-    context = schedule_context(schedule)
     records: list[tuple[int, StepRecord]] = []
     history: list[StepMetrics] = []
     say = (lambda text: print(f"zdsl: {text}", flush=True)) if rank == 0 else (lambda text: None)
@@ -183,7 +181,7 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         # the overlap report costs O(ops): every step when metrics are written, else the last step
         overlap = analyze(graph, [(t.start, t.end) for t in record.timings], rank=rank,
                           step_time=record.seconds) if (options.metrics or step == steps - 1) else None
-        metrics = gather_metrics(step, record, result, state, world, device, tokens=batch * acc * context,
+        metrics = gather_metrics(step, record, result, state, world, device, tokens=label_count(batches),
                                  overlap=overlap)
         metrics.lr = lr
         history.append(metrics)
@@ -203,6 +201,12 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         from zdsl.runtime.exec.tracing import write_measured_trace
         write_measured_trace(graph, records, rank, world, options, state)
     return history
+
+
+def label_count(batches) -> int:
+    """A step's tokens for tokens/s: its labels' elements (``batch x context`` of a token source; a
+    classifier's ``python(...)`` data, one label per sample, counts samples)."""
+    return sum(b.labels.numel() for b in batches)
 
 
 def gather_metrics(step, record: StepRecord, result: dict, state, world, device, tokens,

@@ -175,7 +175,7 @@ class Compute:
         x = self._unit_input(op)
         recompute = self.graph.units[u].recompute
         x_in = x.detach()
-        if x_in.is_floating_point() and not recompute:
+        if x_in.is_floating_point() and not recompute and u > 0:     # unit 0's input is data: no gradient
             x_in.requires_grad_(True)
         rng = rng_state(self.device) if recompute else None
         out, nbytes = self._run_unit(u, x_in, op.micro, grad=not recompute)
@@ -196,7 +196,7 @@ class Compute:
         u = op.unit
         rec = table.read(f"act[{u}]", op).record
         x_in = rec.input.detach()
-        if x_in.is_floating_point():
+        if x_in.is_floating_point() and u > 0:
             x_in.requires_grad_(True)
         losses = list(self.losses)
         with replayed_rng(rec.rng, self.device):   # the forward's dropout masks, not new ones

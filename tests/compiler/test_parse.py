@@ -48,7 +48,7 @@ def test_every_program_parses_and_checks(path):
     assert schedule.spans["model"].file == str(path)
 
 
-def _fake_units_for(spec):
+def _fake_units_for(spec, data=None):
     """Sizes a user's model without torch: 4 units of 10 parameters."""
     from zdsl.check.checker import default_units_for
     from zdsl.compile.units import UnitSpec

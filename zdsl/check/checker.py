@@ -55,7 +55,9 @@ from zdsl.compile.units import gpt_units
 from zdsl.check.values import Reader
 from zdsl.check.values import describe
 
-UnitsFor = Callable[[ModelSpec], list[UnitSpec]]
+# Sizes a model: units_for(model), and units_for(model, data=...) for data python(...), whose
+# function's tensors a built model is sized with (zdsl.compile.models.units_for).
+UnitsFor = Callable[..., list[UnitSpec]]
 
 # Every optimizer also takes the rate schedule (zdsl/lr.py) and the decay groups (zdsl/compile/decay.py).
 _SCHEDULE_KEYS = ("warmup", "decay", "min_lr", "decay_steps", "no_decay")

@@ -26,9 +26,10 @@ def run_context(schedule: Schedule) -> int:
     return int(value) if value else GPT_DEFAULTS["context"]
 
 
-def units_for(spec: ModelSpec, context: int | None = None) -> list[UnitSpec]:
+def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[UnitSpec]:
     """The ordered units of the model ``spec`` describes, with parameter shapes and the costs
-    of one sequence of ``context`` tokens (default: the model's own context, see run_context)."""
+    of one sequence of ``context`` tokens (default: the model's own context, see run_context).
+    ``data``: a ``data python(...)`` source, whose function gives a built model its input shapes."""
     if spec.kind == "gpt":
         unknown = sorted(set(spec.args) - set(GPT_DEFAULTS))
         if unknown:
@@ -48,5 +49,5 @@ def units_for(spec: ModelSpec, context: int | None = None) -> list[UnitSpec]:
         except ImportError as exc:
             raise ModelSizingError(
                 f"sizing this model needs the runtime (zdsl.runtime.models.sizing): {exc}") from exc
-        return units_for_user_model(spec, context)
+        return units_for_user_model(spec, context, data=data)
     raise ModelSizingError(f"unknown model kind {spec.kind!r}; expected gpt, hf or a user factory")

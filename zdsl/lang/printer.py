@@ -155,6 +155,8 @@ def _data_text(d) -> str:
             args.insert(0, ("dtype", _Raw(d.dtype)))
         inner = ", ".join([string_text(d.source or "stdlib")] + ([_kwargs(args)] if args else []))
         return f"{d.kind}({inner})"
+    if d.kind == "python":            # the function, then the settings it is called with
+        return f"python({', '.join([string_text(d.source or '')] + ([_kwargs(args)] if args else []))})"
     return f"{d.kind}({_kwargs(args)})"
 
 
