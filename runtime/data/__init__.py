@@ -18,6 +18,7 @@ import torch
 from zdsl.runtime.data.corpus import CorpusError
 
 from zdsl.runtime.data.corpus import corpus_tokens
+from zdsl.runtime.data.jsonl import jsonl_batch
 from zdsl.runtime.data.python_source import python_batch
 from zdsl.runtime.data.synthetic import synthetic_tokens
 from zdsl.runtime.data.text import text_token_file
@@ -72,6 +73,8 @@ def make_batch(spec, seed: int, step: int, micro: int, rank: int, ranks: int, ba
     """``(idx, targets)``, int64 tensors of shape ``(batch, context)`` on the CPU (``python(...)``:
     the user's function's pair, any tensors with ``batch`` rows, runtime/data/python_source.py).
 
+    ``jsonl(...)`` gives a :class:`~zdsl.runtime.models.batch.Batch` instead (labels -100 on prompts,
+    masks for padding and packing): callers take every source's result through ``as_batch``.
     ``targets`` is ``idx`` shifted by one token. ``ranks`` only checks ``rank``:
     the tokens depend on the global sample index ``rank * batch + i``.
     """
@@ -81,6 +84,8 @@ def make_batch(spec, seed: int, step: int, micro: int, rank: int, ranks: int, ba
         return python_batch(spec, seed, step, micro, rank, ranks, batch)
     context = _arg(spec, "context")
     keys = sample_keys(seed, step, micro, rank * batch, batch)
+    if spec.kind == "jsonl":                   # fine-tuning records: a Batch with masks (runtime/data/jsonl.py)
+        return jsonl_batch(spec, keys)
     if spec.kind == "corpus":
         tokens = corpus_tokens(spec.source or "stdlib")
         span = tokens.numel() - context - 1

@@ -8,6 +8,8 @@
   cached beside the file (:mod:`zdsl.runtime.data.tokens`), so the ranks start at once.
 - ``data text(...)`` is tokenised here, once, into its cached token file
   (:mod:`zdsl.runtime.data.text`), then checked as a token file: no rank tokenises.
+- ``data jsonl(...)`` is tokenised here, once (:mod:`zdsl.runtime.data.jsonl`), and the records
+  longer than the context are counted: one warning here, not one per rank or step.
 - ``data python(...)``'s function is called as rank 0 (twice: the same tensors?) and as the
   last rank (the same shapes?) at step 0 (:mod:`zdsl.runtime.data.python_source`).
 
@@ -82,6 +84,13 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
         if problem:
             if rank in (None, "0"):
                 print(f"zdsl: error: {problem}", file=sys.stderr)
+            return EXIT_INVALID
+    if compiled.schedule.data.kind == "jsonl":       # tokenised once (under a lock); truncation reported once
+        from zdsl.runtime.data.jsonl import jsonl_problem
+        problem, note = jsonl_problem(compiled.schedule.data)
+        if rank in (None, "0") and (problem or note):
+            print(f"zdsl: {'error' if problem else 'warning'}: {problem or note}", file=sys.stderr)
+        if problem:
             return EXIT_INVALID
     if compiled.schedule.data.kind == "tokens":      # ids below the vocab: one scan, its verdict cached
         from zdsl.runtime.data.tokens import token_file_problem     # (imports torch: only when needed)

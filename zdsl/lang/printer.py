@@ -148,9 +148,9 @@ def _data(s: Schedule) -> str:
 
 def _data_text(d) -> str:
     args = list(d.args.items())
-    if d.kind == "text":              # its vocab is the tokenizer's, found again when checked
+    if d.kind in ("text", "jsonl"):   # its vocab is the tokenizer's, found again when checked
         args = [("tokenizer", d.tokenizer or "")] + [(k, v) for k, v in args if k != "vocab"]
-    if d.kind in ("corpus", "tokens", "text"):
+    if d.kind in ("corpus", "tokens", "text", "jsonl"):
         if d.dtype:
             args.insert(0, ("dtype", _Raw(d.dtype)))
         inner = ", ".join([string_text(d.source or "stdlib")] + ([_kwargs(args)] if args else []))
