@@ -22,6 +22,16 @@ The batch (:class:`zdsl.runtime.models.batch.Batch`)
     the mask, the segments and the positions; a model of yours that ignores them trains wrongly
     on padded or packed data (``data jsonl(...)``).
 
+    ``input_ids`` is whatever unit 0 takes and ``labels`` whatever the last unit scores: token
+    ids and their next tokens from the built-in data sources, but ``data python(...)`` gives
+    any pair of tensors with the micro-batch's rows first (float features and class labels,
+    images, ...; zdsl/runtime/data/python_source.py), under these same two names. zdsl moves
+    them to the device as they are and never differentiates them: a float input arrives in the
+    dtype the data made it (fp32, typically), so under bf16/fp16 unit 0 casts it to its weights'
+    dtype (``x.to(self.fc.weight.dtype)``, as a DeepSpeed user writes ``inputs.half()``), and the
+    last unit computes its own loss from ``labels`` (``F.cross_entropy(logits.float(), labels)``
+    for classes). Positions, masks and segments are for sequences; such data leaves them None.
+
 How zdsl calls a unit
     A unit whose class sets ``takes_batch = True`` is called ``unit(x, batch)``: unit 0 with
     ``x = batch.input_ids``, the others with the previous unit's output; the last returns the
@@ -135,7 +145,7 @@ def check_model(model, where: str) -> list[nn.Module]:
         raise ModelProtocolError(f"{where}: units() failed: {type(exc).__name__}: {exc}") from None
     if len(units) < 2:
         raise ModelProtocolError(f"{where}: units() returned {len(units)} unit(s); {PROTOCOL_DOC} needs at "
-                                 f"least two (the first takes token ids, the last returns the loss)")
+                                 f"least two (the first takes the data's inputs, the last returns the loss)")
     for i, u in enumerate(units):
         if not isinstance(u, nn.Module):
             raise ModelProtocolError(f"{where}: unit {i} is {type(u).__name__}, not a torch.nn.Module")
