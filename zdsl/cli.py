@@ -88,10 +88,16 @@ def cmd_plan(args, parser) -> int:
     from zdsl.planner.report import render_plan
     plan = build_plan(compiled.graph, compiled.schedule, compiled.sim)
     fit = schedule_fit(compiled, overrides)          # what `zdsl run` compares before starting ranks
+    evaluation = None
+    if compiled.eval_sim is not None:
+        from zdsl.planner.eval_plan import eval_plan
+        evaluation = eval_plan(compiled.graph, compiled.eval_graph, compiled.schedule, compiled.eval_sim)
     if args.json:
-        print(json.dumps({**plan.to_json(), "machine_fit": fit.to_json()}, indent=2))
+        extra = {"eval": evaluation.to_json()} if evaluation is not None else {}
+        print(json.dumps({**plan.to_json(), **extra, "machine_fit": fit.to_json()}, indent=2))
     else:
-        sys.stdout.write(render_plan(plan, color=sys.stdout.isatty()) + render_fit(fit))
+        shown = render_plan(plan, color=sys.stdout.isatty())
+        sys.stdout.write(shown + (evaluation.line() + "\n" if evaluation is not None else "") + render_fit(fit))
     if args.trace or args.timeline:
         from zdsl.observe.trace import predicted_trace
         from zdsl.observe.trace import write_trace

@@ -8,7 +8,9 @@ benchmarks) calls :func:`compile_file`; it reads top-down as the steps it chains
 3. **lower** (:mod:`zdsl.compile.lower`): policies to explicit pipelines;
 4. **instantiate** (:mod:`zdsl.compile.instantiate`): pipelines times units to a ``TaskGraph``;
 5. **verify** (:mod:`zdsl.compile.verify`): races, deadlocks and memory, simulating the step
-   with :mod:`zdsl.planner` once; the simulation is kept for the plan.
+   with :mod:`zdsl.planner` once; the simulation is kept for the plan;
+6. **evaluation** (:mod:`zdsl.compile.eval_graph`), for a schedule with ``eval``: the forward
+   phase alone, sized at the eval data's context, instantiated and verified the same way.
 
 Contract: never raises for a bad schedule or model. Everything wrong is a positioned
 diagnostic in the returned :class:`Compiled`, which is carried as far as it would go.
@@ -34,6 +36,8 @@ class Compiled:
     units: list | None = None
     graph: object = None
     sim: object = None
+    eval_graph: object = None        # the forward-only graph of one eval batch (``eval`` statement)
+    eval_sim: object = None
     usage_error: bool = False
 
     @property
@@ -56,6 +60,8 @@ def _compile(path: str, overrides: dict[str, str] | None, units_for, simulate: b
     if out.ok and size(out, units_for) and instantiate_graph(out):
         found, out.sim = findings(out.graph, out.schedule, want_sim=simulate)
         out.diagnostics.extend(to_diagnostic(f) for f in found)
+        if out.ok and out.schedule.eval is not None:
+            evaluation_graph(out, units_for, simulate)
     return out
 
 
@@ -113,6 +119,46 @@ def instantiate_graph(out: Compiled) -> bool:
         out.diagnostics.extend(exc.diagnostics)
         return False
     return True
+
+
+def evaluation_graph(out: Compiled, units_for, simulate: bool = True) -> bool:
+    """Step 6: the forward-only graph ``eval`` runs, from the same lowered pipelines, its units
+    sized at the eval data's context; verified, its findings added to the diagnostics."""
+    from zdsl.compile.eval_graph import eval_context
+    from zdsl.compile.eval_graph import eval_findings
+    from zdsl.compile.instantiate import LoweringError
+    from zdsl.compile.models import ModelSizingError
+    from zdsl.compile.verify import to_diagnostic
+    from zdsl.lang.errors import Diagnostic
+    from zdsl.python_source import PythonDataError
+    from zdsl.python_source import sizing_data
+    schedule = out.schedule
+    span = schedule.spans.get("eval.data") or schedule.spans.get("eval")
+    try:
+        units = units_for(schedule.model, eval_context(schedule), **sizing_data(schedule.eval.data))
+    except (ModelSizingError, PythonDataError) as exc:
+        out.diagnostics.append(Diagnostic("error", span, f"cannot size the model for evaluation: {exc}"))
+        return False
+    except Exception as exc:                  # a user's model factory that fails at this context
+        out.diagnostics.append(Diagnostic("error", span, f"cannot size the model for evaluation: "
+                                                         f"{type(exc).__name__}: {exc}"))
+        return False
+    try:
+        out.eval_graph = compile_eval(schedule, units)
+    except LoweringError as exc:
+        out.diagnostics.append(Diagnostic("error", exc.span or span, str(exc), exc.hint))
+        return False
+    found, out.eval_sim = eval_findings(out.graph, out.eval_graph, schedule, want_sim=simulate)
+    out.diagnostics.extend(to_diagnostic(f) for f in found)
+    return out.ok
+
+
+def compile_eval(schedule, units):
+    """A checked schedule with ``eval`` and its model's units at the eval context to the
+    forward-only graph of one eval batch (for callers that hold a ``Schedule``: tests)."""
+    from zdsl.compile.eval_graph import instantiate_eval
+    from zdsl.compile.lower import lower_policies
+    return instantiate_eval(schedule, units, lower_policies(schedule, units))
 
 
 def compile_schedule(schedule, units):

@@ -1,0 +1,123 @@
+"""The evaluation graph: a schedule's forward phase alone, for ``eval every N steps on SOURCE``.
+
+One eval micro-batch (``batch`` sequences of the eval data's context) through the same
+forward template, placements and prefetch as training: stage 3 gathers each unit's
+parameters ahead and frees them after, offloaded shards are read and copied in as
+the training forward does. Nothing else: no backward, no gradient or optimizer
+buffer, no reduce-scatter, no step. The runtime runs it once per eval batch on the
+training's own buffers (``runtime/run/evaluate.py``), so its buffer names are a
+subset of the training graph's.
+
+Memory: a unit keeps only its input (no autograd, nothing saved for a backward). The
+model states the training graph holds (gradient shards, optimizer state) stay
+allocated while evaluating; :func:`held_states` counts them, and :func:`eval_findings`
+checks the budgets against the evaluation's peak plus them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from zdsl.ir import Buffer
+from zdsl.ir import TaskGraph
+from zdsl.ir import parse_buffer_name
+from zdsl.compile.instantiate import _Builder
+from zdsl.compile.units import UnitSpec
+from zdsl.lang.sizes import human_bytes
+from zdsl.schedule import Pipeline
+from zdsl.schedule import Schedule
+
+# What a forward-only graph may hold: the op kinds its forward template can emit.
+FORWARD_KINDS = ("compute.forward", "comm.all_gather", "copy.h2d", "nvme.read", "mem.free")
+
+
+def eval_context(schedule: Schedule) -> int | None:
+    """Tokens per sequence the evaluation runs on: the eval data's context (the checker gives it
+    the training data's unless written), else the training's (zdsl/compile/models.py)."""
+    from zdsl.compile.models import run_context
+    value = schedule.eval.data.args.get("context") if schedule.eval is not None else None
+    return int(value) if value else run_context(schedule)
+
+
+class _EvalBuilder(_Builder):
+    """The training builder, asked for the forward phase of one micro-batch only."""
+
+    def persistent_names(self) -> list[str]:
+        return [self.home_param(u) for u in range(self.n_units)] + ["loss"]
+
+    def buffer(self, name: str) -> Buffer:
+        new = name not in self.buffers
+        buf = super().buffer(name)
+        if new and buf.kind == "act":      # forward only: a unit's input, nothing saved for a backward
+            buf.bytes = self.batch * self.specs[buf.unit].input_elems_per_seq * self.elem_bytes
+        return buf
+
+    def build(self, pipelines: dict[str, Pipeline]) -> TaskGraph:
+        self._persistent = set(self.persistent_names())
+        for name in self._persistent:
+            self.buffer(name)
+        self.run_phase(pipelines["forward"], "forward", 0)
+        self.apply_overlap_policy()
+        self.auto_free()
+        ops = self.finish()
+        return TaskGraph(
+            schedule=self.schedule.name, ranks=self.ranks, stage=self.schedule.stage, precision=self.precision,
+            accumulate=1, units=self.unit_infos(), buffers=self.buffers, ops=ops, config=self.schedule.to_config())
+
+
+def instantiate_eval(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline]) -> TaskGraph:
+    """The forward-only graph of one eval micro-batch, from the same lowered ``pipelines`` as the
+    training graph; ``units`` sized at :func:`eval_context`."""
+    return _EvalBuilder(schedule, units).build(pipelines)
+
+
+def held_states(train: TaskGraph, evaluation: TaskGraph) -> dict[str, int]:
+    """tier -> bytes of the training's model states the evaluation graph does not name (gradient
+    shards, optimizer state), which stay allocated while it runs."""
+    out: dict[str, int] = {}
+    for name, buf in train.buffers.items():
+        if buf.persistent and name not in evaluation.buffers:
+            out[buf.tier] = out.get(buf.tier, 0) + buf.bytes
+    return out
+
+
+def eval_peak(train: TaskGraph, evaluation: TaskGraph, sim) -> dict[str, int]:
+    """tier -> the evaluation's simulated peak plus what training keeps allocated beside it."""
+    held = held_states(train, evaluation)
+    tiers = set(held) | set(sim.memory.tiers)
+    return {tier: sim.memory.peak(tier) + held.get(tier, 0) for tier in sorted(tiers)}
+
+
+def eval_findings(train: TaskGraph, evaluation: TaskGraph, schedule: Schedule, want_sim: bool = True):
+    """The verifier's findings on the evaluation graph (races, cycles, collective order), each
+    marked as the evaluation's, and the memory budgets against :func:`eval_peak`; returns
+    (findings, simulation or None)."""
+    from zdsl.compile.verify import Finding
+    from zdsl.compile.verify import findings
+    from zdsl.planner.simulate import simulate
+    unbudgeted = dataclasses.replace(schedule, memory={})      # budgets: checked below, with the held states
+    found, sim = findings(evaluation, unbudgeted, want_sim=False)
+    for f in found:
+        f.message = f"in the evaluation graph (eval's forward-only pass): {f.message}"
+    if any(f.severity == "error" for f in found):
+        return found, None
+    if schedule.memory or want_sim:
+        sim = simulate(evaluation, schedule.machine)
+        peak = eval_peak(train, evaluation, sim)
+        held = held_states(train, evaluation)
+        for tier, budget in sorted(schedule.memory.items()):
+            if peak.get(tier, 0) > budget:
+                found.append(Finding(
+                    "error", f"evaluating needs {human_bytes(peak[tier])} of {tier} memory, over the budget of "
+                             f"{human_bytes(budget)}: the training states it keeps "
+                             f"{human_bytes(held.get(tier, 0))}, the forward pass "
+                             f"{human_bytes(sim.memory.peak(tier))}",
+                    schedule.spans.get("eval"),
+                    "evaluate on a shorter context (eval ... on SOURCE(context=N)) or raise the budget"))
+    return found, sim
+
+
+def forward_only(graph: TaskGraph) -> bool:
+    """Whether ``graph`` is an evaluation graph: forward ops only, no gradient or optimizer buffer."""
+    kinds = {parse_buffer_name(name)[0] for name in graph.buffers}
+    return all(op.kind in FORWARD_KINDS for op in graph.ops) and not kinds & {"grad_full", "grad_shard", "optim",
+                                                                              "act_grad", "act_inner", "norm"}
