@@ -233,12 +233,14 @@ def tied_indices(model: nn.Module, units: list[nn.Module]) -> dict[int, list[tup
     return out
 
 
-def build_model(model_spec, seed: int = 0, device=None, base_dir=None) -> nn.Module:
+def build_model(model_spec, seed: int = 0, device=None, base_dir=None, lazy: bool = False) -> nn.Module:
     """The model a schedule's ``model`` statement names, initialised from ``seed``.
 
     ``model_spec``: ``zdsl.schedule.ModelSpec`` (kind "gpt" with its sizes, or
     "user" with ``factory``). Under ``with torch.device("meta")`` nothing is
-    allocated (sizing)."""
+    allocated (sizing). ``lazy``: the caller materialises the units one at a
+    time (``RankState`` does), so a ``model hf`` keeps its parameters on meta
+    until then (with ``device`` None); the built-in GPT decides by its size."""
     if model_spec.kind == "gpt":
         from zdsl.runtime.models.gpt import GPT
         try:
@@ -248,7 +250,7 @@ def build_model(model_spec, seed: int = 0, device=None, base_dir=None) -> nn.Mod
         return model
     if model_spec.kind == "hf":
         from zdsl.runtime.models.hf import load     # transformers: only for model hf(...)
-        model = load(model_spec, seed=seed)
+        model = load(model_spec, seed=seed, lazy=lazy and device is None)
         return model.to(device) if device is not None and torch.empty(0).device.type != "meta" else model
     if model_spec.kind != "user" or not model_spec.factory:
         raise ModelProtocolError(f"model kind {model_spec.kind!r}: expected gpt(...) or \"file.py:build\"(...)")

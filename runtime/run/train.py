@@ -124,7 +124,7 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
     with contextlib.ExitStack() as stack:
         stack.callback(leave_group)
         agree_on_graph(graph, rank, world, device)
-        model = build_model(schedule.model, seed=cfg["train"]["seed"])
+        model = build_model(schedule.model, seed=cfg["train"]["seed"], lazy=True)   # RankState: unit by unit
         state = RankState(graph, model, rank=rank, world=world, device=device)
         stack.callback(state.close_swap)    # even when the step failed (ranks end by os._exit: no atexit)
         executor = Executor(graph, state, rank, record=True, streams=lane_streams(graph, device),

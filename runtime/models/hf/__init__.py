@@ -3,12 +3,16 @@
 :func:`load` builds the family ``config.json``'s ``model_type`` names, split
 into units (unit protocol: ``zdsl.runtime.models.protocol``) from
 transformers' own layer modules, so its numbers are transformers'. With
-weights in DIR they are loaded unit by unit; with ``config.json`` alone the
-parameters get HF's init scheme from the schedule's seed. Under
-``torch.device("meta")`` (sizing) nothing is allocated or read, but the
+weights in DIR they are read unit by unit; with ``config.json`` alone the
+parameters get HF's init scheme from the schedule's seed. Built lazily
+(``lazy=True``, what ``RankState`` wants), no unit has values until
+``materialize_unit`` asks for it, so a rank never holds the whole model.
+Under ``torch.device("meta")`` (sizing) nothing is allocated or read, but the
 weights' headers are checked against the model's shapes.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -17,9 +21,10 @@ from zdsl.compile.hf_folder import HF_FAMILIES
 from zdsl.compile.hf_folder import HfModelError
 from zdsl.runtime.models.hf import gpt2
 from zdsl.runtime.models.hf import llama
+from zdsl.runtime.models.hf.causal_lm import parameters_on_meta
 from zdsl.runtime.models.hf.config import load_config
 from zdsl.runtime.models.hf.weights import check_weights
-from zdsl.runtime.models.hf.weights import load_unit
+from zdsl.runtime.models.hf.weights import read_unit
 from zdsl.runtime.models.hf.weights import weight_files
 
 # model_type -> build(config); the families zdsl.compile.hf_folder.HF_FAMILIES names.
@@ -27,13 +32,18 @@ FAMILIES = {"gpt2": gpt2.build, **{name: llama.build for name in llama.PREFIXES}
 assert tuple(FAMILIES) == HF_FAMILIES
 
 
-def load(spec, seed: int = 0) -> nn.Module:
-    """The model ``ModelSpec`` kind "hf" names: weights loaded if the folder has them, else seeded."""
+def load(spec, seed: int = 0, lazy: bool = False) -> nn.Module:
+    """The model ``ModelSpec`` kind "hf" names: weights loaded if the folder has them, else seeded.
+
+    ``lazy``: parameters stay on meta until ``materialize_unit(u)`` (u = 0, 1, ... in order) gives
+    unit u its values (``RankState`` does, dropping each unit once sharded), or ``materialize()``
+    gives the rest; else every unit is materialised before returning. Either way the values are
+    the same bits; buffers are real CPU tensors from the start."""
     folder, config = load_config(spec)
     meta = torch.empty(0).device.type == "meta"
     rng = None if meta else torch.random.get_rng_state()
-    try:    # built on the CPU with torch's default init, whose draws are undone (or on meta: sizing)
-        with torch.device("meta" if meta else "cpu"):
+    try:    # parameters on meta (or everything: sizing); constructors' default init draws nothing kept
+        with (torch.device("meta") if meta else parameters_on_meta()):
             model = FAMILIES[config.model_type](config)
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
         raise HfModelError(f"transformers cannot build this {config.model_type} from its config: "
@@ -47,9 +57,5 @@ def load(spec, seed: int = 0) -> nn.Module:
         check_weights(model, files)
     if meta:
         return model
-    if files is None:
-        model.reset_parameters(seed)
-    else:
-        for u in range(len(model.units())):
-            load_unit(model, u, files)
-    return model
+    model.defer(model.seeded(seed) if files is None else functools.partial(read_unit, model, files=files))
+    return model if lazy else model.materialize()

@@ -6,6 +6,12 @@ decoder layers are called; :class:`HfCausalLM` holds ``units()``, ``tied``,
 rotary tables), the seeded initialisation and the map from unit-local
 parameter names to the HF checkpoint's names.
 
+Parameters get their values unit by unit (:meth:`HfCausalLM.materialize_unit`),
+from the safetensors files or the seeded init: a model built lazily (its
+parameters on meta, :func:`parameters_on_meta`) holds no unit until asked, so
+zdsl's ``RankState`` never holds more than one unit's full parameters; a model
+built eagerly has had every unit materialised at once.
+
 Attention is causal whatever ``attn_implementation`` is: every layer gets an
 explicit 4-D additive mask (causal, padding from ``batch.attention_mask``, packed
 records kept apart by ``batch.segments``, a sliding window where the layer has one),
@@ -14,7 +20,10 @@ never ``None``; positions (rotary tables, learned embeddings) come from
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -101,6 +110,7 @@ class HfCausalLM(nn.Module):
         self.head = head
         self.prefix, self.layers_name = prefix, layers_name
         self.tied = {} if "lm_head" in head._modules else {(len(layers) + 1, 0): head.tied_name}
+        self._pending: dict | None = None      # while units wait: {"values": unit -> values, "next": unit}
 
     def units(self) -> list[nn.Module]:
         return [self.embedding, *self.layers, self.head]
@@ -117,6 +127,9 @@ class HfCausalLM(nn.Module):
 
     def forward(self, input_ids, labels=None) -> torch.Tensor:
         """The loss of ``Batch`` ``input_ids`` (or of ``input_ids``, ``labels``): the units in order."""
+        if self._pending is not None:
+            raise RuntimeError("this HF model was built lazily (its units wait for materialize_unit): call "
+                               "materialize() before using it as a module")
         batch = input_ids if isinstance(input_ids, Batch) else Batch(input_ids=input_ids, labels=labels)
         self.prepare(batch)
         x = batch.input_ids
@@ -140,31 +153,111 @@ class HfCausalLM(nn.Module):
         return {f"{u}.{n}": self.hf_name(u, n) for u, unit in enumerate(self.units())
                 for n, _ in unit.named_parameters()}
 
-    # -- initialisation ----------------------------------------------------------------
+    # -- initialisation: values unit by unit ---------------------------------------------
 
     def init_std(self, hf_name: str) -> float:
         """The std of a weight's normal init (HF's: ``initializer_range``; families may scale some)."""
         return self.config.initializer_range
 
+    def init_unit(self, u: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+        """Unit ``u``'s initial fp32 values by local name, HF's init scheme: weights normal(0, std)
+        drawn from ``g`` in parameter order, biases 0, norms 1, an embedding's padding row 0."""
+        values = {}
+        for module_name, module in self.units()[u].named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                name = f"{module_name}.{pname}" if module_name else pname
+                if pname == "bias":
+                    value = torch.zeros(p.shape)
+                elif "norm" in type(module).__name__.lower():
+                    value = torch.ones(p.shape)
+                else:
+                    value = torch.empty(p.shape).normal_(0.0, self.init_std(self.hf_name(u, name)), generator=g)
+                    pad = getattr(module, "padding_idx", None)
+                    if isinstance(module, nn.Embedding) and pad is not None:
+                        value[pad] = 0
+                values[name] = value
+        return values
+
+    def seeded(self, seed: int) -> Callable[[int], dict[str, torch.Tensor]]:
+        """The seeded init as a source of unit values: one private generator seeded by ``seed``
+        (torch's global RNG untouched), drawn from unit 0, 1, ... in that order."""
+        g = torch.Generator().manual_seed(seed)
+        return lambda u: self.init_unit(u, g)
+
+    @torch.no_grad()
+    def set_unit(self, u: int, values: dict[str, torch.Tensor]) -> None:
+        """Give unit ``u``'s parameters ``values`` (by local name, cast to each parameter's dtype).
+        A parameter on meta gets them swapped in, so the parameter object stays the one every
+        reference holds (the tied head's, the optimizer's); a real one has them copied in."""
+        for name, p in self.units()[u].named_parameters():
+            value = values[name].to(p.dtype)
+            if p.is_meta:
+                torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+            else:
+                p.copy_(value)
+
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """HF's init scheme from a private generator seeded by ``seed`` (torch's global RNG
-        untouched): weights normal(0, std), biases 0, norms 1, an embedding's padding row 0."""
-        g = torch.Generator().manual_seed(seed)
-        for u, unit in enumerate(self.units()):
-            for module_name, module in unit.named_modules():
-                for pname, p in module.named_parameters(recurse=False):
-                    name = f"{module_name}.{pname}" if module_name else pname
-                    if pname == "bias":
-                        value = torch.zeros(p.shape)
-                    elif "norm" in type(module).__name__.lower():
-                        value = torch.ones(p.shape)
-                    else:
-                        value = torch.empty(p.shape).normal_(0.0, self.init_std(self.hf_name(u, name)), generator=g)
-                        pad = getattr(module, "padding_idx", None)
-                        if isinstance(module, nn.Embedding) and pad is not None:
-                            value[pad] = 0
-                    p.copy_(value.to(p.dtype))
+        """Every unit's seeded init (:meth:`seeded`), as a lazy model would get it unit by unit."""
+        if self._pending is not None:
+            raise RuntimeError("reset_parameters on a lazily built HF model: call materialize() first")
+        values = self.seeded(seed)
+        for u in range(len(self.units())):
+            self.set_unit(u, values(u))
+
+    # -- lazy: units materialised one at a time ------------------------------------------
+
+    def defer(self, values: Callable[[int], dict[str, torch.Tensor]]) -> None:
+        """Units get their values from ``values(u)`` when :meth:`materialize_unit` asks, in order."""
+        self._pending = {"values": values, "next": 0}
+
+    @property
+    def is_lazy(self) -> bool:
+        """Whether some units still wait for :meth:`materialize_unit` (their parameters on meta)."""
+        return self._pending is not None
+
+    def materialize_unit(self, u: int) -> None:
+        """Give unit ``u``'s parameters their values on the CPU (from the files, or the seeded init's
+        exact numbers). Units come in order (0, 1, ...): the seeded init draws from one generator
+        in parameter order, as the eager init does; the tied head reads unit 0's parameter, which
+        is materialised by then."""
+        pending = self._pending
+        if pending is None:
+            return
+        if u != pending["next"]:
+            raise RuntimeError(f"lazy HF model: unit {u} asked for, but units materialise in order; "
+                               f"next is {pending['next']}")
+        self.set_unit(u, pending["values"](u))
+        pending["next"] += 1
+        if pending["next"] == len(self.units()):
+            self._pending = None
+
+    def materialize(self, device: str | torch.device | None = None) -> "HfCausalLM":
+        """Materialise every remaining unit (then move to ``device``): a plain module again."""
+        while self._pending is not None:
+            self.materialize_unit(self._pending["next"])
+        return self.to(device) if device is not None else self
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside (by this thread) get their registered parameters on the meta device,
+    while buffers (Llama's rotary ``inv_freq``, masks) and everything else stay real CPU tensors:
+    the model's shapes without its memory (accelerate's ``init_empty_weights(include_buffers=False)``).
+    A constructor's default init then runs on meta: no memory, no draws from torch's RNG."""
+    original = nn.Module.register_parameter
+    thread = threading.get_ident()
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta and threading.get_ident() == thread:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
 
 
 def residual_std(config, layers: int) -> float:

@@ -5,7 +5,7 @@ A file's header (8-byte length, then JSON: name -> dtype, shape, byte range)
 is read without torch, so every tensor's presence and shape, and each file's
 length (a truncated download), are checked before anything is loaded, and on
 the meta device when the model is sized. Tensors are then read per unit with
-``safetensors.safe_open``, so no more than one unit is ever read at a time.
+``safetensors.safe_open`` (:func:`read_unit`), so no more than one unit is ever read at a time.
 """
 from __future__ import annotations
 
@@ -99,16 +99,17 @@ def check_weights(model, files: dict[str, Path]) -> None:
                                         "overrides that change sizes, or use config.json alone")
 
 
-@torch.no_grad()
-def load_unit(model, u: int, files: dict[str, Path]) -> None:
-    """Copy unit ``u``'s tensors from the files into its parameters (cast to their dtype)."""
+def read_unit(model, u: int, files: dict[str, Path]) -> dict[str, torch.Tensor]:
+    """Unit ``u``'s tensors from the files by the unit's local parameter names (as stored: the
+    model casts them); only this unit's tensors are read."""
     from safetensors import safe_open
-    unit = model.units()[u]
-    by_file: dict[Path, list[tuple[str, torch.nn.Parameter]]] = {}
-    for local, p in unit.named_parameters():
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for local, _ in model.units()[u].named_parameters():
         name = checkpoint_name(files, model.hf_name(u, local))
-        by_file.setdefault(files[name], []).append((name, p))
+        by_file.setdefault(files[name], []).append((local, name))
+    values = {}
     for path, wanted in by_file.items():
         with safe_open(str(path), framework="pt") as f:
-            for name, p in wanted:
-                p.copy_(f.get_tensor(name).to(p.dtype))
+            for local, name in wanted:
+                values[local] = f.get_tensor(name)
+    return values
