@@ -40,7 +40,8 @@ from zdsl.python_source import PythonDataError
 def describe(value) -> str:
     """What a function returned, short enough for one line of an error."""
     if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{'an' if dtype.startswith('int') else 'a'} {dtype} tensor of shape {tuple(value.shape)}"
     if isinstance(value, (tuple, list)):
         inner = ", ".join(_kind(v) for v in value[:3]) + (", ..." if len(value) > 3 else "")
         return f"a {type(value).__name__} of {len(value)} items ({inner})"
