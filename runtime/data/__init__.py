@@ -103,7 +103,7 @@ def make_batch(spec, seed: int, step: int, micro: int, rank: int, ranks: int, ba
     elif spec.kind == "synthetic":
         rows = synthetic_tokens(keys, vocab_size(spec), context + 1)
     else:
-        raise ValueError(f"unknown data source {spec.kind!r} (expected corpus, tokens, text or synthetic)")
+        raise ValueError(f"unknown data source {spec.kind!r} (expected corpus, tokens, text, jsonl, synthetic or python)")
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 

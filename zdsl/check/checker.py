@@ -356,8 +356,8 @@ class Checker(PlacementChecks):
             if isinstance(call.callee, ast.Name) else None
         if kind is None:
             if isinstance(call.callee, ast.Str):
-                self.r.error(call.callee.span, "data is corpus(...), tokens(...), text(...), synthetic(...) "
-                                               "or python(...)",
+                self.r.error(call.callee.span, "data is corpus(...), tokens(...), text(...), jsonl(...), "
+                                               "synthetic(...) or python(...)",
                              hint=f'write python("{call.callee.value}") for your function'
                                   if ":" in call.callee.value else
                                   f'write corpus("{call.callee.value}") for text, '
