@@ -229,3 +229,18 @@ def test_zdsl_check_sizes_a_user_model_with_the_data_and_positions_a_broken_func
     [d] = [d for d in info.value.diagnostics if d.is_error]
     assert d.span.line == 3 and "triple(seed=0, step=0, micro=0, rank=0, world=1, batch=1) returned a tuple of 3" \
         in d.message
+
+
+def test_zdsl_check_of_python_data_for_a_builtin_model_does_not_import_torch(tmp_path, data_file):
+    """The function is found from its source; only a model built to be sized runs it (and torch)."""
+    import subprocess
+    import sys
+    zs = tmp_path / "s.zs"
+    zs.write_text(HEADER + 'data python("data.py:tokens")\n')
+    code = ("import contextlib, io, sys\nfrom zdsl.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            f"    assert main(['check', {str(zs)!r}]) == 0\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
