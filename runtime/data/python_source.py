@@ -97,8 +97,11 @@ def python_batch(spec, seed: int, step: int, micro: int, rank: int, world: int, 
             hint = " (torch.from_numpy makes one from a numpy array)" if type(t).__module__ == "numpy" else ""
             raise PythonDataError(f"{where(spec)}: {shown} returned {describe(t)} as {name}, not a torch "
                                   f"tensor{hint}")
-        if t.is_complex() or t.dim() == 0 or t.shape[0] != batch:
-            what = "complex" if t.is_complex() else f"{t.shape[0]} rows" if t.dim() else "a scalar"
+        if t.is_complex():
+            raise PythonDataError(f"{where(spec)}: {shown} returned {describe(t)} as {name}; zdsl trains on "
+                                  f"float or integer tensors")
+        if t.dim() == 0 or t.shape[0] != batch:
+            what = f"{t.shape[0]} rows" if t.dim() else "a scalar"
             raise PythonDataError(f"{where(spec)}: {shown} returned {describe(t)} as {name}: {what}, but a "
                                   f"micro-batch has batch={batch} rows first")
     inputs, targets = (t.detach() for t in out)
@@ -112,8 +115,8 @@ def _binding_problem(fn, kwargs: dict) -> str | None:
         inspect.signature(fn).bind(**kwargs)
     except TypeError as exc:
         return str(exc)
-    except ValueError:
-        return None
+    except ValueError:      # a builtin or extension without a signature: the call itself will say
+        pass
     return None
 
 
