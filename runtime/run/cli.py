@@ -165,7 +165,7 @@ def run_one_rank(compiled, args) -> int:
     reporter = Reporter(compiled.schedule.name, steps, args.metrics, show=not args.quiet) if rank == 0 else None
     finished = False
     try:
-        train_rank(compiled.graph, compiled.schedule, compiled.units, options, reporter)
+        train_rank(compiled.graph, compiled.schedule, compiled.units, options, reporter, eval_graph=compiled.eval_graph)
         finished = True
     except (Stopped, KeyboardInterrupt) as exc:
         return report_stop(exc)

@@ -12,6 +12,7 @@
   longer than the context are counted: one warning here, not one per rank or step.
 - ``data python(...)``'s function is called as rank 0 (twice: the same tensors?) and as the
   last rank (the same shapes?) at step 0 (:mod:`zdsl.runtime.data.python_source`).
+- An ``eval`` source is prepared and checked in the same way, after the training data.
 
 Under another launcher (torchrun: RANK set, not by ``zdsl run``) the ranks already
 exist: the fit is only a warning, on rank 0, which also checks the checkpoint folder.
@@ -78,40 +79,50 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
         return None                  # a rank of `zdsl run`, whose launcher checked all of this
     elif (env.raw("LOCAL_RANK") or rank) == "0":
         warn_unfit(compiled, overrides)
-    if compiled.schedule.data.kind == "text":        # tokenised once (under a lock), before the ranks train
-        from zdsl.runtime.data.text import text_problem
-        problem = text_problem(compiled.schedule.data, progress=rank in (None, "0"))
-        if problem:
-            if rank in (None, "0"):
-                print(f"zdsl: error: {problem}", file=sys.stderr)
-            return EXIT_INVALID
-    if compiled.schedule.data.kind == "jsonl":       # tokenised once (under a lock); truncation reported once
-        from zdsl.runtime.data.jsonl import jsonl_problem
-        problem, note = jsonl_problem(compiled.schedule.data)
-        if rank in (None, "0") and (problem or note):
-            print(f"zdsl: {'error' if problem else 'warning'}: {problem or note}", file=sys.stderr)
-        if problem:
-            return EXIT_INVALID
-    if compiled.schedule.data.kind == "tokens":      # ids below the vocab: one scan, its verdict cached
-        from zdsl.runtime.data.tokens import token_file_problem     # (imports torch: only when needed)
-        problem = token_file_problem(compiled.schedule.data)
-        if problem:
-            if rank in (None, "0"):
-                print(f"zdsl: error: {problem}", file=sys.stderr)
-            return EXIT_INVALID
-    if compiled.schedule.data.kind == "python":      # a broken contract stops here, not inside a rank
-        from zdsl.runtime.data.python_source import python_problem
-        train = compiled.schedule.train
-        problem = python_problem(compiled.schedule.data, train.seed, compiled.schedule.ranks, train.batch)
-        if problem:
-            if rank in (None, "0"):
-                print(f"zdsl: error: {problem}", file=sys.stderr)
-            return EXIT_INVALID
+    for data in (compiled.schedule.data, *([compiled.schedule.eval.data] if compiled.schedule.eval else [])):
+        code = data_problem(data, compiled.schedule, rank)     # the training data, then eval's
+        if code is not None:
+            return code
     if rank in (None, "0"):
         problem = checkpoint_folder_unwritable(args, compiled.schedule)
         if problem:
             print(f"zdsl: error: {problem}", file=sys.stderr)
             return EXIT_USAGE
+    return None
+
+
+def data_problem(data, schedule, rank: str | None) -> int | None:
+    """Prepare and check one data source (the training's, or ``eval``'s) before the ranks start;
+    None to go on, else the exit status (already explained on rank 0 or the launcher)."""
+    if data.kind == "text":        # tokenised once (under a lock), before the ranks train
+        from zdsl.runtime.data.text import text_problem
+        problem = text_problem(data, progress=rank in (None, "0"))
+        if problem:
+            if rank in (None, "0"):
+                print(f"zdsl: error: {problem}", file=sys.stderr)
+            return EXIT_INVALID
+    if data.kind == "jsonl":       # tokenised once (under a lock); truncation reported once
+        from zdsl.runtime.data.jsonl import jsonl_problem
+        problem, note = jsonl_problem(data)
+        if rank in (None, "0") and (problem or note):
+            print(f"zdsl: {'error' if problem else 'warning'}: {problem or note}", file=sys.stderr)
+        if problem:
+            return EXIT_INVALID
+    if data.kind == "tokens":      # ids below the vocab: one scan, its verdict cached
+        from zdsl.runtime.data.tokens import token_file_problem     # (imports torch: only when needed)
+        problem = token_file_problem(data)
+        if problem:
+            if rank in (None, "0"):
+                print(f"zdsl: error: {problem}", file=sys.stderr)
+            return EXIT_INVALID
+    if data.kind == "python":      # a broken contract stops here, not inside a rank
+        from zdsl.runtime.data.python_source import python_problem
+        train = schedule.train
+        problem = python_problem(data, train.seed, schedule.ranks, train.batch)
+        if problem:
+            if rank in (None, "0"):
+                print(f"zdsl: error: {problem}", file=sys.stderr)
+            return EXIT_INVALID
     return None
 
 

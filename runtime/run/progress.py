@@ -40,12 +40,14 @@ class Reporter:
             self.metrics.flush()
         mem = max((p.get("device", 0) for p in m.peak_bytes.values()), default=0)
         host = max((p.get("host", 0) for p in m.peak_bytes.values()), default=0)
-        info = (f"loss {m.loss:.4f}" + (f"  lr {m.lr:.3g}" if m.lr is not None else "")
+        info = (f"loss {m.loss:.4f}" + (f"  val_loss {m.val_loss:.4f}" if m.val_loss is not None else "")
+                + (f"  lr {m.lr:.3g}" if m.lr is not None else "")
                 + f"  {m.tokens_per_s:,.0f} tok/s  {m.step_s * 1000:.0f} ms"
                 f"  device {human_bytes(mem)}  host {human_bytes(host)}" + ("  [overflow: step skipped]" if m.skipped else ""))
         if self.progress is not None:
             self.progress.update(self.task, advance=1, info=info)
-        elif self.show and (m.step % self.every == 0 or m.step == self.steps - 1 or m.skipped):
+        elif self.show and (m.step % self.every == 0 or m.step == self.steps - 1 or m.skipped
+                            or m.val_loss is not None):
             print(f"step {m.step + 1}/{self.steps}  {info}", flush=True)
 
     def close(self, extra_rows: list[tuple[str, str]] | None = None, finished: bool = True) -> None:
@@ -59,13 +61,19 @@ class Reporter:
             return
         h = self.history
         timed = [m.step_s for m in h[1:]] or [h[0].step_s]
+        evaluated = [m for m in h if m.val_loss is not None]
         if not self.show:
-            print(f"zdsl: {self.name}: {len(h)} steps, loss {h[0].loss:.2f} -> {h[-1].loss:.2f}, "
+            val = f", val_loss {evaluated[-1].val_loss:.2f}" if evaluated else ""
+            print(f"zdsl: {self.name}: {len(h)} steps, loss {h[0].loss:.2f} -> {h[-1].loss:.2f}{val}, "
                   f"median step {statistics.median(timed) * 1000:.0f} ms", flush=True)
             return
         table = Table(title=f"zdsl run: {self.name}", show_header=False)
         table.add_row("steps", str(len(h)))
         table.add_row("loss", f"{h[0].loss:.4f} -> {h[-1].loss:.4f}")
+        if evaluated:
+            first, last = evaluated[0], evaluated[-1]
+            table.add_row("val_loss", f"{last.val_loss:.4f} after step {last.step + 1}" if first is last else
+                          f"{first.val_loss:.4f} (step {first.step + 1}) -> {last.val_loss:.4f} (step {last.step + 1})")
         table.add_row("median step", f"{statistics.median(timed) * 1000:.1f} ms")
         table.add_row("tokens/s", f"{statistics.median(m.tokens_per_s for m in h[1:] or h):,.0f}")
         skipped = sum(m.skipped for m in h)

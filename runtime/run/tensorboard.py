@@ -52,9 +52,8 @@ class TensorBoardWriter:
         def add(tag, value, step):     # float64 tensors: the figures as --metrics has them, bytes exact
             self.writer.add_scalar(tag, value, step, new_style=True, double_precision=True)
         add("loss/train", m.loss, m.step)
-        val = getattr(m, "val_loss", None)       # a record has it on the steps a schedule evaluates
-        if val is not None:
-            add("loss/val", val, m.step)
+        if m.val_loss is not None:               # on the steps the schedule evaluates (runtime/run/evaluate.py)
+            add("loss/val", m.val_loss, m.step)
         if m.lr is not None:
             add("lr", m.lr, m.step)
         if m.grad_norm is not None:

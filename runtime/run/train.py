@@ -67,6 +67,7 @@ class StepMetrics:
     peak_bytes: dict = field(default_factory=dict)   # rank -> tier -> bytes
     overlap: dict | None = None                      # efficiency, lower bound, rank 0's lanes and critical path
     lr: float | None = None                          # the step's learning rate (zdsl/lr.py)
+    val_loss: float | None = None                    # after an evaluation (runtime/run/evaluate.py), else None
 
 
 def env_rank() -> tuple[int, int]:
@@ -102,8 +103,10 @@ def agree_on_graph(graph: TaskGraph, rank: int, world: int, device: torch.device
                           "run the same schedule file and --set overrides on every rank")
 
 
-def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=None) -> list[StepMetrics]:
-    """Train on this rank; returns the per-step metrics (complete on rank 0)."""
+def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=None,
+               eval_graph: TaskGraph | None = None) -> list[StepMetrics]:
+    """Train on this rank; returns the per-step metrics (complete on rank 0). ``eval_graph``: the
+    schedule's forward-only graph (``eval``), run by ``runtime/run/evaluate.py``."""
     from zdsl.runtime.models.protocol import build_model
     from zdsl.runtime.data import make_batch
     from zdsl.runtime.state.rank import RankState
@@ -124,6 +127,8 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
     with contextlib.ExitStack() as stack:
         stack.callback(leave_group)
         agree_on_graph(graph, rank, world, device)
+        if eval_graph is not None:
+            agree_on_graph(eval_graph, rank, world, device)
         model = build_model(schedule.model, seed=cfg["train"]["seed"], lazy=True)   # RankState: unit by unit
         state = RankState(graph, model, rank=rank, world=world, device=device)
         stack.callback(state.close_swap)    # even when the step failed (ranks end by os._exit: no atexit)
@@ -133,12 +138,17 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         if rank == 0 and options.tensorboard:
             from zdsl.runtime.run.tensorboard import TensorBoardWriter
             scalars = stack.enter_context(TensorBoardWriter(options.tensorboard, schedule.name))
+        evaluator = None
+        if eval_graph is not None and schedule.eval is not None:
+            from zdsl.runtime.run.evaluate import Evaluator
+            evaluator = Evaluator(eval_graph, schedule.eval, state, seed=cfg["train"]["seed"], rank=rank,
+                                  world=world, batch=cfg["train"]["batch"], device=device, make_batch=make_batch)
         return trio.run(_loop, graph, schedule, units, state, executor, rank, world, device, options,
-                        reporter, make_batch, scalars)
+                        reporter, make_batch, scalars, evaluator)
 
 
 async def _loop(graph, schedule, units, state, executor, rank, world, device, options, reporter, make_batch,
-                scalars=None):
+                scalars=None, evaluator=None):
     cfg = graph.config
     train = cfg["train"]
     steps, acc, batch = train["steps"], train["accumulate"], train["batch"]
@@ -184,6 +194,8 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         metrics = gather_metrics(step, record, result, state, world, device, tokens=label_count(batches),
                                  overlap=overlap)
         metrics.lr = lr
+        if evaluator is not None and evaluator.due(step, steps):
+            metrics.val_loss = await evaluator.run(step)
         history.append(metrics)
         if rank == 0 and reporter is not None:
             reporter.step(metrics)
@@ -236,7 +248,7 @@ def gather_metrics(step, record: StepRecord, result: dict, state, world, device,
 
 def metrics_line(m: StepMetrics) -> str:
     return json.dumps({"step": m.step, "loss": m.loss, "step_s": m.step_s, "tokens_per_s": m.tokens_per_s,
-                       "skipped": m.skipped, "grad_norm": m.grad_norm, "lr": m.lr,
+                       "skipped": m.skipped, "grad_norm": m.grad_norm, "lr": m.lr, "val_loss": m.val_loss,
                        "peak_bytes": {str(r): v for r, v in m.peak_bytes.items()}, "overlap": m.overlap})
 
 

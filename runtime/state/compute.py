@@ -86,6 +86,7 @@ class Compute:
     def step_begin(self, step: int, batches: list[Batch]) -> None:
         """Start a step: one ``Batch`` per micro-batch for this rank (moved to the device here, then
         given to the model's ``prepare``; the caller's objects are left as they are)."""
+        self.evaluating = False             # inside evaluation(): forward passes without autograd
         if len(batches) != self.accumulate:
             raise StateError(f"rank {self.table.rank}: step {step} got {len(batches)} micro-batches, "
                              f"the graph accumulates {self.accumulate}")
@@ -123,6 +124,45 @@ class Compute:
               "compute.recompute": self._recompute, "compute.norm": self._norm,
               "compute.step": self._step}.get(op.kind)
         if fn is None:
+    # -- evaluation frame (runtime/run/evaluate.py runs a forward-only graph inside it) -----------
+    @contextlib.contextmanager
+    def evaluation(self):
+        """Forward passes that leave training as it was: units in eval mode (no dropout draw, no
+        running statistics updated), no autograd, the random generators put back afterwards, so
+        the next step has the bits it would have had without evaluating."""
+        modes = [(m, m.training) for unit in self.modules for m in unit.modules()]
+        rng = rng_state(self.device)
+        for m, _ in modes:
+            m.training = False
+        self.evaluating = True
+        try:
+            yield
+        finally:
+            for m, mode in modes:
+                m.training = mode
+            _set_rng_state(rng, self.device)
+            self.evaluating = False
+            self.batches, self.losses = [], []
+
+    def eval_begin(self, batch: Batch) -> None:
+        """Start one forward-only pass over ``batch`` (inside :meth:`evaluation`)."""
+        if not self.evaluating:
+            raise StateError(f"rank {self.table.rank}: eval_begin outside evaluation()")
+        self.batches = [batch.to(self.device, non_blocking=True)]
+        if self.prepare is not None:
+            with torch.no_grad():
+                self.prepare(self.batches[0])
+        self.losses = []
+
+    def eval_end(self) -> torch.Tensor:
+        """The pass's loss: the last unit's output (a mean over the batch's counted labels), fp32."""
+        if not self.losses:
+            raise StateError(f"rank {self.table.rank}: an evaluation pass ended without a loss "
+                             f"(the graph never ran the last unit's forward)")
+        loss = self.losses[-1]
+        self.batches, self.losses = [], []
+        return loss
+
             raise self.table.error(op, "not a compute op")
         fn(op)
 
@@ -156,7 +196,8 @@ class Compute:
                 seen[ptr] = s.nbytes()
             return t
 
-        with torch.set_grad_enabled(grad), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.set_grad_enabled(grad and not self.evaluating), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = call_unit(module, x, batch, last=u == self.last)
             if u == self.last:
                 self.losses.append(out.detach().float())

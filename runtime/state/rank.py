@@ -17,7 +17,9 @@ order respects every dependency). It satisfies the executor's ``OpState`` protoc
 Entry points: ``run_compute(op)`` (synchronous; the executor calls it in a worker thread),
 ``start_collective(op) -> handle`` (``is_completed()`` or ``wait()`` finishes the op, both safe),
 ``run_copy(op)``, ``run_nvme(op)``, ``free(op)``, ``run_op(op)`` (any op, synchronously: sequential
-drivers and tests), and ``step_begin(step, batches)`` / ``step_end() -> dict`` around each step.
+drivers and tests), and ``step_begin(step, batches)`` / ``step_end() -> dict`` around each step;
+``evaluation()``, with ``eval_begin(batch)`` / ``eval_end() -> loss`` around each pass of a
+forward-only graph (``zdsl/compile/eval_graph.py``) run on these same buffers.
 """
 from __future__ import annotations
 
@@ -213,6 +215,19 @@ class RankState:
     def scaler(self):
         """The fp16 loss scaler (disabled in other precisions); checkpoints save and restore it."""
         return self.compute.scaler
+    def evaluation(self):
+        """A context for forward-only passes (an evaluation graph's ops) that leave the training
+        exactly as it was: see ``Compute.evaluation``."""
+        return self.compute.evaluation()
+
+    def eval_begin(self, batch: Batch) -> None:
+        """Start one forward-only pass over ``batch``, inside :meth:`evaluation`."""
+        self.compute.eval_begin(batch)
+
+    def eval_end(self) -> torch.Tensor:
+        """The pass's loss (fp32 scalar tensor): this rank's mean over the batch's counted labels."""
+        return self.compute.eval_end()
+
 
     # -- buffers and memory -----------------------------------------------------------------
     @property
