@@ -81,12 +81,12 @@ class Compute:
         self.losses: list[torch.Tensor] = []
         self._plan: StepPlan | None = None
         self.step_index = 0
+        self.evaluating = False             # inside evaluation(): forward passes without autograd
 
     # -- step frame ----------------------------------------------------------------
     def step_begin(self, step: int, batches: list[Batch]) -> None:
         """Start a step: one ``Batch`` per micro-batch for this rank (moved to the device here, then
         given to the model's ``prepare``; the caller's objects are left as they are)."""
-        self.evaluating = False             # inside evaluation(): forward passes without autograd
         if len(batches) != self.accumulate:
             raise StateError(f"rank {self.table.rank}: step {step} got {len(batches)} micro-batches, "
                              f"the graph accumulates {self.accumulate}")
@@ -119,11 +119,6 @@ class Compute:
         return dict(loss=loss, skipped=plan.overflow, grad_norm=plan.grad_norm,
                     loss_scale=self.scaler.scale if self.scaler.enabled else None)
 
-    def run(self, op: Op) -> None:
-        fn = {"compute.forward": self._forward, "compute.backward": self._backward,
-              "compute.recompute": self._recompute, "compute.norm": self._norm,
-              "compute.step": self._step}.get(op.kind)
-        if fn is None:
     # -- evaluation frame (runtime/run/evaluate.py runs a forward-only graph inside it) -----------
     @contextlib.contextmanager
     def evaluation(self):
@@ -163,6 +158,11 @@ class Compute:
         self.batches, self.losses = [], []
         return loss
 
+    def run(self, op: Op) -> None:
+        fn = {"compute.forward": self._forward, "compute.backward": self._backward,
+              "compute.recompute": self._recompute, "compute.norm": self._norm,
+              "compute.step": self._step}.get(op.kind)
+        if fn is None:
             raise self.table.error(op, "not a compute op")
         fn(op)
 

@@ -211,10 +211,6 @@ class RankState:
         (fp16 overflow), ``grad_norm`` (when computed), ``loss_scale``."""
         return self.compute.step_end()
 
-    @property
-    def scaler(self):
-        """The fp16 loss scaler (disabled in other precisions); checkpoints save and restore it."""
-        return self.compute.scaler
     def evaluation(self):
         """A context for forward-only passes (an evaluation graph's ops) that leave the training
         exactly as it was: see ``Compute.evaluation``."""
@@ -228,6 +224,10 @@ class RankState:
         """The pass's loss (fp32 scalar tensor): this rank's mean over the batch's counted labels."""
         return self.compute.eval_end()
 
+    @property
+    def scaler(self):
+        """The fp16 loss scaler (disabled in other precisions); checkpoints save and restore it."""
+        return self.compute.scaler
 
     # -- buffers and memory -----------------------------------------------------------------
     @property
