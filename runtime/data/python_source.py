@@ -35,6 +35,7 @@ import torch
 
 from zdsl.python_source import CALL_ARGS
 from zdsl.python_source import PythonDataError
+from zdsl.runtime.models.batch import IGNORE_INDEX
 
 
 def describe(value) -> str:
@@ -149,16 +150,17 @@ def meta_sample(spec) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(targets.shape, dtype=targets.dtype, device="meta"))
 
 
-def python_problem(spec, seed: int, world: int, batch: int) -> str | None:
+def python_problem(spec, seed: int, world: int, batch: int, model=None) -> str | None:
     """``zdsl run``'s check before any rank starts: call the function as rank 0 twice and as the last
-    rank once, at step 0; the reason it cannot train, or None."""
+    rank once, at step 0; with ``model`` (a ``ModelSpec``) the built-in GPT or an ``hf`` model, whose
+    inputs are token ids, check them against its vocab and context too. The reason it cannot train,
+    or None."""
     if spec.kind != "python":
         return None
     try:
         first = python_batch(spec, seed, 0, 0, 0, world, batch)
         again = python_batch(spec, seed, 0, 0, 0, world, batch)
-        if world > 1:       # the last rank's shapes and dtypes against rank 0's (python_batch compares them)
-            python_batch(spec, seed, 0, 0, world - 1, world, batch)
+        last = python_batch(spec, seed, 0, 0, world - 1, world, batch)    # shapes compared with rank 0's
     except PythonDataError as exc:
         return str(exc)
     fn = load_function(spec)
@@ -169,4 +171,47 @@ def python_problem(spec, seed: int, world: int, batch: int) -> str | None:
             return (f"{where(spec)}: two calls of {shown} returned different {part}; the function must be a pure "
                     f"function of its arguments (seed a generator from them: torch.Generator()"
                     f".manual_seed(hash((seed, step, micro, rank))), never the global random state)")
+    vocab, context = token_limits(model)
+    if vocab is None:
+        return None
+    for rank, (inputs, targets) in ((0, first), (world - 1, last)):
+        problem = _token_problem(inputs, targets, vocab, context, model)
+        if problem:
+            return f"{where(spec)}: {shown.replace('rank=0', f'rank={rank}')} returned {problem}"
+    return None
+
+
+def token_limits(model) -> tuple[int | None, int | None]:
+    """``(vocab, context)`` of a model whose first unit takes token ids (the built-in GPT, an ``hf``
+    model); ``(None, None)`` for a model of the user's, whose inputs are its own business."""
+    if model is None or model.kind not in ("gpt", "hf"):
+        return None, None
+    if model.kind == "gpt":
+        from zdsl.compile.units import GPT_DEFAULTS
+        sizes = {**GPT_DEFAULTS, **model.args}
+    else:
+        from pathlib import Path
+        from zdsl.compile.hf_folder import model_sizes
+        sizes = model_sizes(Path(model.path), model.args)
+    return sizes.get("vocab"), sizes.get("context")
+
+
+def _token_problem(inputs: torch.Tensor, targets: torch.Tensor, vocab: int, context: int | None, model) -> str | None:
+    """What is wrong with these as token ids and next-token labels for ``model``, or None."""
+    named = "model gpt(...)" if model.kind == "gpt" else "an hf model"
+    if inputs.is_floating_point() or inputs.dtype == torch.bool or inputs.dim() != 2:
+        return f"{describe(inputs)} as inputs, but {named} takes token ids: an integer (batch, tokens) tensor"
+    if targets.shape != inputs.shape or targets.is_floating_point():
+        return (f"{describe(targets)} as targets, but {named} takes one integer label per input token "
+                f"(shape {tuple(inputs.shape)})")
+    if context is not None and inputs.shape[1] > context:
+        return f"{inputs.shape[1]} tokens per row, more than the model's context {context}"
+    for part, t, allowed in (("inputs", inputs, None), ("targets", targets, IGNORE_INDEX)):
+        bad = (t < 0) | (t >= vocab)
+        if allowed is not None:
+            bad &= t != allowed
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            return (f"id {int(t[row, col])} in {part} (row {row}, token {col}), not in 0..{vocab - 1}, the "
+                    f"model's vocab" + (" (-100: not counted)" if allowed is not None else ""))
     return None

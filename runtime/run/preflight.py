@@ -11,7 +11,8 @@
 - ``data jsonl(...)`` is tokenised here, once (:mod:`zdsl.runtime.data.jsonl`), and the records
   longer than the context are counted: one warning here, not one per rank or step.
 - ``data python(...)``'s function is called as rank 0 (twice: the same tensors?) and as the
-  last rank (the same shapes?) at step 0 (:mod:`zdsl.runtime.data.python_source`).
+  last rank (the same shapes?) at step 0, and for the built-in GPT or an ``hf`` model what it
+  returns must be token ids within the vocab and context (:mod:`zdsl.runtime.data.python_source`).
 - An ``eval`` source is prepared and checked in the same way, after the training data.
 
 Under another launcher (torchrun: RANK set, not by ``zdsl run``) the ranks already
@@ -118,7 +119,7 @@ def data_problem(data, schedule, rank: str | None) -> int | None:
     if data.kind == "python":      # a broken contract stops here, not inside a rank
         from zdsl.runtime.data.python_source import python_problem
         train = schedule.train
-        problem = python_problem(data, train.seed, schedule.ranks, train.batch)
+        problem = python_problem(data, train.seed, schedule.ranks, train.batch, model=schedule.model)
         if problem:
             if rank in (None, "0"):
                 print(f"zdsl: error: {problem}", file=sys.stderr)

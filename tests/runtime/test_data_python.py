@@ -244,3 +244,39 @@ def test_zdsl_check_of_python_data_for_a_builtin_model_does_not_import_torch(tmp
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("name, words", [
+    ("tokens", None),
+    ("batches", ["a float32 tensor of shape (4, 4) as inputs, but model gpt(...) takes token ids: an integer "
+                 "(batch, tokens) tensor"]),
+    ("big_ids", ["big_ids(seed=0, step=0, micro=0, rank=1, world=2, batch=4) returned id 256 in inputs (row 3, "
+                 "token 7), not in 0..255, the model's vocab"]),
+    ("ignored_labels", None),
+    ("long_rows", ["17 tokens per row, more than the model's context 16"]),
+    ("class_labels", ["an int64 tensor of shape (4,) as targets, but model gpt(...) takes one integer label per "
+                      "input token (shape (4, 8))"]),
+])
+def test_the_preflight_checks_token_ids_for_a_builtin_model(tmp_path, name, words):
+    path = tmp_path / "ids.py"
+    path.write_text(FUNCTIONS + textwrap.dedent('''
+        def big_ids(seed, step, micro, rank, world, batch):
+            ids = torch.zeros(batch, 8, dtype=torch.long)
+            ids[-1, -1] = 255 + rank
+            return ids, ids
+        def ignored_labels(seed, step, micro, rank, world, batch):
+            ids = torch.full((batch, 8), 255)
+            return ids, torch.full((batch, 8), -100)
+        def long_rows(seed, step, micro, rank, world, batch):
+            return torch.zeros(batch, 17, dtype=torch.long), torch.zeros(batch, 17, dtype=torch.long)
+        def class_labels(seed, step, micro, rank, world, batch):
+            return torch.zeros(batch, 8, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+    '''))
+    gpt = ModelSpec("gpt", dict(layers=1, width=32, heads=2, vocab=256, context=16))
+    problem = python_problem(spec(path, name), 0, 2, 4, model=gpt)
+    if words is None:
+        assert problem is None
+    else:
+        for w in words:
+            assert w in problem, problem
+    assert python_problem(spec(path, name), 0, 2, 4, model=ModelSpec("user", {}, factory="x.py:build")) is None
