@@ -2,11 +2,14 @@
 and ``synthetic(...)``, and a user's function, ``python("file.py:batches")``.
 
 :func:`make_batch` is the only entry point the runtime and the DDP reference
-use. A batch is a pure function of (seed, step, micro-batch, global sample
-index): sample ``i`` of rank ``r`` at a micro-batch is global sample
-``r * batch + i``, so any run that splits the same global batch the same way
-(zdsl at any stage, DDP, FSDP2) sees the same tokens, and nothing depends on
-the order in which ranks or threads ask.
+use. A step's samples are its global samples ``0 .. ranks*accumulate*batch - 1``,
+each a pure function of (seed, step, global sample index): row ``i`` of rank
+``r``'s micro-batch ``m`` is global sample ``(m * ranks + r) * batch + i``
+(:func:`first_sample`). So any run with the same global batch sees the same
+samples at every step however it splits them (zdsl at any stage, DDP, FSDP2;
+2 ranks or 1 rank accumulating 2 micro-batches; a run resumed from a
+checkpoint at another rank count), and nothing depends on the order in
+which ranks or threads ask.
 """
 from __future__ import annotations
 
@@ -68,6 +71,16 @@ def vocab_size(spec) -> int:
     return 256 if spec.kind == "corpus" else _arg(spec, "vocab")
 
 
+def first_sample(micro: int, rank: int, ranks: int, batch: int) -> int:
+    """The step's global sample index of row 0 of ``rank``'s micro-batch ``micro``."""
+    return (micro * ranks + rank) * batch
+
+
+def step_keys(seed: int, step: int, micro: int, rank: int, ranks: int, batch: int) -> np.ndarray:
+    """The sample keys of one rank's micro-batch: its global samples' (:func:`first_sample`)."""
+    return sample_keys(seed, step, 0, first_sample(micro, rank, ranks, batch), batch)
+
+
 def make_batch(spec, seed: int, step: int, micro: int, rank: int, ranks: int, batch: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(idx, targets)``, int64 tensors of shape ``(batch, context)`` on the CPU (``python(...)``:
@@ -75,15 +88,15 @@ def make_batch(spec, seed: int, step: int, micro: int, rank: int, ranks: int, ba
 
     ``jsonl(...)`` gives a :class:`~zdsl.runtime.models.batch.Batch` instead (labels -100 on prompts,
     masks for padding and packing): callers take every source's result through ``as_batch``.
-    ``targets`` is ``idx`` shifted by one token. ``ranks`` only checks ``rank``:
-    the tokens depend on the global sample index ``rank * batch + i``.
+    ``targets`` is ``idx`` shifted by one token. Row ``i`` is the step's global sample
+    ``first_sample(micro, rank, ranks, batch) + i``.
     """
     if not 0 <= rank < ranks:
         raise ValueError(f"rank {rank} is outside 0..{ranks - 1}")
     if spec.kind == "python":                   # the user's function gives the whole pair, any tensors
         return python_batch(spec, seed, step, micro, rank, ranks, batch)
     context = _arg(spec, "context")
-    keys = sample_keys(seed, step, micro, rank * batch, batch)
+    keys = step_keys(seed, step, micro, rank, ranks, batch)
     if spec.kind == "jsonl":                   # fine-tuning records: a Batch with masks (runtime/data/jsonl.py)
         return jsonl_batch(spec, keys)
     if spec.kind == "corpus":
@@ -99,7 +112,7 @@ def make_batch(spec, seed: int, step: int, micro: int, rank: int, ranks: int, ba
         _checked(path, dtype, vocab_size(spec), context)
         tokens = open_token_file(path, dtype)
         rows = torch.from_numpy(tokens.rows(keys, context))
-        tokens.prefetch(sample_keys(seed, step + 1, micro, rank * batch, batch), context)   # read during the step
+        tokens.prefetch(step_keys(seed, step + 1, micro, rank, ranks, batch), context)   # read during the step
     elif spec.kind == "synthetic":
         rows = synthetic_tokens(keys, vocab_size(spec), context + 1)
     else:
@@ -118,4 +131,4 @@ def make_batches(spec, seed: int, step: int, micro: int, rank: int, batch: int, 
     return make_batch(spec, seed, step, micro, rank, ranks if ranks is not None else rank + 1, batch)
 
 
-__all__ = ["make_batch", "make_batches", "vocab_size", "sample_keys", "CorpusError", "TokenFileError"]
+__all__ = ["make_batch", "make_batches", "vocab_size", "sample_keys", "step_keys", "first_sample", "CorpusError", "TokenFileError"]

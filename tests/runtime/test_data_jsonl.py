@@ -56,7 +56,7 @@ def test_an_unpacked_row_is_its_record_tokenised_directly_with_prompt_labels_ign
     for seed, step, micro, rank in [(0, 0, 0, 0), (3, 5, 1, 1)]:
         batch = make_batch(spec, seed, step, micro, rank, 2, 6)
         assert batch.positions is None and batch.segments is None       # one record per row: 0..T-1
-        keys = sample_keys(seed, step, micro, rank * 6, 6)
+        keys = sample_keys(seed, step, 0, (micro * 2 + rank) * 6, 6)   # the step's global samples
         for b, r in enumerate((keys % np.uint64(RECORDS)).astype(int)):
             ids, labels, mask = expected_row(tokenizer, records[r], 24)
             assert batch.input_ids[b].tolist() == ids

@@ -34,10 +34,11 @@ def spec(path, dtype, vocab, context=CONTEXT):
     return DataSpec("tokens", path, {"context": context, "vocab": vocab}, dtype)
 
 
-def reference(path, dtype, seed, step, micro, rank, batch, context=CONTEXT):
-    """nanoGPT's get_batch over np.memmap, with the window starts drawn from the sample keys."""
+def reference(path, dtype, seed, step, micro, rank, ranks, batch, context=CONTEXT):
+    """nanoGPT's get_batch over np.memmap, with the window starts drawn from the keys of the step's
+    global samples (micro * ranks + rank) * batch + i."""
     data = np.memmap(path, dtype=np.uint16 if dtype == "uint16" else np.uint32, mode="r")
-    keys = sample_keys(seed, step, micro, rank * batch, batch)
+    keys = sample_keys(seed, step, 0, (micro * ranks + rank) * batch, batch)
     starts = (keys % np.uint64(len(data) - context)).astype(np.int64)
     x = np.stack([data[s:s + context].astype(np.int64) for s in starts])
     y = np.stack([data[s + 1:s + 1 + context].astype(np.int64) for s in starts])
@@ -50,7 +51,7 @@ def test_batches_equal_a_numpy_memmap_reference(tmp_path, dtype, vocab):
     s = spec(path, dtype, vocab)
     for seed, step, micro, rank in [(0, 0, 0, 0), (7, 3, 1, 1), (123, 99, 0, 3)]:
         idx, targets = make_batch(s, seed, step, micro, rank, 4, 5)
-        ref_x, ref_y = reference(path, dtype, seed, step, micro, rank, 5)
+        ref_x, ref_y = reference(path, dtype, seed, step, micro, rank, 4, 5)
         assert idx.dtype == targets.dtype == torch.int64 and idx.shape == (5, CONTEXT)
         assert torch.equal(idx, ref_x) and torch.equal(targets, ref_y)
     if dtype == "uint32":
@@ -65,6 +66,22 @@ def test_ranks_see_slices_of_one_global_batch(tmp_path):
     halves = torch.cat([make_batch(s, 5, 2, 0, r, 2, 4)[0] for r in range(2)])
     assert torch.equal(whole, halves)
     assert not torch.equal(make_batch(s, 5, 3, 0, 0, 1, 8)[0], whole)
+
+
+@pytest.mark.parametrize("kind", ["tokens", "corpus", "synthetic"])
+def test_a_step_sees_the_same_samples_however_ranks_and_micro_batches_split_it(tmp_path, kind):
+    """8 samples a step: 2 ranks x 2 micro-batches x 2 rows, 4 ranks x 1 x 2, 1 rank x 2 x 4 and
+    1 rank x 1 x 8 see the same rows (what lets a checkpoint resume at another rank count)."""
+    path, _ = token_file(tmp_path, "uint16", 3000, 1000)
+    s = spec(path, "uint16", 1000) if kind == "tokens" else \
+        DataSpec(kind, "stdlib" if kind == "corpus" else None, {"context": CONTEXT, "vocab": 256})
+    def step_rows(ranks, acc, batch):
+        by_rank = [[make_batch(s, 7, 3, m, r, ranks, batch)[0] for r in range(ranks)] for m in range(acc)]
+        return torch.cat([t for micro in by_rank for t in micro])
+    whole = step_rows(1, 1, 8)
+    for split in [(2, 2, 2), (4, 1, 2), (1, 2, 4), (2, 1, 4)]:
+        assert torch.equal(step_rows(*split), whole), split
+    assert not torch.equal(step_rows(1, 1, 8), make_batch(s, 7, 4, 0, 0, 1, 8)[0])
 
 
 def test_every_window_start_is_reachable_including_the_last(tmp_path):
@@ -163,7 +180,7 @@ def test_each_batch_asks_the_kernel_for_the_next_steps_windows(tmp_path, monkeyp
     hints = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: hints.append((offset, length, advice)))
     make_batch(s, 3, 5, 1, 1, 2, 4)
-    keys = sample_keys(3, 6, 1, 4, 4)              # step 6, same micro-batch and samples
+    keys = sample_keys(3, 6, 0, (1 * 2 + 1) * 4, 4)   # step 6, the same global samples
     starts = (keys % np.uint64(4000 - CONTEXT)).astype(np.int64)
     assert hints == [(int(a) * 4, (CONTEXT + 1) * 4, os.POSIX_FADV_WILLNEED) for a in starts]
 
