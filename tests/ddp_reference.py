@@ -35,13 +35,17 @@ def default_batch(data, seed: int, step: int, micro: int, rank: int, world: int,
 
 def ddp_train(model_kw: dict, data, *, seed: int, steps: int, batch: int, accumulate: int,
               optimizer: dict, rank: int, world: int, build=None,
-              norms: list | None = None, make=default_batch) -> tuple[dict[str, torch.Tensor], list[float]]:
+              norms: list | None = None, make=default_batch,
+              frozen=frozenset()) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train with DDP inside an initialised process group; returns (final fp32 params, losses).
 
     ``build()``: the model instead of ``GPT(**model_kw, seed=seed)`` (a user's model, built
     from the run's seed). ``norms``: a list that gets each step's ``clip_grad_norm_`` total.
-    ``make``: each micro-batch, called as :func:`default_batch` (give zdsl's side the same)."""
+    ``make``: each micro-batch, called as :func:`default_batch` (give zdsl's side the same).
+    ``frozen``: parameter names set to ``requires_grad=False`` (fine-tuning, torch's way)."""
     model = build() if build is not None else GPT(**model_kw, seed=seed)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
     ddp = DDP(model)
     opt = make_torch_optimizer(model.parameters(), optimizer)
     clip = optimizer.get("clip")

@@ -86,7 +86,7 @@ def cmd_plan(args, parser) -> int:
     from zdsl.planner.machine_fit import schedule_fit
     from zdsl.planner.report import build_plan
     from zdsl.planner.report import render_plan
-    plan = build_plan(compiled.graph, compiled.schedule, compiled.sim)
+    plan = build_plan(compiled.graph, compiled.schedule, compiled.sim, units=compiled.units)
     fit = schedule_fit(compiled, overrides)          # what `zdsl run` compares before starting ranks
     evaluation = None
     if compiled.eval_sim is not None:

@@ -147,6 +147,14 @@ class UnitInfo:
     # element ranges of its flat parameters that weight decay applies to (zdsl/compile/decay.py);
     # None: all of them (left out of the JSON then, so graphs without no_decay hash as before)
     decay: list[tuple[int, int]] | None = None
+    # its parameters (indices, registration order) that ``freeze`` keeps frozen: no gradient, no
+    # optimizer state, never updated (zdsl/compile/freeze.py); None: none
+    frozen: list[int] | None = None
+    # some parameter of it trains: only then has it gradients, optimizer state, reductions and a step
+    trains: bool = True
+
+    # fields left out of the JSON at these values, so graphs without them hash as before
+    OMITTED = {"decay": None, "frozen": None, "trains": True}
 
 
 @dataclass
@@ -166,8 +174,9 @@ class TaskGraph:
     def to_json(self) -> str:
         raw = dataclasses.asdict(self)
         for unit in raw["units"]:
-            if unit["decay"] is None:
-                del unit["decay"]
+            for key, default in UnitInfo.OMITTED.items():
+                if unit[key] == default:
+                    del unit[key]
         return json.dumps(raw, sort_keys=True, separators=(",", ":"))
 
     @classmethod

@@ -43,6 +43,27 @@ def graph_layouts(graph: TaskGraph) -> list[FlatLayout]:
     return [FlatLayout(u.numel, graph.ranks, u.parts, u.padded_numel // u.parts) for u in graph.units]
 
 
+def data_position(graph: TaskGraph, next_step: int) -> dict:
+    """Where the data stands: the next step, and what fixes each step's samples (runtime/data: the
+    seed, the data source and the global batch; how ranks and micro-batches split it does not matter)."""
+    train = graph.config.get("train", {})
+    return {"next_step": next_step, "seed": train.get("seed"), "data": graph.config.get("data"),
+            "samples_per_step": graph.ranks * train.get("batch", 0) * train.get("accumulate", 0)}
+
+
+def data_order_note(saved: dict, graph: TaskGraph) -> str | None:
+    """Why the steps after a resume will not see the samples an uninterrupted run would, or None."""
+    now = data_position(graph, saved.get("next_step", 0))
+    changed = [what for key, what in (("seed", "seed"), ("data", "data source"),
+                                      ("samples_per_step", "global batch (ranks x batch x accumulate)"))
+               if key in saved and saved[key] != now[key]]
+    if not changed:
+        return None
+    return (f"the {', '.join(changed)} differ from the checkpoint's ({', '.join(f'{saved[k]}' for k in ('seed', 'samples_per_step') if k in saved)} "
+            f"-> {now['seed']}, {now['samples_per_step']}): from step {now['next_step']} on, the samples are not "
+            f"the ones an uninterrupted run would have seen (any split of the same global batch keeps them)")
+
+
 class Checkpointer:
     def __init__(self, root: str, every: int, keep: int, graph: TaskGraph, units, rank: int, world: int,
                  say=print):
@@ -71,7 +92,7 @@ class Checkpointer:
             "units": unit_metas(self.units, graph_layouts(self.graph), self.prefixes(state)),
             "ranks": self.world,
             "schedule_hash": self.graph.digest(),
-            "data_position": {"next_step": completed},
+            "data_position": data_position(self.graph, completed),
             "loss_scaler": state.scaler.__dict__.copy() if getattr(state.scaler, "enabled", False) else None,
             "aliases": dict(state.aliases),
             "extra": {"optimizer_steps": state.optimizer_steps(), "stage": self.graph.stage,
@@ -145,8 +166,8 @@ def describe_optimizer(config: dict | None, moments) -> str:
 
 def optimizer_mismatch(path, index, shards: dict, state) -> str | None:
     """Why the checkpoint's optimizer state cannot continue this schedule's optimizer, or None."""
-    saved = sorted({parsed[1] for key in shards if (parsed := parse_shard_key(key)) and parsed[0] == 0
-                    and parsed[1] != "param"})
+    saved = sorted({parsed[1] for key in shards if (parsed := parse_shard_key(key))   # any unit: a frozen
+                    and parsed[1] != "param"})                                       # one holds none
     wanted = sorted(state.moment_names())
     if saved == wanted:
         return None
@@ -194,6 +215,9 @@ def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print
         before = index.step
     if index.ranks != world:
         say(f"resuming {path} (written by {index.ranks} ranks) on {world} ranks: shards re-cut")
+    note = data_order_note(index.data_position, graph)
+    if note:
+        say(f"note: {note}")
     rng, cuda_rng = shards.pop(RNG_KEY, None), shards.pop(CUDA_RNG_KEY, None)
     state.load_buffers({k[len(BUFFER_PREFIX):]: shards.pop(k) for k in list(shards) if k.startswith(BUFFER_PREFIX)})
     steps = int(index.extra.get("optimizer_steps", index.data_position.get("next_step", index.step)))

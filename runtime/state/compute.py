@@ -17,6 +17,10 @@
   that buffer already holds gradient (accumulation), the contribution waits for the owner's
   backward and both are added together, which is the order autograd uses on the whole model (so
   DDP's bits).
+* Frozen parameters (``freeze``) do not require grad: a backward asks autograd only for the
+  gradients the graph has buffers for. A unit whose backward the graph drops (nothing before it
+  trains) runs its forward without autograd; one whose input gradient no backward reads is not
+  asked for it (``act_grad[u]`` is not in the graph).
 * ``compute.norm`` writes the global gradient norm: at stage 0 exactly as ``clip_grad_norm_``
   computes it; when an all-reduce of ``norm`` follows, this rank's sum of squares (the step takes
   the square root).
@@ -75,6 +79,7 @@ class Compute:
         self.scaler = LossScaler(enabled=graph.precision == "fp16")
         self.last = len(modules) - 1
         self.norm_reduced = any(op.kind == "comm.all_reduce" and "norm" in op.writes for op in graph.ops)
+        self.has_backward = {op.unit for op in graph.ops if op.kind == "compute.backward"}
         self._lock = threading.Lock()
         self._pending_tied: dict[tuple[int, int], torch.Tensor] = {}
         self.batches: list[Batch] = []
@@ -127,8 +132,6 @@ class Compute:
         the next step has the bits it would have had without evaluating."""
         modes = [(m, m.training) for unit in self.modules for m in unit.modules()]
         rng = rng_state(self.device)
-        for m, _ in modes:
-            m.training = False
         self.evaluating = True
         try:
             yield
@@ -216,10 +219,10 @@ class Compute:
         x = self._unit_input(op)
         recompute = self.graph.units[u].recompute
         x_in = x.detach()
-        if x_in.is_floating_point() and not recompute and u > 0:     # unit 0's input is data: no gradient
+        if x_in.is_floating_point() and not recompute and self._wants_input_grad(u):
             x_in.requires_grad_(True)
         rng = rng_state(self.device) if recompute else None
-        out, nbytes = self._run_unit(u, x_in, op.micro, grad=not recompute)
+        out, nbytes = self._run_unit(u, x_in, op.micro, grad=not recompute and u in self.has_backward)
         if u == 0:
             nbytes += x.numel() * x.element_size()
         if recompute:
@@ -237,7 +240,7 @@ class Compute:
         u = op.unit
         rec = table.read(f"act[{u}]", op).record
         x_in = rec.input.detach()
-        if x_in.is_floating_point() and u > 0:
+        if x_in.is_floating_point() and self._wants_input_grad(u):
             x_in.requires_grad_(True)
         losses = list(self.losses)
         with replayed_rng(rec.rng, self.device):   # the forward's dropout masks, not new ones
@@ -246,6 +249,10 @@ class Compute:
         slot = table.slot(f"act_inner[{u}]", op)
         slot.record, slot.live = ActRecord(x_in, out, op.micro, nbytes), True
         table.meter.hold(slot.buf.name, slot.buf.tier, "act_inner", "working", nbytes)
+
+    def _wants_input_grad(self, u: int) -> bool:
+        """An earlier unit's backward reads this unit's input gradient (unit 0's input is data)."""
+        return u > 0 and f"act_grad[{u}]" in self.table.slots
 
     def _grad_slot(self, u: int, op: Op) -> Slot:
         slot = self.table.slot(f"grad_full[{u}]", op)
@@ -266,9 +273,10 @@ class Compute:
             grad_out = (torch.tensor(self.scaler.scale, dtype=rec.output.dtype, device=rec.output.device)
                         if self.scaler.enabled else None)
         fp = flats[u]
-        tied = self.tied.get(u, [])
+        own_idx = fp.trainable
+        tied = [(o, i) for o, i in self.tied.get(u, []) if flats[o].params[i].requires_grad]
         wants_input = rec.input is not None and rec.input.requires_grad
-        inputs = ([rec.input] if wants_input else []) + fp.params + \
+        inputs = ([rec.input] if wants_input else []) + [fp.params[i] for i in own_idx] + \
             [flats[o].params[i] for o, i in tied]
         grads = torch.autograd.grad(rec.output, inputs, grad_outputs=grad_out, allow_unused=True)
         if wants_input:
@@ -278,17 +286,18 @@ class Compute:
                 slot.tensor, slot.live = g_in, True
                 table.meter.hold(slot.buf.name, slot.buf.tier, "act_grad", "working",
                                  g_in.numel() * g_in.element_size())
-        own, from_users = grads[:len(fp.params)], grads[len(fp.params):]
+        own, from_users = grads[:len(own_idx)], grads[len(own_idx):]
         with torch.no_grad():
-            gslot = self._grad_slot(u, op)
-            views = fp.grad_views
-            for i, g in enumerate(own):
-                pending = self._pending_tied.pop((u, i), None)
-                if g is None and pending is None:
-                    continue
-                total = pending if g is None else (g if pending is None else pending + g)
-                views[i].add_(total)
-            gslot.clean = False
+            if own_idx:
+                gslot = self._grad_slot(u, op)
+                views = fp.grad_views
+                for i, g in zip(own_idx, own):
+                    pending = self._pending_tied.pop((u, i), None)
+                    if g is None and pending is None:
+                        continue
+                    total = pending if g is None else (g if pending is None else pending + g)
+                    views[i].add_(total)
+                gslot.clean = False
             for (owner, i), g in zip(tied, from_users):
                 if g is None:
                     continue
@@ -309,7 +318,7 @@ class Compute:
         with torch.no_grad():
             if not self.norm_reduced and not self.mixed and self.stage == 0:
                 # exactly clip_grad_norm_'s total norm over the parameters' gradients
-                views = [v for fp in table.flats for v in fp.grad_views]
+                views = [fp.grad_views[i] for fp in table.flats for i in fp.trainable]
                 value = _total_norm(views)
             else:
                 sq = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2 for g in grads]

@@ -15,6 +15,10 @@ every parameter's gradient a view into the flat gradient buffer, so:
 * gradients leave through one reduce-scatter per part from the flat
   gradient buffer into the rank's gradient shard.
 
+Frozen parameters (``freeze``, ``UnitInfo.frozen``) stay in the flat buffer (gathered like
+the rest) but do not require grad, so autograd never computes their gradient; their gradient
+views stay zero.
+
 Tied parameters (a unit reading another unit's parameter) need nothing here:
 the user's module reads the owner's parameter object, whose view points into
 the owner's buffer; the state routes the user's gradient to the owner.
@@ -61,7 +65,7 @@ class FlatParam:
     """
 
     def __init__(self, module: nn.Module, layout: FlatLayout, rank: int, dtype: torch.dtype,
-                 grad_dtype: torch.dtype, device: torch.device):
+                 grad_dtype: torch.dtype, device: torch.device, frozen: list[int] | None = None):
         self.names = [n for n, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
         numel = sum(p.numel() for p in self.params)
@@ -79,14 +83,24 @@ class FlatParam:
                 self.initial[o:o + p.numel()].copy_(p.detach().reshape(-1).float().cpu())
         self.full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
         self.grad = torch.empty(layout.padded_numel, dtype=grad_dtype, device=device)
+        self.frozen = set(frozen or ())
         with torch.no_grad():
-            for p, o in zip(self.params, self.offsets):
+            for i, (p, o) in enumerate(zip(self.params, self.offsets)):
                 p.data = self.full[o:o + p.numel()].view(p.shape)
-                p.requires_grad_(True)
+                p.requires_grad_(i not in self.frozen)
         self.grad_views = [self.grad[o:o + p.numel()].view(p.shape)
                            for p, o in zip(self.params, self.offsets)]
         free_storage(self.full)
         free_storage(self.grad)
+
+    @property
+    def trainable(self) -> list[int]:
+        """Indices of the parameters that train (registration order)."""
+        return [i for i in range(len(self.params)) if i not in self.frozen]
+
+    def frozen_ranges(self) -> list[tuple[int, int]]:
+        """Elements of the full buffer held by frozen parameters."""
+        return [(self.offsets[i], self.offsets[i] + self.params[i].numel()) for i in sorted(self.frozen)]
 
     # -- views and shards ----------------------------------------------------------
     def view(self, param: torch.Tensor) -> tuple[int, int]:

@@ -24,7 +24,9 @@ zdsl/lr.py). Weight decay applies where the task graph says (``UnitInfo.decay``,
 zdsl/compile/decay.py): the shard is cut at the edges of those ranges into
 pieces, one Parameter each, in two param groups (decay and ``weight_decay=0``),
 which gives the bits of a torch optimizer with the same two groups over whole
-parameters.
+parameters. Frozen parameters (``UnitInfo.frozen``) are cut out the same way and get no piece:
+the torch optimizer never sees them, so they keep their values whatever the weight decay. A
+unit with nothing to train has no optimizer at all (``numel`` 0).
 
 Gradient clipping follows ``torch.nn.utils.clip_grad_norm_``: coefficient
 ``max_norm / (total_norm + 1e-6)`` clamped at 1, multiplied into the
@@ -67,9 +69,10 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 def segment_decay(decay, layout, rank: int, whole: bool) -> list[tuple[int, int]] | None:
-    """A unit's decaying ranges (``UnitInfo.decay``: elements of its full flat buffer) as
-    ranges of its optimizer segment: the full buffer itself when ``whole`` (stage 0), else
-    the rank's shard (its slice of every part, in order). None stays None (all decay)."""
+    """A unit's decaying ranges (``UnitInfo.decay``: elements of its full flat buffer), or any
+    other element ranges of it (its frozen ones), as ranges of its optimizer segment: the full
+    buffer itself when ``whole`` (stage 0), else the rank's shard (its slice of every part, in
+    order). None stays None (all decay)."""
     if decay is None:
         return None
     if whole:
@@ -81,15 +84,19 @@ def segment_decay(decay, layout, rank: int, whole: bool) -> list[tuple[int, int]
     return out
 
 
-def _pieces(part_ranges, decay) -> list[tuple[int, int, int, bool]]:
-    """(part, start, end within the part, decays) of every piece a part is cut into."""
-    if decay is None:
+def _pieces(part_ranges, decay, frozen=()) -> list[tuple[int, int, int, bool]]:
+    """(part, start, end within the part, decays) of every piece a part is cut into; none
+    for ``frozen`` ranges."""
+    if decay is None and not frozen:
         return [(i, 0, b - a, True) for i, (a, b) in enumerate(part_ranges)]
     out = []
+    cuts = [*(decay or ()), *frozen]
     for i, (a, b) in enumerate(part_ranges):
-        edges = sorted({a, b, *(x for r in decay for x in r if a < x < b)})
+        edges = sorted({a, b, *(x for r in cuts for x in r if a < x < b)})
         for lo, hi in zip(edges, edges[1:]):
-            decays = any(r0 <= lo and hi <= r1 for r0, r1 in decay)
+            if any(r0 <= lo and hi <= r1 for r0, r1 in frozen):
+                continue
+            decays = decay is None or any(r0 <= lo and hi <= r1 for r0, r1 in decay)
             out.append((i, lo - a, hi - a, decays))
     return out
 
@@ -100,30 +107,39 @@ class UnitOptimizer:
     ``part_ranges``: the (start, end) elements of each part within a segment
     (the shard's part slices; at stage 0 the full buffer's parts). ``decay``:
     the segment's ranges weight decay applies to (``segment_decay``), None for all.
+    ``frozen``: the segment's ranges that never change (frozen parameters). No ranges: a unit
+    that does not train, with no optimizer state.
     """
 
     def __init__(self, config: dict, part_ranges: list[tuple[int, int]], master: bool,
-                 decay: list[tuple[int, int]] | None = None):
+                 decay: list[tuple[int, int]] | None = None, frozen: list[tuple[int, int]] | None = None):
         self.config = config
         self.kind = config.get("kind", "adamw")
         self.names = state_names(self.kind, config.get("momentum", 0.0))
         self.master = master
         self.ranges = part_ranges
         self.numel = part_ranges[-1][1] if part_ranges else 0
-        self.pieces = _pieces(part_ranges, decay)
+        self.pieces = _pieces(part_ranges, decay, frozen or ())
         self.params = [nn.Parameter(torch.zeros(hi - lo)) for _, lo, hi, _ in self.pieces]
-        if decay is None:
+        if not self.params:
+            self.opt = None
+        elif decay is None:
             self.opt = make_torch_optimizer(self.params, config)
         else:
             groups = [{"params": [p for p, piece in zip(self.params, self.pieces) if piece[3] == want],
                        "weight_decay": config.get("weight_decay", 0.0) if want else 0.0}
                       for want in (True, False)]
             self.opt = make_torch_optimizer([g for g in groups if g["params"]], config)
-        self._group = {id(p): g for g in self.opt.param_groups for p in g["params"]}
+        self._group = {id(p): g for g in self.opt.param_groups for p in g["params"]} if self.opt else {}
         self.fast_adam = self.kind in MOMENTS and not config.get("foreach") and not config.get("fused")
         self._plain_steps = 0   # SGD keeps no step count of its own
         for p in self.params:   # our state slices replace torch's lazy init (filled in bind)
             self.opt.state[p] = {"step": torch.tensor(0.0)} if self.kind in MOMENTS else {}
+
+    @property
+    def trains(self) -> bool:
+        """It updates something (a unit whose parameters are all frozen has nothing to update)."""
+        return bool(self.params)
 
     @property
     def segments(self) -> int:
@@ -149,7 +165,7 @@ class UnitOptimizer:
 
     def set_lr(self, lr: float) -> None:
         """The rate of the coming step (every group: the schedule scales one rate)."""
-        for group in self.opt.param_groups:
+        for group in (self.opt.param_groups if self.opt else ()):
             group["lr"] = lr
 
     def master_parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -162,6 +178,9 @@ class UnitOptimizer:
     def step(self, flat: torch.Tensor, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """One update. ``params``: the parts to update (the master parts when ``master``),
         fp32, contiguous; ``grads``: fp32 gradients, already unscaled and clipped."""
+        if self.opt is None:     # this rank's shard holds only frozen elements
+            self._plain_steps += 1
+            return
         first = 1 if self.master else 0
         moments = [self._segment_pieces(flat, first + k) for k in range(len(self.names))]
         params = [params[i][lo:hi] for i, lo, hi, _ in self.pieces]

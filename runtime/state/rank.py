@@ -114,14 +114,18 @@ class RankState:
                 model.materialize_unit(info.index)
             lay = layout_of(info.numel, info.padded_numel, info.parts, world)
             try:
-                fp = FlatParam(module, lay, rank, self.dtype, grad_dtypes.get(info.index, self.dtype), self.device)
+                fp = FlatParam(module, lay, rank, self.dtype, grad_dtypes.get(info.index, self.dtype), self.device,
+                               frozen=info.frozen)
             except ValueError as exc:
                 raise StateError(f"rank {rank}: unit {info.index} ({info.name}): {exc}") from None
             self.table.flats.append(fp)
-            ranges = ([lay.full_range(p) for p in range(lay.parts)] if self.stage == 0   # stage 0: whole unit
+            ranges = ([] if not info.trains                                    # frozen: no optimizer state
+                      else [lay.full_range(p) for p in range(lay.parts)] if self.stage == 0   # stage 0: whole unit
                       else [lay.shard_range(p) for p in range(lay.parts)])
+            whole = self.stage == 0
             opt = UnitOptimizer(self.opt_config, ranges, master=info.master,
-                                decay=segment_decay(info.decay, lay, rank, whole=self.stage == 0))
+                                decay=segment_decay(info.decay, lay, rank, whole),
+                                frozen=segment_decay(fp.frozen_ranges(), lay, rank, whole) if info.frozen else None)
             for p in opt.params:    # placeholders (each step points them at the real slices): a
                 p.data = torch.empty(0)   # shard-size fp32 zero per unit would be 4 bytes/param held
             self.table.optims.append(opt)

@@ -105,14 +105,17 @@ class StateViews:
 
     def shard_state(self) -> dict[str, torch.Tensor]:
         """This rank's layout shard of every unit, fp32 on the CPU: ``u{i}.param`` and the
-        optimizer's moments (``u{i}.exp_avg``, ``u{i}.exp_avg_sq``, ``u{i}.momentum``). At
-        stage 0, where every rank holds everything, the rank's slice of it. Between steps."""
+        optimizer's moments (``u{i}.exp_avg``, ``u{i}.exp_avg_sq``, ``u{i}.momentum``), none for
+        a unit that does not train (``freeze``). At stage 0, where every rank holds everything,
+        the rank's slice of it. Between steps."""
         out: dict[str, torch.Tensor] = {}
         for u, fp in enumerate(self.table.flats):
             opt = self.table.optims[u]
             truth, is_shard = self._truth(u)
             out[f"u{u}.param"] = (truth if is_shard else fp.shard_of(truth)).detach().cpu().clone()
-            flat = self._optim_flat(u) if opt.flat_numel else None
+            if not opt.flat_numel:
+                continue
+            flat = self._optim_flat(u)
             first = 1 if opt.master else 0
             for k, name in enumerate(opt.names):
                 seg = flat[(first + k) * opt.numel:(first + k + 1) * opt.numel]
@@ -125,13 +128,15 @@ class StateViews:
         return [SHARD_NAMES[n] for n in (optims[0].names if optims else ())]
 
     def optimizer_steps(self) -> int:
-        optims = self.table.optims
+        """Steps taken, by the first unit that trains (a frozen one keeps no count)."""
+        optims = [opt for opt in self.table.optims if opt.trains] or self.table.optims
         return optims[0].steps if optims else 0
 
     def load_shard_state(self, shards: dict[str, torch.Tensor], steps: int, moments: bool = True) -> None:
         """Inverse of :meth:`shard_state` (all ranks call it: stage 0-2 parameters and
         stage-0 moments are rebuilt by all-gathers). Between steps. ``moments=False``: only the
-        parameters (and master copy) come from ``shards``; the optimizer's moments start at zero."""
+        parameters (and master copy) come from ``shards``; the optimizer's moments start at zero,
+        as they do for a unit the checkpoint holds none for (it was frozen when saved)."""
         table = self.table
         with torch.no_grad():
             for u, fp in enumerate(table.flats):
@@ -145,12 +150,13 @@ class StateViews:
                 if opt.master:
                     flat[:opt.numel].copy_(full if self.stage == 0 else shard)
                 first = 1 if opt.master else 0
-                for k, name in enumerate(opt.names):
+                for k, name in enumerate(opt.names if flat is not None else ()):
                     seg = flat[(first + k) * opt.numel:(first + k + 1) * opt.numel]
-                    if not moments:
+                    key = f"u{u}.{SHARD_NAMES[name]}"
+                    if not moments or key not in shards:
                         seg.zero_()
                         continue
-                    m = shards[f"u{u}.{SHARD_NAMES[name]}"].float()
+                    m = shards[key].float()
                     seg.copy_(self._gathered(u, m) if self.stage == 0 else m)
                 home = table.home("param_full", u) or table.home("param_shard", u)
                 value = full if home.buf.kind == "param_full" else shard

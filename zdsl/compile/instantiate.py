@@ -43,6 +43,8 @@ from zdsl.ir import parse_buffer_name
 from zdsl.compile.layout import flat_layout
 from zdsl.compile.decay import NoDecayError
 from zdsl.compile.decay import decay_groups
+from zdsl.compile.freeze import FreezeError
+from zdsl.compile.freeze import frozen_params
 from zdsl.schedule import Pipeline
 from zdsl.schedule import PHASES
 from zdsl.schedule import STATES
@@ -104,6 +106,25 @@ class _Builder:
         self.recompute = set(schedule.recompute)
         self.persist = {i for i, spec in enumerate(units)
                         if schedule.stage == 3 and schedule.persist_below and spec.numel < schedule.persist_below}
+        self.frozen = self._frozen()
+        # a unit trains when some parameter of it does: only those have gradients, optimizer state,
+        # reductions and a step; a backward is needed by a unit that trains or one before it (it
+        # hands back the input gradient), or whose tied parameters train
+        self.trains = [not all(row) for row in self.frozen] if schedule.freeze else [True] * self.n_units
+        self.needs_backward = [self.trains[u] or any(self.trains[j] for j in spec.uses) for u, spec in enumerate(units)]
+        for u in range(1, self.n_units):
+            self.needs_backward[u] = self.needs_backward[u] or self.needs_backward[u - 1]
+
+    def _frozen(self) -> list[list[bool]]:
+        """Per unit, per parameter: frozen by ``freeze`` (see zdsl/compile/freeze.py)."""
+        if not self.schedule.freeze:
+            return [[False] * len(spec.params) for spec in self.specs]
+        try:
+            return frozen_params(self.specs, self.schedule.freeze)
+        except FreezeError as exc:
+            error = LoweringError(str(exc), hint=exc.hint)
+            error.span = self.schedule.spans.get("freeze")
+            raise error from None
 
     # -- placement -------------------------------------------------------------
     def _unit_tiers(self, state: str) -> list[str]:
@@ -128,7 +149,10 @@ class _Builder:
 
     def has_master(self, u: int) -> bool:
         """An fp32 master copy lives with the optimizer state: in mixed precision, and whenever the
-        optimizer or the parameters are off the device (the step then never reads the shard)."""
+        optimizer or the parameters are off the device (the step then never reads the shard).
+        Never for a unit that does not train: its parameters are their own truth."""
+        if not self.trains[u]:
+            return False
         return self.precision != "fp32" or self.optim_tier(u) != "device" or self.param_tier(u) != "device"
 
     # -- buffers ---------------------------------------------------------------
@@ -139,21 +163,23 @@ class _Builder:
         return buffer_name("param_shard", u, None if tier == "device" else tier)
 
     def home_grad(self, u: int) -> str | None:
+        if not self.trains[u]:
+            return None
         if self.schedule.stage < 2:
             return buffer_name("grad_full", u)
         tier = self.grad_home(u)
         return buffer_name("grad_shard", u, None if tier == "device" else tier)
 
-    def home_optim(self, u: int) -> str:
+    def home_optim(self, u: int) -> str | None:
+        if not self.trains[u]:
+            return None
         tier = self.optim_tier(u)
         return buffer_name("optim", u, None if tier == "device" else tier)
 
     def persistent_names(self) -> list[str]:
         out = []
         for u in range(self.n_units):
-            out.append(self.home_param(u))
-            out.append(self.home_grad(u))
-            out.append(self.home_optim(u))
+            out += [name for name in (self.home_param(u), self.home_grad(u), self.home_optim(u)) if name]
         return out + ["loss"] + (["norm"] if self.clip else [])
 
     def buffer(self, name: str) -> Buffer:
@@ -174,7 +200,8 @@ class _Builder:
             nbytes = numel * optimizer_bytes_per_param(optimizer.kind, optimizer.momentum, self.has_master(u))
             dtype = "fp32"
         elif kind == "act":
-            elems = spec.input_elems_per_seq + (0 if u in self.recompute else spec.act_elems_per_seq)
+            keeps = u not in self.recompute and self.needs_backward[u]   # autograd's saved tensors
+            elems = spec.input_elems_per_seq + (spec.act_elems_per_seq if keeps else 0)
             nbytes = self.batch * elems * elem_bytes
         elif kind == "act_inner":
             nbytes = self.batch * spec.act_elems_per_seq * elem_bytes
@@ -267,8 +294,21 @@ class _Builder:
         lane = self.producer_lane.get(name, "compute")
         self.emit(self.draft("mem.free", self.buffers[name].unit, [], [name], phase, micro, stmt, lane=lane))
 
+    def frozen_skips(self, verb: str, state: str, u: int, phase: str) -> bool:
+        """A statement a frozen unit does not need: anything in a backward it does not need,
+        and the reductions, gradient and optimizer moves and step of a unit that does not
+        train (frees always run: they drop what is no longer needed)."""
+        if verb == "free":
+            return False
+        if phase == "backward" and not self.needs_backward[u]:
+            return True
+        return not self.trains[u] and (phase == "step" or verb in ("scatter", "reduce")
+                                       or state in ("gradients", "optimizer"))
+
     def run_stmt(self, stmt: PipeStmt, u: int, phase: str, micro: int) -> None:
         verb, state = stmt.verb, stmt.ref.state
+        if self.frozen_skips(verb, state, u, phase):
+            return
         last_micro = micro == self.schedule.train.accumulate - 1
         stage = self.schedule.stage
         if verb == "compute":
@@ -345,18 +385,22 @@ class _Builder:
             if u < last_unit:
                 reads.append(buffer_name("act_grad", u + 1))
             reads += self.param_reads(u)
-            grads = [buffer_name("grad_full", j) for j in (u, *spec.uses)]
-            writes = grads + ([buffer_name("act_grad", u)] if u > 0 else [])
+            grads = [buffer_name("grad_full", j) for j in (u, *spec.uses) if self.trains[j]]
+            hands_back = u > 0 and self.needs_backward[u - 1]   # an earlier unit's backward needs its input gradient
+            writes = grads + ([buffer_name("act_grad", u)] if hands_back else [])
             # backward accumulates into full gradients, so it also reads them
             held = [grad for grad in grads if self.is_valid(grad)]
             fresh = {buffer_name("act_grad", u)} | {grad for grad in grads if not self.is_valid(grad)}
-            self.emit(self.draft("compute.backward", u, reads + held, writes,
-                                 phase, micro, stmt, flops=2 * flops, kernels=spec.bwd_kernels, fresh=fresh))
+            # without gradients of its own, a backward computes only the input gradient
+            self.emit(self.draft("compute.backward", u, reads + held, writes, phase, micro, stmt,
+                                 flops=(2 if self.trains[u] else 1) * flops, kernels=spec.bwd_kernels, fresh=fresh))
         else:
             raise LoweringError("`compute` belongs in a forward or backward template", stmt,
                                 "the step template uses `step u`")
 
     def step(self, u: int, micro: int, stmt: PipeStmt) -> None:
+        if not self.trains[u]:
+            return
         stage = self.schedule.stage
         on_host = stmt.tier == "cpu" and self.optim_tier(u) != "device"
         shard_tier = "host" if on_host else None
@@ -535,14 +579,15 @@ class _Builder:
     def norm(self, micro: int) -> None:
         stage = self.schedule.stage
         reads = []
-        for u in range(self.n_units):
+        training = [u for u in range(self.n_units) if self.trains[u]]
+        for u in training:
             if stage == 0:
                 reads.append(buffer_name("grad_full", u))
             else:
                 on_host = self.optim_tier(u) != "device"
                 reads.append(buffer_name("grad_shard", u, "host" if on_host else None))
-        all_host = all(self.optim_tier(u) != "device" for u in range(self.n_units))
-        shard_numel = sum(layout.shard_numel for layout in self.layouts)
+        all_host = all(self.optim_tier(u) != "device" for u in training)
+        shard_numel = sum(self.layouts[u].shard_numel for u in training)
         self.emit(self.draft("compute.norm", None, reads, ["norm"], "step", micro, None,
                              lane="host" if all_host else "compute", flops=2.0 * shard_numel))
         if stage >= 1:
@@ -665,7 +710,8 @@ class _Builder:
                 recompute=i in self.recompute, persistent=i in self.persist,
                 act_bytes=self.batch * spec.act_elems_per_seq * self.elem_bytes,
                 input_bytes=self.batch * spec.input_elems_per_seq * self.elem_bytes,
-                fwd_flops=spec.fwd_flops_per_seq * self.batch, master=self.has_master(i), decay=decay[i]))
+                fwd_flops=spec.fwd_flops_per_seq * self.batch, master=self.has_master(i), decay=decay[i],
+                frozen=[k for k, f in enumerate(self.frozen[i]) if f] or None, trains=self.trains[i]))
         return infos
 
 

@@ -20,6 +20,8 @@ from zdsl.planner.bound import worst_working
 from zdsl.planner.comm import CommPlan
 from zdsl.planner.comm import comm_plan
 from zdsl.planner.comm import zero_comm_elements
+from zdsl.planner.freeze_plan import FreezePlan
+from zdsl.planner.freeze_plan import freeze_plan
 from zdsl.planner.memory import STATES
 from zdsl.planner.memory import zero_model_states
 from zdsl.planner.simulate import Simulation
@@ -36,6 +38,7 @@ class Plan:
     schedule: Schedule
     sim: Simulation
     comm: CommPlan
+    units: list | None = None     # the model's UnitSpecs (what ``freeze``'s saving is measured with)
 
     @property
     def parameters(self) -> int:
@@ -99,6 +102,11 @@ class Plan:
         decay = sum(b - a for u in units for a, b in (u.decay if u.decay is not None else [(0, u.numel)]))
         return {"decay": decay, "no_decay": self.parameters - decay}
 
+    @cached_property
+    def freeze(self) -> FreezePlan | None:
+        """What ``freeze`` saves against the same schedule without it (None without freeze)."""
+        return freeze_plan(self.graph, self.schedule, self.units) if self.units is not None else None
+
     def to_json(self) -> dict:
         g, sim = self.graph, self.sim
         memory = sim.memory.to_json()
@@ -112,6 +120,8 @@ class Plan:
         extra = {} if worst is not None else {"working_worst_note": self.working_worst_note()}
         if self.decay_split() is not None:
             extra["weight_decay_groups"] = self.decay_split()
+        if self.freeze is not None:
+            extra["freeze"] = self.freeze.to_json()
         return {
             "schedule": g.schedule,
             "file": self.schedule.file,
@@ -138,9 +148,10 @@ class Plan:
         }
 
 
-def build_plan(graph: TaskGraph, schedule: Schedule, sim: Simulation | None = None) -> Plan:
+def build_plan(graph: TaskGraph, schedule: Schedule, sim: Simulation | None = None, units=None) -> Plan:
+    """``units``: the model's UnitSpecs, for what ``freeze`` saves (left out without them)."""
     sim = sim if sim is not None else simulate(graph, schedule.machine)
-    return Plan(graph=graph, schedule=schedule, sim=sim, comm=comm_plan(graph))
+    return Plan(graph=graph, schedule=schedule, sim=sim, comm=comm_plan(graph), units=units)
 
 
 def fmt_count(n: float) -> str:
@@ -188,6 +199,8 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
                   f"accumulate {g.accumulate}, {len(g.ops):,} ops")
     for line in optimizer_lines(plan):
         console.print(line)
+    if plan.freeze is not None:
+        console.print(plan.freeze.line())
 
     mem = Table(title="memory per rank", title_justify="left")
     worst = plan.working_worst
