@@ -44,8 +44,10 @@ class Evaluator:
         self.graph, self.spec, self.state = graph, spec, state
         self.seed, self.rank, self.world, self.batch, self.device = seed, rank, world, batch, device
         self.make_batch = make_batch
-        # no progress board: the launcher reads it as the training graph's ops and collectives
+        # no progress board: the launcher reads it as the training graph's ops and collectives; no
+        # injected fault (ZDSL_FAULT names a training op and step)
         self.executor = Executor(graph, state, rank, record=False, streams=lane_streams(graph, device))
+        self.executor.fault = None
 
     def due(self, step: int, steps: int) -> bool:
         """Whether an evaluation follows step ``step`` (0-based) of ``steps``."""

@@ -143,6 +143,7 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
             from zdsl.runtime.run.evaluate import Evaluator
             evaluator = Evaluator(eval_graph, schedule.eval, state, seed=cfg["train"]["seed"], rank=rank,
                                   world=world, batch=cfg["train"]["batch"], device=device, make_batch=make_batch)
+        torch.manual_seed(cfg["train"]["seed"])     # the units' random draws (dropout): the same every run
         return trio.run(_loop, graph, schedule, units, state, executor, rank, world, device, options,
                         reporter, make_batch, scalars, evaluator)
 

@@ -132,6 +132,8 @@ class Compute:
         the next step has the bits it would have had without evaluating."""
         modes = [(m, m.training) for unit in self.modules for m in unit.modules()]
         rng = rng_state(self.device)
+        for m, _ in modes:
+            m.training = False
         self.evaluating = True
         try:
             yield
