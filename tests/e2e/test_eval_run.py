@@ -37,6 +37,16 @@ def test_val_loss_on_the_steps_that_evaluate(tmp_path):
     (tags,) = scalars(board).values()
     assert tags["loss/val"] == val                        # TensorBoard: the --metrics value, to the bit
 
+    # checkpoints are unaffected: stopped after step 2 and resumed, the same values at the same steps
+    ck, first, rest = tmp_path / "ck", tmp_path / "first.jsonl", tmp_path / "rest.jsonl"
+    for args, out in ((("--set", "steps=2", "--checkpoint-every", "2", "--checkpoint-dir", str(ck)), first),
+                      (("--set", "steps=5", "--resume", str(ck)), rest)):
+        r = zdsl("run", str(QUICKSTART), "--quiet", "--set", f"eval={EVAL}", "--metrics", str(out), *args)
+        assert r.returncode == 0, r.stderr
+    resumed = [json.loads(text) for text in (first.read_text() + rest.read_text()).splitlines()]
+    assert [(x["step"], x["loss"], x["val_loss"]) for x in resumed] == \
+        [(x["step"], x["loss"], x["val_loss"]) for x in lines]
+
 
 def test_a_missing_eval_source_stops_before_any_rank(tmp_path):
     program = tmp_path / "q.zs"
