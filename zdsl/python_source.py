@@ -69,12 +69,13 @@ def _is_file(path: Path) -> bool:
 def module_file(dotted: str) -> Path | None | bool:
     """The source file of module ``dotted`` (None: found, but not as Python source; False: not found),
     looked up package by package with the path finder, executing nothing."""
-    search = None
-    spec = None
-    for i, part in enumerate(dotted.split(".")):
-        name = ".".join(dotted.split(".")[:i + 1])
+    parts = dotted.split(".")
+    search, spec = None, None
+    for i in range(len(parts)):
+        if i and search is None:        # a module's attribute made a module (os.path): importing says
+            return None
         try:
-            spec = importlib.machinery.PathFinder.find_spec(name, search)
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]), search)
         except (ImportError, ValueError):
             spec = None
         if spec is None:
