@@ -54,14 +54,19 @@ def data_position(graph: TaskGraph, next_step: int) -> dict:
 def data_order_note(saved: dict, graph: TaskGraph) -> str | None:
     """Why the steps after a resume will not see the samples an uninterrupted run would, or None."""
     now = data_position(graph, saved.get("next_step", 0))
-    changed = [what for key, what in (("seed", "seed"), ("data", "data source"),
-                                      ("samples_per_step", "global batch (ranks x batch x accumulate)"))
-               if key in saved and saved[key] != now[key]]
+    changed = []
+    if "seed" in saved and saved["seed"] != now["seed"]:
+        changed.append(f"seed {saved['seed']} -> {now['seed']}")
+    if "samples_per_step" in saved and saved["samples_per_step"] != now["samples_per_step"]:
+        changed.append(f"global batch (ranks x batch x accumulate) {saved['samples_per_step']} -> "
+                       f"{now['samples_per_step']}")
+    if "data" in saved and saved["data"] != now["data"]:
+        changed.append("another data source")
     if not changed:
         return None
-    return (f"the {', '.join(changed)} differ from the checkpoint's ({', '.join(f'{saved[k]}' for k in ('seed', 'samples_per_step') if k in saved)} "
-            f"-> {now['seed']}, {now['samples_per_step']}): from step {now['next_step']} on, the samples are not "
-            f"the ones an uninterrupted run would have seen (any split of the same global batch keeps them)")
+    return (f"{'; '.join(changed)}: from step {now['next_step']} on, the samples are not the ones the "
+            f"checkpointed run would have seen next (the same seed, data and global batch, split over any "
+            f"ranks and micro-batches, keeps them)")
 
 
 class Checkpointer:
