@@ -129,6 +129,7 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         agree_on_graph(graph, rank, world, device)
         if eval_graph is not None:
             agree_on_graph(eval_graph, rank, world, device)
+        torch.manual_seed(cfg["train"]["seed"])     # what the model and its units draw (dropout): the same every run
         model = build_model(schedule.model, seed=cfg["train"]["seed"], lazy=True)   # RankState: unit by unit
         state = RankState(graph, model, rank=rank, world=world, device=device)
         stack.callback(state.close_swap)    # even when the step failed (ranks end by os._exit: no atexit)
@@ -143,7 +144,6 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
             from zdsl.runtime.run.evaluate import Evaluator
             evaluator = Evaluator(eval_graph, schedule.eval, state, seed=cfg["train"]["seed"], rank=rank,
                                   world=world, batch=cfg["train"]["batch"], device=device, make_batch=make_batch)
-        torch.manual_seed(cfg["train"]["seed"])     # the units' random draws (dropout): the same every run
         return trio.run(_loop, graph, schedule, units, state, executor, rank, world, device, options,
                         reporter, make_batch, scalars, evaluator)
 
