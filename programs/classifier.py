@@ -33,16 +33,19 @@ def batches(seed: int, step: int, micro: int, rank: int, world: int, batch: int,
     """One micro-batch of this rank: ``batch`` points, each a class's center plus Gaussian noise.
 
     Returns ``(inputs, targets)``: float32 ``(batch, features)`` and int64 ``(batch,)`` labels.
-    A pure function of its arguments, as zdsl requires: row ``i`` of rank ``rank`` is global
-    sample ``rank * batch + i`` of the step's micro-batch, drawn from a generator seeded by
-    ``(seed, step, micro, sample)``, so any rank count sees the same global batch, and the DDP
-    reference, a resumed run and a rerun see the same numbers.
+    A pure function of its arguments, as zdsl requires: row ``i`` of rank ``rank``'s micro-batch
+    ``micro`` is the step's global sample ``(micro * world + rank) * batch + i`` (zdsl's own
+    sources number them so), drawn from a generator seeded by ``(seed, step, sample)``. So the
+    DDP reference, a rerun and a run resumed from a checkpoint see the same numbers, and any
+    split of the same global batch (2 ranks, or 1 rank accumulating 2 micro-batches) the same
+    samples.
     """
     middle = centers(seed, features, classes)
     inputs = torch.empty(batch, features)
     targets = torch.empty(batch, dtype=torch.long)
+    first = (micro * world + rank) * batch
     for i in range(batch):
-        g = torch.Generator().manual_seed(hash((seed, step, micro, rank * batch + i)))   # hash of ints: fixed
+        g = torch.Generator().manual_seed(hash((seed, step, first + i)))     # a tuple of ints hashes the same everywhere
         label = int(torch.randint(classes, (1,), generator=g))
         targets[i] = label
         inputs[i] = middle[label] + noise * torch.randn(features, generator=g)

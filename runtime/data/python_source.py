@@ -16,10 +16,15 @@ It must be a pure function of its arguments: the same arguments give the same te
 on any rank and at any time (zdsl, the DDP reference and a resumed run all ask for
 the same micro-batch by its arguments, in any order). Draw from a generator seeded by
 them, e.g. ``torch.Generator().manual_seed(hash((seed, step, micro, rank)))`` (Python's
-``hash`` of a tuple of ints is fixed), never from global random state. Every call gives
-the same shapes and dtypes (the plan sizes memory from them); rank ``r`` of ``world``
-holds global rows ``r * batch .. r * batch + batch - 1`` of the step's micro-batch, so a
-function that derives rows from that index gives every rank count the same global batch.
+``hash`` of a tuple of ints is the same in every process), never from the global random
+state. Every call gives the same shapes and dtypes (the plan sizes memory from them).
+
+zdsl's own sources number a
+step's samples so that row ``i`` of rank ``r``'s micro-batch ``m`` is global sample
+``(m * world + r) * batch + i`` (``zdsl.runtime.data.first_sample``); a function that draws
+each row from ``(seed, step, that index)`` gives any split of the same global batch (2 ranks,
+or 1 rank accumulating 2) the same samples, which a checkpoint resumed at another rank count
+needs to continue exactly (programs/classifier.py does).
 
 Every way a function can break this is a :class:`PythonDataError` naming the function,
 the call and what it returned: not a pair, not tensors, the wrong number of rows, shapes or

@@ -280,3 +280,17 @@ def test_the_preflight_checks_token_ids_for_a_builtin_model(tmp_path, name, word
         for w in words:
             assert w in problem, problem
     assert python_problem(spec(path, name), 0, 2, 4, model=ModelSpec("user", {}, factory="x.py:build")) is None
+
+
+def test_the_classifiers_data_gives_any_split_of_a_global_batch_the_same_samples():
+    """Rows numbered as zdsl's sources number them: 2 ranks x 1 micro-batch of 4 == 1 rank x 2 micro-batches
+    of 4 == 1 rank x 1 micro-batch of 8, at every step; another step or seed, other samples."""
+    s = DataSpec("python", f"{CLASSIFIER}:batches", {"features": 6, "classes": 3})
+    for step in (0, 5):
+        whole = make_batch(s, 1, step, 0, 0, 1, 8)
+        ranks = [make_batch(s, 1, step, 0, r, 2, 4) for r in range(2)]
+        micros = [make_batch(s, 1, step, m, 0, 1, 4) for m in range(2)]
+        for split in (ranks, micros):
+            assert all(torch.equal(torch.cat([part[k] for part in split]), whole[k]) for k in range(2))
+    assert not torch.equal(make_batch(s, 1, 1, 0, 0, 1, 8)[0], make_batch(s, 1, 0, 0, 0, 1, 8)[0])
+    assert not torch.equal(make_batch(s, 2, 0, 0, 0, 1, 8)[0], make_batch(s, 1, 0, 0, 0, 1, 8)[0])
