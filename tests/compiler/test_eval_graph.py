@@ -100,3 +100,17 @@ def test_plan_shows_the_evaluation(tmp_path):
     ev = json.loads(r.stdout)["eval"]
     assert ev["batches"] == 3 and ev["predicted_eval_s"] == pytest.approx(3 * ev["predicted_batch_s"])
     assert 0 < ev["peak"]["device"]
+
+
+def test_a_budget_the_evaluation_overruns_is_an_error_at_the_eval_statement(tmp_path):
+    """Training on 1-token rows fits 5 MiB; evaluating 32-token rows beside the states training
+    keeps does not."""
+    path = tmp_path / "t.zs"
+    path.write_text((ROOT / "programs" / "quickstart.zs").read_text().replace(
+        'data      corpus("stdlib", context=32)', 'data      corpus("stdlib", context=1)')
+        + 'memory device 5MiB\neval every 2 steps on corpus("stdlib", context=32)\n')
+    c = compile_file(str(path), {"batch": "256"})
+    (error,) = [d for d in c.diagnostics if d.severity == "error"]
+    assert "evaluating needs" in error.message and "over the budget of 5.00 MiB" in error.message
+    assert error.span.line == len(path.read_text().splitlines())
+    assert c.sim.memory.peak("device") <= 5 << 20      # the training graph alone fits

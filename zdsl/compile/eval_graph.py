@@ -108,9 +108,9 @@ def eval_findings(train: TaskGraph, evaluation: TaskGraph, schedule: Schedule, w
             if peak.get(tier, 0) > budget:
                 found.append(Finding(
                     "error", f"evaluating needs {human_bytes(peak[tier])} of {tier} memory, over the budget of "
-                             f"{human_bytes(budget)}: the training states it keeps "
-                             f"{human_bytes(held.get(tier, 0))}, the forward pass "
-                             f"{human_bytes(sim.memory.peak(tier))}",
+                             f"{human_bytes(budget)}: the forward pass holds {human_bytes(sim.memory.peak(tier))} "
+                             f"(parameters and working buffers) and the gradients and optimizer state training "
+                             f"keeps beside it {human_bytes(held.get(tier, 0))}",
                     schedule.spans.get("eval"),
                     "evaluate on a shorter context (eval ... on SOURCE(context=N)) or raise the budget"))
     return found, sim
