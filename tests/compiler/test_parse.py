@@ -49,9 +49,13 @@ def test_every_program_parses_and_checks(path):
 
 
 def _fake_units_for(spec, data=None):
-    """Sizes a user's model without torch: 4 units of 10 parameters."""
+    """Sizes a user's model without torch: 4 units of 10 parameters. A Hugging Face model is sized
+    for real (its parameter names are what a program's `freeze` names)."""
     from zdsl.check.checker import default_units_for
     from zdsl.compile.units import UnitSpec
+    if spec.kind == "hf":
+        from zdsl.compile.models import units_for
+        return units_for(spec, data=data)
     units = default_units_for(spec)
     return units if units is not None else [UnitSpec(f"u{i}", [("w", (10,))]) for i in range(4)]
 
