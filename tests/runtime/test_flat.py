@@ -107,7 +107,8 @@ def _collectives(rank: int, world: int, gather: str = "broadcast", scatter: str 
 
 
 @pytest.mark.slow                 # spawns ranks
-@pytest.mark.parametrize("gather,scatter", [("broadcast", "all_reduce"), ("broadcast", "reduce"),
+@pytest.mark.parametrize("gather,scatter", [("broadcast", "exchange"), ("broadcast", "all_reduce"),
+                                            ("broadcast", "reduce"),
                                             ("native", "native")])
 def test_gather_and_reduce_scatter_per_part_on_two_gloo_ranks(gather, scatter):
     for rank, got in enumerate(spawn(_collectives, 2, gather, scatter)):
