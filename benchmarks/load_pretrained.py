@@ -189,11 +189,25 @@ def zdsl_rank(rank: int, world: int, path: str) -> dict:
     before = status_kib("VmRSS") * 1024
     start = time.perf_counter()
     model = build_model(schedule.model, seed=schedule.train.seed, lazy=True)
+    if rank == 0:
+        show_progress(model, start)
     state = RankState(graph, model, rank, world, device="cpu")
     seconds = time.perf_counter() - start
     peak = status_kib("VmHWM") * 1024
     state.close_swap()
     return dict(seconds=seconds, peak=peak, before=before, after=status_kib("VmRSS") * 1024)
+
+
+def show_progress(model, start: float) -> None:
+    """Rank 0 says when each unit starts (RankState asks for them one at a time, in order, and
+    shards each before the next)."""
+    materialize_unit, n = model.materialize_unit, len(model.units())
+
+    def told(u: int) -> None:
+        say(f"  rank 0: unit {u + 1}/{n} from {time.perf_counter() - start:.1f} s")
+        materialize_unit(u)
+
+    model.materialize_unit = told
 
 
 def planned(path: Path) -> dict:
