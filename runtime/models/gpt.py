@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.lazy import LazyUnits
 from zdsl.runtime.models.batch import allowed_keys
 from zdsl.runtime.models.loss import causal_lm_loss
 
@@ -140,7 +141,7 @@ class Head(nn.Module):
         return causal_lm_loss(logits, labels)
 
 
-class GPT(nn.Module):
+class GPT(LazyUnits, nn.Module):
     """nanoGPT-class GPT; ``units()`` = [embedding, *blocks, head].
 
     ``seed`` makes the initialisation deterministic without touching torch's
@@ -172,7 +173,6 @@ class GPT(nn.Module):
         if lazy is None:
             lazy = device is None and parameter_count(layers, width, vocab, context) > LAZY_ABOVE
         lazy = lazy and not ambient_meta
-        self._lazy: dict | None = None
         rng = None if ambient_meta else torch.random.get_rng_state()
         try:
             # Built on the CPU (not on meta: meta tensors pull in ~75 MB of torch's Python
@@ -187,8 +187,9 @@ class GPT(nn.Module):
                 torch.random.set_rng_state(rng)
         self.tied = {(layers + 1, 0): "wte.weight"}
         if lazy:
-            self._lazy = {"generator": torch.Generator().manual_seed(seed), "next": 0,
-                          "names": {id(p): n for n, p in self.named_parameters()}}
+            g, names = torch.Generator().manual_seed(seed), {id(p): n for n, p in self.named_parameters()}
+            self.defer(lambda u: {local: self._init_value(names[id(p)], p.shape, g)   # in parameter order,
+                                  for local, p in self.units()[u].named_parameters()})  # as the eager init draws
         elif not ambient_meta:
             self.reset_parameters(seed)
             if device is not None:
@@ -205,42 +206,11 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        if self._lazy is not None:
+        if self.is_lazy:
             raise RuntimeError("reset_parameters on a lazily built GPT: call materialize() first")
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             p.copy_(self._init_value(name, p.shape, g).to(p.dtype))
-
-    @property
-    def is_lazy(self) -> bool:
-        """Whether some units still wait for :meth:`materialize_unit` (their parameters are on meta)."""
-        return self._lazy is not None
-
-    @torch.no_grad()
-    def materialize_unit(self, u: int) -> None:
-        """Give unit ``u``'s parameters their initial values on the CPU (the eager init's numbers).
-
-        Units must come in order (0, 1, ...): the values are drawn from one
-        generator in parameter order, as the eager init draws them. The
-        parameter objects stay the same (their contents are swapped in), so
-        references to them (the head's tied ``wte.weight``) stay valid."""
-        lazy = self._lazy
-        if lazy is None:
-            return
-        if u != lazy["next"]:
-            raise RuntimeError(f"lazy GPT: unit {u} asked for, but units materialise in order; next is {lazy['next']}")
-        for p in self.units()[u].parameters(recurse=True):
-            value = self._init_value(lazy["names"][id(p)], p.shape, lazy["generator"]).to(p.dtype)
-            torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
-        lazy["next"] += 1
-        if lazy["next"] == len(self.units()):
-            self._lazy = None
-
-    def materialize(self, device: str | torch.device | None = None) -> "GPT":
-        """Materialise every remaining unit (then move to ``device``): a plain module again."""
-        while self._lazy is not None:
-            self.materialize_unit(self._lazy["next"])
-        return self.to(device) if device is not None else self
 
     def units(self) -> list[nn.Module]:
         return [self.embedding, *self.blocks, self.head]
@@ -252,9 +222,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor | Batch, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of ``(idx, targets)`` or of a :class:`Batch`."""
-        if self._lazy is not None:
-            raise RuntimeError("this GPT was built lazily (too large to build at once): call materialize() "
-                               "before using it as a module")
+        self.refuse_if_lazy()
         batch = idx if isinstance(idx, Batch) else Batch.of(idx, targets)
         x = self.embedding(batch.input_ids, batch)
         attention_mask(batch)

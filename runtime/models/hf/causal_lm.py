@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -31,6 +30,8 @@ import torch.nn.functional as F
 
 from zdsl.runtime.models.batch import Batch
 from zdsl.runtime.models.batch import allowed_keys
+from zdsl.runtime.models.lazy import LazyUnits
+from zdsl.runtime.models.lazy import UnitValues
 from zdsl.runtime.models.loss import causal_lm_loss
 
 ALLOWED = "hf.allowed"        # extras: (B or 1, 1, T, T) bool, True where a query may see a key
@@ -94,7 +95,7 @@ class HeadUnit(nn.Module):
         return causal_lm_loss(self.logits(hidden), batch.labels)
 
 
-class HfCausalLM(nn.Module):
+class HfCausalLM(LazyUnits, nn.Module):
     """A transformers causal LM as zdsl units: [embedding, *decoder layers, head].
 
     ``config``: the transformers config; ``prefix``: the HF name of the base model ("transformer."
@@ -110,7 +111,6 @@ class HfCausalLM(nn.Module):
         self.head = head
         self.prefix, self.layers_name = prefix, layers_name
         self.tied = {} if "lm_head" in head._modules else {(len(layers) + 1, 0): head.tied_name}
-        self._pending: dict | None = None      # while units wait: {"values": unit -> values, "next": unit}
 
     def units(self) -> list[nn.Module]:
         return [self.embedding, *self.layers, self.head]
@@ -127,9 +127,7 @@ class HfCausalLM(nn.Module):
 
     def forward(self, input_ids, labels=None) -> torch.Tensor:
         """The loss of ``Batch`` ``input_ids`` (or of ``input_ids``, ``labels``): the units in order."""
-        if self._pending is not None:
-            raise RuntimeError("this HF model was built lazily (its units wait for materialize_unit): call "
-                               "materialize() before using it as a module")
+        self.refuse_if_lazy()
         batch = input_ids if isinstance(input_ids, Batch) else Batch(input_ids=input_ids, labels=labels)
         self.prepare(batch)
         x = batch.input_ids
@@ -178,65 +176,20 @@ class HfCausalLM(nn.Module):
                 values[name] = value
         return values
 
-    def seeded(self, seed: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    def seeded(self, seed: int) -> UnitValues:
         """The seeded init as a source of unit values: one private generator seeded by ``seed``
         (torch's global RNG untouched), drawn from unit 0, 1, ... in that order."""
         g = torch.Generator().manual_seed(seed)
         return lambda u: self.init_unit(u, g)
 
     @torch.no_grad()
-    def set_unit(self, u: int, values: dict[str, torch.Tensor]) -> None:
-        """Give unit ``u``'s parameters ``values`` (by local name, cast to each parameter's dtype).
-        A parameter on meta gets them swapped in, so the parameter object stays the one every
-        reference holds (the tied head's, the optimizer's); a real one has them copied in."""
-        for name, p in self.units()[u].named_parameters():
-            value = values[name].to(p.dtype)
-            if p.is_meta:
-                torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
-            else:
-                p.copy_(value)
-
-    @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """Every unit's seeded init (:meth:`seeded`), as a lazy model would get it unit by unit."""
-        if self._pending is not None:
+        if self.is_lazy:
             raise RuntimeError("reset_parameters on a lazily built HF model: call materialize() first")
         values = self.seeded(seed)
         for u in range(len(self.units())):
             self.set_unit(u, values(u))
-
-    # -- lazy: units materialised one at a time ------------------------------------------
-
-    def defer(self, values: Callable[[int], dict[str, torch.Tensor]]) -> None:
-        """Units get their values from ``values(u)`` when :meth:`materialize_unit` asks, in order."""
-        self._pending = {"values": values, "next": 0}
-
-    @property
-    def is_lazy(self) -> bool:
-        """Whether some units still wait for :meth:`materialize_unit` (their parameters on meta)."""
-        return self._pending is not None
-
-    def materialize_unit(self, u: int) -> None:
-        """Give unit ``u``'s parameters their values on the CPU (from the files, or the seeded init's
-        exact numbers). Units come in order (0, 1, ...): the seeded init draws from one generator
-        in parameter order, as the eager init does; the tied head reads unit 0's parameter, which
-        is materialised by then."""
-        pending = self._pending
-        if pending is None:
-            return
-        if u != pending["next"]:
-            raise RuntimeError(f"lazy HF model: unit {u} asked for, but units materialise in order; "
-                               f"next is {pending['next']}")
-        self.set_unit(u, pending["values"](u))
-        pending["next"] += 1
-        if pending["next"] == len(self.units()):
-            self._pending = None
-
-    def materialize(self, device: str | torch.device | None = None) -> "HfCausalLM":
-        """Materialise every remaining unit (then move to ``device``): a plain module again."""
-        while self._pending is not None:
-            self.materialize_unit(self._pending["next"])
-        return self.to(device) if device is not None else self
 
 
 @contextlib.contextmanager
