@@ -152,9 +152,23 @@ class UnitInfo:
     frozen: list[int] | None = None
     # some parameter of it trains: only then has it gradients, optimizer state, reductions and a step
     trains: bool = True
+    # a partly frozen unit's layout (zdsl/compile/layout.py): its last ``frozen_parts`` parts of
+    # ``frozen_part_numel`` hold the frozen parameters; ``runs`` maps registration order to the buffer
+    frozen_parts: int = 0
+    frozen_part_numel: int = 0
+    runs: list[list[int]] | None = None
 
     # fields left out of the JSON at these values, so graphs without them hash as before
-    OMITTED = {"decay": None, "frozen": None, "trains": True}
+    OMITTED = {"decay": None, "frozen": None, "trains": True, "frozen_parts": 0, "frozen_part_numel": 0,
+               "runs": None}
+
+    def layout(self, ranks: int):
+        """Its flat layout (zdsl.compile.layout.FlatLayout)."""
+        from zdsl.compile.layout import FlatLayout
+        trainable = self.parts - self.frozen_parts
+        part_numel = (self.padded_numel - self.frozen_parts * self.frozen_part_numel) // trainable
+        return FlatLayout(self.numel, ranks, self.parts, part_numel, self.frozen_parts, self.frozen_part_numel,
+                          tuple(tuple(r) for r in self.runs or ()))
 
 
 @dataclass

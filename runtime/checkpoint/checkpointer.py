@@ -40,7 +40,7 @@ class SaveCost:
 
 
 def graph_layouts(graph: TaskGraph) -> list[FlatLayout]:
-    return [FlatLayout(u.numel, graph.ranks, u.parts, u.padded_numel // u.parts) for u in graph.units]
+    return [u.layout(graph.ranks) for u in graph.units]
 
 
 def data_position(graph: TaskGraph, next_step: int) -> dict:

@@ -7,7 +7,8 @@ written last by rank 0, ``index.json``. The index says everything needed to
 use the shards without the ranks that wrote them: per unit its name, the
 module prefix of its parameters in the model's state dict, the parameters'
 names, shapes and dtype, the flat layout (numel, padding, parts, rank
-count); the step, the schedule's hash, the data position, the loss scaler;
+count; a partly frozen unit's frozen parts and the runs that place its
+parameters, see zdsl/compile/layout.py); the step, the schedule's hash, the data position, the loss scaler;
 and per file its size and a CRC-32 per tensor. The index carries a SHA-256
 digest of its own content, so an edited index is refused too.
 
@@ -86,10 +87,16 @@ class UnitMeta:
     part_numel: int
     ranks: int
     dtype: str = "float32"                      # dtype of the model's parameters (the export default)
+    # a partly frozen unit's layout (zdsl/compile/layout.py): frozen parts last, ``runs`` from
+    # registration order to the flat buffer; absent for the plain order
+    frozen_parts: int = 0
+    frozen_part_numel: int = 0
+    runs: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def layout(self) -> FlatLayout:
-        return FlatLayout(self.numel, self.ranks, self.parts, self.part_numel)
+        return FlatLayout(self.numel, self.ranks, self.parts, self.part_numel, self.frozen_parts,
+                          self.frozen_part_numel, self.runs)
 
     @staticmethod
     def from_spec(spec, layout: FlatLayout, prefix: str | None = None, dtype: str = "float32") -> "UnitMeta":
@@ -99,19 +106,23 @@ class UnitMeta:
         if numel != layout.numel:
             raise CheckpointError(f"unit {spec.name}: parameters hold {numel} elements, layout says {layout.numel}")
         return UnitMeta(spec.name, default_prefix(spec.name) if prefix is None else prefix, params,
-                        layout.numel, layout.parts, layout.part_numel, layout.ranks, dtype)
+                        layout.numel, layout.parts, layout.part_numel, layout.ranks, dtype,
+                        layout.frozen_parts, layout.frozen_part_numel, layout.runs)
 
     def to_json(self) -> dict:
         return {"name": self.name, "prefix": self.prefix, "dtype": self.dtype,
                 "params": [[n, list(s)] for n, s in self.params],
                 "numel": self.numel, "padded_numel": self.layout.padded_numel,
-                "parts": self.parts, "part_numel": self.part_numel, "ranks": self.ranks}
+                "parts": self.parts, "part_numel": self.part_numel, "ranks": self.ranks,
+                **({"frozen_parts": self.frozen_parts, "frozen_part_numel": self.frozen_part_numel,
+                    "runs": [list(r) for r in self.runs]} if self.runs else {})}
 
     @staticmethod
     def from_json(d: dict) -> "UnitMeta":
         return UnitMeta(d["name"], d["prefix"], [(n, tuple(int(x) for x in s)) for n, s in d["params"]],
                         int(d["numel"]), int(d["parts"]), int(d["part_numel"]), int(d["ranks"]),
-                        d.get("dtype", "float32"))
+                        d.get("dtype", "float32"), int(d.get("frozen_parts", 0)), int(d.get("frozen_part_numel", 0)),
+                        tuple(tuple(int(x) for x in r) for r in d.get("runs", ())))
 
     def state_dict_keys(self) -> list[str]:
         return [f"{self.prefix}.{n}" if self.prefix else n for n, _ in self.params]

@@ -161,6 +161,14 @@ def latest_complete(root, *, verify: bool = True, before: int | None = None,
 
 def _overlaps(old: FlatLayout, old_rank: int, new: FlatLayout, new_rank: int, numel: int):
     """(old shard offset, new shard offset, length) of every overlap of the two ranks' owned elements."""
+    if old.runs or new.runs:        # a partly frozen unit's order: match elements by their logical place
+        mine = new.logical_pieces(new_rank)
+        for lo0, s0, n0 in old.logical_pieces(old_rank):
+            for lo1, s1, n1 in mine:
+                lo, hi = max(lo0, lo1), min(lo0 + n0, lo1 + n1)
+                if lo < hi:
+                    yield s0 + lo - lo0, s1 + lo - lo1, hi - lo
+        return
     for p0, (b0, e0) in enumerate(old.owned_full_ranges(old_rank)):
         e0 = min(e0, numel)
         if b0 >= e0:
@@ -202,8 +210,10 @@ def recut(files: RankFiles, index: Index, unit: int, kind: str, new: FlatLayout,
         entry = recs[new_rank].tensors.get(key)
         files[new_rank].read_range(key, entry if verify else None, 0, len(dest), dest)
         return out
+    if new.runs:                                          # padding between the regions too
+        out.zero_()
     for p, (b, e) in enumerate(new.owned_full_ranges(new_rank)):
-        if e > meta.numel:                                # new padding
+        if e > meta.numel and not new.runs:               # new padding
             sb = new.shard_range(p)[0]
             out[sb + max(0, meta.numel - b):sb + e - b].zero_()
     for r0 in range(old.ranks):

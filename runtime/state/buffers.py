@@ -65,10 +65,14 @@ class BufferTable:
     # -- sizes -------------------------------------------------------------------
     def numel(self, buf: Buffer) -> int:
         lay = self.flats[buf.unit].layout
-        if buf.kind in ("param_full", "grad_full"):
+        if buf.kind == "param_full":
             return lay.padded_numel
-        if buf.kind in ("param_shard", "grad_shard"):
+        if buf.kind == "param_shard":
             return lay.shard_numel
+        if buf.kind == "grad_full":      # gradients cover the trainable parts (zdsl/compile/layout.py)
+            return lay.trainable_numel
+        if buf.kind == "grad_shard":
+            return lay.trainable_shard_numel
         return self.optims[buf.unit].flat_numel   # optim
 
     def dtype_of(self, buf: Buffer) -> torch.dtype:

@@ -365,15 +365,19 @@ class Compute:
         dest = table.write(dest_name, op)
         dest_kind = dest_slot.buf.kind
         lay = fp.layout
-        full_parts = [slice(*lay.full_range(p)) for p in range(lay.parts)]
-        shard_parts = [slice(*lay.shard_range(p)) for p in range(lay.parts)]
+        # the trainable parts: a prefix of the parameters, all of the gradient and optimizer state
+        full_parts = [slice(*lay.full_range(p)) for p in range(lay.trainable_parts)]
+        shard_parts = [slice(*lay.shard_range(p)) for p in range(lay.trainable_parts)]
         d_parts = full_parts if dest_kind == "param_full" else shard_parts
         g_parts = full_parts if parse_buffer_name(grad_name)[0] == "grad_full" else shard_parts
         with torch.no_grad():
-            if fresh and not opt.master:
+            if fresh and (not opt.master or "param_full" in kinds or "param_shard" in kinds):
                 # the values to update come from the parameters the step reads: the gathered
-                # ones (stages 1-2) or the shard's home on another tier (stage 3 offload)
-                self._load_current(op, u, dest, d_parts)
+                # ones (stages 1-2) or the shard's home on another tier (stage 3 offload); a
+                # partly frozen unit's fresh copy also carries its frozen parts on
+                every = range(lay.parts)
+                self._load_current(op, u, dest, [slice(*(lay.full_range(p) if dest_kind == "param_full"
+                                                         else lay.shard_range(p))) for p in every])
             masters = opt.master_parts(optflat) if opt.master else None
             if plan.overflow:
                 if masters is not None:

@@ -1,11 +1,12 @@
 """Flat, padded, sharded storage of one unit's parameters and gradients.
 
-A unit's parameters are laid end to end in registration order in one flat
-buffer of ``padded_numel`` elements, cut into ``parts`` equal parts (one
-collective each, the bucket split of ``zdsl.compile.layout``); each part splits
-evenly over the ranks and rank r's shard is the concatenation of its slice of
-every part. Every parameter's ``.data`` is a view into the full buffer, and
-every parameter's gradient a view into the flat gradient buffer, so:
+A unit's parameters are laid end to end in one flat buffer of ``padded_numel``
+elements, in registration order (a partly frozen unit: trainable ones first),
+cut into ``parts`` parts (one collective each, the bucket split of
+``zdsl.compile.layout``); each part splits evenly over the ranks and rank r's
+shard is the concatenation of its slice of every part. Every parameter's
+``.data`` is a view into the full buffer, and every trainable parameter's
+gradient a view into the flat gradient buffer (the trainable parts only), so:
 
 * a gather is one all-gather per part straight into the full buffer's
   storage, after which the module computes with the gathered values;
@@ -16,8 +17,8 @@ every parameter's gradient a view into the flat gradient buffer, so:
   gradient buffer into the rank's gradient shard.
 
 Frozen parameters (``freeze``, ``UnitInfo.frozen``) stay in the flat buffer (gathered like
-the rest) but do not require grad, so autograd never computes their gradient; their gradient
-views stay zero.
+the rest) but do not require grad, so autograd never computes their gradient, and have no
+gradient view.
 
 Tied parameters (a unit reading another unit's parameter) need nothing here:
 the user's module reads the owner's parameter object, whose view points into
@@ -29,16 +30,24 @@ import torch
 import torch.nn as nn
 
 from zdsl.compile.layout import FlatLayout
+from zdsl.compile.layout import to_flat
 
 from zdsl.runtime.dist import collectives
 
 
-def layout_of(numel: int, padded_numel: int, parts: int, ranks: int) -> FlatLayout:
-    """The layout the compiler chose (``UnitInfo``), checked for consistency."""
-    if padded_numel % parts or (padded_numel // parts) % ranks or padded_numel < numel:
+def layout_of(numel: int, padded_numel: int, parts: int, ranks: int, info=None) -> FlatLayout:
+    """The layout the compiler chose (``UnitInfo``: its fields, or ``info`` itself for a partly
+    frozen unit's two regions), checked for consistency."""
+    if info is not None and info.frozen_parts:
+        lay = info.layout(ranks)
+        sizes = (lay.part_numel, lay.frozen_part_numel)
+    else:
+        lay = FlatLayout(numel, ranks, parts, padded_numel // parts)
+        sizes = (lay.part_numel,)
+    if lay.padded_numel != padded_numel or padded_numel < numel or any(n % ranks for n in sizes):
         raise ValueError(f"inconsistent layout: numel {numel}, padded {padded_numel}, "
                          f"parts {parts}, ranks {ranks}")
-    return FlatLayout(numel, ranks, parts, padded_numel // parts)
+    return lay
 
 
 def is_freed(t: torch.Tensor) -> bool:
@@ -72,24 +81,24 @@ class FlatParam:
         if numel != layout.numel:
             raise ValueError(f"the module has {numel} parameters, the compiled graph expects {layout.numel}")
         self.layout, self.rank, self.dtype = layout, rank, dtype
-        self.offsets, off = [], 0
+        self.offsets, logical = [], 0
         for p in self.params:
-            self.offsets.append(off)
-            off += p.numel()
+            self.offsets.append(to_flat(layout, logical, p.numel()))
+            logical += p.numel()
         # The initial values in fp32 (the master copy's start), before any rebinding.
         self.initial = torch.zeros(layout.padded_numel, dtype=torch.float32)
         with torch.no_grad():
             for p, o in zip(self.params, self.offsets):
                 self.initial[o:o + p.numel()].copy_(p.detach().reshape(-1).float().cpu())
         self.full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
-        self.grad = torch.empty(layout.padded_numel, dtype=grad_dtype, device=device)
+        self.grad = torch.empty(layout.trainable_numel, dtype=grad_dtype, device=device)
         self.frozen = set(frozen or ())
         with torch.no_grad():
             for i, (p, o) in enumerate(zip(self.params, self.offsets)):
                 p.data = self.full[o:o + p.numel()].view(p.shape)
                 p.requires_grad_(i not in self.frozen)
-        self.grad_views = [self.grad[o:o + p.numel()].view(p.shape)
-                           for p, o in zip(self.params, self.offsets)]
+        self.grad_views = [None if i in self.frozen else self.grad[o:o + p.numel()].view(p.shape)
+                           for i, (p, o) in enumerate(zip(self.params, self.offsets))]
         free_storage(self.full)
         free_storage(self.grad)
 

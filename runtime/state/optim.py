@@ -79,7 +79,7 @@ def segment_decay(decay, layout, rank: int, whole: bool) -> list[tuple[int, int]
         return [(a, b) for a, b in decay]
     out = []
     for p, (a, b) in enumerate(layout.owned_full_ranges(rank)):
-        base = p * layout.part_shard_numel
+        base = layout.shard_range(p)[0]
         out += [(max(lo, a) - a + base, min(hi, b) - a + base) for lo, hi in decay if max(lo, a) < min(hi, b)]
     return out
 

@@ -112,16 +112,16 @@ class RankState:
         for info, module in zip(graph.units, modules):
             if lazy:
                 model.materialize_unit(info.index)
-            lay = layout_of(info.numel, info.padded_numel, info.parts, world)
+            lay = layout_of(info.numel, info.padded_numel, info.parts, world, info)
             try:
                 fp = FlatParam(module, lay, rank, self.dtype, grad_dtypes.get(info.index, self.dtype), self.device,
                                frozen=info.frozen)
             except ValueError as exc:
                 raise StateError(f"rank {rank}: unit {info.index} ({info.name}): {exc}") from None
             self.table.flats.append(fp)
-            ranges = ([] if not info.trains                                    # frozen: no optimizer state
-                      else [lay.full_range(p) for p in range(lay.parts)] if self.stage == 0   # stage 0: whole unit
-                      else [lay.shard_range(p) for p in range(lay.parts)])
+            trainable = range(lay.trainable_parts if info.trains else 0)       # frozen: no optimizer state
+            ranges = ([lay.full_range(p) for p in trainable] if self.stage == 0   # stage 0: whole unit
+                      else [lay.shard_range(p) for p in trainable])
             whole = self.stage == 0
             opt = UnitOptimizer(self.opt_config, ranges, master=info.master,
                                 decay=segment_decay(info.decay, lay, rank, whole),
@@ -148,11 +148,11 @@ class RankState:
         elif buf.kind == "optim":
             t.zero_()
             opt = self.table.optims[u]
-            if opt.master:
+            if opt.master:      # of the trainable parts, the first ones
                 if self.stage == 0:
-                    t[:opt.numel].copy_(fp.initial)
+                    t[:opt.numel].copy_(fp.initial[:opt.numel])
                 else:
-                    for dst, src in zip(fp.shard_parts(t[:opt.numel]), fp.owned(fp.initial)):
+                    for dst, src in zip(fp.shard_parts(t[:opt.numel]), fp.owned(fp.initial)[:fp.layout.trainable_parts]):
                         dst.copy_(src)
 
     def _init_persistent(self, unit: int | None) -> None:

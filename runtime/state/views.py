@@ -60,8 +60,16 @@ class StateViews:
             raise StateError(f"rank {self.rank}: no persistent home for unit {u}'s parameters")
         t = self.transfers.load(slot)
         if opt.master:
-            t = t[:opt.numel]
-            return t.float().to(self.device), self.stage > 0
+            master = t[:opt.numel].float().to(self.device)
+            if not table.flats[u].layout.frozen_parts:
+                return master, self.stage > 0
+            # a partly frozen unit: the master holds the trainable parts, the parameters the rest
+            home = table.home("param_full", u) or table.home("param_shard", u)
+            rest = self.transfers.load(home).float().to(self.device)
+            if self.stage > 0 and home.buf.kind == "param_full":
+                rest = table.flats[u].shard_of(rest)
+            rest[:opt.numel] = master
+            return rest, self.stage > 0
         return t.float().to(self.device), slot.buf.kind == "param_shard"
 
     def _gathered(self, u: int, shard: torch.Tensor) -> torch.Tensor:
@@ -118,8 +126,18 @@ class StateViews:
             flat = self._optim_flat(u)
             first = 1 if opt.master else 0
             for k, name in enumerate(opt.names):
-                seg = flat[(first + k) * opt.numel:(first + k + 1) * opt.numel]
+                seg = self._param_sized(fp, flat[(first + k) * opt.numel:(first + k + 1) * opt.numel])
                 out[f"u{u}.{SHARD_NAMES[name]}"] = (seg if self.stage > 0 else fp.shard_of(seg)).cpu().clone()
+        return out
+
+    def _param_sized(self, fp, seg: torch.Tensor) -> torch.Tensor:
+        """Optimizer state (the trainable parts) in the parameters' layout, zero where frozen, so
+        a checkpoint's shards all have the layout its index records (and re-cut as parameters do)."""
+        size = fp.layout.padded_numel if self.stage == 0 else fp.layout.shard_numel
+        if seg.numel() == size:
+            return seg
+        out = torch.zeros(size, dtype=seg.dtype, device=seg.device)
+        out[:seg.numel()] = seg
         return out
 
     def moment_names(self) -> list[str]:
@@ -148,7 +166,7 @@ class StateViews:
                 full = self._gathered(u, shard) if self.stage < 3 else None
                 flat = self._optim_flat(u) if opt.flat_numel else None
                 if opt.master:
-                    flat[:opt.numel].copy_(full if self.stage == 0 else shard)
+                    flat[:opt.numel].copy_((full if self.stage == 0 else shard)[:opt.numel])
                 first = 1 if opt.master else 0
                 for k, name in enumerate(opt.names if flat is not None else ()):
                     seg = flat[(first + k) * opt.numel:(first + k + 1) * opt.numel]
@@ -157,7 +175,7 @@ class StateViews:
                         seg.zero_()
                         continue
                     m = shards[key].float()
-                    seg.copy_(self._gathered(u, m) if self.stage == 0 else m)
+                    seg.copy_((self._gathered(u, m) if self.stage == 0 else m)[:opt.numel])
                 home = table.home("param_full", u) or table.home("param_shard", u)
                 value = full if home.buf.kind == "param_full" else shard
                 self.transfers.store(home, value.to(self.dtype))

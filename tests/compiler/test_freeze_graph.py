@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -76,10 +77,45 @@ def test_a_frozen_head_still_runs_its_backward_for_the_tied_weight():
     assert "grad_full[0]" in head.writes and "grad_full[3]" not in head.writes
 
 
-def test_partly_frozen_units_train_and_say_which_parameters_do_not():
-    _, g = graph_of('freeze "*.bias"', 3)
-    assert all(u.trains for u in g.units)
-    assert g.units[1].frozen == [i for i, (n, _) in enumerate(UNITS[1].params) if n.endswith(".bias")]
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_partly_frozen_unit_holds_and_reduces_only_its_trainable_parts(stage):
+    _, g = graph_of('freeze "*.bias", "*.ln_?.weight"', stage, "bucket 4KiB")
+    _, plain = graph_of("", stage, "bucket 4KiB")
+    spec, unit = UNITS[1], g.units[1]
+    frozen = [i for i, (n, _) in enumerate(spec.params) if n.endswith(".bias") or n.startswith("ln_")]
+    assert all(u.trains for u in g.units[1:3]) and not g.units[3].trains and unit.frozen == frozen
+    lay, plain_lay = unit.layout(2), plain.units[1].layout(2)
+    trainable = sum(math.prod(spec.params[i][1]) for i in range(len(spec.params)) if i not in frozen)
+    assert lay.frozen_parts >= 1 and trainable <= lay.trainable_numel < plain_lay.padded_numel
+    assert lay.padded_numel < plain_lay.padded_numel + 2 * 4096    # two regions: at most a part more padding
+    for kind in ("grad_full", "grad_shard", "optim"):
+        mine = [b.bytes for b in g.buffers.values() if b.kind == kind and b.unit == 1]
+        theirs = [b.bytes for b in plain.buffers.values() if b.kind == kind and b.unit == 1]
+        assert len(mine) == len(theirs) and (not theirs or sum(mine) < sum(theirs)), kind
+    reductions = ("comm.reduce_scatter", "comm.all_reduce")
+    sent = sum(op.bytes for op in g.ops if op.unit == 1 and op.kind in reductions)
+    assert sent == lay.trainable_numel * 4 < sum(op.bytes for op in plain.ops if op.unit == 1 and op.kind in reductions)
+    if stage == 3:    # every part is gathered, frozen ones too
+        gathered = [op for op in g.ops if op.unit == 1 and op.kind == "comm.all_gather" and op.phase == "forward"]
+        assert sum(op.bytes for op in gathered) == lay.padded_numel * 4 and len(gathered) == lay.parts
+    # registration order -> flat buffer: the trainable parameters first, then the frozen ones
+    first_trainable = sum(math.prod(spec.params[i][1]) for i in range(min(set(range(len(spec.params))) - set(frozen))))
+    assert (first_trainable, 0) in {(lo, flat) for lo, flat, _ in lay.runs}
+    assert (0, lay.trainable_numel) in {(lo, flat) for lo, flat, _ in lay.runs}     # ln_1.weight, frozen
+
+
+def test_decay_ranges_follow_the_frozen_layout():
+    _, g = graph_of('freeze "*.ln_?.weight"', 3, "optimizer adamw(weight_decay=0.1, no_decay=(biases))")
+    unit, spec = g.units[1], UNITS[1]
+    lay = unit.layout(2)
+    offsets, logical = {}, 0
+    for i, (name, shape) in enumerate(spec.params):
+        for lo, flat, n in lay.runs:
+            if lo <= logical < lo + n:
+                offsets[name] = (flat + logical - lo, math.prod(shape))
+        logical += math.prod(shape)
+    decays = {name for name, (o, n) in offsets.items() if any(a <= o and o + n <= b for a, b in unit.decay)}
+    assert decays == {name for name, _ in spec.params if not name.endswith(".bias")}
 
 
 def test_graphs_without_freeze_keep_their_json():

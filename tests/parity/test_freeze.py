@@ -121,6 +121,9 @@ CASES = {
     "stage3_parameters_nvme_optimizer_cpu": dict(stage=3, freeze=WHOLE_AND_PART,
                                                  offload={"parameters": "nvme", "optimizer": "cpu"}),
     "stage1_resume_from_shards": dict(stage=1, freeze=WHOLE_AND_PART, resume_at=2),
+    # a master copy: the step's fresh shard carries the frozen parts on from the gathered parameters
+    "stage2_optimizer_cpu": dict(stage=2, freeze=WHOLE_AND_PART, offload={"optimizer": "cpu"}),
+    "stage2_buckets": dict(stage=2, freeze=WHOLE_AND_PART, bucket_bytes=8192),
 }
 
 

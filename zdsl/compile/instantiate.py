@@ -30,6 +30,7 @@ Rules (the language reference repeats them for users):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from zdsl.ir import OP_LANES
@@ -41,6 +42,7 @@ from zdsl.ir import buffer_name
 from zdsl.ir import optimizer_bytes_per_param
 from zdsl.ir import parse_buffer_name
 from zdsl.compile.layout import flat_layout
+from zdsl.compile.layout import flat_ranges
 from zdsl.compile.decay import NoDecayError
 from zdsl.compile.decay import decay_groups
 from zdsl.compile.freeze import FreezeError
@@ -94,7 +96,10 @@ class _Builder:
         self.elem_bytes = DTYPE_BYTES[self.precision]
         self.batch = schedule.train.batch
         bucket_elems = schedule.bucket_bytes // self.elem_bytes if schedule.bucket_bytes else 0
-        self.layouts = [flat_layout(spec.numel, self.ranks, bucket_elems) for spec in units]
+        self.frozen = self._frozen()
+        # a partly frozen unit lays its trainable parameters first (zdsl/compile/layout.py)
+        self.layouts = [flat_layout(spec.numel, self.ranks, bucket_elems, [math.prod(s) for _, s in spec.params], row)
+                        for spec, row in zip(units, self.frozen)]
         self.tiers = {state: self._unit_tiers(state) for state in STATES}
         self.drafts: list[_Draft] = []
         self.buffers: dict[str, Buffer] = {}
@@ -106,7 +111,6 @@ class _Builder:
         self.recompute = set(schedule.recompute)
         self.persist = {i for i, spec in enumerate(units)
                         if schedule.stage == 3 and schedule.persist_below and spec.numel < schedule.persist_below}
-        self.frozen = self._frozen()
         # a unit trains when some parameter of it does: only those have gradients, optimizer state,
         # reductions and a step; a backward is needed by a unit that trains or one before it (it
         # hands back the input gradient), or whose tied parameters train
@@ -190,12 +194,16 @@ class _Builder:
         layout = self.layouts[u] if u is not None else None
         spec = self.specs[u] if u is not None else None
         elem_bytes, dtype = self.elem_bytes, self.precision
-        if kind in ("param_full", "grad_full"):
+        if kind == "param_full":
             nbytes = layout.padded_numel * elem_bytes
-        elif kind in ("param_shard", "grad_shard"):
+        elif kind == "param_shard":
             nbytes = layout.shard_numel * elem_bytes
+        elif kind == "grad_full":       # gradients and optimizer state: the trainable parts only
+            nbytes = layout.trainable_numel * elem_bytes
+        elif kind == "grad_shard":
+            nbytes = layout.trainable_shard_numel * elem_bytes
         elif kind == "optim":
-            numel = layout.padded_numel if self.schedule.stage == 0 else layout.shard_numel
+            numel = layout.trainable_numel if self.schedule.stage == 0 else layout.trainable_shard_numel
             optimizer = self.schedule.optimizer
             nbytes = numel * optimizer_bytes_per_param(optimizer.kind, optimizer.momentum, self.has_master(u))
             dtype = "fp32"
@@ -239,11 +247,15 @@ class _Builder:
         return _Draft(kind, lane or OP_LANES[kind], unit, list(reads), list(writes), phase, micro,
                       span=span, **kw)
 
-    def collective(self, kind, u, reads, writes, phase, micro, stmt, part_bytes, accumulate=False):
+    def collective(self, kind, u, reads, writes, phase, micro, stmt, accumulate=False, trained=False):
+        """One op per part: every part for a gather, the trainable ones for a gradient reduction
+        or a gather of what a step updated (``trained``)."""
         layout = self.layouts[u]
-        for part in range(layout.parts):
-            self.emit(self.draft(kind, u, reads, writes, phase, micro, stmt, bytes=part_bytes,
-                                 part=part, parts=layout.parts, accumulate=accumulate))
+        parts = layout.parts if kind == "comm.all_gather" and not trained else layout.trainable_parts
+        for part in range(parts):
+            self.emit(self.draft(kind, u, reads, writes, phase, micro, stmt,
+                                 bytes=layout.part_size(part) * self.elem_bytes,
+                                 part=part, parts=parts, accumulate=accumulate))
 
     def gather(self, u: int, phase: str, micro: int, stmt: PipeStmt) -> None:
         full = buffer_name("param_full", u)
@@ -252,17 +264,15 @@ class _Builder:
         if self.schedule.stage == 3:
             if not (self.is_valid(full) and full not in self.stale):
                 src = self.device_shard(u, phase, micro, stmt)
-                self.collective("comm.all_gather", u, [src], [full], phase, micro, stmt,
-                                self.layouts[u].part_numel * self.elem_bytes)
+                self.collective("comm.all_gather", u, [src], [full], phase, micro, stmt)
                 self.consume(src, phase, micro)
             for j in self.specs[u].uses:
                 self.gather(j, phase, micro, stmt)
                 self.waiting_users.setdefault(j, set()).add(u)
             return
         src = buffer_name("param_shard", u)   # stages 1-2: the shard a step just updated
-        if src in self.live:
-            self.collective("comm.all_gather", u, [src], [full], phase, micro, stmt,
-                            self.layouts[u].part_numel * self.elem_bytes)
+        if src in self.live:                  # (its trainable parts: the frozen ones never change)
+            self.collective("comm.all_gather", u, [src], [full], phase, micro, stmt, trained=True)
             self.consume(src, phase, micro)
 
     def device_shard(self, u: int, phase: str, micro: int, stmt: PipeStmt) -> str:
@@ -342,7 +352,7 @@ class _Builder:
             dst = buffer_name("grad_shard", u)
             accumulate = stage >= 2 and micro > 0 and self.grad_home(u) == "device"
             self.collective("comm.reduce_scatter", u, [buffer_name("grad_full", u)], [dst], phase, micro, stmt,
-                            self.layouts[u].part_numel * self.elem_bytes, accumulate=accumulate)
+                            accumulate=accumulate)
             if not accumulate:
                 self.drafts[-1].fresh.add(dst)
         elif verb == "reduce":
@@ -352,8 +362,7 @@ class _Builder:
                                     "use `scatter gradients[u]` when gradients are sharded")
             if last_micro:
                 grad = buffer_name("grad_full", u)
-                self.collective("comm.all_reduce", u, [grad], [grad], phase, micro, stmt,
-                                self.layouts[u].part_numel * self.elem_bytes)
+                self.collective("comm.all_reduce", u, [grad], [grad], phase, micro, stmt)
         elif verb == "copy":
             self.copy(state, u, stmt.tier, phase, micro, stmt)
         elif verb in ("read", "write"):
@@ -415,12 +424,15 @@ class _Builder:
             reads.append(dest)
         else:
             dest = buffer_name("param_shard", u, shard_tier)
-            if not self.has_master(u):
+            # without a master the step updates the current parameters; at stage 3 a partly frozen
+            # unit's fresh copy (not the home) also carries the frozen parts on from them
+            carries = stage == 3 and self.layouts[u].frozen_parts and dest != self.home_param(u)
+            if not self.has_master(u) or carries:
                 reads.append(buffer_name("param_full", u) if stage < 3 else self.home_param(u))
             self.stale.add(buffer_name("param_full", u))
         writes.append(dest)
         layout = self.layouts[u]
-        numel = layout.padded_numel if stage == 0 else layout.shard_numel
+        numel = layout.trainable_numel if stage == 0 else layout.trainable_shard_numel
         optimizer = self.schedule.optimizer
         per_param = optimizer_bytes_per_param(optimizer.kind, optimizer.momentum, self.has_master(u))
         state_bytes = numel * (per_param + 2 * self.elem_bytes)
@@ -458,7 +470,7 @@ class _Builder:
             dst = buffer_name("grad_shard", u, "host")
             accumulate = stage >= 2 and micro > 0
             self.emit(self.draft("copy.d2h", u, [src], [dst], phase, micro, stmt, accumulate=accumulate,
-                                 bytes=self.layouts[u].shard_numel * self.elem_bytes,
+                                 bytes=self.layouts[u].trainable_shard_numel * self.elem_bytes,
                                  fresh=set() if accumulate else {dst}))
         elif state == "activations":
             act, act_host = buffer_name("act", u), buffer_name("act", u, "host")
@@ -587,7 +599,7 @@ class _Builder:
                 on_host = self.optim_tier(u) != "device"
                 reads.append(buffer_name("grad_shard", u, "host" if on_host else None))
         all_host = all(self.optim_tier(u) != "device" for u in training)
-        shard_numel = sum(self.layouts[u].shard_numel for u in training)
+        shard_numel = sum(self.layouts[u].trainable_shard_numel for u in training)
         self.emit(self.draft("compute.norm", None, reads, ["norm"], "step", micro, None,
                              lane="host" if all_host else "compute", flops=2.0 * shard_numel))
         if stage >= 1:
@@ -693,8 +705,9 @@ class _Builder:
         o = self.schedule.optimizer
         if not (o.no_decay or o.no_decay_names):
             return [None] * self.n_units
-        try:
-            return decay_groups(self.specs, o.no_decay, o.no_decay_names).ranges
+        try:       # the groups' ranges are in registration order: placed where the layout puts them
+            return [flat_ranges(layout, ranges) for layout, ranges in
+                    zip(self.layouts, decay_groups(self.specs, o.no_decay, o.no_decay_names).ranges)]
         except NoDecayError as exc:
             error = LoweringError(str(exc), hint=exc.hint)
             error.span = self.schedule.spans.get("optimizer.no_decay")
@@ -711,7 +724,9 @@ class _Builder:
                 act_bytes=self.batch * spec.act_elems_per_seq * self.elem_bytes,
                 input_bytes=self.batch * spec.input_elems_per_seq * self.elem_bytes,
                 fwd_flops=spec.fwd_flops_per_seq * self.batch, master=self.has_master(i), decay=decay[i],
-                frozen=[k for k, f in enumerate(self.frozen[i]) if f] or None, trains=self.trains[i]))
+                frozen=[k for k, f in enumerate(self.frozen[i]) if f] or None, trains=self.trains[i],
+                frozen_parts=layout.frozen_parts, frozen_part_numel=layout.frozen_part_numel,
+                runs=[list(r) for r in layout.runs] or None))
         return infos
 
 
