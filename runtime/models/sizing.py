@@ -53,7 +53,7 @@ def unit_specs(model_spec, context: int, base_dir=None, sample=None) -> list[Uni
     units = check_model(model, where)
     uses = tied_uses(model, len(units))
     specs = [UnitSpec(name=f"unit.{i}", params=[(n, tuple(p.shape)) for n, p in u.named_parameters()],
-                      uses=uses[i]) for i, u in enumerate(units)]
+                      uses=uses[i], aliases=param_aliases(model, i, u)) for i, u in enumerate(units)]
     try:
         _measure(model, units, specs, lambda: meta_batch(context, sample))
     except Exception as exc:   # the user's forward cannot run on meta: keep exact sizes, estimate the rest
@@ -72,6 +72,20 @@ def unit_specs(model_spec, context: int, base_dir=None, sample=None) -> list[Uni
             s.fwd_kernels = ESTIMATED_KERNELS[0] * len(s.params)
             s.bwd_kernels = ESTIMATED_KERNELS[1] * len(s.params)
     return specs
+
+
+def param_aliases(model, index: int, unit) -> dict[str, list[str]]:
+    """A unit's parameters' other names, which ``freeze`` and ``no_decay`` globs also match: the
+    model's state-dict name, and a Hugging Face model's checkpoint name (``model.hf_name``)."""
+    own = {id(p): n for n, p in model.named_parameters()}
+    hf_name = getattr(model, "hf_name", None)
+    out = {}
+    for local, p in unit.named_parameters():
+        names = [own[id(p)]] if id(p) in own else []
+        if hf_name is not None:
+            names.append(hf_name(index, local))
+        out[local] = [n for n in dict.fromkeys(names) if n != local]
+    return out
 
 
 # Kernels per parameter tensor when a model cannot be traced: a biased linear layer's (forward: a

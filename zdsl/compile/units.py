@@ -21,6 +21,9 @@ class UnitSpec:
     input_elems_per_seq: int = 0                   # elements of the unit's input, one sequence
     fwd_kernels: int = 0                           # aten ops its forward dispatches (runtime/models/kernel_count.py)
     bwd_kernels: int = 0                           # the same for its backward, gradient accumulation included
+    # other names of a parameter (name within the unit -> names): the model's own state-dict name and,
+    # for a Hugging Face model, its checkpoint name; globs (freeze, no_decay) match these too
+    aliases: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def numel(self) -> int:
@@ -67,7 +70,8 @@ def gpt_units(layers: int, width: int, heads: int, vocab: int, context: int,
     block_act = T * d * 19 + heads * T  # sdpa keeps its logsumexp per head and position
     blocks = [
         UnitSpec(f"block.{i}", list(block_params), fwd_flops_per_seq=block_flops,
-                 act_elems_per_seq=block_act, input_elems_per_seq=T * d, **GPT_KERNELS["block"])
+                 act_elems_per_seq=block_act, input_elems_per_seq=T * d, **GPT_KERNELS["block"],
+                 aliases={name: [f"blocks.{i}.{name}"] for name, _ in block_params})   # runtime/models/gpt.py's names
         for i in range(layers)
     ]
     head = UnitSpec(
