@@ -413,7 +413,8 @@ def _main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(dict(parameters=params, config=json.loads(cfg.to_json()),
                                                        reps=args.reps, baseline=args.baseline,
                                                        malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-                                                       rows=rows, targets=[t.strip() for t in target_lines(rows, cfg.model)]),
+                                                       rows=rows,
+                                                       targets=[t.strip() for t in target_lines(rows, cfg.model)]),
                                                   indent=1))
         except OSError as exc:
             print(f"vs_peers.py: error: cannot write --json {args.json}: {exc.strerror}", file=sys.stderr)
