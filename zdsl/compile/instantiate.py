@@ -24,6 +24,11 @@ Rules (the language reference repeats them for users):
   so that lane cannot run ahead of its consumers (this is what bounds
   prefetch memory, like a buffer pool). A working buffer that no statement
   frees is freed right after its last use, on that use's lane.
+* **Frozen parameters** (``freeze``). A unit with nothing to train drops its
+  reductions, gradient and optimizer moves and step, and its backward when no
+  unit before it trains; a partly frozen unit's gradients, reductions, optimizer
+  state and stage 1-2 gather after the step cover its trainable parts only
+  (``zdsl/compile/layout.py``).
 * **Overlap policy.** A ``verb/phase`` pair missing from ``overlap`` puts
   those ops and the phase's compute in one chain (through a zero-byte
   ``token`` buffer), so they never run at the same time.
