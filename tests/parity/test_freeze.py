@@ -6,7 +6,8 @@ bit at stages 0-3, and every frozen parameter is still bit for bit its initial v
 cases freeze a whole unit (the embedding, whose ``wte`` the head reads tied), parts of units
 (biases, norms), a unit in the middle and the head itself (whose backward still runs: the
 tied ``wte`` it reads trains), with clipping, offload to host and NVMe, the trio executor and
-a checkpoint round trip through shards.
+a checkpoint round trip through shards, and weight-decay groups (which fail if the decay
+ranges did not follow the layout).
 """
 from __future__ import annotations
 
@@ -37,11 +38,13 @@ PREFIX = {"embedding": "embedding", "block.0": "blocks.0", "block.1": "blocks.1"
 
 
 def make_schedule(world: int, stage: int, freeze: tuple[str, ...], clip=None, offload: dict | None = None,
-                  accumulate: int = 1, bucket_bytes: int = 0, precision: str = "fp32") -> Schedule:
+                  accumulate: int = 1, bucket_bytes: int = 0, precision: str = "fp32",
+                  no_decay: tuple[str, ...] = ()) -> Schedule:
     s = Schedule(name="freeze", model=ModelSpec("gpt", dict(MODEL)),
                  data=DataSpec("synthetic", None, {"vocab": MODEL["vocab"], "context": MODEL["context"]}),
                  train=TrainSpec(steps=STEPS, batch=BATCH, accumulate=accumulate, precision=precision, seed=0),
-                 optimizer=OptimizerSpec(kind="adamw", lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, clip=clip),
+                 optimizer=OptimizerSpec(kind="adamw", lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, clip=clip,
+                                         no_decay=no_decay),
                  ranks=world, stage=stage, freeze=freeze, bucket_bytes=bucket_bytes)
     for state, tier in (offload or {}).items():
         path = os.path.join(tempfile.gettempdir(), "zdsl-freeze-nvme") if tier == "nvme" else None
@@ -97,11 +100,39 @@ def _case(rank: int, world: int, case: dict) -> dict:
     sched = make_schedule(world, **case)
     zdsl, losses, requires = zdsl_train(sched, rank, world, driver, resume_at)
     cfg = sched.to_config()
-    ref, ref_losses = ddp_train(MODEL, sched.data, seed=0, steps=STEPS, batch=BATCH,
-                               accumulate=sched.train.accumulate, optimizer=cfg["optimizer"], rank=rank,
-                               world=world, frozen=frozen_names(sched.freeze))
+    if sched.optimizer.no_decay:
+        ref, ref_losses = grouped_reference(sched, rank, world)
+    else:
+        ref, ref_losses = ddp_train(MODEL, sched.data, seed=0, steps=STEPS, batch=BATCH,
+                                   accumulate=sched.train.accumulate, optimizer=cfg["optimizer"], rank=rank,
+                                   world=world, frozen=frozen_names(sched.freeze))
     init = {n: p.detach() for n, p in GPT(**MODEL, seed=0).named_parameters()}
     return dict(zdsl=zdsl, losses=losses, ref=ref, ref_losses=ref_losses, init=init, requires=requires)
+
+
+def grouped_reference(sched: Schedule, rank: int, world: int):
+    """DDP with nanoGPT's two groups (``no_decay=(biases, norms)``: 1-D parameters do not decay)
+    over the parameters that train, the frozen ones at ``requires_grad=False``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddp_reference import _micro_batches
+    from zdsl.runtime.models.gpt import GPT
+    model = GPT(**MODEL, seed=0)
+    frozen = frozen_names(sched.freeze)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    ddp = DDP(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    o = sched.optimizer
+    opt = torch.optim.AdamW([{"params": [p for p in trained if p.dim() >= 2], "weight_decay": o.weight_decay},
+                             {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=o.lr, betas=o.betas, eps=o.eps)
+    losses = []
+    for step in range(STEPS):
+        losses.append(float(_micro_batches(ddp, sched.data, 0, step, rank, world, BATCH, 1)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
 def _run_all(rank: int, world: int, cases: dict) -> dict:
@@ -124,6 +155,9 @@ CASES = {
     # a master copy: the step's fresh shard carries the frozen parts on from the gathered parameters
     "stage2_optimizer_cpu": dict(stage=2, freeze=WHOLE_AND_PART, offload={"optimizer": "cpu"}),
     "stage2_buckets": dict(stage=2, freeze=WHOLE_AND_PART, bucket_bytes=8192),
+    # decay groups placed where a partly frozen unit's layout puts its parameters
+    "stage3_no_decay": dict(stage=3, freeze=("embedding.*", "*.ln_1.weight", "*.attn.c_attn.weight"),
+                            no_decay=("biases", "norms")),
 }
 
 
