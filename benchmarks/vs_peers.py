@@ -91,6 +91,7 @@ class Outcome:
     peak_rss: list[int] = field(default_factory=list)    # one per repetition (largest rank)
     loss: list[float] | None = None                      # per step (all steps), mean over ranks
     info: dict = field(default_factory=dict)
+    exits_after_results: list[str] = field(default_factory=list)   # measured, then failed to end cleanly
 
     @property
     def ok(self) -> bool:
@@ -156,11 +157,14 @@ def run_job(peer: Peer, cfg: BenchConfig, workdir: Path, rep: int, timeout_s: fl
     with open(log, "w") as sink:
         code = run_bounded(job_command(peer, config_path, out, timeout_s), timeout_s + 30, cwd=REPO,
                            env=job_env(cfg), stdout=sink, stderr=subprocess.STDOUT)
-    ranks = sorted(out.glob("rank*.json"))
-    if code != 0 or not ranks:
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    complete = bool(results) and len(results) == results[0]["world"]
+    if code is None or not complete:
         ended = "timed out" if code is None else f"exited {code}"
         return f"{ended}; see {log}: {_tail_reason(log)}"
-    return [json.loads(p.read_text()) for p in ranks]
+    if code != 0:    # every rank wrote its results, then the job died on the way out (seen: DeepSpeed's)
+        results[0]["exit_after_results"] = f"exited {code} after every rank wrote its results: {_tail_reason(log)}"
+    return results
 
 
 def _tail_reason(log: Path) -> str:
@@ -181,6 +185,8 @@ def absorb(outcome: Outcome, ranks: list[dict]) -> None:
     outcome.peak_rss.append(max(r["peak_rss"] for r in ranks))
     loss = [statistics.fmean(r["loss"][i] for r in ranks) for i in range(steps)]
     outcome.loss = outcome.loss or loss
+    if ranks[0].get("exit_after_results"):
+        outcome.exits_after_results.append(ranks[0]["exit_after_results"])
     outcome.info = {**ranks[0].get("info", {}), "zdsl_peak_bytes": ranks[0].get("zdsl_peak_bytes")} \
         if ranks[0].get("zdsl_peak_bytes") else ranks[0].get("info", {})
 
@@ -215,7 +221,7 @@ def summary(outcomes: dict[str, Outcome], baseline: str) -> list[dict]:
         row.update(status="ok", median_step_s=o.median_s, min_step_s=min(o.step_s), steps_measured=len(o.step_s),
                    peak_rss_mib=o.peak / 2**20, final_loss=o.loss[-1] if o.loss else None,
                    loss_diff_vs_ref=max_loss_diff(o.loss, ref_loss), loss_reference=ref, loss=o.loss,
-                   step_s=o.step_s,
+                   step_s=o.step_s, exits_after_results=o.exits_after_results,
                    info=o.info)
         if base:
             row["time_ratio"] = o.median_s / base.median_s
@@ -248,6 +254,9 @@ def print_table(rows: list[dict], baseline: str, out=sys.stdout) -> None:
     for line in [head, tuple("-" * w for w in widths), *body]:
         print("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
                         for i, (c, w) in enumerate(zip(line, widths))), file=out)
+    for r in rows:
+        for exit_note in r.get("exits_after_results", []):
+            notes.append(f"{r['system']}: a repetition {exit_note}")
     for note in notes:
         print("  " + note, file=out)
     if not any(r["peer"] == baseline and r["status"] == "ok" for r in rows):
