@@ -102,7 +102,10 @@ def test_four_ranks_within_1e6(four_ranks, name):
     for by_case in four_ranks:
         mine, ref, losses, _, _ = by_case[name]
         assert max_rel(mine, ref) <= 1e-6
-        assert losses[-1] < losses[0]
+    # the loss must fall: the global batch's (the ranks' mean), as one rank's own samples can
+    # rise from step to step while the model learns (a clipped SGD step is small)
+    first, last = (sum(by_case[name][2][i] for by_case in four_ranks) / len(four_ranks) for i in (0, -1))
+    assert last < first
 
 
 def test_four_ranks_adamw_update_close(four_ranks):
