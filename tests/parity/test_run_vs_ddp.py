@@ -55,6 +55,9 @@ SGD = {"kind": "sgd", "momentum": 0.9, "lr": 0.05}
 # name: (stage, accumulate, clip, offload, bucket bytes, prefetch, optimizer)
 TWO_RANKS = {f"zero{s}": (s, 1, None, None, 0, 1, None) for s in range(4)} | {
     "zero1_accumulate": (1, 3, None, None, 0, 1, None),
+    # bucket parts: a stage-1 gradient shard is a working buffer that every part's reduce-scatter fills
+    "zero1_buckets": (1, 1, None, None, 4096, 1, None),
+    "zero2_offload_optimizer_buckets": (2, 1, None, {"optimizer": "cpu"}, 4096, 1, None),
     "zero3_clip_inactive": (3, 1, 1e6, None, 0, 1, None),     # a clip far above the norm: coefficient 1
     "zero3_offload_optimizer": (3, 1, None, {"optimizer": "cpu"}, 0, 1, None),
     "zero3_offload_parameters_and_optimizer": (3, 1, None, {"optimizer": "cpu", "parameters": "cpu"}, 0, 1, None),

@@ -356,10 +356,11 @@ class _Builder:
                 return
             dst = buffer_name("grad_shard", u)
             accumulate = stage >= 2 and micro > 0 and self.grad_home(u) == "device"
+            first = len(self.drafts)
             self.collective("comm.reduce_scatter", u, [buffer_name("grad_full", u)], [dst], phase, micro, stmt,
                             accumulate=accumulate)
-            if not accumulate:
-                self.drafts[-1].fresh.add(dst)
+            if not accumulate:      # the first part starts the shard's new instance; the others fill it
+                self.drafts[first].fresh.add(dst)
         elif verb == "reduce":
             self._need(state, "gradients", stmt)
             if stage != 0:
