@@ -216,7 +216,7 @@ def planned(path: Path) -> dict:
     from zdsl.planner.machine_fit import schedule_fit
     from zdsl.runtime.run.preflight import torch_floor
     compiled = compile_file(str(path), None, simulate=True)
-    fit = schedule_fit(compiled, floor=torch_floor())
+    fit = schedule_fit(compiled, floor=torch_floor("hf"))
     return dict(planned=fit.needs.ram_per_rank, floor=fit.floor.private, shared=fit.floor.shared,
                 fits=fit.fits, nvme=fit.needs.nvme_per_rank, available=fit.machine.available)
 

@@ -42,6 +42,7 @@ from zdsl.planner.machine_fit import NO_TORCH
 from zdsl.planner.machine_fit import TorchFloor
 from zdsl.planner.machine_fit import cached_floor
 from zdsl.planner.machine_fit import floor_cache
+from zdsl.planner.machine_fit import floor_kind
 from zdsl.planner.machine_fit import installed_torch
 
 from zdsl.planner.machine_fit import schedule_fit
@@ -54,6 +55,7 @@ FLOOR_ESTIMATE = TorchFloor(150 << 20, 80 << 20, "estimated")
 FLOOR_CODE = r"""
 import json, os, sys, tempfile
 import zdsl.runtime.run.train                          # what a rank imports: torch, trio, the compiler
+EXTRA
 import torch, torch.distributed as dist
 with tempfile.TemporaryDirectory() as tmp:
     dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"), rank=0, world_size=1)
@@ -73,7 +75,8 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
             print(f"zdsl: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
     if rank is None:
-        code = refuse_unfit(schedule_fit(compiled, overrides, floor=torch_floor()), args.ignore_limits)
+        code = refuse_unfit(schedule_fit(compiled, overrides, floor=torch_floor(floor_kind(compiled.schedule))),
+                            args.ignore_limits)
         if code is not None:
             return code
     elif env.get("ZDSL_ERROR_FILE"):
@@ -197,21 +200,26 @@ def checkpoint_folder_unwritable(args, schedule) -> str | None:
 
 # -- torch's floor per process --------------------------------------------------------
 
-def torch_floor(measure: bool = True) -> TorchFloor:
-    """Memory each rank holds before its model, from the cache or measured now (a few seconds, once)."""
+# FLOOR_CODE's EXTRA line by floor kind (zdsl.planner.machine_fit.FLOOR_KINDS): what such a rank imports
+FLOOR_IMPORTS = {"": "", "hf": "from transformers.models.llama import modeling_llama   # a family's layers"}
+
+
+def torch_floor(kind: str = "", measure: bool = True) -> TorchFloor:
+    """Memory each rank holds before its model, from the cache or measured now (a few seconds, once);
+    ``kind`` "hf": a rank of a Hugging Face model, which also imports transformers."""
     version = installed_torch()
     if version is None:
         return NO_TORCH
     python = platform.python_version()
-    cached = cached_floor(version, python)
+    cached = cached_floor(version, python, kind)
     if cached is not None:
         return cached
-    path = floor_cache(version, python)
-    where = f"torch {version}, python {python}"
+    path = floor_cache(version, python, kind)
+    where = f"torch {version}, python {python}" + (" with transformers" if kind else "")
     if not measure:
         return dataclasses.replace(FLOOR_ESTIMATE, source=f"estimated (not measured yet for {where})")
     try:
-        floor = measure_floor()
+        floor = measure_floor(kind)
     except (OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
         return dataclasses.replace(FLOOR_ESTIMATE, source=f"estimated (measuring it failed: {exc})")
     try:
@@ -224,9 +232,9 @@ def torch_floor(measure: bool = True) -> TorchFloor:
     return TorchFloor(floor["private"], floor["shared"], f"measured for {where} ({path})")
 
 
-def measure_floor(timeout_s: float = 300.0) -> dict[str, int]:
+def measure_floor(kind: str = "", timeout_s: float = 300.0) -> dict[str, int]:
     no_rank = env.child_environment(drop=env.LAUNCHER_VARIABLES)      # the measuring process is no rank
-    done = subprocess.run([sys.executable, "-c", FLOOR_CODE], capture_output=True, text=True, env=no_rank,
+    done = subprocess.run([sys.executable, "-c", FLOOR_CODE.replace("EXTRA", FLOOR_IMPORTS[kind])], capture_output=True, text=True, env=no_rank,
                           timeout=timeout_s)
     if done.returncode != 0:
         raise subprocess.SubprocessError(f"exit status {done.returncode}: {done.stderr.strip()[-300:]}")
@@ -237,7 +245,8 @@ def measure_floor(timeout_s: float = 300.0) -> dict[str, int]:
 def main() -> None:
     """Measure (or read back) torch's floor and print it as JSON: how ``zdsl plan``, which never
     imports the runtime, gets a floor not measured yet (zdsl.planner.machine_fit.floor_from_runtime)."""
-    print(json.dumps(dataclasses.asdict(torch_floor())), flush=True)
+    kind = sys.argv[1] if len(sys.argv) > 1 else ""
+    print(json.dumps(dataclasses.asdict(torch_floor(kind if kind in FLOOR_IMPORTS else ""))), flush=True)
 
 
 if __name__ == "__main__":

@@ -278,7 +278,8 @@ def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: Torch
     if local_ranks is not None:
         needs, ram_at = dataclasses.replace(needs, ranks=local_ranks), None
     swap_free = free_bytes(needs.swap_folder, statvfs) if needs.swap_folder else None
-    return judge(needs, machine or Machine.this(), floor or default_floor(), swap_free, ram_at)
+    return judge(needs, machine or Machine.this(), floor or default_floor(floor_kind(compiled.schedule)),
+                 swap_free, ram_at)
 
 
 NO_TORCH = TorchFloor(0, 0, "not counted: torch is not installed")
@@ -292,36 +293,48 @@ def installed_torch() -> str | None:
         return None
 
 
-def floor_cache(torch_version: str, python: str) -> Path:
+# What a rank imports before its model beyond torch and zdsl, by the kind of model: a Hugging Face
+# model's rank also holds transformers and its family's modules (about 250 MiB more on CPU).
+FLOOR_KINDS = ("", "hf")
+
+
+def floor_kind(schedule) -> str:
+    """The floor a schedule's ranks have (a key of FLOOR_KINDS)."""
+    return "hf" if schedule.model.kind == "hf" else ""
+
+
+def floor_cache(torch_version: str, python: str, kind: str = "") -> Path:
     """The file holding torch's floor measured for this torch and Python (and CPU architecture),
     written by the runtime (``zdsl.runtime.run.preflight``) and read here."""
     safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in f"{torch_version}-py{python}")
-    return cache_dir() / f"torch-floor-{safe}-{platform.machine()}.json"
+    return cache_dir() / f"torch-floor-{safe}-{platform.machine()}{'-' + kind if kind else ''}.json"
 
 
-def cached_floor(torch_version: str, python: str) -> TorchFloor | None:
+def cached_floor(torch_version: str, python: str, kind: str = "") -> TorchFloor | None:
     """torch's floor as the runtime measured and cached it; None where it has not (or the file is unreadable)."""
-    path = floor_cache(torch_version, python)
+    path = floor_cache(torch_version, python, kind)
     try:
         cached = json.loads(path.read_text())
         return TorchFloor(int(cached["private"]), int(cached["shared"]),
-                          f"measured for torch {torch_version}, python {python} ({path})")
+                          f"measured for torch {torch_version}, python {python}{' with transformers' if kind else ''} "
+                          f"({path})")
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def default_floor() -> TorchFloor:
+def default_floor(kind: str = "") -> TorchFloor:
     """torch's floor where the caller has none (``zdsl plan``): from the runtime's cache; where it was
     never measured here, measured now by the runtime in a subprocess (a few seconds, once)."""
     version = installed_torch()
     if version is None:
         return NO_TORCH
-    return cached_floor(version, platform.python_version()) or floor_from_runtime()
+    return cached_floor(version, platform.python_version(), kind) or floor_from_runtime(kind)
 
 
-def floor_from_runtime() -> TorchFloor:
-    """``python -m zdsl.runtime.run.preflight``: the runtime measures the floor, caches it and prints it."""
-    done = subprocess.run([sys.executable, "-m", "zdsl.runtime.run.preflight"], capture_output=True, text=True)
+def floor_from_runtime(kind: str = "") -> TorchFloor:
+    """``python -m zdsl.runtime.run.preflight [KIND]``: the runtime measures the floor, caches it and prints it."""
+    done = subprocess.run([sys.executable, "-m", "zdsl.runtime.run.preflight", *([kind] if kind else [])],
+                          capture_output=True, text=True)
     try:
         out = json.loads(done.stdout.strip().splitlines()[-1])
         return TorchFloor(int(out["private"]), int(out["shared"]), str(out["source"]))
