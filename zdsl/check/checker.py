@@ -236,17 +236,10 @@ class Checker(PlacementChecks):
             factory = self._factory(call.callee)
             if factory is None:
                 return
-            args = {}
             for arg in call.args:
                 if arg.key is None:
-                    self.r.error(arg.span, "a model factory takes key=value arguments",
-                                 hint="write name=value")
-                    continue
-                if arg.key.value in args:
-                    self.r.error(arg.key.span, f"{arg.key.value} is set twice")
-                    continue
-                args[arg.key.value] = self.r.python(arg.value)
-            self.s.model = ModelSpec("user", args, factory)
+                    self.r.error(arg.span, "a model factory takes key=value arguments", hint="write name=value")
+            self.s.model = ModelSpec("user", self._settings(call, "model"), factory)
         self._size_model(st)
 
     def _gpt_args(self, call: ast.Call) -> dict:
@@ -276,18 +269,10 @@ class Checker(PlacementChecks):
             return None
         where = positional[0].value
         name = self.r.string(where, "the model folder")
-        args: dict = {}
-        for arg in call.args:
-            if arg.key is None:
-                continue
-            key = arg.key.value
-            if key in args:
-                self.r.error(arg.key.span, f"{key} is set twice")
-                continue
-            args[key] = self.r.python(arg.value)
-            self.span(f"model.{key}", arg.span)
-            if key == ATTENTION_KEY and args[key] not in ATTENTION_CHOICES:
-                self.r.error(arg.value.span, f"{ATTENTION_KEY} is one of {', '.join(ATTENTION_CHOICES)}")
+        args = self._settings(call, "model")
+        if ATTENTION_KEY in args and args[ATTENTION_KEY] not in ATTENTION_CHOICES:
+            self.r.error(self.s.spans[f"model.{ATTENTION_KEY}"],
+                         f"{ATTENTION_KEY} is one of {', '.join(ATTENTION_CHOICES)}")
         if name is None:
             return None
         if not transformers_installed():
@@ -410,6 +395,24 @@ class Checker(PlacementChecks):
             self.r.error(call.callee.span, missing)
         return DataSpec(kind, source, args, dtype if kind == "tokens" else None, tokenizer)
 
+    def _settings(self, call: ast.Call, key: str, reserved=(), why: str = "", fix: str = "") -> dict:
+        """A call's free-form ``name=value`` settings (passed on to a user's function or a model's
+        config), their spans under ``key``; a name set twice or ``reserved`` is an error (``why``,
+        ``fix``: its message and hint, ``{name}`` filled in)."""
+        args: dict = {}
+        for arg in call.args:
+            if arg.key is None:
+                continue
+            name = arg.key.value
+            if name in args:
+                self.r.error(arg.key.span, f"{name} is set twice")
+            elif name in reserved:
+                self.r.error(arg.key.span, why.format(name=name), hint=fix.format(name=name))
+            else:
+                args[name] = self.r.python(arg.value)
+                self.span(f"{key}.{name}", arg.span)
+        return args
+
     def _python_source(self, call: ast.Call, key: str) -> DataSpec | None:
         """``python("file.py:batches", k=v...)``: the user's function (found as zdsl/python_source.py
         says), its settings passed to it as keyword arguments."""
@@ -420,20 +423,10 @@ class Checker(PlacementChecks):
         for extra in positional[1:]:
             self.r.error(extra.span, "python takes key=value settings after the function",
                          hint=DATA_EXAMPLES["python"])
-        args: dict = {}
-        for arg in call.args:
-            if arg.key is None:
-                continue
-            name = arg.key.value
-            if name in args:
-                self.r.error(arg.key.span, f"{name} is set twice")
-            elif name in python_source.CALL_ARGS:
-                self.r.error(arg.key.span, f"zdsl passes {name} to the function itself",
-                             hint=f"remove {name}=; the function is called with "
+        args = self._settings(call, key, reserved=python_source.CALL_ARGS,
+                              why="zdsl passes {name} to the function itself",
+                              fix=f"remove {{name}}=; the function is called with "
                                   f"{', '.join(python_source.CALL_ARGS)} and the settings written here")
-            else:
-                args[name] = self.r.python(arg.value)
-                self.span(f"{key}.{name}", arg.span)
         where = positional[0].value
         target = self.r.string(where, "the data function")
         if target is None:
