@@ -150,7 +150,15 @@ class BufferTable:
         return t
 
     def release(self, slot: Slot) -> None:
+        """Give a buffer's memory back. On CUDA the block returns to the pool of the stream that
+        allocated it at once, which is not always the stream of the freeing lane (a ZeRO-1
+        gradient shard is allocated by the reduce-scatter on the comm stream and freed on the
+        compute stream after the step that reads it): the current stream is recorded on the
+        tensors first (``record_stream``), so the allocator reuses the block only after the work
+        this stream has queued, which the free waited for, is done."""
         buf = slot.buf
+        for t in (slot.tensor, *((slot.record.input, slot.record.output) if slot.record is not None else ())):
+            record_current_stream(t)
         if buf.kind in ("param_full", "grad_full") and buf.tier == "device" and slot.tensor is not None:
             free_storage(slot.tensor)   # keep the tensor object: autograd's views see the next gather
         else:
@@ -169,3 +177,10 @@ class BufferTable:
                 raise self.error(op, f"frees {name}, which is model state (persistent)")
             if slot.live:
                 self.release(slot)
+
+
+def record_current_stream(t: torch.Tensor | None) -> None:
+    """Mark a CUDA tensor as used by the current stream (a no-op for the allocating stream itself,
+    for host tensors and for storage already released)."""
+    if isinstance(t, torch.Tensor) and t.is_cuda and t.untyped_storage().nbytes():
+        t.record_stream(torch.cuda.current_stream(t.device))

@@ -56,11 +56,29 @@ from zdsl.runtime.state.transfers import Transfers
 
 @dataclass
 class StepPlan:
-    """What every step op of one step shares: overflow, clip coefficient, unscale factor."""
+    """What every step op of one step shares: overflow, clip coefficient, unscale factor.
+
+    ``coef`` lives where the norm was computed; ``coef_host`` is its CPU copy for steps whose
+    gradients are on the host (a 0-dim CUDA tensor cannot multiply a CPU one). Both are complete
+    when the plan is published (the copy to the host waits for the kernel that computed ``coef``),
+    so a step on any lane or thread may read them without further ordering."""
     overflow: bool = False
     coef: torch.Tensor | None = None
+    coef_host: torch.Tensor | None = None
     inv_scale: float = 1.0
     grad_norm: float | None = None
+
+    def coef_for(self, g: torch.Tensor) -> torch.Tensor | None:
+        """The clip coefficient on ``g``'s device (None: no clipping this step). On CUDA the
+        reading stream is recorded on it, so the allocator keeps its block until that stream is
+        done with it (torch.Tensor.record_stream)."""
+        if self.coef is None or g.device == self.coef.device:
+            if self.coef is not None and self.coef.is_cuda:
+                self.coef.record_stream(torch.cuda.current_stream(self.coef.device))
+            return self.coef
+        if g.device.type == "cpu":
+            return self.coef_host
+        return self.coef.to(g.device)
 
 
 class Compute:
@@ -343,6 +361,8 @@ class Compute:
                 plan.grad_norm = float(total)
                 if self.clip is not None and not plan.overflow:
                     plan.coef = clip_coefficient(total, float(self.clip))
+                    # blocking: the coefficient's kernel is done before any lane reads the plan
+                    plan.coef_host = plan.coef if plan.coef.device.type == "cpu" else plan.coef.to("cpu")
             self._plan = plan
             return plan
 
@@ -393,8 +413,9 @@ class Compute:
             for g in g32:
                 if plan.inv_scale != 1.0:
                     g.mul_(plan.inv_scale)
-                if plan.coef is not None:
-                    g.mul_(plan.coef)
+                coef = plan.coef_for(g)
+                if coef is not None:
+                    g.mul_(coef)
             opt.step(optflat, params, g32)
             if masters is not None:
                 for d, m in zip(d_parts, masters):

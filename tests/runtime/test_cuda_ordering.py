@@ -1,0 +1,91 @@
+"""The CUDA path's ordering decisions that can be checked on the CPU (issue 24's defects): which
+device a step's clip coefficient is on, and that every free marks its tensors as used by the
+freeing stream before their memory goes back (so a block allocated on another lane's stream is
+not reused while this one still reads it). The GPU suite (tests/gpu/test_gpu_ordering.py) runs
+the same paths on CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zdsl.runtime.state.compute import StepPlan
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of one rank: ZeRO-1's reduce-scatter runs (and allocates the shard it frees)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_host_gradient_gets_the_host_copy_of_a_device_coefficient():
+    # "meta" stands for a device the CPU gradient cannot be multiplied with
+    plan = StepPlan(coef=torch.tensor(0.25).to("meta"), coef_host=torch.tensor(0.25))
+    g = torch.ones(4)
+    coef = plan.coef_for(g)
+    assert coef.device.type == "cpu"
+    g.mul_(coef)
+    assert torch.equal(g, torch.full((4,), 0.25))
+    assert plan.coef_for(torch.ones(1, device="meta")) is plan.coef      # a device step reads it in place
+    assert StepPlan().coef_for(g) is None                                 # no clipping this step
+
+
+def _gpt_rank(stage: int, clip=None):
+    """A 2-layer GPT's graph and one rank's state on the CPU."""
+    from zdsl.driver import compile_schedule
+    from zdsl.runtime.models.protocol import build_model
+    from zdsl.runtime.models.sizing import units_for_user_model
+    from zdsl.runtime.state.rank import RankState
+    from zdsl.schedule import DataSpec, ModelSpec, OptimizerSpec, Schedule, TrainSpec
+    spec = ModelSpec("gpt", dict(layers=2, width=16, heads=2, vocab=64, context=16))
+    sched = Schedule(name="ordering", model=spec, data=DataSpec("synthetic", None, {"vocab": 64, "context": 16}),
+                     train=TrainSpec(steps=1, batch=2, accumulate=1, precision="fp32", seed=0),
+                     optimizer=OptimizerSpec(kind="sgd", lr=0.1, clip=clip), ranks=1, stage=stage)
+    graph = compile_schedule(sched, units_for_user_model(spec, 16))
+    return sched, graph, RankState(graph, build_model(spec, seed=0), 0, 1, device="cpu")
+
+
+def _run_step(sched, graph, state) -> None:
+    from test_unit_protocol import _batches
+    state.step_begin(0, _batches(sched, 0, 1))
+    for op in graph.ops:
+        state.run_op(op)
+
+
+def test_the_step_plan_of_a_clipped_step_carries_a_host_coefficient(one_rank_group):
+    sched, graph, state = _gpt_rank(1, clip=1e-3)      # small: the coefficient is below 1 and applies
+    _run_step(sched, graph, state)
+    plan = state.compute._plan
+    state.step_end()
+    assert plan.coef is not None and plan.coef_host is not None
+    assert plan.coef_host.device.type == "cpu" and float(plan.coef_host) == float(plan.coef) < 1.0
+
+
+def test_every_free_marks_its_tensors_on_the_freeing_stream_while_they_still_hold_memory(monkeypatch,
+                                                                                        one_rank_group):
+    from zdsl.runtime.state import buffers
+    marked: list[tuple[int, int]] = []
+
+    def recording(t):
+        if isinstance(t, torch.Tensor):
+            marked.append((id(t), t.untyped_storage().nbytes()))
+    monkeypatch.setattr(buffers, "record_current_stream", recording)
+    sched, graph, state = _gpt_rank(1)
+    freed = []
+    release = state.table.release
+
+    def releasing(slot):
+        if slot.tensor is not None and slot.tensor.untyped_storage().nbytes():
+            freed.append((slot.buf.name, id(slot.tensor)))
+        release(slot)
+    monkeypatch.setattr(state.table, "release", releasing)
+    _run_step(sched, graph, state)
+    state.step_end()
+    assert any(name.startswith("grad") for name, _ in freed), freed     # the case of the ZeRO-1 race
+    marked_ids = {i for i, nbytes in marked if nbytes > 0}
+    unmarked = [name for name, i in freed if i not in marked_ids]
+    assert not unmarked, f"freed without marking the freeing stream first: {unmarked}"
