@@ -132,6 +132,7 @@ class UnitOptimizer:
             self.opt = make_torch_optimizer([g for g in groups if g["params"]], config)
         self._group = {id(p): g for g in self.opt.param_groups for p in g["params"]} if self.opt else {}
         self.fast_adam = self.kind in MOMENTS and not config.get("foreach") and not config.get("fused")
+        self.device_step = self.kind in MOMENTS and bool(config.get("fused") or config.get("capturable"))
         self._plain_steps = 0   # SGD keeps no step count of its own
         for p in self.params:   # our state slices replace torch's lazy init (filled in bind)
             self.opt.state[p] = {"step": torch.tensor(0.0)} if self.kind in MOMENTS else {}
@@ -197,6 +198,10 @@ class UnitOptimizer:
                 state = self.opt.state[p]
                 for k, name in enumerate(self.names):
                     state[name] = moments[k][i]
+                if self.device_step and "step" in state and state["step"].device != params[i].device:
+                    # fused (and capturable) Adam read the count through a device pointer: torch
+                    # keeps it on the parameter's device for them (as its own lazy state init does)
+                    state["step"] = state["step"].to(params[i].device)
             self.opt.step()
         self._plain_steps += 1
         for p in self.params:   # drop the references so freed buffers are really freed
