@@ -65,8 +65,9 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device)
     executor = Executor(graph, state, rank, streams=lane_streams(graph, device))
     t = schedule.train
-    mine = torch.zeros(8)
-    gathered = torch.zeros(8 * world)
+    # on the run's device: NCCL gathers only CUDA tensors (gloo takes CPU ones)
+    mine = torch.zeros(8, device=device)
+    gathered = torch.zeros(8 * world, device=device)
 
     async def loop() -> list:
         records = []
