@@ -107,6 +107,8 @@ class Executor:
             for i, (start, end) in self.streams.device_times().items():   # when it ran, not when it was queued
                 self.starts[i], self.ends[i] = start, end
             seconds = max(seconds, max(self.ends, default=0.0))
+        elif self.streams is not None:
+            self.streams.end_step()       # the step's results are read next: wait for the device
         timings = [OpTiming(i, self.starts[i], self.ends[i]) for i in range(n)] if self.record else []
         return StepRecord(seconds, timings)
 

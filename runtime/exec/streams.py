@@ -4,10 +4,18 @@ On a CUDA device an op "completes" for the executor when its kernels are
 enqueued on its lane's stream; what orders it after its dependencies is the
 stream waiting on their events, not the host. The host waits (an event's
 ``synchronize``) only where a host-side op needs a device result: the host
-step, NVMe writes, and anything else on a host lane. Frees wait on their
-readers' events on the producing lane's stream, so the caching allocator
-reuses a block only after every stream that read it is done with it (the
-block belongs to the stream that allocated it).
+step, NVMe writes, and anything else on a host lane. A free waits on its
+readers' events on its own lane's stream, and records that stream on the
+tensors it releases (``Tensor.record_stream``, ``runtime/state/buffers.py``):
+the caching allocator gives a block back to the pool of the stream that
+allocated it, which may be another lane's, and reuses it only after the
+freeing stream has passed the free.
+
+What the step's caller queued on the current (default) stream before the step
+(zeroing persistent gradients, the micro-batches' copies, a resume's loads) is
+waited for by every lane stream at ``begin_step``; ``end_step`` waits for the
+device, so the losses and metrics read after the step are complete. Lane and
+watcher threads make the rank's device current before touching a stream.
 
 Op times on the device: every op on a lane's stream is bracketed by two
 timing events (its start is recorded after its stream waits for its
@@ -52,6 +60,12 @@ class LaneStreams:
         self.begins = [None] * len(self.begins)
         self.origin = torch.cuda.Event(enable_timing=True)
         self.origin.record(torch.cuda.current_stream(self.device))
+        for stream in self.streams.values():   # the caller's work queued before the step
+            stream.wait_event(self.origin)
+
+    def end_step(self) -> None:
+        """Wait for the device: every lane's work of the step is done (untraced steps too)."""
+        torch.cuda.synchronize(self.device)
 
     def device_times(self) -> dict[int, tuple[float, float]]:
         """{op: (start, end)} on the device, seconds from the step's origin, for every op that
@@ -67,6 +81,7 @@ class LaneStreams:
     def ordered(self, op: Op):
         """Run ``op``'s body after its dependencies (stream waits, or host waits on host lanes)."""
         stream = self.streams.get(op.lane)
+        torch.cuda.set_device(self.device)   # lane threads start on device 0
         for d in op.deps:
             event = self.events[d]
             if event is None:
@@ -96,6 +111,7 @@ class LaneStreams:
     def on_lane(self, op: Op):
         """The op's stream as the current stream (a collective's wait in a watcher thread)."""
         stream = self.streams.get(op.lane)
+        torch.cuda.set_device(self.device)   # watcher threads start on device 0
         if stream is None:
             yield
         else:

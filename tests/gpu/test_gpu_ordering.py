@@ -9,6 +9,7 @@ no GPU is lent to it).
   (the free records the compute stream on it: zero1 cases against DDP);
 * fused AdamW on the device gets a device ``step`` tensor (a unit optimizer built as the runtime
   builds it: the schedule language has no ``fused`` setting);
+* an untraced step (``record=False``) ends waiting for the device, as a traced one does;
 * ``zdsl calibrate`` on NCCL at two ranks gathers CUDA tensors.
 """
 from __future__ import annotations
@@ -69,6 +70,46 @@ def test_fused_device_adamw_steps_with_a_device_step_count():
     assert opt.steps == 3
     for p, r in zip(params, ref):
         assert torch.equal(p, r.detach())
+
+
+def _losses_on_lane_streams(traced: bool) -> list[float]:
+    import torch
+    import torch.distributed as dist
+    import trio
+    from zdsl.driver import compile_schedule
+    from zdsl.runtime.data import make_batch
+    from zdsl.runtime.exec.executor import Executor
+    from zdsl.runtime.exec.streams import lane_streams
+    from zdsl.runtime.models.batch import Batch
+    from zdsl.runtime.models.protocol import build_model
+    from zdsl.runtime.models.sizing import units_for_user_model
+    from zdsl.runtime.state.rank import RankState
+    from zdsl.schedule import DataSpec, ModelSpec, OptimizerSpec, Schedule, TrainSpec
+    spec = ModelSpec("gpt", dict(layers=2, width=64, heads=4, vocab=256, context=32))
+    sched = Schedule(name="untraced", model=spec, data=DataSpec("synthetic", None, {"vocab": 256, "context": 32}),
+                     train=TrainSpec(steps=3, batch=4, accumulate=2, precision="fp32", seed=0),
+                     optimizer=OptimizerSpec(kind="sgd", lr=0.05, clip=0.5), ranks=1, stage=0)
+    graph = compile_schedule(sched, units_for_user_model(spec, 32))
+    device = torch.device("cuda", 0)
+    state = RankState(graph, build_model(spec, seed=0), 0, 1, device=device)
+    executor = Executor(graph, state, 0, record=traced, streams=lane_streams(graph, device))
+    losses = []
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    try:
+        for step in range(3):
+            state.step_begin(step, [Batch.of(*make_batch(sched.data, 0, step, m, 0, 1, 4)) for m in range(2)])
+            trio.run(executor.run_step)
+            losses.append(state.step_end()["loss"])
+    finally:
+        dist.destroy_process_group()
+    return losses
+
+
+def test_an_untraced_step_reads_complete_losses():
+    """Without tracing the step still ends waiting for the device (the losses stacked after it are
+    the compute stream's final ones), and the lanes wait for the default stream's zeroing and copies."""
+    assert _losses_on_lane_streams(traced=False) == _losses_on_lane_streams(traced=True)
 
 
 @two_gpus

@@ -5,6 +5,8 @@ not reused while this one still reads it). The GPU suite (tests/gpu/test_gpu_ord
 the same paths on CUDA."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -89,3 +91,57 @@ def test_every_free_marks_its_tensors_on_the_freeing_stream_while_they_still_hol
     marked_ids = {i for i, nbytes in marked if nbytes > 0}
     unmarked = [name for name, i in freed if i not in marked_ids]
     assert not unmarked, f"freed without marking the freeing stream first: {unmarked}"
+
+
+class RecordingStreams:
+    """The executor's LaneStreams seam on the CPU: runs every op directly and records the calls."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def begin_step(self):
+        self.calls.append("begin_step")
+
+    def end_step(self):
+        self.calls.append("end_step")
+
+    def device_times(self):
+        self.calls.append("device_times")
+        return {}
+
+    def ordered(self, op):
+        return contextlib.nullcontext()
+
+    def on_lane(self, op):
+        return contextlib.nullcontext()
+
+    def record(self, op):
+        pass
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_a_step_on_lane_streams_ends_waiting_for_the_device_traced_or_not(one_rank_group, traced):
+    import trio
+    from test_unit_protocol import _batches
+    from zdsl.runtime.exec.executor import Executor
+    sched, graph, state = _gpt_rank(1)
+    streams = RecordingStreams()
+    executor = Executor(graph, state, 0, record=traced, streams=streams)
+    state.step_begin(0, _batches(sched, 0, 1))
+    trio.run(executor.run_step)
+    state.step_end()
+    # device_times waits for the device itself; an untraced step must wait all the same
+    assert streams.calls == ["begin_step", "device_times" if traced else "end_step"]
+
+
+def test_only_gloo_falls_back_to_an_all_reduce_when_reduce_scatter_is_unsupported(monkeypatch):
+    from zdsl.runtime.dist import collectives
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("reduce_scatter_tensor is not supported on this build")
+    monkeypatch.setattr(collectives, "_backend", lambda group: "nccl")
+    monkeypatch.setattr(collectives, "_reduce_scatter", unsupported)
+    monkeypatch.setattr(collectives, "_no_native_reduce_scatter", set())
+    with pytest.raises(RuntimeError, match="not supported"):
+        collectives.reduce_scatter(torch.zeros(2), torch.zeros(4))
+    assert collectives._no_native_reduce_scatter == set()       # NCCL not marked as lacking it
