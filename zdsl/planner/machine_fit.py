@@ -27,7 +27,6 @@ file, or measured by the runtime in a subprocess.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 import platform
@@ -37,10 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from zdsl import env
 from zdsl.cache import cache_dir
 from zdsl.ir import TaskGraph
 from zdsl.lang.sizes import human_bytes
+from zdsl.planner.this_machine import device_in_ram
+from zdsl.planner.this_machine import installed_torch
+from zdsl.planner.this_machine import usable_cores
 from zdsl.schedule import DIRECT_IO_ALIGN as ALIGN      # a swap file is sized in whole 4 KiB blocks
 
 OVERSUBSCRIBE = 8      # ranks per core above which a run is refused (a warning from 1 up to this)
@@ -77,22 +78,6 @@ class Needs:
         n = self.ranks if ranks is None else ranks
         per = self.ram_per_rank if ram_per_rank is None else ram_per_rank
         return n * (floor.private + per) + floor.shared
-
-
-def device_in_ram(device: str) -> bool:
-    """Whether the schedule's device tier is host memory: ``on cpu``, or ``auto`` with no GPU here."""
-    if device == "cpu":
-        return True
-    if device == "cuda":
-        return False
-    visible = env.raw("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return True
-    try:
-        gpus = os.listdir("/proc/driver/nvidia/gpus")
-    except OSError:
-        gpus = []
-    return not gpus and not os.path.exists("/dev/kfd")   # kfd: ROCm, which torch also calls cuda
 
 
 def swap_folder(config: dict) -> str | None:
@@ -248,13 +233,6 @@ def cgroup_headroom(root: Path, own: str = "/proc/self/cgroup") -> int | None:
     return None
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: TorchFloor | None = None,
                  machine: Machine | None = None, statvfs: Callable = os.statvfs,
                  local_ranks: int | None = None) -> Fit:
@@ -283,14 +261,6 @@ def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: Torch
 
 
 NO_TORCH = TorchFloor(0, 0, "not counted: torch is not installed")
-
-
-def installed_torch() -> str | None:
-    """The installed torch's version (read from its metadata: torch is not imported), None without it."""
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 # What a rank imports before its model beyond torch and zdsl, by the kind of model: a Hugging Face
