@@ -28,6 +28,7 @@ from zdsl.driver import memo_units_for
 from zdsl.driver import report
 from zdsl.driver import status_of
 from zdsl.log import configure_logging
+from zdsl.planner import profile_cache
 
 DELEGATED = {                         # subcommand -> the module whose main(argv) runs it
     "run": "zdsl.runtime.run.cli",
@@ -78,6 +79,7 @@ def cmd_plan(args, parser) -> int:
     units_for = memo_units_for()
     if args.lowered:
         return print_lowered(args.file, overrides, units_for)
+    profile_cache.enable(not args.no_calibrate)
     compiled = compile_file(args.file, overrides, units_for)
     report(compiled)
     if compiled.sim is None:                 # did not get as far as a simulated step
@@ -194,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--trace-ranks", type=int, metavar="N", default=None,
                       help="ranks in the predicted trace (default: all, fewer for very large graphs)")
     plan.add_argument("--lowered", action="store_true", help="print the pipelines the policies expand to (.zs)")
+    plan.add_argument("--no-calibrate", action="store_true",
+                      help="without a machine statement, plan with zdsl's default rates: neither calibrate "
+                           "this machine nor use its cached profile")
     add_set(plan)
 
     sub.add_parser("env", help="the environment variables zdsl reads: default, value here, meaning")

@@ -70,6 +70,7 @@ def load(path: str, overrides: dict[str, str] | None, units_for=None) -> Compile
     from zdsl.check.checker import load_schedule
     from zdsl.lang.errors import UsageError
     from zdsl.lang.errors import ZsError
+    from zdsl.planner.profile_cache import calibrated_for
     out = Compiled(path)
     try:
         out.schedule, diags = load_schedule(path, overrides, units_for or memo_units_for())
@@ -79,6 +80,9 @@ def load(path: str, overrides: dict[str, str] | None, units_for=None) -> Compile
         out.diagnostics = exc.diagnostics
     else:
         out.diagnostics = list(diags)
+        calibrated = calibrated_for(out.schedule) if out.ok else None
+        if calibrated is not None:               # no machine statement: this machine's measured rates
+            out.schedule.machine = calibrated
     return out
 
 

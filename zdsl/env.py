@@ -39,6 +39,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "(never preempt the thread they wake), normal or idle", "batch"),
     Variable("ZDSL_CACHE", KNOB, "user", "where built C kernels and the measured torch memory floor "
              "are kept", "~/.cache/zdsl"),
+    Variable("ZDSL_CALIBRATE", KNOB, "user", "0: plan, tune and run --trace use zdsl's default machine "
+             "profile, neither calibrating this machine nor reading its cached profile (as --no-calibrate)", "1"),
     Variable("ZDSL_DEBUG", DIAGNOSTIC, "user", "1 prints the traceback of an internal error and of a "
              "rank's failure"),
     Variable("ZDSL_NO_NATIVE", DIAGNOSTIC, "user", "1 builds no C kernel: the host AdamW step runs ATen's "

@@ -74,6 +74,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+from zdsl import env
 from zdsl.schedule import MACHINE_OPTIONS
 
 from zdsl.schedule import MachineProfile
@@ -435,6 +436,17 @@ def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:
     return shape, schedule.ranks, folder
 
 
+def cache_profile(cal: Calibration) -> str:
+    """Cache the profile where ``zdsl plan`` finds it (zdsl.planner.profile_cache); says where, or why not."""
+    from zdsl.planner.profile_cache import write_profile
+    if env.get("ZDSL_CALIBRATE") == "0":
+        return "not cached for zdsl plan: ZDSL_CALIBRATE=0"
+    try:
+        return f"cached for zdsl plan, tune and run --trace in {write_profile(cal.fields(), cal.machine_statement())}"
+    except OSError as e:
+        return f"not cached: {e.strerror or e}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``zdsl calibrate [--out machine.zs] [--quick]``; exit 0 on success, 2 on a stated failure."""
     ap = argparse.ArgumentParser(prog="zdsl calibrate",
@@ -470,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: calibration failed: {e}", file=sys.stderr)
         return 2
     text = cal.to_zs()
+    cached = cache_profile(cal)
     if a.out:
         try:
             with open(a.out, "w", encoding="utf-8") as f:
@@ -478,9 +491,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot write {a.out}: {e.strerror}", file=sys.stderr)
             return 2
         print(f"{cal.machine_statement()}\nwrote {a.out} in {time.perf_counter() - start:.1f} s; "
-              f"use it with: include \"{a.out}\"", file=sys.stderr)
+              f"use it with: include \"{a.out}\"; {cached}", file=sys.stderr)
     else:
         sys.stdout.write(text)
+        print(cached, file=sys.stderr)
     return 0
 
 

@@ -89,8 +89,11 @@ def run_command(argv: list[str] | None) -> int:
     if unwritable is not None:
         print(f"zdsl run: error: {unwritable}", file=sys.stderr)
         return 2
-    compiled = compile_file(args.file, overrides, simulate=False)
     rank = env.raw("RANK")
+    if args.trace and rank is None:               # the launcher: the traced run beside calibrated rates
+        from zdsl.planner import profile_cache
+        profile_cache.enable()
+    compiled = compile_file(args.file, overrides, simulate=False)
     if rank in (None, "0") or not compiled.ok:
         report(compiled)          # errors and warnings once, not once per rank
     if not compiled.ok:

@@ -24,6 +24,8 @@ from zdsl.planner.freeze_plan import FreezePlan
 from zdsl.planner.freeze_plan import freeze_plan
 from zdsl.planner.memory import STATES
 from zdsl.planner.memory import zero_model_states
+from zdsl.planner.profile_cache import calibrated_source
+from zdsl.planner.profile_cache import rates_line
 from zdsl.planner.simulate import Simulation
 from zdsl.planner.simulate import simulate
 from zdsl.schedule import Schedule
@@ -81,6 +83,9 @@ class Plan:
         name = self.schedule.machine.name
         source = self.machine_source()
         if source is None:
+            calibrated = rates_line()
+            if calibrated is not None:
+                return calibrated
             return (f"rates: zdsl's uncalibrated default {name!r} profile; calibrate: "
                     f"zdsl calibrate --out machine.zs, then include \"machine.zs\"")
         if source == "--set":
@@ -137,7 +142,7 @@ class Plan:
                              "comm_elements_per_step": zero_comm_elements(self.parameters, g.stage)},
             "comm_bytes_per_step": self.comm.payload_bytes,
             "comm": self.comm.to_json(),
-            "machine": {"name": self.schedule.machine.name, "source": self.machine_source() or "default"},
+            "machine": {"name": self.schedule.machine.name, "source": self.machine_source() or calibrated_source()},
             "predicted_step_s": sim.step_s,
             "lower_bound_s": sim.bound_s,
             "overlap_efficiency": sim.overlap_efficiency,

@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     from zdsl.cli import parse_sets
     from zdsl.driver import report
     from zdsl.driver import status_of
+    from zdsl.planner import profile_cache
+    profile_cache.enable()                         # predictions with this machine's calibrated rates
     base = parse_sets(args.set, parser)
     if "steps" in base or "train.steps" in base:
         parser.error("set the measured run length with --steps, not --set steps")

@@ -1,0 +1,145 @@
+"""The machine profile a schedule without a ``machine`` statement is planned with: calibrated on this machine.
+
+``zdsl plan``, ``zdsl tune`` and ``zdsl run --trace`` call :func:`enable`; then the first schedule they
+load that has no ``machine`` statement (or include of one) gets the profile cached in zdsl's cache folder
+for this host, core count, torch version and device. Where none is cached, the runtime measures one now
+(``zdsl calibrate --quick`` in a subprocess, a few seconds, once per machine) and caches it; a failure to
+measure leaves zdsl's default profile and says why. Either way one line on stderr says what happened, once
+per process. ``zdsl calibrate`` refreshes the cached profile. ``ZDSL_CALIBRATE=0`` (or ``--no-calibrate``)
+plans with the default profile and neither measures nor reads the cache.
+
+Torch-free: the cache is JSON, the measuring is the runtime's, in its own process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from zdsl import env
+from zdsl.cache import cache_dir
+from zdsl.planner.this_machine import device_in_ram
+from zdsl.planner.this_machine import installed_torch
+from zdsl.planner.this_machine import usable_cores
+from zdsl.schedule import MachineProfile
+
+QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the default profile is used
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The profile chosen for schedules without a machine statement: None keeps zdsl's default."""
+    profile: MachineProfile | None
+    line: str               # what ``zdsl plan`` prints as its ``rates:`` line
+    said: str | None        # the one line on stderr when it was chosen (None: nothing to say)
+
+
+_enabled = False
+_choice: Choice | None = None
+
+
+def enable(on: bool = True) -> None:
+    """Let this process plan schedules without a machine statement with the calibrated profile."""
+    global _enabled, _choice
+    _enabled, _choice = on and env.get("ZDSL_CALIBRATE") != "0", None
+
+
+def profile_key(device: str) -> str:
+    """What a cached profile is valid for: host name, usable cores, torch version and device kind."""
+    raw = f"{socket.gethostname()}-{usable_cores()}cores-torch{installed_torch()}-{device}"
+    return "".join(c if c.isalnum() or c in ".-" else "_" for c in raw)
+
+
+def machine_device() -> str:
+    """The device kind this machine calibrates: ``cuda`` with a GPU, else ``cpu``."""
+    return "cpu" if device_in_ram("auto") else "cuda"
+
+
+def profile_path(device: str | None = None) -> Path:
+    return cache_dir() / f"machine-{profile_key(device or machine_device())}.json"
+
+
+def write_profile(fields: dict, statement: str, path: Path | None = None) -> Path:
+    """Cache a measured profile (called by the runtime's ``zdsl calibrate``)."""
+    path = path or profile_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"profile": fields, "statement": statement, "when": when}, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def read_profile(path: Path) -> tuple[MachineProfile, str] | None:
+    """The cached profile and when it was measured; None where absent or unreadable."""
+    try:
+        cached = json.loads(path.read_text())
+        known = {f.name for f in dataclasses.fields(MachineProfile)}
+        return MachineProfile(**{k: v for k, v in cached["profile"].items() if k in known}), str(cached["when"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def calibrate_in_runtime(timeout: float = QUICK_TIMEOUT) -> str | None:
+    """``zdsl calibrate --quick`` in a subprocess, which caches its profile; None on success, else why not."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "zdsl.runtime.calibrate.cli", "--quick", "--no-progress"],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"it took over {timeout:.0f} s"
+    except OSError as e:
+        return str(e)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        return lines[-1].removeprefix("error: ")
+    return None
+
+
+def choose(device: str) -> Choice:
+    """The cached profile for ``device``; measured now where none is cached (on this machine's device)."""
+    path = profile_path(device)
+    cached = read_profile(path)
+    if cached is not None:
+        return Choice(cached[0], f"rates: calibrated on this machine (cached {cached[1]}, {path})", None)
+    fallback = (f"rates: zdsl's uncalibrated default {'cuda' if device == 'cuda' else 'cpu'!r} profile; "
+                f"calibrate: zdsl calibrate")
+    if device != machine_device():
+        return Choice(None, fallback, None)          # a CUDA schedule planned on a CPU box: nothing to measure
+    why = calibrate_in_runtime()
+    cached = read_profile(path) if why is None else None
+    if cached is None:
+        why = why or f"it wrote no profile to {path}"
+        return Choice(None, fallback, f"zdsl: could not calibrate this machine ({why}); planning with "
+                                      f"zdsl's default profile")
+    return Choice(cached[0], f"rates: calibrated on this machine (cached {cached[1]}, {path})",
+                  f"zdsl: calibrated this machine once (zdsl calibrate --quick), cached in {path}")
+
+
+def calibrated_for(schedule) -> MachineProfile | None:
+    """The profile to plan ``schedule`` with where it has no machine statement; None: keep its own."""
+    global _choice
+    if not _enabled or "machine" in schedule.spans:
+        return None
+    device = "cpu" if device_in_ram(schedule.device) else "cuda"
+    if _choice is None:
+        _choice = choose(device)
+        if _choice.said:
+            print(_choice.said, file=sys.stderr)
+    return _choice.profile
+
+
+def rates_line() -> str | None:
+    """The ``rates:`` line for a schedule planned with :func:`calibrated_for`'s choice; None when off."""
+    return _choice.line if _enabled and _choice is not None else None
+
+
+def calibrated_source() -> str:
+    """The plan JSON's machine source where the schedule has no machine statement."""
+    choice = _choice if _enabled else None
+    return f"calibrated: {profile_path(machine_device())}" if choice is not None and choice.profile else "default"
