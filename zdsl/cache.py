@@ -1,7 +1,7 @@
 """The folder where zdsl keeps what it built or measured on this machine: ``$ZDSL_CACHE``.
 
-The runtime writes there (its C kernels, torch's memory floor per process); the
-planner reads the floor back without importing the runtime. Torch-free.
+The runtime writes there (its C kernels, torch's memory floor per process, this machine's
+calibrated profile); the planner reads the floor and the profile back without importing the runtime. Torch-free.
 """
 from __future__ import annotations
 
