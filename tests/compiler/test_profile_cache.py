@@ -121,3 +121,12 @@ def test_tune_predicts_with_the_calibrated_profile(tmp_path, capsys, calibrating
     out, err = capsys.readouterr()
     assert status == 0, err
     assert calibrating == [1] and "calibrated this machine once" in err
+
+
+def test_the_suite_never_calibrates(tmp_path, capsys, monkeypatch):
+    """tests/conftest.py turns calibration off for every test (and the zdsl processes tests start)."""
+    monkeypatch.setenv("ZDSL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(profile_cache, "calibrate_in_runtime", lambda: pytest.fail("the suite calibrated"))
+    out, err = plan(tmp_path, capsys)
+    assert "calibrat" not in err and not list((tmp_path / "cache").glob("machine-*.json"))
+    assert rates(out)[0].startswith("rates: zdsl's uncalibrated default 'cpu' profile")
