@@ -86,11 +86,19 @@ def read_profile(path: Path) -> tuple[MachineProfile, str] | None:
         return None
 
 
+def nvidia_gpus() -> int:
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
 def calibrate_in_runtime(timeout: float = QUICK_TIMEOUT) -> str | None:
     """``zdsl calibrate --quick`` in a subprocess, which caches its profile; None on success, else why not."""
+    ranks = ["--ranks", "1"] if machine_device() == "cuda" and nvidia_gpus() == 1 else []   # nccl: a GPU a rank
     try:
-        done = subprocess.run([sys.executable, "-m", "zdsl.runtime.calibrate.cli", "--quick", "--no-progress"],
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([sys.executable, "-m", "zdsl.runtime.calibrate.cli", "--quick", "--no-progress",
+                               *ranks], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"it took over {timeout:.0f} s"
     except OSError as e:
