@@ -253,11 +253,12 @@ def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: Torch
                              lambda spec: compiled.units, simulate=True)
         return needs_of(other.graph, other.sim.memory.to_json()).ram_per_rank if other.sim else needs.ram_per_rank
 
+    search = ram_at              # how many ranks would fit: not searched where another launcher spreads them
     if local_ranks is not None:
-        needs, ram_at = dataclasses.replace(needs, ranks=local_ranks), None
+        needs, search = dataclasses.replace(needs, ranks=local_ranks), None
     swap_free = free_bytes(needs.swap_folder, statvfs) if needs.swap_folder else None
     return judge(needs, machine or Machine.this(), floor or default_floor(floor_kind(compiled.schedule)),
-                 swap_free, ram_at)
+                 swap_free, search)
 
 
 NO_TORCH = TorchFloor(0, 0, "not counted: torch is not installed")
