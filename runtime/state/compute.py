@@ -290,7 +290,8 @@ class Compute:
         if u < self.last:
             grad_out = table.read(f"act_grad[{u + 1}]", op).tensor
         else:
-            grad_out = (torch.tensor(self.scaler.scale, dtype=rec.output.dtype, device=rec.output.device)
+            # a fill on the device, not a pageable host-to-device copy per micro-batch
+            grad_out = (torch.full((), self.scaler.scale, dtype=rec.output.dtype, device=rec.output.device)
                         if self.scaler.enabled else None)
         fp = flats[u]
         own_idx = fp.trainable
