@@ -48,7 +48,8 @@ HOST_LANES = ("host", "nvme")
 class LaneStreams:
     def __init__(self, graph: TaskGraph, device: torch.device):
         lanes = sorted({op.lane for op in graph.ops})
-        self.device = device
+        # an index, so that worker threads can make this device current (``cuda`` alone: the current one)
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.streams = {lane: torch.cuda.Stream(device=device) for lane in lanes if lane not in HOST_LANES}
         self.lane_of = [op.lane for op in graph.ops]
         self.events: list[torch.cuda.Event | None] = [None] * len(graph.ops)   # each op's end
