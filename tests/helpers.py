@@ -15,6 +15,18 @@ def zdsl(*args, env=None, cwd=None, timeout=300) -> subprocess.CompletedProcess:
                           env=full, cwd=cwd, timeout=timeout)
 
 
+# A tiny ZeRO-3 schedule for the command-line tests (compiles in milliseconds, no files).
+SMALL = """\
+schedule small "a tiny ZeRO-3 schedule"
+model     gpt(layers=2, width=32, heads=4, vocab=64, context=8)
+data      synthetic(vocab=64, context=8)
+train     steps=2, batch=2, precision=fp32
+optimizer adamw(lr=1e-3)
+ranks     2 on cpu
+zero      3
+prefetch  parameters 1 units ahead
+"""
+
 QUICKSTART = Path(__file__).parents[1] / "programs" / "quickstart.zs"     # gpt vocab=256, context=32, 2 ranks
 
 

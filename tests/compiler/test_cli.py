@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import helpers
+
 from zdsl import cli
 from zdsl import driver
 from zdsl import log
@@ -18,17 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted(p for p in (ROOT / "programs").glob("*.zs"))
 BUILTIN = [p for p in PROGRAMS if "gpt(" in p.read_text()]
 
-SMALL = """\
-schedule small "a tiny ZeRO-3 schedule"
-model     gpt(layers=2, width=32, heads=4, vocab=64, context=8)
-data      synthetic(vocab=64, context=8)
-train     steps=2, batch=2, precision=fp32
-optimizer adamw(lr=1e-3)
-ranks     2 on cpu
-zero      3
-prefetch  parameters 1 units ahead
-memory    device {budget}
-"""
+SMALL = helpers.SMALL + "memory    device {budget}\n"
 
 
 def write(tmp_path, text: str, name="s.zs") -> str:

@@ -6,20 +6,13 @@ import dataclasses
 
 import pytest
 
+import helpers
+
 from zdsl.cli import main
 from zdsl.planner import profile_cache
 from zdsl.schedule import MachineProfile
 
-SMALL = """\
-schedule small "a tiny ZeRO-3 schedule"
-model     gpt(layers=2, width=32, heads=4, vocab=64, context=8)
-data      synthetic(vocab=64, context=8)
-train     steps=2, batch=2, precision=fp32
-optimizer adamw(lr=1e-3)
-ranks     2 on cpu
-zero      3
-prefetch  parameters 1 units ahead
-"""
+SMALL = helpers.SMALL
 MEASURED = dataclasses.replace(MachineProfile(), flops=1e9, link_bandwidth=1e8, op_overhead=1e-3)
 
 
