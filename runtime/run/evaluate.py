@@ -28,6 +28,7 @@ from zdsl.runtime.exec.executor import Executor
 from zdsl.runtime.exec.streams import lane_streams
 from zdsl.runtime.models.batch import IGNORE_INDEX
 from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.batch import as_batch
 
 
 class EvalError(RuntimeError):
@@ -54,8 +55,7 @@ class Evaluator:
         return (step + 1) % self.spec.every == 0 or step == steps - 1
 
     def eval_batch(self, i: int) -> Batch:
-        data = self.make_batch(self.spec.data, self.seed, i, 0, self.rank, self.world, self.batch)
-        return data if isinstance(data, Batch) else Batch.of(*data)
+        return as_batch(self.make_batch(self.spec.data, self.seed, i, 0, self.rank, self.world, self.batch))
 
     async def run(self, after_step: int) -> float:
         """The validation loss over the K eval batches of every rank (the same on every rank)."""
