@@ -39,3 +39,15 @@ def quickstart_with_data(folder: Path, data: str, name: str = "data.zs") -> Path
     out = folder / name
     out.write_text(text.replace(old, f"data      {data}"))
     return out
+
+
+def assert_refused(zs: Path, expected: list[str], env=None) -> None:
+    """``zdsl check`` and ``zdsl run`` of ``zs`` both end in exit status 1 with an error positioned in
+    ``zs`` that holds every text of ``expected``, never a traceback."""
+    for command in ("check", "run"):
+        proc = zdsl(command, str(zs), env=env)
+        assert proc.returncode == 1, (zs.name, command, proc.stderr)
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert f"{zs.name}:" in proc.stderr, proc.stderr           # positioned at the statement
+        for part in expected:
+            assert part in proc.stderr, (command, part, proc.stderr)
