@@ -97,6 +97,10 @@ class Buffer:
     bytes: int                # bytes this buffer holds on one rank when live
     persistent: bool = False  # model state: live for the whole step, never freed
     dtype: str = "fp32"       # "fp32", "bf16", "fp16"
+    # a host buffer is page-locked where the device is CUDA (fast, asynchronous copies) unless the
+    # placement that put it there says ``pinned=false``; left out of the JSON when True, so graphs
+    # from before the field hash and load as they did
+    pinned: bool = True
 
     @property
     def state(self) -> str | None:
@@ -191,6 +195,9 @@ class TaskGraph:
             for key, default in UnitInfo.OMITTED.items():
                 if unit[key] == default:
                     del unit[key]
+        for buf in raw["buffers"].values():
+            if buf["pinned"]:
+                del buf["pinned"]
         return json.dumps(raw, sort_keys=True, separators=(",", ":"))
 
     @classmethod

@@ -52,6 +52,7 @@ from zdsl.compile.decay import NoDecayError
 from zdsl.compile.decay import decay_groups
 from zdsl.compile.freeze import FreezeError
 from zdsl.compile.freeze import frozen_params
+from zdsl.compile.pinning import host_pinned
 from zdsl.schedule import Pipeline
 from zdsl.schedule import PHASES
 from zdsl.schedule import STATES
@@ -224,7 +225,8 @@ class _Builder:
             nbytes, dtype = 4, "fp32"
         else:  # token
             nbytes = 0
-        buf = Buffer(name, kind, u, tier, nbytes, persistent=name in self._persistent, dtype=dtype)
+        buf = Buffer(name, kind, u, tier, nbytes, persistent=name in self._persistent, dtype=dtype,
+                     pinned=host_pinned(self.schedule, self.tiers, kind, u, tier))
         self.buffers[name] = buf
         return buf
 
