@@ -141,8 +141,8 @@ class BufferTable:
             alloc_storage(t)
             t.zero_()
         else:
-            pin = dev.type == "cpu" and self.device.type == "cuda"
-            t = torch.empty(self.numel(buf), dtype=self.dtype_of(buf), device=dev, pin_memory=pin)
+            t = torch.empty(self.numel(buf), dtype=self.dtype_of(buf), device=dev,
+                            pin_memory=pins_host_memory(buf, self.device))
             if buf.kind in ("grad_full", "grad_shard"):
                 t.zero_()
         slot.tensor, slot.live, slot.clean = t, True, True
@@ -177,6 +177,13 @@ class BufferTable:
                 raise self.error(op, f"frees {name}, which is model state (persistent)")
             if slot.live:
                 self.release(slot)
+
+
+def pins_host_memory(buf: Buffer, device: torch.device) -> bool:
+    """Page-lock a buffer's memory: a host buffer whose placement did not say ``pinned=false``
+    (the graph's ``Buffer.pinned``), on a rank whose device is CUDA (elsewhere pinning buys
+    nothing, and needs a CUDA driver)."""
+    return buf.tier == "host" and buf.pinned and device.type == "cuda"
 
 
 def record_current_stream(t: torch.Tensor | None) -> None:

@@ -37,7 +37,9 @@ class Transfers:
                 raise StateError(f"rank {rank}: the nvme tier is unavailable: {exc}") from None
             p = places[0]
             folder = os.path.join(p["path"], f"rank{rank}")
-            self._swapper = Swapper(folder, p.get("block_bytes", 1 << 20), p.get("queue_depth", 8))
+            # its staging pool is pinned where CUDA is present, unless the placement says pinned=false
+            self._swapper = Swapper(folder, p.get("block_bytes", 1 << 20), p.get("queue_depth", 8),
+                                    pin=None if p.get("pinned", True) else False)
         return self._swapper
 
     @property

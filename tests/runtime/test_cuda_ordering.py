@@ -36,7 +36,7 @@ def test_a_host_gradient_gets_the_host_copy_of_a_device_coefficient():
     assert StepPlan().coef_for(g) is None                                 # no clipping this step
 
 
-def _gpt_rank(stage: int, clip=None):
+def _gpt_rank(stage: int, clip=None, placement=None):
     """A 2-layer GPT's graph and one rank's state on the CPU."""
     from zdsl.driver import compile_schedule
     from zdsl.runtime.models.protocol import build_model
@@ -46,7 +46,8 @@ def _gpt_rank(stage: int, clip=None):
     spec = ModelSpec("gpt", dict(layers=2, width=16, heads=2, vocab=64, context=16))
     sched = Schedule(name="ordering", model=spec, data=DataSpec("synthetic", None, {"vocab": 64, "context": 16}),
                      train=TrainSpec(steps=1, batch=2, accumulate=1, precision="fp32", seed=0),
-                     optimizer=OptimizerSpec(kind="sgd", lr=0.1, clip=clip), ranks=1, stage=stage)
+                     optimizer=OptimizerSpec(kind="sgd", lr=0.1, clip=clip), ranks=1, stage=stage,
+                     placement=placement or {})
     graph = compile_schedule(sched, units_for_user_model(spec, 16))
     return sched, graph, RankState(graph, build_model(spec, seed=0), 0, 1, device="cpu")
 
@@ -145,3 +146,36 @@ def test_only_gloo_falls_back_to_an_all_reduce_when_reduce_scatter_is_unsupporte
     with pytest.raises(RuntimeError, match="not supported"):
         collectives.reduce_scatter(torch.zeros(2), torch.zeros(4))
     assert collectives._no_native_reduce_scatter == set()       # NCCL not marked as lacking it
+
+
+def test_a_host_buffer_is_pinned_on_cuda_unless_its_placement_says_pinned_false():
+    from zdsl.ir import Buffer
+    from zdsl.runtime.state.buffers import pins_host_memory
+    cuda = torch.device("cuda", 0)
+    host = Buffer("optim[0]@host", "optim", 0, "host", 8)
+    assert pins_host_memory(host, cuda)
+    assert not pins_host_memory(Buffer("optim[0]@host", "optim", 0, "host", 8, pinned=False), cuda)
+    assert not pins_host_memory(host, torch.device("cpu"))                  # nothing to pin for
+    assert not pins_host_memory(Buffer("optim[0]", "optim", 0, "device", 8), cuda)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_the_rank_allocates_host_buffers_as_the_schedule_pins_them(monkeypatch, pinned):
+    """The compiled graph's flag reaches the allocation (the rank's device taken for CUDA: on the
+    CPU pinning is moot, so the allocation is recorded, not made pinned)."""
+    from zdsl.runtime.state import buffers
+    from zdsl.schedule import Placement
+    sched, graph, state = _gpt_rank(1, placement={"optimizer": Placement(tier="cpu", pinned=pinned)})
+    asked: dict[str, bool] = {}
+    empty = torch.empty
+
+    def recording(*size, pin_memory=False, **kw):
+        asked["pin_memory"] = pin_memory
+        return empty(*size, **kw)
+    table = state.table
+    slot = next(s for s in table.slots.values() if s.buf.tier == "host" and not s.live)
+    monkeypatch.setattr(table, "device", torch.device("cuda", 0))
+    monkeypatch.setattr(buffers.torch, "empty", recording)
+    table.alloc(slot)
+    monkeypatch.undo()
+    assert slot.buf.pinned is pinned and asked == {"pin_memory": pinned}
