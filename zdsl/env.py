@@ -45,6 +45,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "rank's failure"),
     Variable("ZDSL_NO_NATIVE", DIAGNOSTIC, "user", "1 builds no C kernel: the host AdamW step runs ATen's "
              "(to test or compare the fallback)"),
+    Variable("ZDSL_ONE_STREAM", DIAGNOSTIC, "user", "1 runs every device lane of a CUDA rank on one stream: the "
+             "same ops without overlap, to compare an overlapped run against"),
     Variable("ZDSL_FAULT", DIAGNOSTIC, "tests", "RANK:OP[:raise|kill|hang[:STEP]]: that rank fails at that op "
              "(fault injection)"),
     Variable("ZDSL_ERROR_FILE", LAUNCHER_SET, "zdsl run", "where a rank leaves its error for the launcher; "

@@ -3,13 +3,21 @@
 On a CUDA device an op "completes" for the executor when its kernels are
 enqueued on its lane's stream; what orders it after its dependencies is the
 stream waiting on their events, not the host. The host waits (an event's
-``synchronize``) only where a host-side op needs a device result: the host
-step, NVMe writes, and anything else on a host lane. A free waits on its
-readers' events on its own lane's stream, and records that stream on the
-tensors it releases (``Tensor.record_stream``, ``runtime/state/buffers.py``):
-the caching allocator gives a block back to the pool of the stream that
-allocated it, which may be another lane's, and reuses it only after the
-freeing stream has passed the free.
+``synchronize``) only where host code needs a device result or touches host
+memory a copy may still be using: every op on a host lane (the host step, NVMe
+reads and writes), and an op on a device lane whose body reads or writes a host
+buffer on the CPU (:func:`host_side_ops`). Copies between a pinned host buffer
+and the device are asynchronous (``runtime/state/transfers.py``), so a host
+buffer is written or read by the copy engine in stream order: its host readers
+and writers wait for the copy's event through their graph dependency on it (the
+graph orders every read after the last write and every write after the reads
+since, ``zdsl/compile/instantiate.py``), and a freed pinned block is not reused
+before the copies using it are done (torch's pinned host allocator records an
+event on the copy's stream). A free waits on its readers' events on its own
+lane's stream, and records that stream on the tensors it releases
+(``Tensor.record_stream``, ``runtime/state/buffers.py``): the caching allocator
+gives a block back to the pool of the stream that allocated it, which may be
+another lane's, and reuses it only after the freeing stream has passed the free.
 
 What the step's caller queued on the current (default) stream before the step
 (zeroing persistent gradients, the micro-batches' copies, a resume's loads) is
@@ -17,14 +25,19 @@ waited for by every lane stream at ``begin_step``; ``end_step`` waits for the
 device, so the losses and metrics read after the step are complete. Lane and
 watcher threads make the rank's device current before touching a stream.
 
-Op times on the device: every op on a lane's stream is bracketed by two
-timing events (its start is recorded after its stream waits for its
-dependencies, its end after its kernels, or for a collective after the
-stream waited for it), read after the step as seconds from an origin event
-recorded when the step began (:meth:`LaneStreams.device_times`). The
-executor puts these in the step's timings (``--trace``, the overlap
-report) in place of the host's enqueue times, which on CUDA say when work
-was queued, not when it ran. Ops on host lanes keep host times.
+Op times on the device (``timing=True``, when the executor records the step):
+every op on a lane's stream is bracketed by two timing events (its start is
+recorded after its stream waits for its dependencies, its end after its kernels,
+or for a collective after the stream waited for it), read after the step as
+seconds from an origin event recorded when the step began
+(:meth:`LaneStreams.device_times`). The executor puts these in the step's
+timings (``--trace``, the overlap report) in place of the host's enqueue times,
+which on CUDA say when work was queued, not when it ran. Ops on host lanes keep
+host times. Untimed (``timing=False``, e.g. evaluation) the events only order,
+and are made without timing, which CUDA records more cheaply.
+
+``ZDSL_ONE_STREAM=1`` (a diagnostic) puts every device lane on one stream: the
+same ops in the same order without overlap, to hold an overlapped run against.
 
 On the CPU none of this exists: :func:`lane_streams` returns None and the
 executor runs ops directly.
@@ -38,39 +51,79 @@ from contextlib import contextmanager
 
 import torch
 
+from zdsl import env
 from zdsl.ir import Op
-
 from zdsl.ir import TaskGraph
 
 HOST_LANES = ("host", "nvme")
 
 
+def host_side_ops(graph: TaskGraph) -> list[bool]:
+    """Per op: on a device lane, and its body reads or writes a host buffer on the CPU (so the host
+    must wait for its dependencies' events, not only its stream). A copy's host buffer is the copy
+    engine's, in stream order, except a device-to-host copy that accumulates (it adds on the CPU);
+    a free touches no memory."""
+    out = []
+    for op in graph.ops:
+        engine = op.kind == "copy.h2d" or (op.kind == "copy.d2h" and not op.accumulate)
+        touches = any(graph.buffers[n].tier == "host" for n in (*op.reads, *op.writes) if n in graph.buffers)
+        out.append(op.lane not in HOST_LANES and op.kind != "mem.free" and not engine and touches)
+    return out
+
+
 class LaneStreams:
-    def __init__(self, graph: TaskGraph, device: torch.device):
+    """The executor's seam to CUDA streams (``Executor(streams=...)``); a CPU checker implements the
+    same methods. Contract, per method:
+
+    * ``begin_step()``: before a step's first op; every lane is ordered after the work the caller
+      queued on the current stream.
+    * ``ordered(op)``: a context the op's body runs in, after its dependencies (on a device lane:
+      its stream waits for their events, and for a host-side op the host does too; on a host lane
+      the host waits), with the lane's stream current; leaving it records the op's end.
+    * ``on_lane(op)``: the op's stream current (a collective's wait in a watcher thread), no waits.
+    * ``record(op)``: mark the op's end on its lane's stream now (a collective after its wait).
+    * ``device_times()``: ``{op: (start, end)}`` seconds on the device; only with ``timing``.
+    * ``end_step()``: the device is done with the step (untimed steps).
+    """
+
+    def __init__(self, graph: TaskGraph, device: torch.device, timing: bool = True):
         lanes = sorted({op.lane for op in graph.ops})
         # an index, so that worker threads can make this device current (``cuda`` alone: the current one)
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        self.streams = {lane: torch.cuda.Stream(device=device) for lane in lanes if lane not in HOST_LANES}
+        self.timing = timing
+        device_lanes = [lane for lane in lanes if lane not in HOST_LANES]
+        if env.flag("ZDSL_ONE_STREAM"):
+            shared = torch.cuda.Stream(device=self.device)
+            self.streams = {lane: shared for lane in device_lanes}
+        else:
+            self.streams = {lane: torch.cuda.Stream(device=self.device) for lane in device_lanes}
         self.lane_of = [op.lane for op in graph.ops]
+        self.host_side = host_side_ops(graph)
         self.events: list[torch.cuda.Event | None] = [None] * len(graph.ops)   # each op's end
         self.begins: list[torch.cuda.Event | None] = [None] * len(graph.ops)
         self.origin: torch.cuda.Event | None = None
 
+    def _event(self) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=self.timing)
+
     def begin_step(self) -> None:
         self.events = [None] * len(self.events)
         self.begins = [None] * len(self.begins)
-        self.origin = torch.cuda.Event(enable_timing=True)
+        self.origin = self._event()
         self.origin.record(torch.cuda.current_stream(self.device))
-        for stream in self.streams.values():   # the caller's work queued before the step
+        for stream in set(self.streams.values()):   # the caller's work queued before the step
             stream.wait_event(self.origin)
 
     def end_step(self) -> None:
-        """Wait for the device: every lane's work of the step is done (untraced steps too)."""
+        """Wait for the device: every lane's work of the step is done (untimed steps too)."""
         torch.cuda.synchronize(self.device)
 
     def device_times(self) -> dict[int, tuple[float, float]]:
         """{op: (start, end)} on the device, seconds from the step's origin, for every op that
-        ran on a lane's stream. Waits for the device (the step's end already does)."""
+        ran on a lane's stream. Waits for the device (the step's end already does). Only for
+        streams made with ``timing=True``."""
+        if not self.timing:
+            raise RuntimeError("device_times: these lane streams were made without timing events")
         torch.cuda.synchronize(self.device)
         out = {}
         for i, (begin, end) in enumerate(zip(self.begins, self.events)):
@@ -80,31 +133,34 @@ class LaneStreams:
 
     @contextmanager
     def ordered(self, op: Op):
-        """Run ``op``'s body after its dependencies (stream waits, or host waits on host lanes)."""
+        """Run ``op``'s body after its dependencies (stream waits, or host waits on host lanes and
+        for host-side ops)."""
         stream = self.streams.get(op.lane)
         torch.cuda.set_device(self.device)   # lane threads start on device 0
+        host_waits = stream is None or self.host_side[op.id]
         for d in op.deps:
             event = self.events[d]
             if event is None:
                 continue
-            if stream is None:
-                event.synchronize()          # a host-side op needs the device result now
+            if host_waits:
+                event.synchronize()          # host code needs the device result (or the copy done) now
             elif self.lane_of[d] != op.lane or op.kind == "mem.free":
                 stream.wait_event(event)
         if stream is None:
             yield
             return
         with torch.cuda.stream(stream):
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record(stream)
-            self.begins[op.id] = begin
+            if self.timing:
+                begin = self._event()
+                begin.record(stream)
+                self.begins[op.id] = begin
             yield
             self.record(op)
 
     def record(self, op: Op) -> None:
         stream = self.streams.get(op.lane)
         if stream is not None:
-            event = torch.cuda.Event(enable_timing=True)
+            event = self._event()
             event.record(stream)
             self.events[op.id] = event
 
@@ -120,5 +176,6 @@ class LaneStreams:
                 yield
 
 
-def lane_streams(graph: TaskGraph, device: torch.device) -> LaneStreams | None:
-    return LaneStreams(graph, device) if device.type == "cuda" else None
+def lane_streams(graph: TaskGraph, device: torch.device, timing: bool = True) -> LaneStreams | None:
+    """The rank's lane streams on CUDA (``timing``: device times will be read), else None."""
+    return LaneStreams(graph, device, timing) if device.type == "cuda" else None

@@ -47,7 +47,7 @@ class Evaluator:
         self.make_batch = make_batch
         # no progress board: the launcher reads it as the training graph's ops and collectives; no
         # injected fault (ZDSL_FAULT names a training op and step)
-        self.executor = Executor(graph, state, rank, record=False, streams=lane_streams(graph, device))
+        self.executor = Executor(graph, state, rank, record=False, streams=lane_streams(graph, device, timing=False))
         self.executor.fault = None
 
     def due(self, step: int, steps: int) -> bool:

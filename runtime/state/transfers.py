@@ -1,5 +1,10 @@
 """Copies between tiers (``copy.h2d|d2h``) and NVMe reads and writes (``nvme.read|write``).
 
+A copy between the device and a pinned host buffer is asynchronous: it is queued on the lane's
+stream and done when the op's event is (``runtime/exec/streams.py`` makes the host wait for that
+event wherever host code uses the buffer next). A pageable host buffer is copied synchronously
+(from pageable memory CUDA stages the copy anyway, and an asynchronous copy into it is unsafe).
+
 The NVMe swapper (``runtime/offload/swap.py``) is opened on first use from the schedule's
 placement, one folder per rank; :meth:`Transfers.close_swap` removes its files.
 """
@@ -78,11 +83,13 @@ class Transfers:
             self._move_activation(op, src_slot, table.slot(dst_name, op))
             return
         dst = table.write(dst_name, op)
+        src = src_slot.tensor
+        asynchronous = copies_asynchronously(op, src, dst)
         with torch.no_grad():
             if op.accumulate:
-                dst.add_(src_slot.tensor.to(dst.device, non_blocking=False))
+                dst.add_(src.to(dst.device, non_blocking=asynchronous))
             else:
-                dst.copy_(src_slot.tensor, non_blocking=False)
+                dst.copy_(src, non_blocking=asynchronous)
 
     def _move_activation(self, op: Op, src: Slot, dst: Slot) -> None:
         """Activation offload. On a CPU device the device and the host are the same memory,
@@ -109,3 +116,15 @@ class Transfers:
                              src.numel() * src.element_size())
         else:
             raise table.error(op, "not an nvme op")
+
+
+def copies_asynchronously(op: Op, src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """A ``copy.h2d`` from a pinned host buffer to a CUDA one, or a ``copy.d2h`` from a CUDA buffer
+    into a pinned host one that it overwrites (one that accumulates adds on the CPU at once)."""
+    if op.kind == "copy.h2d":
+        host, device = src, dst
+    elif op.kind == "copy.d2h" and not op.accumulate:
+        host, device = dst, src
+    else:
+        return False
+    return device.is_cuda and host.device.type == "cpu" and host.is_pinned()

@@ -179,3 +179,161 @@ def test_the_rank_allocates_host_buffers_as_the_schedule_pins_them(monkeypatch, 
     table.alloc(slot)
     monkeypatch.undo()
     assert slot.buf.pinned is pinned and asked == {"pin_memory": pinned}
+
+
+# -- LaneStreams itself, on a fake CUDA (streams and events that record what is asked of them) --------------
+
+class FakeEvent:
+    def __init__(self, log, enable_timing=False, **kw):
+        self.log, self.timing = log, enable_timing
+        log.append(("event", self))
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        self.log.append(("sync", self))
+
+    def elapsed_time(self, other):
+        return 1.0
+
+
+class FakeStream:
+    def __init__(self, log, device=None, **kw):
+        self.log = log
+        log.append(("stream", self))
+
+    def wait_event(self, event):
+        self.log.append(("wait", self, event))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's stream and event API, recording into a log (the ops themselves run on the CPU)."""
+    log: list[tuple] = []
+    current = FakeStream([])
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **kw: FakeStream(log, *a, **kw))
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: FakeEvent(log, *a, **kw))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return log
+
+
+def _step_on_lanes(graph, state, sched, streams, record):
+    import trio
+    from test_unit_protocol import _batches
+    from zdsl.runtime.exec.executor import Executor
+    executor = Executor(graph, state, 0, record=record, streams=streams)
+    ran: list[int] = []
+    run = executor._run_one
+
+    def running(op):
+        streams.log.append(("run", op.id))
+        ran.append(op.id)
+        run(op)
+    executor._run_one = running
+    state.step_begin(0, _batches(sched, 0, 1))
+    record = trio.run(executor.run_step)
+    state.step_end()
+    return record
+
+
+@pytest.mark.parametrize("timing", [True, False])
+def test_ordering_events_are_timing_events_only_when_device_times_are_read(fake_cuda, one_rank_group, timing):
+    from zdsl.runtime.exec.streams import LaneStreams
+    sched, graph, state = _gpt_rank(1)
+    streams = LaneStreams(graph, torch.device("cuda", 0), timing=timing)
+    streams.log = fake_cuda
+    record = _step_on_lanes(graph, state, sched, streams, record=timing)
+    events = [e for kind, e, *_ in fake_cuda if kind == "event"]
+    assert len(events) > len(graph.ops)                    # an end per op, a begin per device op, the origin
+    assert {e.timing for e in events} == {timing}
+    assert bool(record.timings) is timing
+    if not timing:
+        with pytest.raises(RuntimeError, match="without timing"):
+            streams.device_times()
+
+
+def test_one_stream_puts_every_device_lane_on_a_single_stream(fake_cuda, one_rank_group, monkeypatch):
+    from zdsl.runtime.exec.streams import LaneStreams
+    sched, graph, _ = _gpt_rank(1)
+    device_lanes = {op.lane for op in graph.ops} - {"host", "nvme"}
+    assert len(device_lanes) > 1
+    assert len(LaneStreams(graph, torch.device("cuda", 0)).streams) == len(device_lanes)
+    made = sum(kind == "stream" for kind, *_ in fake_cuda)
+    assert made == len(device_lanes)
+    monkeypatch.setenv("ZDSL_ONE_STREAM", "1")
+    one = LaneStreams(graph, torch.device("cuda", 0))
+    assert one.streams.keys() == device_lanes and len({id(s) for s in one.streams.values()}) == 1
+    assert sum(kind == "stream" for kind, *_ in fake_cuda) == made + 1
+
+
+def test_host_code_waits_for_the_asynchronous_copies_it_reads(fake_cuda, one_rank_group):
+    """With the optimizer on the host, the host step reads gradient shards that copy.d2h wrote
+    asynchronously (pinned): before the step runs, the host has waited on every such copy's event."""
+    from zdsl.runtime.exec.streams import LaneStreams
+    from zdsl.schedule import Placement
+    sched, graph, state = _gpt_rank(2, placement={"optimizer": Placement(tier="cpu")})
+    streams = LaneStreams(graph, torch.device("cuda", 0), timing=False)
+    streams.log = fake_cuda
+    _step_on_lanes(graph, state, sched, streams, record=False)
+    event_op = {}
+    synced: set[int] = set()
+    checked = 0
+    for entry in fake_cuda:
+        if entry[0] == "sync":
+            synced.add(event_op.get(id(entry[1]), -1))
+        elif entry[0] == "run":
+            op = graph.ops[entry[1]]
+            for i, e in enumerate(streams.events):      # events recorded so far, by op
+                if e is not None:
+                    event_op.setdefault(id(e), i)
+            if op.lane == "host" and op.kind == "compute.step":
+                copies = [d for d in op.deps if graph.ops[d].kind == "copy.d2h"]
+                assert copies and set(copies) <= synced, (op.id, copies, synced)
+                checked += 1
+    assert checked
+
+
+def test_which_ops_run_host_code_on_a_device_lane():
+    from zdsl.ir import Buffer, Op, TaskGraph
+    from zdsl.runtime.exec.streams import host_side_ops
+    bufs = {n: Buffer(n, k, 0, t, 8) for n, k, t in [("g", "grad_shard", "device"), ("g@host", "grad_shard", "host"),
+                                                      ("norm", "norm", "device")]}
+    ops = [Op(0, "copy.d2h", "d2h", 0, ["g"], ["g@host"]),
+           Op(1, "copy.d2h", "d2h", 0, ["g"], ["g@host"], accumulate=True),      # adds on the CPU
+           Op(2, "copy.h2d", "h2d", 0, ["g@host"], ["g"]),
+           Op(3, "compute.norm", "compute", None, ["g@host"], ["norm"]),          # reads it on the CPU
+           Op(4, "compute.step", "host", 0, ["g@host"], []),                      # host lane: waits anyway
+           Op(5, "mem.free", "compute", 0, [], ["g@host"]),
+           Op(6, "compute.norm", "compute", None, ["g"], ["norm"])]
+    graph = TaskGraph("t", 1, 2, "fp32", 1, [], bufs, ops)
+    assert host_side_ops(graph) == [False, True, False, True, False, False, False]
+
+
+class _Like:
+    """A tensor's device and pinning, for the copy decision (no pinned memory without CUDA)."""
+
+    def __init__(self, where: str, pinned: bool = False):
+        self.device, self.is_cuda, self._pinned = torch.device(where), where == "cuda", pinned
+
+    def is_pinned(self):
+        return self._pinned
+
+
+@pytest.mark.parametrize("kind,accumulate,src,dst,expected", [
+    ("copy.h2d", False, _Like("cpu", True), _Like("cuda"), True),
+    ("copy.h2d", True, _Like("cpu", True), _Like("cuda"), True),      # the device adds, in stream order
+    ("copy.h2d", False, _Like("cpu"), _Like("cuda"), False),          # pageable: synchronous
+    ("copy.d2h", False, _Like("cuda"), _Like("cpu", True), True),
+    ("copy.d2h", True, _Like("cuda"), _Like("cpu", True), False),     # adds on the CPU: needs the bytes now
+    ("copy.d2h", False, _Like("cuda"), _Like("cpu"), False),
+    ("copy.h2d", False, _Like("cpu"), _Like("cpu"), False),           # a CPU rank
+])
+def test_a_copy_is_asynchronous_exactly_between_the_device_and_pinned_memory(kind, accumulate, src, dst, expected):
+    from zdsl.ir import Op
+    from zdsl.runtime.state.transfers import copies_asynchronously
+    op = Op(0, kind, kind[5:], 0, ["a"], ["b"], accumulate=accumulate)
+    assert copies_asynchronously(op, src, dst) is expected
