@@ -45,6 +45,7 @@ fast as the reference, far slower than the kernel) and says so in the log.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from zdsl import env
+from zdsl.runtime.dist.affinity import local_rank_and_world
 from zdsl.runtime.io import native
 
 log = structlog.get_logger("zdsl.runtime.offload.host_adam")
@@ -65,6 +68,19 @@ _MIN_PER_THREAD = 1 << 16  # below this, one thread: thread hand-off would cost 
 
 class HostAdamError(ValueError):
     """Bad arguments to the host step (wrong dtype, device, sizes or layout)."""
+
+
+def limit_host_threads(rank: int, world: int) -> int:
+    """A CUDA rank's host threads (this step's kernel and ATen's CPU ops use torch's count): its
+    share of the cores the process may use among this host's ranks, as a CPU rank gets from
+    ``runtime/dist/affinity.set_cpu_threads`` (torch would give every rank of the host all the
+    cores, and an offloaded step on 8 ranks would run 8 times as many threads as cores). An
+    explicit OMP_NUM_THREADS wins. Returns torch's thread count."""
+    if env.raw("OMP_NUM_THREADS") is None:
+        _, local_world = local_rank_and_world(rank, world)
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, usable // max(1, local_world)))
+    return torch.get_num_threads()
 
 
 # ----------------------------------------------------------------------------

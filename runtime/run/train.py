@@ -32,6 +32,7 @@ from zdsl.runtime.run.board import STEP
 from zdsl.runtime.run.board import STEP_DONE
 from zdsl.runtime.run.board import rank_board
 from zdsl.runtime.exec.streams import lane_streams
+from zdsl.runtime.offload.host_adam import limit_host_threads
 from zdsl.runtime.models.batch import as_batch
 
 
@@ -119,6 +120,8 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
     device = pick_device(cfg.get("device", "auto"), rank)
     if device.type == "cpu":
         set_cpu_threads(rank, world)
+    else:
+        limit_host_threads(rank, world)
     try:
         check_settings()
     except ValueError as e:

@@ -166,11 +166,11 @@ def test_the_rank_allocates_host_buffers_as_the_schedule_pins_them(monkeypatch, 
     from zdsl.runtime.state import buffers
     from zdsl.schedule import Placement
     sched, graph, state = _gpt_rank(1, placement={"optimizer": Placement(tier="cpu", pinned=pinned)})
-    asked: dict[str, bool] = {}
+    asked: list[bool] = []       # pin_memory of each torch.empty (pageable memory may come from elsewhere)
     empty = torch.empty
 
     def recording(*size, pin_memory=False, **kw):
-        asked["pin_memory"] = pin_memory
+        asked.append(pin_memory)
         return empty(*size, **kw)
     table = state.table
     slot = next(s for s in table.slots.values() if s.buf.tier == "host" and not s.live)
@@ -178,7 +178,7 @@ def test_the_rank_allocates_host_buffers_as_the_schedule_pins_them(monkeypatch, 
     monkeypatch.setattr(buffers.torch, "empty", recording)
     table.alloc(slot)
     monkeypatch.undo()
-    assert slot.buf.pinned is pinned and asked == {"pin_memory": pinned}
+    assert slot.buf.pinned is pinned and slot.live and (True in asked) is pinned
 
 
 # -- LaneStreams itself, on a fake CUDA (streams and events that record what is asked of them) --------------
@@ -337,3 +337,23 @@ def test_a_copy_is_asynchronous_exactly_between_the_device_and_pinned_memory(kin
     from zdsl.runtime.state.transfers import copies_asynchronously
     op = Op(0, kind, kind[5:], 0, ["a"], ["b"], accumulate=accumulate)
     assert copies_asynchronously(op, src, dst) is expected
+
+
+@pytest.mark.parametrize("local_world,omp,expected", [("2", None, 4), ("3", None, 2), ("16", None, 1),
+                                                       ("2", "5", None)])
+def test_a_cuda_rank_gives_its_host_step_its_share_of_the_cores(monkeypatch, local_world, omp, expected):
+    import os
+    from zdsl.runtime.offload.host_adam import limit_host_threads
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    try:
+        got = limit_host_threads(0, int(local_world))
+        assert got == torch.get_num_threads() == (before if expected is None else expected)
+    finally:
+        torch.set_num_threads(before)
