@@ -1,17 +1,20 @@
-"""``zdsl tune FILE --vary prefetch=1,2,4 bucket=16MiB,64MiB``: predict every variant, measure the best.
+"""``zdsl tune FILE --vary prefetch=0..4 bucket=256KiB..16MiB``: predict every variant, measure the best.
 
 Why two stages: the planner prices a combination in milliseconds and knows
-the memory budget, so it can afford to try all of them and reject the ones
-that do not fit; but a prediction is a model, so the best few are then run
-for real (short ``zdsl run`` subprocesses, exactly as a user would run them)
-and the winner is the fastest *measured* one. The table shows both, so the
-user also sees how far the cost model is off on this machine.
+the memory budget, so it can afford to try all of them, reject the ones that
+do not fit and prune the ones predicted too slow to win; but a prediction is a
+model, so the best few are then run for real (short ``zdsl run`` subprocesses,
+exactly as a user would run them), in interleaved rounds until the verdict
+stands out of the machine's noise or the budget ends. The table shows both,
+so the user also sees how far the cost model is off on this machine, and
+where it cannot tell two candidates apart that measure apart.
 
-This module turns arguments into calls: the candidates and their ranking
-(``zdsl.tune.search``), the measured runs (``zdsl.tune.measure``), the table
-(``zdsl.tune.table``) and the winner written as a new .zs file that re-checks
-to its task graph (``zdsl.tune.write``). No torch is imported: every
-measurement is a subprocess.
+This module turns arguments into calls: the candidates, their ranking and
+pruning (``zdsl.tune.search``, ranges in ``zdsl.tune.ranges``), the rounds
+(``zdsl.tune.rounds``, each run by ``zdsl.tune.measure``), the verdicts
+(``zdsl.tune.noise``), the table (``zdsl.tune.table``) and the winner written
+as a new .zs file that re-checks to its task graph (``zdsl.tune.write``). No
+torch is imported: every measurement is a subprocess.
 """
 from __future__ import annotations
 
@@ -20,8 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from zdsl.tune import noise
 from zdsl.tune.measure import measure
-from zdsl.tune.search import TuneUsageError, combinations, parse_vary, predict, ranked, validate_values
+from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, race
+from zdsl.tune.search import (PRUNE_FACTOR, TuneUsageError, combinations, count_changes, parse_vary, predict,
+                              prune, validate_values)
 from zdsl.tune.table import print_table
 from zdsl.tune.write import write_schedule_text
 
@@ -37,18 +43,43 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zdsl tune",
+                formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="Try combinations of schedule values: all predicted by the planner "
-                            "(over-budget ones rejected), the best K measured by short runs; "
-                            "writes the winner as a new .zs file.",
-                epilog="values with top-level commas (overlap pairs): separate alternatives with '|', "
-                       "e.g. --vary 'overlap=all|gather/forward,scatter/backward'")
+                            "(over-budget ones rejected, ones predicted too slow to win pruned), the best K "
+                            "measured by short runs in interleaved rounds; writes the winner as a new .zs file.",
+                epilog="""\
+ranges: prefetch=0..4 is every integer from 0 to 4 (step 1); bucket=256KiB..16MiB
+  doubles from the first size up to the last (256KiB, 512KiB, ..., 16MiB; the last
+  end is always included). Ranges and values mix: bucket=0,256KiB..4MiB.
+values with top-level commas (overlap pairs): separate alternatives with '|',
+  e.g. --vary 'overlap=all|gather/forward,scatter/backward'
+verdicts: each round runs every candidate once (A B C, A B C, ...); a round's figure is
+  its run's median step after the warm-up. "measured" is the median of those figures,
+  "spread" their interquartile range. A candidate is faster only when, over at least 4
+  rounds, its spread lies below the other's and it was faster in every shared round;
+  otherwise they tie, and a tie goes to the lower peak device memory, then the simpler
+  schedule (fewer values changed from the file, then smaller values), then the faster
+  median. Measuring stops when one candidate beats all others, when the ones left
+  still tie after --rounds rounds, or before a round that would overrun --budget.""")
     p.add_argument("file", metavar="FILE", nargs="?", help="the .zs schedule")
     p.add_argument("--vary", nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
-                   help="a --set key and the values to try (repeatable)")
-    p.add_argument("--measure", type=int, default=3, metavar="K",
-                   help="measure the K best predicted combinations (default 3; 0: planner only)")
-    p.add_argument("--steps", type=int, default=8, metavar="N",
-                   help="steps per measured run; the first is excluded from the median (default 8)")
+                   help="a --set key and the values (or LO..HI ranges) to try (repeatable)")
+    p.add_argument("--measure", type=int, default=4, metavar="K",
+                   help="measure the K best predicted combinations left after pruning (default 4; "
+                        "0: planner only)")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
+                   help=f"seconds of measuring at most: no round starts that would end after it; "
+                        f"the first round always runs (default {DEFAULT_BUDGET_S:.0f})")
+    p.add_argument("--rounds", type=int, default=DEFAULT_MAX_ROUNDS, metavar="N",
+                   help=f"stop after N rounds when the candidates left still tie (default {DEFAULT_MAX_ROUNDS}; "
+                        f"at least {noise.MIN_ROUNDS}, the rounds a verdict needs)")
+    p.add_argument("--steps", type=int, default=10, metavar="N",
+                   help="steps per measured run (default 10)")
+    p.add_argument("--warmup", type=int, default=2, metavar="W",
+                   help="first steps of each run not timed (default 2)")
+    p.add_argument("--prune", type=float, default=PRUNE_FACTOR, metavar="F",
+                   help=f"do not measure combinations predicted slower than F x the best predicted "
+                        f"(default {PRUNE_FACTOR:g}: the spread of the cost model's error across programs)")
     p.add_argument("--out", metavar="BEST.zs", help="where to write the winner (default: FILE's stem + "
                                                     "'.tuned.zs' beside FILE)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -69,8 +100,17 @@ def main(argv: list[str] | None = None) -> int:
         args.vary.remove(stray[0])
     if args.measure < 0:
         parser.error("--measure must be 0 or more")
-    if args.steps < 2:
-        parser.error("--steps must be at least 2 (the first step is not timed)")
+    if args.warmup < 0:
+        parser.error("--warmup must be 0 or more")
+    if args.steps < args.warmup + 1:
+        parser.error(f"--steps must exceed --warmup ({args.warmup}): the first {args.warmup} step(s) "
+                     f"of a run are not timed")
+    if not args.budget > 0:
+        parser.error("--budget must be a positive number of seconds, e.g. --budget 120")
+    if args.rounds < noise.MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {noise.MIN_ROUNDS}: a verdict needs that many rounds")
+    if not args.prune >= 1:
+        parser.error("--prune must be 1 or more (1: measure only the best predicted; e.g. --prune 1.5)")
     from zdsl.driver import compile_file
     from zdsl.driver import memo_units_for
     from zdsl.cli import parse_sets
@@ -106,29 +146,41 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     cands = predict(args.file, base, combos, units_for)
     plan_s = time.perf_counter() - t0
-    best = ranked(cands)
-    print(f"zdsl tune: {len(cands)} combination(s) planned in {plan_s:.2f} s; "
-          f"{len(cands) - len(best)} rejected by the planner", file=sys.stderr)
-    if not best:
-        print_table(cands, None, args)
+    survivors = prune(cands, args.prune)
+    rejected = sum(1 for c in cands if c.rejected)
+    pruned = sum(1 for c in cands if c.pruned)
+    to_measure = survivors[:args.measure]
+    print(f"zdsl tune: {len(cands)} combination(s) planned in {plan_s:.2f} s; {rejected} rejected by the "
+          f"planner, {pruned} pruned (predicted over {args.prune:g}x the best); measuring {len(to_measure)}",
+          file=sys.stderr)
+    if not survivors:
+        print_table(cands, None, "", args, title(args, cands, None))
         print("zdsl tune: error: every combination was rejected; nothing to run", file=sys.stderr)
         return EXIT_INVALID
 
-    to_measure = best[:args.measure]
-    for i, cand in enumerate(to_measure, 1):
-        print(f"zdsl tune: measuring {i}/{len(to_measure)}: {cand.label} ({args.steps} steps)",
-              file=sys.stderr, flush=True)
-        measure(args.file, cand, args.steps, args.timeout)
-    measured = [c for c in to_measure if c.measured_s is not None]
-    if to_measure and not measured:
-        print_table(cands, None, args)
+    result = None
+    if to_measure:
+        result = race(to_measure, lambda c: measure(args.file, c, args.steps, args.warmup, args.timeout),
+                      args.budget, args.rounds)
+        print(f"zdsl tune: stopped after {result.rounds} round(s), {result.seconds:.0f} s: {result.stopped}",
+              file=sys.stderr)
+    if to_measure and not any(c.rounds for c in to_measure):
+        print_table(cands, None, "", args, title(args, cands, result))
         print("zdsl tune: error: no measured run finished; see the verdicts above", file=sys.stderr)
         return EXIT_INVALID
-    winner = min(measured, key=lambda c: c.measured_s) if measured else best[0]
-    print_table(cands, winner, args)
+    if to_measure:
+        for cand in noise.undominated(to_measure):     # only ties need "simpler"
+            cand.changes = count_changes(args.file, cand, units_for)
+        winner, why = noise.choose_winner(to_measure, dict(vary))
+    else:
+        winner, why = survivors[0], "predicted; not measured"
+    print_table(cands, winner, why, args, title(args, cands, result))
+    for line in noise.model_gaps(cands):
+        print(line)
 
     out = args.out or str(Path(args.file).with_suffix("").as_posix() + ".tuned.zs")
-    how_measured = (f"measured {winner.measured_s * 1e3:.2f} ms/step" if winner.measured_s is not None
+    how_measured = (f"measured {winner.measured_s * 1e3:.2f} ms/step, spread {table_spread(winner)} ms "
+                    f"over {len(winner.rounds)} round(s)" if winner.rounds
                     else f"predicted {winner.predicted_s * 1e3:.2f} ms/step")
     try:
         text, how = write_schedule_text(args.file, winner.overrides, out,
@@ -140,6 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"winner: {winner.label} ({how_measured}); wrote {out}"
           f"{' (checked schedule printed: comments not kept)' if how == 'printed' else ''}")
     return EXIT_OK
+
+
+def title(args, cands, result) -> str:
+    head = f"zdsl tune {args.file}: {len(cands)} combination(s)"
+    if result is None:
+        return head + ", planner only"
+    return (f"{head}; measured in {result.rounds} interleaved round(s) of {args.steps} steps (first "
+            f"{args.warmup} not timed); measured = median of the rounds' median steps, spread = their "
+            f"interquartile range")
+
+
+def table_spread(cand) -> str:
+    lo, hi = noise.spread(list(cand.rounds.values()))
+    return f"{lo * 1e3:.2f}..{hi * 1e3:.2f}"
 
 
 if __name__ == "__main__":

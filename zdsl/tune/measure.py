@@ -1,6 +1,7 @@
 """``zdsl tune``'s measurement: a candidate run for real, its step times read back.
 
-Each run is ``zdsl run FILE --set ...`` in a subprocess (the candidate's
+One call is one candidate's turn in a round (``zdsl.tune.rounds``). Each
+run is ``zdsl run FILE --set ...`` in a subprocess (the candidate's
 overrides, ``steps``, ``--metrics`` into a temporary folder), exactly as a
 user would run it and outside any launcher's rank variables; the tuner
 itself never imports torch.
@@ -13,13 +14,25 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 from zdsl.env import child_environment
 from zdsl.tune.search import Candidate
 
 
-def measure(path: str, cand: Candidate, steps: int, timeout_s: float) -> None:
-    """One short real run: median step time (first step excluded) and peak bytes per tier."""
+class RunFailed(Exception):
+    """A measured run that did not finish; the message is the reason for the table."""
+
+
+@dataclass
+class Run:
+    """What one measured run gave: its median step time after warm-up, and peak bytes per tier."""
+    median_s: float
+    peak: dict[str, int]
+
+
+def measure(path: str, cand: Candidate, steps: int, warmup: int, timeout_s: float) -> Run:
+    """One short real run of ``steps`` steps; the first ``warmup`` are not timed. Raises RunFailed."""
     with tempfile.TemporaryDirectory(prefix="zdsl-tune-") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         cmd = [sys.executable, "-m", "zdsl.cli", "run", path]
@@ -31,14 +44,12 @@ def measure(path: str, cand: Candidate, steps: int, timeout_s: float) -> None:
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         except subprocess.TimeoutExpired:
-            cand.failed = f"run took longer than {timeout_s:.0f} s"
-            return
+            raise RunFailed(f"run took longer than {timeout_s:.0f} s") from None
         rows = read_metrics(metrics)
         if proc.returncode != 0 or not rows:
             lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
-            cand.failed = (lines[-1] if lines else f"exit status {proc.returncode}")[:200]
-            return
-    apply_metrics(cand, rows)
+            raise RunFailed((lines[-1] if lines else f"exit status {proc.returncode}")[:200])
+    return run_of(rows, warmup)
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -60,15 +71,13 @@ def read_metrics(path: str) -> list[dict]:
     return rows
 
 
-def apply_metrics(cand: Candidate, rows: list[dict]) -> None:
-    """Fill ``cand``'s measured fields: every step time, their median without the first, peak bytes per tier."""
+def run_of(rows: list[dict], warmup: int) -> Run:
+    """The median step time without the first ``warmup`` steps (all, if that leaves none), peak bytes per tier."""
     times = [float(r["step_s"]) for r in rows]
-    cand.measured_steps = times
-    timed = times[1:] if len(times) > 1 else times
-    cand.measured_s = statistics.median(timed)
+    timed = times[warmup:] or times
     peak: dict[str, int] = {}
     for r in rows:
         for per_tier in (r.get("peak_bytes") or {}).values():
             for tier, b in (per_tier or {}).items():
                 peak[tier] = max(peak.get(tier, 0), int(b))
-    cand.measured_peak = {t: b for t, b in peak.items() if b}
+    return Run(statistics.median(timed), {t: b for t, b in peak.items() if b})

@@ -5,18 +5,21 @@ Tuning is a search over a few policy values (``prefetch``, ``bucket``,
 --set k=v ...`` would compile it, so the verifier judges it first: a
 combination over a memory budget (or otherwise invalid) is *rejected with
 the verifier's reason* and never run. The rest are ranked by predicted step
-time; ``zdsl.tune.measure`` then runs the best few and ``zdsl.tune.write``
-writes the winner.
+time and those that cannot win are pruned (:func:`prune`); ``zdsl.tune.rounds``
+then measures the best few against each other and ``zdsl.tune.write`` writes
+the winner.
 
 No torch is imported by this module (the front end's rule).
 """
 from __future__ import annotations
 
 import itertools
+import statistics
 from dataclasses import dataclass, field
 
-from zdsl.lang.errors import UsageError
 from zdsl.ir import TIERS
+from zdsl.lang.errors import UsageError
+from zdsl.tune import ranges
 
 
 class TuneUsageError(ValueError):
@@ -75,7 +78,8 @@ def _top_level(text: str, sep: str) -> bool:
 
 
 def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
-    """``["prefetch=1,2,4", "bucket=16MiB,64MiB"]`` -> [(key, values)], keys checked against ``--set``'s."""
+    """``["prefetch=0..4", "bucket=16MiB,64MiB"]`` -> [(key, values)], ranges expanded
+    (``zdsl.tune.ranges``), keys checked against ``--set``'s."""
     from zdsl.lang.overrides import statement_text
     out: list[tuple[str, list[str]]] = []
     seen: set[str] = set()
@@ -86,11 +90,18 @@ def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
             raise TuneUsageError(f"--vary expects key=v1,v2,..., got {item!r}")
         if key in seen:
             raise TuneUsageError(f"--vary {key} is given twice; list all its values once: {key}=v1,v2")
-        values = split_values(rest)
-        if not rest.strip() or any(not v for v in values):
+        items = split_values(rest)
+        if not rest.strip() or any(not v for v in items):
             raise TuneUsageError(f"--vary {key}: empty value in {rest!r}; give values as {key}=v1,v2")
+        values = []
+        for v in items:
+            try:
+                values += ranges.expand(key, v) if ranges.is_range(v) else [v]
+            except ranges.RangeError as exc:
+                raise TuneUsageError(str(exc)) from None
         if len(set(values)) != len(values):
-            raise TuneUsageError(f"--vary {key}: a value is listed twice in {rest!r}")
+            raise TuneUsageError(f"--vary {key}: a value is listed twice in {rest!r}"
+                                 + (" (after expanding its ranges)" if len(values) != len(items) else ""))
         try:
             statement_text(key, values[0])          # unknown keys fail here, with the nearest valid key
         except UsageError as exc:
@@ -124,15 +135,22 @@ class Candidate:
     predicted_peak: dict[str, int] = field(default_factory=dict)   # tier -> bytes per rank
     rejected: str | None = None                   # the verifier's (or checker's) reason
     warnings: list[str] = field(default_factory=list)
-    measured_s: float | None = None               # median step time, first step excluded
-    measured_steps: list[float] = field(default_factory=list)
-    measured_peak: dict[str, int] = field(default_factory=dict)   # tier -> max over ranks and steps
+    pruned: str | None = None                     # why the planner ruled it out before any run
+    rounds: dict[int, float] = field(default_factory=dict)   # round -> its run's median step, warm-up excluded
+    dropped: int | None = None                    # the round after which it was clearly slower and not run again
+    measured_peak: dict[str, int] = field(default_factory=dict)   # tier -> max over ranks, steps and rounds
     failed: str | None = None                     # a measured run that did not finish
+    changes: int | None = None                    # varied values that differ from the file's own
     digest: str | None = None
 
     @property
     def label(self) -> str:
         return label(self.combo)
+
+    @property
+    def measured_s(self) -> float | None:
+        """The median of the round figures."""
+        return statistics.median(self.rounds.values()) if self.rounds else None
 
 
 def validate_values(path: str, base: dict[str, str], vary: list[tuple[str, list[str]]], units_for) -> None:
@@ -187,3 +205,42 @@ def ranked(cands: list[Candidate]) -> list[Candidate]:
     """Accepted candidates, fastest predicted first (ties: less peak memory, then the order given)."""
     ok = [c for c in cands if c.rejected is None]
     return sorted(ok, key=lambda c: (round(c.predicted_s, 9), sum(c.predicted_peak.values())))
+
+
+# Why 1.5: within one calibration, benchmarks/prediction_error.py measured the programs' errors
+# from -23% to +8% (benchmarks/README.md), a factor 1.08/0.77 = 1.4 between the most over- and
+# the most under-predicted; a candidate predicted 1.5x the best would need errors wider than
+# that in opposite directions to win. Candidates of one program share most of their error.
+PRUNE_FACTOR = 1.5
+
+
+def prune(cands: list[Candidate], factor: float = PRUNE_FACTOR) -> list[Candidate]:
+    """Mark accepted candidates predicted slower than ``factor`` x the best predicted as pruned.
+
+    Returns the survivors, fastest predicted first. (Over-budget ones are already
+    rejected by the verifier.)
+    """
+    ok = ranked(cands)
+    if not ok:
+        return []
+    best = ok[0].predicted_s
+    for c in ok:
+        if c.predicted_s > factor * best:
+            c.pruned = (f"predicted {c.predicted_s / best:.2f}x the best predicted "
+                        f"({c.predicted_s * 1e3:.2f} vs {best * 1e3:.2f} ms; pruned above {factor:g}x)")
+    return [c for c in ok if c.pruned is None]
+
+
+def count_changes(path: str, cand: Candidate, units_for) -> int:
+    """How many of ``cand``'s varied values change the task graph from what the file (with --set) gives."""
+    from zdsl.driver import compile_file
+    from zdsl.tune.write import graph_key
+    mine = compile_file(path, cand.overrides, units_for, simulate=False)
+    if mine.graph is None:
+        return len(cand.combo)
+    want, n = graph_key(mine.graph), 0
+    for key in cand.combo:
+        rest = {k: v for k, v in cand.overrides.items() if k != key}
+        other = compile_file(path, rest, units_for, simulate=False)
+        n += not (other.graph is not None and graph_key(other.graph) == want)
+    return n

@@ -1,10 +1,11 @@
-"""``zdsl tune``'s table: every candidate, predicted beside measured, and its verdict."""
+"""``zdsl tune``'s table: every candidate, predicted beside measured (median and spread), and its verdict."""
 from __future__ import annotations
 
 import sys
 
 from zdsl.ir import TIERS
 from zdsl.lang.sizes import human_bytes
+from zdsl.tune import noise
 from zdsl.tune.search import Candidate, ranked
 
 
@@ -16,33 +17,43 @@ def _bytes(n: int | None) -> str:
     return human_bytes(n) if n else "-"
 
 
-def verdict(cand: Candidate, winner: Candidate | None, rank: int | None) -> str:
+def _spread(cand: Candidate) -> str:
+    if not cand.rounds:
+        return "-"
+    lo, hi = noise.spread(list(cand.rounds.values()))
+    return f"{lo * 1e3:.2f}..{hi * 1e3:.2f}"
+
+
+def verdict(cand: Candidate, winner: Candidate | None, why: str, rank: int | None,
+            cands: list[Candidate], measure_k: int) -> str:
     if cand.rejected:
         return f"rejected: {cand.rejected}"
+    if cand.pruned:
+        return f"pruned: {cand.pruned}"
     if cand.failed:
         return f"run failed: {cand.failed}"
     if cand is winner:
-        return "best" + (" (measured)" if cand.measured_s is not None else " (predicted; not measured)")
-    if cand.measured_s is not None:
-        return f"slower by {cand.measured_s / winner.measured_s - 1:.0%}" if winner and winner.measured_s \
-            else "measured"
-    return f"not measured (predicted #{rank})"
+        return f"best (measured): {why}" if cand.rounds else "best (predicted; not measured)"
+    if cand.rounds and winner is not None and winner.rounds:
+        text = noise.verdict(cand, winner, cands)
+        return text + (f"; not run after round {cand.dropped}" if cand.dropped else "")
+    return f"not measured (predicted #{rank}; --measure {measure_k} runs the {measure_k} best predicted)"
 
 
-def print_table(cands: list[Candidate], winner: Candidate | None, args) -> None:
+def print_table(cands: list[Candidate], winner: Candidate | None, why: str, args, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
-    console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    console = Console(width=None if sys.stdout.isatty() else 240, highlight=False)
     order = {id(c): i for i, c in enumerate(ranked(cands), 1)}
     tiers = [t for t in TIERS if any(c.predicted_peak.get(t) or c.measured_peak.get(t) for c in cands)] \
         or ["device"]
-    table = Table(title=f"zdsl tune {args.file}: {len(cands)} combination(s), "
-                        f"best {min(args.measure, len(order))} measured over {args.steps} steps",
-                  title_justify="left")
+    table = Table(title=title, title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("combination")
     table.add_column("predicted", justify="right")
     table.add_column("measured", justify="right")
+    table.add_column("spread ms", justify="right")
+    table.add_column("rounds", justify="right")
     table.add_column("meas/pred", justify="right")
     for t in tiers:
         table.add_column(f"peak {t}", justify="right")
@@ -59,7 +70,8 @@ def print_table(cands: list[Candidate], winner: Candidate | None, args) -> None:
                 peaks.append(_bytes(cand.predicted_peak[t]) + " (plan)")
             else:
                 peaks.append("-")
-        style = "bold green" if cand is winner else ("dim" if cand.rejected else None)
+        style = "bold green" if cand is winner else ("dim" if cand.rejected or cand.pruned else None)
         table.add_row(str(rank) if rank else "-", cand.label, _ms(cand.predicted_s), _ms(cand.measured_s),
-                      ratio, *peaks, verdict(cand, winner, rank), style=style)
+                      _spread(cand), str(len(cand.rounds)) if cand.rounds else "-", ratio, *peaks,
+                      verdict(cand, winner, why, rank, cands, args.measure), style=style)
     console.print(table)

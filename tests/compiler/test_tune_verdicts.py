@@ -1,0 +1,227 @@
+"""`zdsl tune`'s measuring and judging on synthetic measurements (a fake measure function: no real runs).
+
+Interleaved rounds and when they stop, the verdicts (faster only beyond the spread and in every
+round), tie-breaking, the cost-model-gap line, --vary ranges and the planner's pruning.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from zdsl.cli import main
+from zdsl.tune import noise, ranges
+from zdsl.tune.measure import Run, RunFailed
+from zdsl.tune.rounds import race
+from zdsl.tune.search import Candidate, TuneUsageError, combinations, parse_vary, predict, prune
+
+ZERO3 = str(Path(__file__).parents[2] / "programs" / "zero3.zs")
+
+
+def cand(label: str, predicted_ms: float = 10.0, peak: int = 1000, **combo) -> Candidate:
+    c = Candidate(combo or {"name": label}, combo or {"name": label}, predicted_s=predicted_ms / 1e3,
+                  predicted_peak={"device": peak})
+    c.changes = 1
+    return c
+
+
+class Fake:
+    """A measure function: each candidate's step time per round from a table; records the call order."""
+
+    def __init__(self, times: dict[str, list[float]], clock=None, run_s: float = 1.0):
+        self.times, self.calls, self.clock, self.run_s = times, [], clock, run_s
+
+    def __call__(self, c: Candidate) -> Run:
+        self.calls.append(c.label)
+        if self.clock is not None:
+            self.clock.now += self.run_s
+        seq = self.times[c.label]
+        value = seq[sum(1 for x in self.calls if x == c.label) - 1]
+        if value is None:
+            raise RunFailed("rank 1 ran out of memory")
+        return Run(value / 1e3, {"device": c.predicted_peak["device"]})
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def with_rounds(c: Candidate, ms: list[float]) -> Candidate:
+    c.rounds = {r: v / 1e3 for r, v in enumerate(ms, 1)}
+    return c
+
+
+def quiet(_line):
+    pass
+
+
+# -- rounds ---------------------------------------------------------------------------------------
+
+def test_rounds_interleave_and_a_clearly_slower_candidate_is_not_run_again():
+    a, b, c = cand("a"), cand("b"), cand("c")
+    fake = Fake({"name=a": [10, 11, 10, 12, 11, 10], "name=b": [11, 10, 12, 10, 10, 11],
+                 "name=c": [20, 21, 19, 22, 20, 21]})
+    said = []
+    result = race([a, b, c], fake, budget_s=1e9, max_rounds=6, say=said.append)
+    abc = ["name=a", "name=b", "name=c"]
+    assert fake.calls == abc * 4 + ["name=a", "name=b"] * 2       # A B C A B C ..., then without C
+    assert c.dropped == 4 and a.dropped is None and b.dropped is None
+    assert result.rounds == 6 and "the 2 left tie after 6 rounds" in result.stopped
+    assert len(said) == 6 and all(line.startswith(f"zdsl tune: round {i}:") for i, line in enumerate(said, 1))
+    assert "1 clearly slower" in said[-1]
+
+
+def test_rounds_stop_when_one_candidate_beats_every_other():
+    a, b = cand("a"), cand("b")
+    fake = Fake({"name=a": [10] * 9, "name=b": [15, 16, 15, 17, 15, 16, 15, 16, 15]})
+    result = race([a, b], fake, budget_s=1e9, max_rounds=9, say=quiet)
+    assert result.rounds == noise.MIN_ROUNDS
+    assert result.stopped == "name=a is faster than every other beyond the spread"
+
+
+def test_rounds_start_only_when_they_fit_the_budget_and_the_first_always_runs():
+    clock = Clock()
+    a, b = cand("a"), cand("b")
+    fake = Fake({"name=a": [10] * 9, "name=b": [10] * 9}, clock=clock, run_s=10.0)
+    result = race([a, b], fake, budget_s=65, max_rounds=9, clock=clock, say=quiet)
+    assert result.rounds == 3 and len(a.rounds) == 3           # round 4 would end at 80 s
+    assert "the budget (65 s) would end during round 4" in result.stopped
+    clock.now = 0.0
+    c, d = cand("a"), cand("b")
+    result = race([c, d], Fake({"name=a": [10], "name=b": [10]}, clock=clock, run_s=10.0), budget_s=5,
+                  clock=clock, say=quiet)
+    assert result.rounds == 1 and c.rounds and d.rounds
+
+
+def test_a_failed_run_marks_its_candidate_and_the_others_go_on():
+    a, b = cand("a"), cand("b")
+    race([a, b], Fake({"name=a": [None], "name=b": [10] * 6}), budget_s=1e9, say=quiet)
+    assert a.failed == "rank 1 ran out of memory" and not a.rounds
+    assert len(b.rounds) == 1                                    # alone: nothing to compare it with
+
+
+# -- verdicts ---------------------------------------------------------------------------------------
+
+def test_faster_needs_spreads_apart_and_every_shared_round():
+    fast = with_rounds(cand("fast"), [10, 10.5, 10.2, 10.1, 10.3, 10.4])
+    slow = with_rounds(cand("slow"), [12, 12.5, 12.2, 12.1, 12.3, 12.4])
+    assert noise.compare(slow, fast).faster
+    text = noise.verdict(slow, fast, [fast, slow])
+    assert text.startswith("slower by 20% (12.25 vs 10.25 ms; spread ") and "slower in 6/6 rounds" in text
+    flipped = with_rounds(cand("flip"), [12, 12.5, 12.2, 12.1, 10.2, 12.4])    # round 5: faster than fast
+    cmp = noise.compare(flipped, fast)
+    assert cmp.disjoint and not cmp.faster
+    assert "tie with best" in noise.verdict(flipped, fast, [fast, flipped]) and "5/6 rounds" in \
+        noise.verdict(flipped, fast, [fast, flipped])
+    close = with_rounds(cand("close"), [10.1, 10.6, 10.3, 10.2, 10.4, 10.5])   # slower every round, spreads overlap
+    assert not noise.compare(close, fast).disjoint and not noise.compare(close, fast).faster
+    assert "overlap" in noise.verdict(close, fast, [fast, close])
+
+
+def test_the_spread_is_the_interquartile_range_of_the_round_figures():
+    assert noise.spread([1.0]) == (1.0, 1.0)
+    assert noise.spread([3.0, 1.0]) == (1.0, 3.0)
+    assert noise.spread([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
+
+
+def test_ties_go_to_lower_memory_then_the_simpler_schedule():
+    base = [10, 10.4, 10.2, 10.1, 10.3, 10.5]
+    fast_big = with_rounds(cand("p2", peak=2000, prefetch="2"), [x - 0.1 for x in base])
+    slow_small = with_rounds(cand("p0", peak=1000, prefetch="0"), base)
+    winner, why = noise.choose_winner([fast_big, slow_small], {"prefetch": ["0", "1", "2"]})
+    assert winner is slow_small and why == "2 tie; it has the lowest peak device memory"
+    assert noise.verdict(fast_big, winner, [fast_big, slow_small]).startswith("tie with best")
+
+    p1 = with_rounds(cand("p1", peak=1005, prefetch="1"), [x - 0.2 for x in base])   # within 1%: equal memory
+    p2 = with_rounds(cand("p2", peak=1000, prefetch="2"), [x - 0.3 for x in base])
+    winner, why = noise.choose_winner([p1, p2], {"prefetch": ["2", "1"]})
+    assert winner is p1 and "the simplest with equal peak memory" in why      # smaller value, not listed first
+    p2.changes = 0                                                           # prefetch 2 is the file's own
+    winner, _ = noise.choose_winner([p1, p2], {"prefetch": ["2", "1"]})
+    assert winner is p2
+    b1 = with_rounds(cand("b", peak=1000, bucket="1MiB"), base)
+    b2 = with_rounds(cand("b", peak=1000, bucket="256KiB"), base)
+    assert noise.choose_winner([b1, b2], {"bucket": ["1MiB", "256KiB"]})[0] is b2   # sizes by value
+
+
+def test_a_clear_winner_wins_over_less_memory_and_with_few_rounds_nothing_is_decided():
+    fast = with_rounds(cand("fast", peak=5000), [10, 10.5, 10.2, 10.1])
+    small = with_rounds(cand("small", peak=1000), [12, 12.5, 12.2, 12.1])
+    winner, why = noise.choose_winner([fast, small], {})
+    assert winner is fast and why == "faster than every other measured one beyond the spread"
+    few_fast = with_rounds(cand("fast", peak=5000), [10, 10.5, 10.2])
+    few_small = with_rounds(cand("small", peak=1000), [10.1, 10.6, 10.3])
+    winner, why = noise.choose_winner([few_fast, few_small], {})
+    assert winner is few_fast and "undecided: 3 round(s), a verdict needs 4" in why
+    assert noise.verdict(few_small, winner, [few_fast, few_small]).startswith("undecided (10.30 vs 10.20 ms")
+
+
+def test_the_cost_model_gap_line_names_pairs_predicted_equal_but_measured_apart():
+    a = with_rounds(cand("a", predicted_ms=12.0, prefetch="2"), [10, 10.5, 10.2, 10.1])
+    b = with_rounds(cand("b", predicted_ms=12.1, prefetch="1"), [14, 14.5, 14.2, 14.1])     # within 1%
+    c = with_rounds(cand("c", predicted_ms=20.0, prefetch="0"), [18, 18.5, 18.2, 18.1])     # predicted apart
+    d = with_rounds(cand("d", predicted_ms=12.0, prefetch="3"), [10.1, 10.4, 10.3, 10.0])   # measured a tie with a
+    lines = noise.model_gaps([a, b, c, d])
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("the cost model does not see the difference between prefetch=2 and prefetch=1 "
+                               "(predicted 12.00 vs 12.10 ms, measured 10.15 vs 14.15 ms, spreads ")
+    assert lines[1].startswith("the cost model does not see the difference between prefetch=3 and prefetch=1 ")
+
+
+# -- ranges and pruning ---------------------------------------------------------------------------------
+
+def test_ranges_expand_integers_by_one_and_sizes_by_doubling():
+    assert dict(parse_vary(["prefetch=0..4"])) == {"prefetch": ["0", "1", "2", "3", "4"]}
+    assert dict(parse_vary(["bucket=256KiB..16MiB"]))["bucket"] == \
+        ["256KiB", "512KiB", "1MiB", "2MiB", "4MiB", "8MiB", "16MiB"]
+    assert ranges.expand("bucket", "3MiB..16MiB") == ["3MiB", "6MiB", "12MiB", "16MiB"]
+    assert dict(parse_vary(["bucket=0,1KiB..4KiB"]))["bucket"] == ["0", "1KiB", "2KiB", "4KiB"]
+    assert len(combinations(parse_vary(["prefetch=0..2", "bucket=1MiB..4MiB"]))) == 9
+
+
+@pytest.mark.parametrize("item, says", [
+    ("prefetch=0..", "a range needs both ends"),
+    ("prefetch=..4", "a range needs both ends"),
+    ("prefetch=4..1", "write prefetch=1..4"),
+    ("prefetch=2..2", "write the single value prefetch=2"),
+    ("bucket=1MiB..x", "'x' is neither an integer nor a size"),
+    ("bucket=1MiB..4Mib", "did you mean 'MiB'"),
+    ("bucket=0..16MiB", "list 0 on its own: bucket=0,1KiB..16MiB"),
+    ("prefetch=0..1000", "more than 64 values; narrow the range"),
+    ("prefetch=0,0..2", "listed twice"),
+    ("prefetchh=0..4", "did you mean 'prefetch'"),
+])
+def test_bad_ranges_are_usage_errors_with_a_fix(item, says, capsys):
+    with pytest.raises(TuneUsageError, match=None) as info:
+        parse_vary([item])
+    assert says in str(info.value)
+    with pytest.raises(SystemExit) as stop:
+        main(["tune", ZERO3, "--vary", item, "--measure", "0"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "zdsl tune: error" in err and "Traceback" not in err
+
+
+def test_the_planner_prunes_what_cannot_win_before_anything_runs():
+    cands = predict(ZERO3, {}, combinations(parse_vary(["prefetch=0..2", "bucket=64KiB..256KiB"])))
+    survivors = prune(cands, 1.5)
+    best = min(c.predicted_s for c in cands)
+    assert survivors and all(c.predicted_s <= 1.5 * best for c in survivors)
+    pruned = [c for c in cands if c.pruned]
+    assert pruned and all(c.predicted_s > 1.5 * best for c in pruned)
+    assert all("x the best predicted" in c.pruned and "pruned above 1.5x" in c.pruned for c in pruned)
+    fake = [cand("a", predicted_ms=10), cand("b", predicted_ms=14.9), cand("c", predicted_ms=15.1)]
+    assert [c.label for c in prune(fake, 1.5)] == ["name=a", "name=b"] and fake[2].pruned.startswith("predicted 1.51x")
+
+
+def test_tune_planner_only_prints_pruned_rows(tmp_path, capsys):
+    status = main(["tune", ZERO3, "--vary", "prefetch=0..2", "bucket=64KiB..256KiB", "--measure", "0",
+                   "--out", str(tmp_path / "w.zs")])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert "pruned (predicted over 1.5x the best); measuring 0" in err
+    assert "pruned: predicted" in out and "best (predicted; not measured)" in out
+    assert (tmp_path / "w.zs").is_file()

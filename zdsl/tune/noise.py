@@ -1,0 +1,182 @@
+"""``zdsl tune``'s verdicts: which measured candidate is faster, and only beyond the noise.
+
+Every candidate is measured once per round (``zdsl.tune.rounds``); a round's
+figure for it is the median step time of its run, warm-up excluded. Over the
+rounds a candidate has a **median** (of its round figures) and a **spread**:
+the interquartile range of its round figures (the middle half; with two
+rounds, both figures). The spread describes this machine's run-to-run noise,
+so more rounds sharpen the median but do not narrow it.
+
+A is **faster** than B only when both hold, over at least
+:data:`MIN_ROUNDS` rounds that both ran:
+
+1. their spreads do not overlap: B's lower quartile is above A's upper one,
+   i.e. the difference of the medians exceeds the two facing half-spreads;
+2. A was faster in every round both ran: a round runs the candidates back to
+   back, so a load that slows one run slows its neighbours too, and a real
+   difference shows in each round while noise flips some.
+
+(Simulated with 8% run-to-run noise and no real difference, (1) alone claims a
+difference in ~5% of pairs at 4-5 rounds, (1)+(2) in ~2%; a 20% difference is
+found ~95% of the time either way.) Otherwise the verdict is a **tie**, and
+among the candidates tied with the fastest median the winner is the one with
+the lower peak device memory (peaks within 1% are equal), then the
+**simpler** schedule: fewer varied values that differ from the file's own,
+then the smaller value of each varied key in ``--vary`` order (a shallower
+prefetch, a smaller bucket; values that are not numbers by their place in
+the list), then the faster median. With fewer than :data:`MIN_ROUNDS` rounds
+nothing is decided: the fastest median wins and the table says "undecided".
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from zdsl.tune.search import Candidate
+
+MIN_ROUNDS = 4            # no verdict on fewer shared rounds (with 3, (1)+(2) claims ~7% of equal pairs)
+MEMORY_TOLERANCE = 0.01   # peaks this close count as equal memory
+MODEL_EQUAL = 0.01        # predictions this close count as "the model sees no difference"
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """The interquartile range of ``values`` (both values with two, the value with one)."""
+    xs = sorted(values)
+    if len(xs) < 3:
+        return xs[0], xs[-1]
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q3
+
+
+@dataclass
+class Comparison:
+    """``a`` against ``b`` (``b`` has the lower median): is ``b`` faster beyond the noise?"""
+    a: Candidate
+    b: Candidate
+    shared: int              # rounds both ran
+    b_wins: int              # of those, rounds where b was faster
+    disjoint: bool           # b's spread entirely below a's
+
+    @property
+    def faster(self) -> bool:
+        return self.shared >= MIN_ROUNDS and self.disjoint and self.b_wins == self.shared
+
+
+def compare(a: Candidate, b: Candidate) -> Comparison:
+    """Is ``b`` faster than ``a``? (order them so that ``b``'s median is the lower one)."""
+    shared = sorted(set(a.rounds) & set(b.rounds))
+    wins = sum(1 for r in shared if b.rounds[r] < a.rounds[r])
+    (_, b_hi), (a_lo, _) = spread(list(b.rounds.values())), spread(list(a.rounds.values()))
+    return Comparison(a, b, len(shared), wins, b_hi < a_lo)
+
+
+def clearly_slower(cand: Candidate, leader: Candidate) -> bool:
+    return cand is not leader and compare(cand, leader).faster
+
+
+def leader(cands: list[Candidate]) -> Candidate | None:
+    """The measured candidate with the lowest median (the order given breaks exact ties)."""
+    measured = [c for c in cands if c.rounds and not c.failed]
+    return min(measured, key=lambda c: c.measured_s) if measured else None
+
+
+def undominated(cands: list[Candidate]) -> list[Candidate]:
+    """The measured candidates no other is faster than (beyond the noise): the fastest median and its ties."""
+    measured = [c for c in cands if c.rounds and not c.failed]
+    return [c for c in measured if not any(clearly_slower(c, o) for o in measured)]
+
+
+def peak_key(cand: Candidate) -> int:
+    return cand.measured_peak.get("device") or cand.predicted_peak.get("device") or 0
+
+
+def choose_winner(cands: list[Candidate], order: dict[str, list[str]]) -> tuple[Candidate | None, str]:
+    """The winner among measured candidates and why: the fastest median, unless others tie with it.
+
+    ``order`` maps each varied key to its values in ``--vary`` order (smaller first, for
+    simplicity); ``cand.changes`` is how many varied values differ from the file's own.
+    """
+    best = leader(cands)
+    if best is None:
+        return None, ""
+    if len([c for c in cands if c.rounds and not c.failed]) == 1:
+        return best, "the only one measured"
+    if len(best.rounds) < MIN_ROUNDS:    # no verdicts yet: ties are unknown, not shown
+        return best, (f"the fastest median, undecided: {len(best.rounds)} round(s), a verdict needs "
+                      f"{MIN_ROUNDS} (give more --budget or fewer --measure)")
+    tied = undominated(cands)
+    if len(tied) == 1:
+        return best, "faster than every other measured one beyond the spread"
+    low = min(peak_key(c) for c in tied)
+    by_memory = [c for c in tied if peak_key(c) <= low * (1 + MEMORY_TOLERANCE)]
+    if len(by_memory) == 1:
+        return by_memory[0], f"{len(tied)} tie; it has the lowest peak device memory"
+    pick = min(by_memory, key=lambda c: simplicity(c, order) + (c.measured_s,))
+    simplest = [c for c in by_memory if simplicity(c, order) == simplicity(pick, order)]
+    why = "the simplest" if len(simplest) == 1 else "the fastest median of the simplest"
+    mem = " with equal peak memory" if len(by_memory) > 1 else ""
+    return pick, f"{len(tied)} tie; {why}{mem} (fewest changes from the file, then smaller values)"
+
+
+def simplicity(cand: Candidate, order: dict[str, list[str]]) -> tuple:
+    ranks = tuple(_value_rank(order.get(k, []), v) for k, v in cand.combo.items())
+    return (cand.changes if cand.changes is not None else len(cand.combo),) + ranks
+
+
+def _value_rank(values: list[str], value: str) -> float:
+    """A value's size among its key's values: its number where it is a number or a size, else its position."""
+    from zdsl.lang.sizes import SizeError, parse_size
+    try:
+        return float(parse_size(value))
+    except SizeError:
+        return float(values.index(value)) if value in values else float("inf")
+
+
+def verdict(cand: Candidate, winner: Candidate, cands: list[Candidate]) -> str:
+    """The table's verdict for a measured candidate (not the winner), against the winner.
+
+    A candidate slower beyond the noise than the winner, or else than the fastest
+    median, says so with the numbers; any other is a tie, with why it is one.
+    """
+    best = leader(cands)
+    for other in (winner, best):
+        if clearly_slower(cand, other):
+            cmp = compare(cand, other)
+            whom = "" if other is winner else f" than {other.label} (fastest median)"
+            return (f"slower{whom} by {cand.measured_s / other.measured_s - 1:.0%} "
+                    f"({_ms(cand, other)}; spread {_iqr(cand)} above {_iqr(other)}; "
+                    f"slower in {cmp.b_wins}/{cmp.shared} rounds)")
+    fast, slow = (winner, cand) if cand.measured_s >= winner.measured_s else (cand, winner)
+    cmp = compare(slow, fast)
+    if cmp.shared < MIN_ROUNDS:
+        return f"undecided ({_ms(cand, winner)}; {cmp.shared} shared round(s): a verdict needs {MIN_ROUNDS})"
+    if not cmp.disjoint:
+        return f"tie with best ({_ms(cand, winner)}; spreads {_iqr(cand)} and {_iqr(winner)} overlap)"
+    return (f"tie with best ({_ms(cand, winner)}; spreads apart but {'faster' if fast is cand else 'slower'} "
+            f"in only {cmp.b_wins}/{cmp.shared} rounds)")
+
+
+def _ms(a: Candidate, b: Candidate) -> str:
+    return f"{a.measured_s * 1e3:.2f} vs {b.measured_s * 1e3:.2f} ms"
+
+
+def _iqr(cand: Candidate) -> str:
+    lo, hi = spread(list(cand.rounds.values()))
+    return f"{lo * 1e3:.2f}..{hi * 1e3:.2f}"
+
+
+def model_gaps(cands: list[Candidate]) -> list[str]:
+    """Pairs the planner predicts within 1% of each other that measure apart beyond the noise."""
+    measured = sorted((c for c in cands if c.rounds and not c.failed and c.predicted_s),
+                      key=lambda c: c.measured_s)
+    lines = []
+    for i, fast in enumerate(measured):
+        for slow in measured[i + 1:]:
+            pa, pb = fast.predicted_s, slow.predicted_s
+            if abs(pa - pb) > MODEL_EQUAL * min(pa, pb) or not compare(slow, fast).faster:
+                continue
+            lines.append(f"the cost model does not see the difference between {fast.label} and {slow.label} "
+                         f"(predicted {pa * 1e3:.2f} vs {pb * 1e3:.2f} ms, measured "
+                         f"{fast.measured_s * 1e3:.2f} vs {slow.measured_s * 1e3:.2f} ms, spreads "
+                         f"{_iqr(fast)} and {_iqr(slow)})")
+    return lines

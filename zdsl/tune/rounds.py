@@ -1,0 +1,104 @@
+"""``zdsl tune``'s measuring loop: candidates run in interleaved rounds until the verdict holds.
+
+A round runs every candidate still in the race once, in a fixed order
+(A B C, A B C, ...): one short ``zdsl run`` each (``zdsl.tune.measure``), so a
+spell of load from elsewhere falls on neighbouring runs of different
+candidates rather than on all runs of one. From round :data:`MIN_ROUNDS` on,
+a candidate clearly slower than the fastest median (``zdsl.tune.noise``) is
+not run again. The race stops at the first of:
+
+* one candidate left: it is faster than every other beyond the spread (or it
+  was the only one to measure: one round then);
+* ``max_rounds`` rounds done: the ones left tie (their spreads overlap, and the
+  spread is the machine's noise: more rounds would sharpen the medians, not
+  separate them);
+* the budget: a round is started only if it is expected to end within it (the
+  last round's time per run times the runs left); the first round always runs;
+* every run failed.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from zdsl.tune.measure import Run, RunFailed
+from zdsl.tune.noise import MIN_ROUNDS, clearly_slower, leader
+from zdsl.tune.search import Candidate
+
+DEFAULT_BUDGET_S = 120.0
+DEFAULT_MAX_ROUNDS = 6
+
+
+@dataclass
+class Race:
+    """How the measuring went: rounds run, seconds spent, and why it stopped."""
+    rounds: int
+    seconds: float
+    stopped: str
+
+
+def race(cands: list[Candidate], measure: Callable[[Candidate], Run], budget_s: float = DEFAULT_BUDGET_S,
+         max_rounds: int = DEFAULT_MAX_ROUNDS, clock: Callable[[], float] = time.monotonic,
+         say: Callable[[str], None] | None = None) -> Race:
+    """Measure ``cands`` in interleaved rounds; fills each one's ``rounds``, ``measured_peak``,
+    ``failed`` and ``dropped``. ``measure`` runs one candidate once (raises RunFailed)."""
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    start, active, r, per_run = clock(), list(cands), 0, 0.0
+    while True:
+        spent = clock() - start
+        if r and spent + per_run * len(active) > budget_s:
+            stopped = (f"the budget ({budget_s:.0f} s) would end during round {r + 1} "
+                       f"(~{per_run * len(active):.0f} s a round)")
+            break
+        r += 1
+        t0 = clock()
+        ran = len(active)
+        for cand in active:
+            try:
+                run = measure(cand)
+            except RunFailed as exc:
+                cand.failed = str(exc)
+                continue
+            cand.rounds[r] = run.median_s
+            for tier, b in run.peak.items():
+                cand.measured_peak[tier] = max(cand.measured_peak.get(tier, 0), b)
+        per_run = (clock() - t0) / max(ran, 1)
+        active = [c for c in active if not c.failed]
+        lead = leader(active)
+        if lead is not None and r >= MIN_ROUNDS:
+            for cand in active:
+                if clearly_slower(cand, lead):
+                    cand.dropped = r
+            active = [c for c in active if c.dropped is None]
+        say(progress(r, clock() - start, budget_s, lead, active, cands))
+        if not active:
+            stopped = "every run failed"
+        elif len(cands) == 1:
+            stopped = "one candidate: nothing to compare it with"
+        elif len(active) == 1 and any(c.dropped for c in cands):
+            stopped = f"{active[0].label} is faster than every other beyond the spread"
+        elif len(active) == 1:
+            stopped = f"only {active[0].label} is left to measure: the other runs failed"
+        elif r >= max_rounds:
+            stopped = f"the {len(active)} left tie after {r} rounds (their spreads overlap)"
+        else:
+            continue
+        break
+    return Race(r, clock() - start, stopped)
+
+
+def progress(r: int, spent: float, budget_s: float, lead: Candidate | None, active: list[Candidate],
+             cands: list[Candidate]) -> str:
+    """One line per round: time used, the fastest median so far, how many still tie with it, how many are out."""
+    out = sum(1 for c in cands if c.dropped is not None)
+    failed = sum(1 for c in cands if c.failed)
+    head = f"zdsl tune: round {r}: {spent:.0f} of {budget_s:.0f} s"
+    if lead is None:
+        return f"{head}; every run failed"
+    others = len(active) - (lead in active)
+    state = (f"{others} other(s) still in the race (verdicts from round {MIN_ROUNDS})" if r < MIN_ROUNDS
+             else f"{others} still tie with it, {out} clearly slower (not run again)")
+    return (f"{head}; fastest median {lead.label} {lead.measured_s * 1e3:.2f} ms; {state}"
+            + (f", {failed} failed" if failed else ""))
