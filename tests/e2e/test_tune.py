@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import zdsl
+from helpers import SMALL, zdsl
 
 from zdsl.tune.search import TuneUsageError
 
@@ -45,6 +45,29 @@ def test_tiny_tune_measures_prints_and_writes_a_schedule_that_checks(tmp_path):
     assert out.is_file()
     checked = zdsl("check", str(out))
     assert checked.returncode == 0, checked.stderr
+
+
+def test_tune_in_rounds_prints_median_spread_rounds_and_verdicts(tmp_path):
+    """A budget smaller than one round: the first round still runs every candidate, nothing is decided."""
+    zs, out = tmp_path / "small.zs", tmp_path / "best.zs"
+    zs.write_text(SMALL)
+    proc = zdsl("tune", str(zs), "--vary", "prefetch=0..1", "--measure", "2", "--budget", "1", "--steps", "3",
+                "--warmup", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "zdsl tune: round 1: " in proc.stderr and "fastest median prefetch=" in proc.stderr
+    assert "stopped after 1 round(s)" in proc.stderr and "the budget (1 s) would end during round 2" in proc.stderr
+    table = proc.stdout
+    assert "1 interleaved round(s) of 3 steps (first 1 not timed)" in " ".join(table.split())
+    for column in ("combination", "predicted", "measured", "spread ms", "rounds", "peak device", "verdict"):
+        assert column in table, table
+    rows = [ln for ln in table.splitlines() if ln.startswith("\u2502") and "prefetch=" in ln]
+    assert len(rows) == 2, table
+    for row in rows:
+        cells = [c.strip() for c in row.split("\u2502") if c.strip()]
+        assert cells[3].endswith(" ms") and ".." in cells[4] and cells[5] == "1", cells   # median, spread, rounds
+    assert "best (measured)" in table and "undecided" in table
+    assert out.is_file() and zdsl("check", str(out)).returncode == 0
 
 
 def test_bad_vary_key_is_a_usage_error():
