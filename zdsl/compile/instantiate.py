@@ -32,6 +32,13 @@ Rules (the language reference repeats them for users):
 * **Overlap policy.** A ``verb/phase`` pair missing from ``overlap`` puts
   those ops and the phase's compute in one chain (through a zero-byte
   ``token`` buffer), so they never run at the same time.
+* **Host residency** (``memory host`` with state on NVMe). The graph is built
+  once as above; then :mod:`zdsl.compile.residency` picks, by Belady's rule
+  under the host budget, which host copies of NVMe state stay live until
+  their next read, and the graph is built again with those frees and reads
+  left out. A kept copy is *resting*: held, but to every statement as
+  absent as if freed, until the read it replaces revives it, so the second
+  build makes the same decisions as the first.
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ from zdsl.compile.decay import NoDecayError
 from zdsl.compile.decay import decay_groups
 from zdsl.compile.freeze import FreezeError
 from zdsl.compile.freeze import frozen_params
+from zdsl.compile import residency
 from zdsl.compile.pinning import host_pinned
 from zdsl.schedule import Pipeline
 from zdsl.schedule import PHASES
@@ -93,8 +101,12 @@ class _Draft:
 
 
 class _Builder:
-    def __init__(self, schedule: Schedule, units: list[UnitSpec]):
+    def __init__(self, schedule: Schedule, units: list[UnitSpec], keep: frozenset = frozenset()):
         self.schedule = schedule
+        self.keep = keep                         # (host copy, end): frees left out (zdsl/compile/residency.py)
+        self.resting: set[str] = set()           # kept copies between their left-out free and next read
+        self.ends: dict[str, int] = {}           # host copy of NVMe state -> frees issued (or left out) so far
+        self.free_drafts: list[tuple[_Draft, str, int]] = []
         self.specs = units
         self.n_units = len(units)
         self.ranks = schedule.ranks
@@ -235,6 +247,7 @@ class _Builder:
         for name in draft.reads + draft.writes:
             self.buffer(name)
         for name in draft.writes:
+            self.resting.discard(name)
             if draft.kind == "mem.free":
                 self.live.discard(name)
                 continue
@@ -247,7 +260,7 @@ class _Builder:
 
     def is_valid(self, name: str) -> bool:
         """Holds data now: persistent model state, or a live working buffer."""
-        return name in self._persistent or name in self.live
+        return name in self._persistent or (name in self.live and name not in self.resting)
 
     def draft(self, kind, unit, reads, writes, phase, micro, stmt, lane=None, **kw) -> _Draft:
         span = (stmt.span.line, stmt.span.column) if stmt is not None and stmt.span else None
@@ -290,8 +303,7 @@ class _Builder:
         if tier == "device" or self.is_valid(dev):
             return dev
         if tier == "nvme" and not self.is_valid(host):
-            self.emit(self.draft("nvme.read", u, [buffer_name("param_shard", u, "nvme")], [host], phase, micro, stmt,
-                                 bytes=self.layouts[u].shard_numel * self.elem_bytes, fresh={host}))
+            self.read_nvme("param_shard", u, phase, micro, stmt)
         self.emit(self.draft("copy.h2d", u, [host], [dev], phase, micro, stmt,
                              bytes=self.layouts[u].shard_numel * self.elem_bytes, fresh={dev}))
         if tier == "nvme":
@@ -303,13 +315,47 @@ class _Builder:
         self.free(name, phase, micro, None)
 
     def free(self, name: str, phase: str, micro: int, stmt: PipeStmt) -> None:
-        if name in self._persistent or name not in self.live:
+        if not self.is_valid(name) or name in self._persistent:
             return
-        kind, u, _ = parse_buffer_name(name)
+        kind, u, tier = parse_buffer_name(name)
         if kind == "param_full" and self.waiting_users.get(u):
             return   # a tied user gathered it ahead and has not computed yet: its last use frees it
+        end = None
+        if tier == "host" and self.nvme_home(kind, u):
+            end = self.ends.get(name, 0)
+            self.ends[name] = end + 1
+            if (name, end) in self.keep:
+                self.resting.add(name)
+                return
         lane = self.producer_lane.get(name, "compute")
-        self.emit(self.draft("mem.free", self.buffers[name].unit, [], [name], phase, micro, stmt, lane=lane))
+        draft = self.draft("mem.free", self.buffers[name].unit, [], [name], phase, micro, stmt, lane=lane)
+        self.emit(draft)
+        if end is not None:
+            self.free_drafts.append((draft, name, end))
+
+    def nvme_home(self, kind: str, u: int | None) -> bool:
+        """``kind`` of unit ``u`` lives on NVMe (its host copy is a staging copy)."""
+        if u is None:
+            return False
+        home = {"param_shard": self.param_tier, "optim": self.optim_tier,
+                "grad_shard": lambda j: self.tiers["gradients"][j]}.get(kind)
+        return home is not None and home(u) == "nvme"
+
+    def read_nvme(self, kind: str, u: int, phase: str, micro: int, stmt: PipeStmt | None) -> None:
+        """Bring ``kind`` of unit ``u`` from NVMe to its host copy; a resting (kept) copy is
+        already there, and is live again instead."""
+        host = buffer_name(kind, u, "host")
+        if host in self.resting:
+            self.resting.discard(host)
+            return
+        on_disk = buffer_name(kind, u, "nvme")
+        self.emit(self.draft("nvme.read", u, [on_disk], [host], phase, micro, stmt,
+                             bytes=self.buffer(on_disk).bytes, fresh={host}))
+
+    def free_positions(self) -> dict[int, tuple[str, int]]:
+        """Graph position -> (host copy, end) of every free of a host copy of NVMe state."""
+        position = {id(draft): i for i, draft in enumerate(self.drafts)}
+        return {position[id(draft)]: (name, end) for draft, name, end in self.free_drafts}
 
     def frozen_skips(self, verb: str, state: str, u: int, phase: str) -> bool:
         """A statement a frozen unit does not need: anything in a backward it does not need,
@@ -503,11 +549,10 @@ class _Builder:
         on_disk, host = buffer_name(kind, u, "nvme"), buffer_name(kind, u, "host")
         nbytes = self.buffer(on_disk).bytes
         if verb == "read":
-            if host in self.live:
-                return
-            self.emit(self.draft("nvme.read", u, [on_disk], [host], phase, micro, stmt, bytes=nbytes, fresh={host}))
+            if not self.is_valid(host):
+                self.read_nvme(kind, u, phase, micro, stmt)
         else:
-            if host not in self.live:
+            if not self.is_valid(host):
                 return
             self.emit(self.draft("nvme.write", u, [host], [on_disk], phase, micro, stmt, bytes=nbytes))
 
@@ -741,7 +786,41 @@ class _Builder:
 def instantiate(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline]) -> TaskGraph:
     """A checked schedule, its model's units and its lowered pipelines to the task graph of one
     step (``zdsl.driver.compile_schedule`` lowers first)."""
-    return _Builder(schedule, units).build(pipelines)
+    builder = _Builder(schedule, units)
+    graph = builder.build(pipelines)
+    budget = (schedule.memory or {}).get("host")
+    if not budget or not builder.free_drafts:
+        return graph
+    return keep_resident(schedule, units, pipelines, graph, builder.free_positions(), budget)
+
+
+def keep_resident(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline], graph: TaskGraph,
+                  frees: dict[int, tuple[str, int]], budget: int) -> TaskGraph:
+    """``graph`` rebuilt with the host copies Belady's rule keeps under the host ``budget``
+    (zdsl/compile/residency.py), or ``graph`` itself when none fits; either way its config
+    records what the choice saves. The rebuilt graph's simulated host peak must stay within the
+    budget (the verifier checks the same): where moving reads changed the timeline enough to go
+    over, the room shrinks by the excess and the choice is made again."""
+    from zdsl.planner.simulate import simulate
+    sim = simulate(graph, schedule.machine)
+    gaps = residency.find_gaps(graph, sim.start, sim.end, sim.step_s, frees)
+    host = sim.memory.tiers.get("host")
+    if host is None or not any(gap.reread for gap in gaps):
+        return graph
+    room = residency.Room(host.times, host.working, budget, host.model_states, gaps)
+    margin = 0
+    for _ in range(residency.MAX_TRIES):
+        held = residency.belady(gaps, room, margin)
+        if not held:
+            break
+        kept = _Builder(schedule, units, keep=frozenset((g.buffer, g.end) for g in held)).build(pipelines)
+        excess = simulate(kept, schedule.machine).memory.peak("host") - budget
+        if excess <= 0:
+            kept.config["residency"] = residency.summarize(gaps, held, room, budget).to_json()
+            return kept
+        margin += excess
+    graph.config["residency"] = residency.summarize(gaps, [], room, budget).to_json()
+    return graph
 
 
 def parameter_count(units: list[UnitSpec]) -> int:
