@@ -5,6 +5,7 @@ round), tie-breaking, the cost-model-gap line, --vary ranges and the planner's p
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -219,9 +220,13 @@ def test_the_planner_prunes_what_cannot_win_before_anything_runs():
 
 def test_tune_planner_only_prints_pruned_rows(tmp_path, capsys):
     status = main(["tune", ZERO3, "--vary", "prefetch=0..2", "bucket=64KiB..256KiB", "--measure", "0",
-                   "--out", str(tmp_path / "w.zs")])
+                   "--out", str(tmp_path / "w.zs"), "--json", str(tmp_path / "t.json")])
     out, err = capsys.readouterr()
     assert status == 0, err
     assert "pruned (predicted over 1.5x the best); measuring 0" in err
     assert "pruned: predicted" in out and "best (predicted; not measured)" in out
     assert (tmp_path / "w.zs").is_file()
+    got = json.loads((tmp_path / "t.json").read_text())
+    assert got["stopped"] == "planner only" and len(got["candidates"]) == 9
+    assert got["winner"] == next(c["label"] for c in got["candidates"] if c["predicted_rank"] == 1)
+    assert {c["verdict"].split(":")[0] for c in got["candidates"] if c["pruned"]} == {"pruned"}

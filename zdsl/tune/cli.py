@@ -19,6 +19,7 @@ torch is imported: every measurement is a subprocess.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from zdsl.tune.measure import measure
 from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, race
 from zdsl.tune.search import (PRUNE_FACTOR, TuneUsageError, combinations, count_changes, parse_vary, predict,
                               prune, validate_values)
-from zdsl.tune.table import print_table
+from zdsl.tune.table import as_json, print_table
 from zdsl.tune.write import write_schedule_text
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -82,6 +83,7 @@ verdicts: each round runs every candidate once (A B C, A B C, ...); a round's fi
                         f"(default {PRUNE_FACTOR:g}: the spread of the cost model's error across programs)")
     p.add_argument("--out", metavar="BEST.zs", help="where to write the winner (default: FILE's stem + "
                                                     "'.tuned.zs' beside FILE)")
+    p.add_argument("--json", metavar="OUT.json", help="also write every candidate's figures and verdict as JSON")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a fixed override for every combination (repeatable)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
@@ -177,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table(cands, winner, why, args, title(args, cands, result))
     for line in noise.model_gaps(cands):
         print(line)
+    if args.json:
+        try:
+            Path(args.json).write_text(json.dumps(as_json(cands, winner, why, args, result), indent=1) + "\n",
+                                       encoding="utf-8")
+        except OSError as exc:
+            print(f"zdsl tune: error: cannot write {args.json}: {exc}", file=sys.stderr)
+            return EXIT_INVALID
 
     out = args.out or str(Path(args.file).with_suffix("").as_posix() + ".tuned.zs")
     how_measured = (f"measured {winner.measured_s * 1e3:.2f} ms/step, spread {table_spread(winner)} ms "

@@ -132,20 +132,27 @@ def _value_rank(values: list[str], value: str) -> float:
         return float(values.index(value)) if value in values else float("inf")
 
 
+def slower_than(cand: Candidate, winner: Candidate, cands: list[Candidate]) -> Candidate | None:
+    """Whom the table says ``cand`` is slower than: the winner, else the fastest median, else nobody."""
+    for other in (winner, leader(cands)):
+        if other is not None and clearly_slower(cand, other):
+            return other
+    return None
+
+
 def verdict(cand: Candidate, winner: Candidate, cands: list[Candidate]) -> str:
     """The table's verdict for a measured candidate (not the winner), against the winner.
 
     A candidate slower beyond the noise than the winner, or else than the fastest
     median, says so with the numbers; any other is a tie, with why it is one.
     """
-    best = leader(cands)
-    for other in (winner, best):
-        if clearly_slower(cand, other):
-            cmp = compare(cand, other)
-            whom = "" if other is winner else f" than {other.label} (fastest median)"
-            return (f"slower{whom} by {cand.measured_s / other.measured_s - 1:.0%} "
-                    f"({_ms(cand, other)}; spread {_iqr(cand)} above {_iqr(other)}; "
-                    f"slower in {cmp.b_wins}/{cmp.shared} rounds)")
+    other = slower_than(cand, winner, cands)
+    if other is not None:
+        cmp = compare(cand, other)
+        whom = "" if other is winner else f" than {other.label} (fastest median)"
+        return (f"slower{whom} by {cand.measured_s / other.measured_s - 1:.0%} "
+                f"({_ms(cand, other)}; spread {_iqr(cand)} above {_iqr(other)}; "
+                f"slower in {cmp.b_wins}/{cmp.shared} rounds)")
     fast, slow = (winner, cand) if cand.measured_s >= winner.measured_s else (cand, winner)
     cmp = compare(slow, fast)
     if cmp.shared < MIN_ROUNDS:

@@ -1,4 +1,5 @@
-"""``zdsl tune``'s table: every candidate, predicted beside measured (median and spread), and its verdict."""
+"""``zdsl tune``'s table: every candidate, predicted beside measured (median and spread), and its verdict;
+and the same as JSON (``--json``) for scripts."""
 from __future__ import annotations
 
 import sys
@@ -75,3 +76,26 @@ def print_table(cands: list[Candidate], winner: Candidate | None, why: str, args
                       _spread(cand), str(len(cand.rounds)) if cand.rounds else "-", ratio, *peaks,
                       verdict(cand, winner, why, rank, cands, args.measure), style=style)
     console.print(table)
+
+
+def as_json(cands: list[Candidate], winner: Candidate | None, why: str, args, race) -> dict:
+    """Every candidate's figures and verdict; ``slower_than`` is the claim its verdict makes, if any."""
+    order = {id(c): i for i, c in enumerate(ranked(cands), 1)}
+    rows = []
+    for cand in cands:
+        rank = order.get(id(cand))
+        other = noise.slower_than(cand, winner, cands) if cand.rounds and winner is not None \
+            and winner.rounds and cand is not winner else None
+        rows.append({
+            "combination": cand.combo, "label": cand.label, "predicted_rank": rank,
+            "predicted_s": cand.predicted_s, "predicted_peak": cand.predicted_peak,
+            "rounds": {str(r): v for r, v in sorted(cand.rounds.items())}, "measured_s": cand.measured_s,
+            "spread_s": list(noise.spread(list(cand.rounds.values()))) if cand.rounds else None,
+            "measured_peak": cand.measured_peak, "rejected": cand.rejected, "pruned": cand.pruned,
+            "failed": cand.failed, "dropped_after_round": cand.dropped,
+            "slower_than": other.label if other is not None else None,
+            "verdict": verdict(cand, winner, why, rank, cands, args.measure)})
+    return {"file": args.file, "winner": winner.label if winner else None, "why": why,
+            "rounds": race.rounds if race else 0, "seconds": race.seconds if race else 0.0,
+            "stopped": race.stopped if race else "planner only", "steps": args.steps, "warmup": args.warmup,
+            "candidates": rows}
