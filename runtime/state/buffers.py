@@ -18,6 +18,8 @@ from zdsl.ir import TaskGraph
 from zdsl.runtime.state.flat import FlatParam
 from zdsl.runtime.state.flat import alloc_storage
 from zdsl.runtime.state.flat import free_storage
+from zdsl.runtime.state.host_pool import HostPool
+from zdsl.runtime.state.host_pool import typed
 from zdsl.runtime.state.errors import StateError
 from zdsl.runtime.state.memory import MemoryMeter
 from zdsl.runtime.state.optim import UnitOptimizer
@@ -43,6 +45,7 @@ class Slot:
     record: ActRecord | None = None     # act, act_inner
     live: bool = False
     clean: bool = True                  # grad_full: still all zeros since allocation
+    block: torch.Tensor | None = None   # the host pool's block under ``tensor`` (host_pool.py)
 
 
 class BufferTable:
@@ -56,6 +59,7 @@ class BufferTable:
         self.slots: dict[str, Slot] = {name: Slot(b) for name, b in graph.buffers.items() if b.kind != "token"}
         self.flats: list[FlatParam] = []          # per unit, filled by the rank state at start-up
         self.optims: list[UnitOptimizer] = []     # per unit, likewise
+        self.pool = HostPool()                    # pageable host memory, reused step to step
 
     def error(self, op: Op | None, cause: str) -> StateError:
         where = f"op {op.id} {op.kind}" + (f" unit {op.unit}" if op.unit is not None else "") \
@@ -140,6 +144,12 @@ class BufferTable:
             t = self.flats[buf.unit].grad
             alloc_storage(t)
             t.zero_()
+        elif dev.type == "cpu" and not pins_host_memory(buf, self.device):
+            numel, dtype = self.numel(buf), self.dtype_of(buf)
+            slot.block = self.pool.take(numel * dtype.itemsize)
+            t = typed(slot.block, numel, dtype)
+            if buf.kind in ("grad_full", "grad_shard"):
+                t.zero_()
         else:
             t = torch.empty(self.numel(buf), dtype=self.dtype_of(buf), device=dev,
                             pin_memory=pins_host_memory(buf, self.device))
@@ -166,6 +176,10 @@ class BufferTable:
         slot.record = None
         slot.live = False
         self.meter.release(buf.name)
+        if slot.block is not None:
+            block, slot.block = slot.block, None
+            t = None   # the loop's last tensor: the pool counts who still holds the block
+            self.pool.give(block)
 
     def free(self, op: Op) -> None:
         """``mem.free``: release every working buffer the op names."""
