@@ -225,12 +225,18 @@ def label_count(batches) -> int:
     return sum(b.labels.numel() for b in batches)
 
 
+# the allocator's peaks a CUDA rank reports beside its logical bytes per tier (``peak_bytes``)
+ALLOCATOR_PEAKS = {"device_allocated": "peak_allocated", "device_reserved": "peak_reserved"}
+
+
 def gather_metrics(step, record: StepRecord, result: dict, state, world, device, tokens,
                    overlap=None) -> StepMetrics:
     """Loss averaged over ranks, every rank's peak bytes per tier and overlap (one small all-gather)."""
     report = state.memory_report()
     peaks = report.get("peak", report)
+    allocator = report.get("allocator", {})      # CUDA: what the caching allocator really holds
     row = [float(result["loss"]), record.seconds] + [float(peaks.get(t, 0)) for t in TIERS]
+    row += [float(allocator.get(key, 0)) for key in ALLOCATOR_PEAKS.values()]
     row += [overlap.lower_bound, overlap.efficiency] if overlap is not None else [-1.0, -1.0]
     mine = torch.tensor(row, dtype=torch.float64, device=device)
     every = torch.empty(world * len(row), dtype=torch.float64, device=device)
@@ -239,10 +245,13 @@ def gather_metrics(step, record: StepRecord, result: dict, state, world, device,
     loss = sum(r[0] for r in table) / world
     step_s = max(r[1] for r in table)
     peak = {r: {t: int(table[r][2 + i]) for i, t in enumerate(TIERS)} for r in range(world)}
+    if allocator:
+        for r in range(world):
+            peak[r].update({name: int(table[r][2 + len(TIERS) + i]) for i, name in enumerate(ALLOCATOR_PEAKS)})
     summary = None
     if overlap is not None:
         # the step is as slow as its slowest rank (zdsl.observe.overlap.summarize, from the gathered figures)
-        lower = max(r[2 + len(TIERS)] for r in table)
+        lower = max(r[2 + len(TIERS) + len(ALLOCATOR_PEAKS)] for r in table)
         summary = {"overlap_efficiency": min(1.0, lower / step_s) if step_s > 0 else 1.0,
                    "lower_bound_s": lower, "rank0": overlap.to_metrics() if state.rank == 0 else None}
     return StepMetrics(step=step, loss=loss, step_s=step_s, tokens_per_s=tokens * world / step_s,

@@ -7,11 +7,20 @@ full gradients at stages 2-3, activations, staging copies). The runtime
 records the same split here as buffers come and go, so a measured run can be
 held against the plan. Peaks are kept per tier for the total, for model
 states and for working buffers, and per buffer kind.
+
+On CUDA the report also carries what the caching allocator holds on the
+rank's device (``allocator``): the bytes its tensors occupy and the bytes it
+has reserved from the driver, now and at their peaks since the rank started.
+Reserved memory is what the device really gives this rank (the logical bytes
+plus the allocator's rounding, per-stream pools and fragmentation, autograd's
+temporaries, NCCL's buffers are apart), so the plan can be checked against it.
 """
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
+
+import torch
 
 MODEL_STATES = ("parameters", "gradients", "optimizer")
 
@@ -19,7 +28,8 @@ MODEL_STATES = ("parameters", "gradients", "optimizer")
 class MemoryMeter:
     """Current and peak bytes per tier; thread-safe (lanes allocate concurrently)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
+        self.device = device                                    # the rank's; the allocator is read on CUDA
         self._lock = threading.Lock()
         self._held: dict[str, tuple[str, str, str, int]] = {}   # name -> (tier, kind, category, bytes)
         self._reset_counters()
@@ -65,7 +75,8 @@ class MemoryMeter:
     def report(self) -> dict:
         """``{"peak": {tier: bytes}, "current": {tier: bytes}, "tiers": {tier: row}}``; a row
         has current and peak bytes for total, model_states, parameters, gradients,
-        optimizer, working, and ``by_kind`` peaks."""
+        optimizer, working, and ``by_kind`` peaks. On CUDA also ``"allocator"``:
+        :func:`allocator_bytes` of the device."""
         with self._lock:
             out = {}
             for tier in sorted(set(self.current) | set(self.peak)):
@@ -76,6 +87,20 @@ class MemoryMeter:
                     row[f"current_{key}"] = cur[key]
                 row["by_kind"] = {k[5:]: v for k, v in peak.items() if k.startswith("kind:")}
                 out[tier] = row
-            return {"peak": {t: r["peak"] for t, r in out.items()},
-                    "current": {t: r["current"] for t, r in out.items()},
-                    "tiers": out}
+            report = {"peak": {t: r["peak"] for t, r in out.items()},
+                      "current": {t: r["current"] for t, r in out.items()},
+                      "tiers": out}
+        allocator = allocator_bytes(self.device)
+        if allocator:
+            report["allocator"] = allocator
+        return report
+
+
+def allocator_bytes(device: torch.device | None) -> dict[str, int]:
+    """What torch's CUDA caching allocator holds on ``device``: ``allocated`` and ``reserved``
+    bytes now, ``peak_allocated`` and ``peak_reserved`` since the process started (or the last
+    ``torch.cuda.reset_peak_memory_stats``); ``{}`` on any other device."""
+    if device is None or device.type != "cuda":
+        return {}
+    return {"allocated": torch.cuda.memory_allocated(device), "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device), "peak_reserved": torch.cuda.max_memory_reserved(device)}

@@ -69,7 +69,7 @@ class RankState:
         self.opt_config = dict(self.config.get("optimizer") or {})
         self.stage = graph.stage
         self.dtype = compute_dtype(graph.precision)
-        self.meter = MemoryMeter()
+        self.meter = MemoryMeter(self.device)
 
         modules = list(model.units())
         if len(modules) != len(graph.units):

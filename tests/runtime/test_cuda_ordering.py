@@ -6,6 +6,7 @@ the same paths on CUDA."""
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -357,3 +358,40 @@ def test_a_cuda_rank_gives_its_host_step_its_share_of_the_cores(monkeypatch, loc
         assert got == torch.get_num_threads() == (before if expected is None else expected)
     finally:
         torch.set_num_threads(before)
+
+
+def test_on_cuda_the_meter_reports_the_allocators_bytes_beside_the_logical_ones(monkeypatch):
+    from zdsl.runtime.state.memory import MemoryMeter
+    held = {"memory_allocated": 100, "max_memory_allocated": 300, "memory_reserved": 512, "max_memory_reserved": 1024}
+    for name, value in held.items():
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, value=value: value)
+    meter = MemoryMeter(torch.device("cuda", 0))
+    meter.hold("param_full[0]", "device", "param_full", "parameters", 64)
+    report = meter.report()
+    assert report["peak"] == {"device": 64}
+    assert report["allocator"] == {"allocated": 100, "peak_allocated": 300, "reserved": 512, "peak_reserved": 1024}
+    assert "allocator" not in MemoryMeter(torch.device("cpu")).report()
+
+
+def test_a_cuda_ranks_metrics_row_carries_the_allocators_peaks(one_rank_group):
+    from zdsl.runtime.exec.executor import StepRecord
+    from zdsl.runtime.run.train import gather_metrics
+
+    class Rank:
+        rank = 0
+
+        def __init__(self, allocator):
+            self.allocator = allocator
+
+        def memory_report(self):
+            report = {"peak": {"device": 64, "host": 8}}
+            return {**report, "allocator": self.allocator} if self.allocator else report
+    allocator = {"allocated": 1, "peak_allocated": 300, "reserved": 2, "peak_reserved": 1024}
+    overlap = SimpleNamespace(lower_bound=0.25, efficiency=0.5, to_metrics=lambda: {})
+    m = gather_metrics(0, StepRecord(0.5), {"loss": 1.0}, Rank(allocator), 1, torch.device("cpu"), tokens=4,
+                       overlap=overlap)
+    assert m.overlap["lower_bound_s"] == 0.25 and m.loss == 1.0
+    assert m.peak_bytes == {0: {"device": 64, "host": 8, "nvme": 0, "device_allocated": 300,
+                                "device_reserved": 1024}}
+    m = gather_metrics(0, StepRecord(0.5), {"loss": 1.0}, Rank(None), 1, torch.device("cpu"), tokens=4)
+    assert m.peak_bytes == {0: {"device": 64, "host": 8, "nvme": 0}}       # a CPU rank's row as before
