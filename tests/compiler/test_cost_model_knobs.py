@@ -1,0 +1,106 @@
+"""The cost model moves with ``prefetch`` and ``bucket`` the way a run does (issue 23, item 3).
+
+Each test is a reasoned example on a fixed machine profile: what a knob changes in the
+step (collectives called, gathers left in the open, memory held), the term of the model that
+prices it, and the direction and least size of the change that term implies. Dropping the
+term (a per-call cost of 0, lanes that run one collective at a time) fails them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from zdsl.compile.units import gpt_units
+from zdsl.driver import compile_schedule
+from zdsl.planner.comm import comm_plan
+from zdsl.planner.simulate import collective_seconds
+from zdsl.planner.simulate import simulate
+from zdsl.schedule import MachineProfile
+from zdsl.schedule import OptimizerSpec
+from zdsl.schedule import Schedule
+from zdsl.schedule import TrainSpec
+
+MiB = 1 << 20
+
+# Width 256: a block's parameters are 3 MiB in fp32, so a 1 MiB bucket cuts each block's
+# gather and reduce-scatter into 4 calls (programs/zero3.zs's blocks, 0.2 MiB, are not cut).
+UNITS = gpt_units(layers=3, width=256, heads=4, vocab=256, context=32)
+
+# A calibrated 2-core CPU as `zdsl calibrate` writes it: one core a rank, gloo's two threads.
+CPU = MachineProfile(name="cpu", flops=7e10, host_flops=7e10, link_bandwidth=2e9, link_latency=2e-4,
+                     scatter_bandwidth=2e9, scatter_latency=1.5e-4, reduce_bandwidth=1.3e9,
+                     reduce_latency=1.2e-4, memory_bandwidth=5e10, op_overhead=1e-4, kernel_overhead=5e-6,
+                     comm_overhead=3e-4, scatter_overhead=7e-4, cores=1.0, comm_slots=2, comm_under_load=0.02)
+# A GPU whose link is slow beside its compute (a block's gather, 1.6 ms, takes 8 times its forward).
+GPU = MachineProfile(name="cuda", flops=1e12, link_bandwidth=1e9, link_latency=1e-5, memory_bandwidth=1e11,
+                     comm_slots=1)
+# The same with a link fast enough that a gather (0.1 ms) hides behind the compute before it.
+FAST_GPU = dataclasses.replace(GPU, link_bandwidth=2e10)
+
+
+def graph(prefetch: int = 1, bucket: int = 0):
+    s = Schedule(name="knobs", ranks=2, stage=3, prefetch=prefetch, bucket_bytes=bucket,
+                 train=TrainSpec(precision="fp32", batch=4), optimizer=OptimizerSpec(kind="adamw"))
+    return compile_schedule(s, UNITS)
+
+
+def per_call(machine: MachineProfile) -> float:
+    """What one more gather costs beyond its bytes: its latency and the runtime's cost per collective."""
+    return machine.link_latency + max(machine.comm_overhead, 0.0)
+
+
+@pytest.mark.parametrize("machine", [CPU, dataclasses.replace(CPU, cores=0.0)], ids=["shared-core", "free-lanes"])
+def test_a_bucket_that_cuts_units_costs_each_extra_call_its_fixed_cost(machine):
+    """1 MiB buckets turn 15 collectives into 42 moving the same bytes. Each extra call pays
+    the collective's latency and the runtime's cost per collective (0.5 ms here) on the
+    collectives lane, the busiest one at this size; gloo runs two at once, so the step grows by
+    at least half of extra calls x per-call cost. With no per-call cost it would not grow so."""
+    whole, cut = graph(bucket=0), graph(bucket=1 * MiB)
+    extra = comm_plan(cut).collectives - comm_plan(whole).collectives
+    assert comm_plan(cut).payload_bytes == comm_plan(whole).payload_bytes and extra >= 20
+    grown = simulate(cut, machine).step_s - simulate(whole, machine).step_s
+    assert grown >= 0.5 * extra * per_call(machine) / machine.comm_slots
+
+
+def test_a_small_message_achieves_less_of_the_link_than_a_large_one():
+    """The profile's curve by size: ``latency + bytes / link``, so a 64 KiB part moves at under
+    half the bandwidth a 4 MiB gather achieves on this profile."""
+    achieved = {n: n / collective_seconds("comm.all_gather", n, CPU) for n in (64 << 10, 4 * MiB)}
+    assert achieved[64 << 10] < 0.5 * achieved[4 * MiB]
+
+
+@pytest.mark.parametrize("machine", [FAST_GPU, CPU, dataclasses.replace(CPU, cores=0.0)],
+                         ids=["gpu", "shared-core", "free-lanes"])
+def test_prefetching_one_unit_hides_gathers_that_prefetch_0_waits_for(machine):
+    """At prefetch 0 a unit's gather is issued when the unit before it is done and its compute
+    waits for it: every gather is on the critical path. Prefetch 1 issues it a unit earlier,
+    behind that unit's compute, which is longer than the gather on these profiles. So the step
+    shrinks by a good part of the gathers' time (all but the first unit's, forward and
+    backward; on a shared core a gather beside compute moves slowly, hence only a part)."""
+    g0, g1 = graph(prefetch=0), graph(prefetch=1)
+    sim0, sim1 = simulate(g0, machine), simulate(g1, machine)
+    gathers = sorted((d for op, d in zip(g0.ops, sim0.duration) if op.kind == "comm.all_gather"), reverse=True)
+    hideable = sum(gathers[2:])          # the two a step must wait for anyway (first of each pass) left out
+    assert sim0.step_s - sim1.step_s >= 0.3 * hideable
+
+
+def test_deeper_prefetch_holds_more_and_gains_nothing_where_one_stream_runs_the_gathers():
+    """With one collective at a time (NCCL's one stream) and gathers slower than the compute
+    they hide behind, the link is the bottleneck at prefetch 1 already: a deeper prefetch holds
+    more gathered parameters at once and gives no time back."""
+    one, two = simulate(graph(prefetch=1), GPU), simulate(graph(prefetch=2), GPU)
+    assert two.step_s == pytest.approx(one.step_s, rel=0.01)
+    assert two.memory.tiers["device"].working_peak > one.memory.tiers["device"].working_peak
+
+
+def test_deeper_prefetch_gains_where_the_backend_runs_two_gathers_at_once():
+    """gloo runs two collectives at once (``comm_slots=2``): with two units' gathers in flight
+    the slow link serves both, so a prefetch of 2 beats 1 when gathers are slower than the
+    compute. One thread (``comm_slots=1``) takes that gain away."""
+    two_threads = dataclasses.replace(GPU, comm_slots=2)
+    p1, p2 = (simulate(graph(prefetch=k), two_threads).step_s for k in (1, 2))
+    assert p2 < p1
+    gain_with_two = p1 - p2
+    p1, p2 = (simulate(graph(prefetch=k), GPU).step_s for k in (1, 2))
+    assert gain_with_two > (p1 - p2) + 1e-5
