@@ -36,6 +36,11 @@ which on CUDA say when work was queued, not when it ran. Ops on host lanes keep
 host times. Untimed (``timing=False``, e.g. evaluation) the events only order,
 and are made without timing, which CUDA records more cheaply.
 
+Under ``TORCH_CUDA_SANITIZER=1`` torch's race detector is a dispatch mode, and dispatch modes are
+per thread: enabled at import in the main thread, it would see none of the lanes' kernels. Each op's
+body (and each collective's wait) runs with the sanitizer's mode pushed on its thread
+(:func:`sanitizer_joined`), so it checks every lane.
+
 ``ZDSL_ONE_STREAM=1`` (a diagnostic) puts every device lane on one stream: the
 same ops in the same order without overlap, to hold an overlapped run against.
 
@@ -47,9 +52,13 @@ GPU); see the closing notes of the runtime issue.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _pop_mode
+from torch.utils._python_dispatch import _push_mode
 
 from zdsl import env
 from zdsl.ir import Op
@@ -69,6 +78,22 @@ def host_side_ops(graph: TaskGraph) -> list[bool]:
         touches = any(graph.buffers[n].tier == "host" for n in (*op.reads, *op.writes) if n in graph.buffers)
         out.append(op.lane not in HOST_LANES and op.kind != "mem.free" and not engine and touches)
     return out
+
+
+@contextmanager
+def sanitizer_joined():
+    """This thread's ops seen by torch's CUDA sanitizer when it is on (``TORCH_CUDA_SANITIZER``):
+    its dispatch mode pushed for the body where the thread lacks it; nothing otherwise."""
+    csan = sys.modules.get("torch.cuda._sanitizer")
+    mode = csan.cuda_sanitizer.dispatch if csan is not None and csan.cuda_sanitizer.enabled else None
+    if mode is None or any(m is mode for m in _get_current_dispatch_mode_stack()):
+        yield
+        return
+    _push_mode(mode)
+    try:
+        yield
+    finally:
+        _pop_mode()
 
 
 class LaneStreams:
@@ -147,9 +172,10 @@ class LaneStreams:
             elif self.lane_of[d] != op.lane or op.kind == "mem.free":
                 stream.wait_event(event)
         if stream is None:
-            yield
+            with sanitizer_joined():
+                yield
             return
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), sanitizer_joined():
             if self.timing:
                 begin = self._event()
                 begin.record(stream)
@@ -169,11 +195,12 @@ class LaneStreams:
         """The op's stream as the current stream (a collective's wait in a watcher thread)."""
         stream = self.streams.get(op.lane)
         torch.cuda.set_device(self.device)   # watcher threads start on device 0
-        if stream is None:
-            yield
-        else:
-            with torch.cuda.stream(stream):
+        with sanitizer_joined():
+            if stream is None:
                 yield
+            else:
+                with torch.cuda.stream(stream):
+                    yield
 
 
 def lane_streams(graph: TaskGraph, device: torch.device, timing: bool = True) -> LaneStreams | None:

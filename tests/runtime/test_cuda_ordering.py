@@ -395,3 +395,49 @@ def test_a_cuda_ranks_metrics_row_carries_the_allocators_peaks(one_rank_group):
                                 "device_reserved": 1024}}
     m = gather_metrics(0, StepRecord(0.5), {"loss": 1.0}, Rank(None), 1, torch.device("cpu"), tokens=4)
     assert m.peak_bytes == {0: {"device": 64, "host": 8, "nvme": 0}}       # a CPU rank's row as before
+
+
+def test_torchs_cuda_sanitizer_sees_the_ops_of_every_lane_thread(fake_cuda, monkeypatch):
+    """Dispatch modes are per thread: the sanitizer TORCH_CUDA_SANITIZER enables in the main thread
+    would miss every op a lane's worker thread runs, unless the lanes join it."""
+    import sys
+    import threading
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+    from zdsl.ir import Op
+    from zdsl.runtime.exec.streams import LaneStreams
+    seen: list[tuple[str, str]] = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((threading.current_thread().name, func.__name__))
+            return func(*args, **(kwargs or {}))
+    sanitizer = SimpleNamespace(cuda_sanitizer=SimpleNamespace(enabled=True, dispatch=Recording()))
+    monkeypatch.setitem(sys.modules, "torch.cuda._sanitizer", sanitizer)
+    sched, graph, _ = _gpt_rank(0)
+    streams = LaneStreams(graph, torch.device("cuda", 0))
+    device_op = next(op for op in graph.ops if op.lane == "compute")
+    host_op = Op(len(graph.ops), "compute.step", "host", 0)
+    streams.lane_of.append("host")
+    streams.host_side.append(False)
+    streams.events.append(None)
+    streams.begins.append(None)
+    left: list[int] = []
+
+    def lane():
+        for op in (device_op, host_op):
+            with streams.ordered(op):
+                torch.ones(2).mul_(3)
+        with streams.on_lane(device_op):
+            torch.ones(2).add_(1)
+        left.append(len(_get_current_dispatch_mode_stack()))
+    thread = threading.Thread(target=lane, name="lane")
+    thread.start()
+    thread.join()
+    assert [name for thread_name, name in seen if thread_name == "lane"] == ["ones.default", "mul_.Tensor"] * 2 + \
+        ["ones.default", "add_.Tensor"]
+    assert left == [0]                     # the thread's mode stack as it was
+    sanitizer.cuda_sanitizer.enabled = False
+    seen.clear()
+    with streams.ordered(device_op):
+        torch.ones(2)
+    assert not seen
