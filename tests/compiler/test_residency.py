@@ -172,3 +172,37 @@ def test_optimizer_on_host_keeps_parameters_only():
 def test_deterministic():
     s = schedule(budget=int(host_peak(schedule()) + 2 * MiB))
     assert compile_schedule(s, UNITS).to_json() == compile_schedule(s, UNITS).to_json()
+
+
+# -- the plan ---------------------------------------------------------------------------------------------
+
+def test_plan_shows_bytes_per_tier_against_the_minimum_and_the_lru_comparison():
+    from zdsl.planner.report import build_plan
+    from zdsl.planner.report import render_plan
+
+    base = schedule()
+    s = schedule(budget=int(host_peak(base) + 2 * MiB))
+    graph = compile_schedule(s, UNITS)
+    plan = build_plan(graph, s)
+    out = plan.to_json()
+    moved = out["moved_bytes_per_step"]
+    params = sum(b.bytes for b in graph.buffers.values() if b.kind == "param_shard" and b.tier == "nvme")
+    optim = sum(b.bytes for b in graph.buffers.values() if b.kind == "optim" and b.tier == "nvme")
+    assert moved["nvme -> host"] == {"bytes": nvme_bytes(graph, "nvme.read"), "minimum": 2 * params + optim}
+    assert moved["host -> nvme"] == {"bytes": nvme_bytes(graph, "nvme.write"), "minimum": params + optim}
+    r = out["residency"]
+    assert r["saved_bytes"] == nvme_bytes(today(base), "nvme.read") - moved["nvme -> host"]["bytes"] > 0
+    text = render_plan(plan, width=200)
+    assert "ZeRO-Infinity minimum" in text and "an LRU cache of the same room" in text
+
+
+def test_plan_without_nvme_has_no_residency_line():
+    from zdsl.planner.report import build_plan
+    from zdsl.planner.report import render_plan
+
+    s = schedule(optimizer="cpu")
+    s.placement["parameters"] = Placement("cpu")
+    s.memory = {"host": 1 << 40}
+    plan = build_plan(compile_schedule(s, UNITS), s)
+    assert "residency" not in plan.to_json()
+    assert "host residency" not in render_plan(plan, width=200)

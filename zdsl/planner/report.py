@@ -28,6 +28,7 @@ from zdsl.planner.profile_cache import calibrated_source
 from zdsl.planner.profile_cache import rates_line
 from zdsl.planner.simulate import Simulation
 from zdsl.planner.simulate import simulate
+from zdsl.planner.traffic import traffic_json
 from zdsl.schedule import Schedule
 
 # Largest graph the worst-order working peak is computed for (a max flow in pure Python: ~1-3 s at 20,000 ops).
@@ -112,6 +113,11 @@ class Plan:
         """What ``freeze`` saves against the same schedule without it (None without freeze)."""
         return freeze_plan(self.graph, self.schedule, self.units) if self.units is not None else None
 
+    @property
+    def residency(self) -> dict | None:
+        """What the host copies kept between uses save (zdsl/compile/residency.py), or None."""
+        return self.graph.config.get("residency")
+
     def to_json(self) -> dict:
         g, sim = self.graph, self.sim
         memory = sim.memory.to_json()
@@ -127,6 +133,8 @@ class Plan:
             extra["weight_decay_groups"] = self.decay_split()
         if self.freeze is not None:
             extra["freeze"] = self.freeze.to_json()
+        if self.residency is not None:
+            extra["residency"] = self.residency
         return {
             "schedule": g.schedule,
             "file": self.schedule.file,
@@ -142,6 +150,7 @@ class Plan:
                              "comm_elements_per_step": zero_comm_elements(self.parameters, g.stage)},
             "comm_bytes_per_step": self.comm.payload_bytes,
             "comm": self.comm.to_json(),
+            "moved_bytes_per_step": traffic_json(g),
             "machine": {"name": self.schedule.machine.name, "source": self.machine_source() or calibrated_source()},
             "predicted_step_s": sim.step_s,
             "lower_bound_s": sim.bound_s,
@@ -186,6 +195,32 @@ def optimizer_lines(plan: Plan) -> list[str]:
         out.append(f"weight decay {o.weight_decay:g} on {decay:,} parameters ({fmt_count(decay)}), "
                    f"none on {none:,} ({fmt_count(none)}: {exempt})")
     return out
+
+
+def moved_table(console, plan: Plan) -> None:
+    """Bytes per tier path per step against ZeRO-Infinity's minimum, and what host residency saves."""
+    from rich.table import Table
+
+    rows = traffic_json(plan.graph)
+    if not rows:
+        return
+    table = Table(title="tiers: bytes moved per step per rank", title_justify="left")
+    for col in ("path", "moved", "ZeRO-Infinity minimum", "moved / minimum"):
+        table.add_column(col, justify="left" if col == "path" else "right")
+    for path, row in rows.items():
+        ratio = f"{row['bytes'] / row['minimum']:.2f}" if row["minimum"] else "-"
+        table.add_row(path, human_bytes(row["bytes"]), human_bytes(row["minimum"]), ratio)
+    console.print(table)
+    console.print("  minimum: parameters read for each forward and backward, gradients written once, "
+                  "optimizer state read and written once, updated parameters written once", style="dim")
+    r = plan.residency
+    if r is not None:
+        reads = rows.get("nvme -> host", {}).get("bytes", 0)
+        console.print(f"host residency (Belady, memory host {human_bytes(r['host_budget'])}): "
+                      f"{r['kept']} of {r['candidates']} re-reads kept on the host, NVMe reads "
+                      f"{human_bytes(r['saved_bytes'])} lower per step; an LRU cache of the same room: "
+                      f"{human_bytes(r['lru_saved_bytes'])} lower; no cache: {human_bytes(reads + r['saved_bytes'])} "
+                      f"read (at most {human_bytes(r['max_saved_bytes'])} to save)")
 
 
 def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
@@ -254,6 +289,7 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
     comm.add_row(f"ZeRO formula ({'3' if g.stage == 3 else '2'}Ψ)",
                  human_bytes(elems * (4 if g.precision == "fp32" else 2)), "", style="dim")
     console.print(comm)
+    moved_table(console, plan)
 
     console.print(f"[bold]predicted step {fmt_s(sim.step_s)}[/bold] (lower bound {fmt_s(sim.bound_s)}, "
                   f"overlap efficiency {sim.overlap_efficiency:.2f}) on machine {plan.schedule.machine.name!r}")
