@@ -1,0 +1,199 @@
+"""Does ``zdsl tune`` pick the true best, and does any verdict it prints claim a difference that is not there?
+
+    python benchmarks/tune_quality.py                         # zero3 and zero2, 5 truth rounds, 3 tune runs
+    python benchmarks/tune_quality.py --programs zero3,zero2,nvme --truth-rounds 8 --runs 5
+    python benchmarks/tune_quality.py --programs zero3 --truth-rounds 3 --runs 1 --budget 40   # a quick look
+
+For each program and its knobs (:data:`PROGRAMS`, each as a user would pass
+them to ``--vary``):
+
+1. **the truth**: every combination measured exhaustively, in interleaved
+   rounds (every combination once per round, a ``zdsl run`` of ``--steps``
+   steps, the first ``--warmup`` not timed: what ``zdsl tune`` measures); half
+   the rounds before the tune runs and half after, so that a drift of the
+   machine during the benchmark falls on both. A combination's true figure is
+   the median of its round figures;
+2. ``--runs`` runs of ``zdsl tune FILE --vary ...`` with its defaults (``--budget``
+   to change the budget), each read back through ``--json``;
+3. per run: tune's pick, its true median against the true best's (within 5%?),
+   and every verdict that claims a difference ("X slower than Y") checked
+   against the truth: **contradicted** when the truth has X no slower than Y,
+   unconfirmed when the truth has it slower but not beyond its own noise
+   (``zdsl.tune.noise``'s rule on the truth's rounds). Also any combination
+   the planner pruned that the truth puts within 5% of the best.
+
+The last line: ``pick within 5% of best in K/M runs; contradicted verdicts: J``
+(issue 23's target: K/M >= 80%, J = 0). About 15 minutes with the defaults on
+a 2-core machine where a run takes ~5 s; it prints its estimate first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from zdsl.driver import memo_units_for  # noqa: E402
+from zdsl.planner import profile_cache  # noqa: E402
+from zdsl.tune import noise  # noqa: E402
+from zdsl.tune.measure import RunFailed, measure  # noqa: E402
+from zdsl.tune.rounds import DEFAULT_BUDGET_S  # noqa: E402
+from zdsl.tune.search import Candidate, combinations, parse_vary, predict  # noqa: E402
+
+# program -> its knobs, as --vary arguments (two meaningful knobs each; nvme has one that matters)
+PROGRAMS = {
+    "zero3": ["prefetch=0..2", "bucket=64KiB..256KiB"],
+    "zero2": ["bucket=64KiB..256KiB", "overlap=none,scatter/backward"],
+    "zero1": ["bucket=64KiB..256KiB", "overlap=none,scatter/backward"],
+    "nvme": ["prefetch=0..2"],
+}
+WITHIN = 0.05
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--programs", default="zero3,zero2",
+                    help=f"comma-separated, from {', '.join(PROGRAMS)} (default zero3,zero2)")
+    ap.add_argument("--truth-rounds", type=int, default=5, help="rounds of the exhaustive truth (default 5)")
+    ap.add_argument("--runs", type=int, default=3, help="zdsl tune runs per program (default 3)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"pass --budget to zdsl tune (default: tune's own, {DEFAULT_BUDGET_S:.0f} s)")
+    ap.add_argument("--steps", type=int, default=10, help="steps per truth run (default 10, as zdsl tune)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per truth run (default 2, as zdsl tune)")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.programs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PROGRAMS]
+    if unknown:
+        ap.error(f"unknown program {unknown[0]!r}; choose from {', '.join(PROGRAMS)}")
+
+    profile_cache.enable()          # predict as zdsl tune does: with this machine's calibrated profile
+    units_for = memo_units_for()
+    truths = {n: predict(str(ROOT / "programs" / f"{n}.zs"), {}, combinations(parse_vary(PROGRAMS[n])), units_for)
+              for n in names}
+    runs = sum(len(c) for c in truths.values()) * args.truth_rounds
+    budget = args.budget or DEFAULT_BUDGET_S
+    print(f"tune_quality: {runs} truth runs (~{runs * 5 / 60:.1f} min at ~5 s a run) and {len(names) * args.runs} "
+          f"zdsl tune runs (at most ~{len(names) * args.runs * budget / 60:.1f} min: their budget, and the "
+          f"first round always runs)", flush=True)
+    first = math.ceil(args.truth_rounds / 2)
+    picks, claims_total, contradicted_total = [], 0, 0
+    for name in names:
+        file = str(ROOT / "programs" / f"{name}.zs")
+        cands = [c for c in truths[name] if c.rejected is None]
+        measure_truth(file, cands, range(1, first + 1), args)
+        results = [tune_once(file, name, PROGRAMS[name], args.budget, i) for i in range(1, args.runs + 1)]
+        measure_truth(file, cands, range(first + 1, args.truth_rounds + 1), args)
+        print_truth(name, cands)
+        for i, res in enumerate(results, 1):
+            ok, claims, contradicted = judge(name, i, res, cands)
+            picks.append(ok)
+            claims_total += claims
+            contradicted_total += contradicted
+    print(f"pick within {WITHIN:.0%} of best in {sum(1 for p in picks if p)}/{len(picks)} runs; "
+          f"contradicted verdicts: {contradicted_total} (of {claims_total} claimed differences)")
+    return 0
+
+
+def measure_truth(file: str, cands: list[Candidate], rounds, args) -> None:
+    for r in rounds:
+        t0 = time.monotonic()
+        for cand in cands:
+            try:
+                run = measure(file, cand, args.steps, args.warmup, 600.0)
+            except RunFailed as exc:
+                cand.failed = str(exc)
+                continue
+            cand.rounds[r] = run.median_s
+        print(f"  truth {Path(file).stem} round {r}: {len(cands)} runs in {time.monotonic() - t0:.0f} s",
+              flush=True)
+
+
+def tune_once(file: str, name: str, vary: list[str], budget: float | None, i: int) -> dict | None:
+    with tempfile.TemporaryDirectory(prefix="tune-quality-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "zdsl.cli", "tune", file, "--vary", *vary, "--out",
+               os.path.join(tmp, "best.zs"), "--json", out]
+        if budget is not None:
+            cmd += ["--budget", str(budget)]
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+        took = time.monotonic() - t0
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            print(f"  {name} tune run {i}: failed (exit {proc.returncode}): {tail}", flush=True)
+            return None
+        res = json.loads(Path(out).read_text())
+        res["took_s"] = took
+        print(f"  {name} tune run {i}: {took:.0f} s, {res['rounds']} round(s), picked {res['winner']} "
+              f"({res['stopped']})", flush=True)
+        return res
+
+
+def print_truth(name: str, cands: list[Candidate]) -> None:
+    measured = [c for c in cands if c.rounds]
+    best = min(measured, key=lambda c: c.measured_s)
+    print(f"\n{name}: the truth ({len(best.rounds)} rounds each; spread = interquartile range of the rounds)")
+    print(f"  {'combination':32} {'predicted':>10} {'true median':>12} {'spread ms':>14} {'vs best':>8}")
+    for c in sorted(measured, key=lambda c: c.measured_s):
+        lo, hi = noise.spread(list(c.rounds.values()))
+        print(f"  {c.label:32} {c.predicted_s * 1e3:8.2f}ms {c.measured_s * 1e3:10.2f}ms "
+              f"{lo * 1e3:6.2f}..{hi * 1e3:6.2f} {c.measured_s / best.measured_s - 1:+8.1%}")
+    for c in cands:
+        if c.failed:
+            print(f"  {c.label:32} failed: {c.failed}")
+
+
+def judge(name: str, i: int, res: dict | None, cands: list[Candidate]) -> tuple[bool, int, int]:
+    """Print one tune run's verdict against the truth; (pick within 5%, claims, contradicted claims)."""
+    if res is None or res.get("winner") is None:
+        print(f"{name} run {i}: no pick")
+        return False, 0, 0
+    truth = {c.label: c for c in cands if c.rounds}
+    best = min(truth.values(), key=lambda c: c.measured_s)
+    pick = truth.get(res["winner"])
+    if pick is None:
+        print(f"{name} run {i}: picked {res['winner']}, which the truth has no figure for")
+        return False, 0, 0
+    off = pick.measured_s / best.measured_s - 1
+    ok = off <= WITHIN
+    notes = []
+    claims = contradicted = 0
+    for row in res["candidates"]:
+        if not row["slower_than"]:
+            continue
+        claims += 1
+        slow, fast = truth.get(row["label"]), truth.get(row["slower_than"])
+        if slow is None or fast is None:
+            continue
+        if slow.measured_s <= fast.measured_s:
+            contradicted += 1
+            notes.append(f"CONTRADICTED: {slow.label} slower than {fast.label} (truth {slow.measured_s * 1e3:.2f} "
+                         f"vs {fast.measured_s * 1e3:.2f} ms)")
+        elif not noise.clearly_slower(slow, fast):
+            notes.append(f"unconfirmed: {slow.label} slower than {fast.label} (truth {slow.measured_s * 1e3:.2f} vs "
+                         f"{fast.measured_s * 1e3:.2f} ms, within the truth's noise)")
+    for row in res["candidates"]:
+        c = truth.get(row["label"])
+        if row["pruned"] and c is not None and c.measured_s <= best.measured_s * (1 + WITHIN):
+            notes.append(f"pruned {c.label}, which the truth puts {c.measured_s / best.measured_s - 1:+.1%} "
+                         f"from the best")
+    print(f"{name} run {i}: pick {pick.label} true {pick.measured_s * 1e3:.2f} ms vs best {best.label} "
+          f"{best.measured_s * 1e3:.2f} ms ({off:+.1%}: {'within' if ok else 'NOT within'} {WITHIN:.0%}); "
+          f"{claims} claimed difference(s), {contradicted} contradicted; tune took {res['took_s']:.0f} s, "
+          f"{res['rounds']} round(s)")
+    for note in notes:
+        print(f"    {note}")
+    return ok, claims, contradicted
+
+
+if __name__ == "__main__":
+    sys.exit(main())
