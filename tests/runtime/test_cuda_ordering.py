@@ -441,3 +441,42 @@ def test_torchs_cuda_sanitizer_sees_the_ops_of_every_lane_thread(fake_cuda, monk
     with streams.ordered(device_op):
         torch.ones(2)
     assert not seen
+
+
+@pytest.mark.parametrize("program", ["offload_optimizer.zs", "nvme.zs", "capacity.zs"])
+def test_host_code_depends_on_every_asynchronous_copy_of_the_host_buffers_it_touches(program):
+    """The host waits only for its ops' dependencies' events, so the graph must order host code
+    after every copy that wrote a host buffer it reads (RAW: copy.d2h) and after every copy still
+    reading a host buffer it overwrites (WAR: copy.h2d; an NVMe read or the host step rewriting a
+    buffer while it is copied up, or a host lane's free releasing it: torch's pinned allocator
+    would hold the block back, but the graph already orders the free after the copy)."""
+    from pathlib import Path
+    from zdsl.driver import compile_file
+    from zdsl.runtime.exec.streams import host_side_ops
+    path = Path(__file__).parents[2] / "programs" / program
+    overrides = {"model.layers": "2"} if program == "capacity.zs" else {}
+    graph = compile_file(str(path), overrides, simulate=False).graph
+    host_side = host_side_ops(graph)
+    on_host = {n for n, b in graph.buffers.items() if b.tier == "host"}
+    last_copy_write: dict[str, int] = {}
+    copy_readers: dict[str, list[int]] = {}
+    checked = {"raw": 0, "war": 0}
+    for op in graph.ops:
+        if op.lane in ("host", "nvme") or host_side[op.id]:
+            for name in set(op.reads) & on_host:
+                if name in last_copy_write:
+                    assert last_copy_write[name] in op.deps, (op.id, op.kind, name, "reads before the copy wrote it")
+                    checked["raw"] += 1
+            for name in set(op.writes) & on_host:
+                missing = [r for r in copy_readers.get(name, ()) if r not in op.deps]
+                assert not missing, (op.id, op.kind, name, "overwrites or frees while copies read it", missing)
+                checked["war"] += bool(copy_readers.get(name))
+        for name in op.writes:
+            last_copy_write.pop(name, None)
+            copy_readers[name] = []
+            if op.kind == "copy.d2h":
+                last_copy_write[name] = op.id
+        if op.kind == "copy.h2d":
+            for name in set(op.reads) & on_host:
+                copy_readers.setdefault(name, []).append(op.id)
+    assert checked["raw"] and checked["war"], checked
