@@ -334,19 +334,30 @@ class Compute:
 
     # -- norm and step ------------------------------------------------------------------
     def _norm(self, op: Op) -> None:
+        """One unit's squared gradient norm (``op.unit`` set), or the norm of every gradient, or
+        the sum of the units' parts: ``sum(stack([||g_u||^2 for u in units]))`` either way."""
         table = self.table
-        grads = [table.read(n, op).tensor for n in op.reads if n != "token"]
+        reads = [n for n in op.reads if n != "token"]
+        out = next(n for n in op.writes if n != "token")
         with torch.no_grad():
+            if op.unit is not None:
+                (grad,) = (table.read(n, op).tensor for n in reads)
+                table.write(out, op).copy_(torch.linalg.vector_norm(grad, 2, dtype=torch.float32) ** 2)
+                return
             if not self.norm_reduced and not self.mixed and self.stage == 0:
                 # exactly clip_grad_norm_'s total norm over the parameters' gradients
                 views = [fp.grad_views[i] for fp in table.flats for i in fp.trainable]
                 value = _total_norm(views)
             else:
-                sq = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2 for g in grads]
+                slots = [table.read(n, op) for n in reads]
+                if all(s.buf.kind == "norm" for s in slots):
+                    sq = [s.tensor for s in slots]
+                else:
+                    sq = [torch.linalg.vector_norm(s.tensor, 2, dtype=torch.float32) ** 2 for s in slots]
                 value = torch.stack(sq).sum() if sq else torch.zeros((), dtype=torch.float32)
                 if not self.norm_reduced:
                     value = value.sqrt()
-            table.write("norm", op).copy_(value)
+            table.write(out, op).copy_(value)
 
     def _finish_norm(self) -> StepPlan:
         """Overflow, clip coefficient and unscale factor, once per step (all step ops share it)."""
