@@ -480,3 +480,16 @@ def test_host_code_depends_on_every_asynchronous_copy_of_the_host_buffers_it_tou
             for name in set(op.reads) & on_host:
                 copy_readers.setdefault(name, []).append(op.id)
     assert checked["raw"] and checked["war"], checked
+
+
+@pytest.mark.parametrize("pinned,pin", [(True, None), (False, False)])
+def test_an_nvme_placements_pinned_option_reaches_the_swappers_staging_pool(monkeypatch, tmp_path, pinned, pin):
+    """None: the pool's default, pinned exactly where CUDA is present (runtime/io/aligned.py)."""
+    from zdsl.runtime.offload import swap
+    from zdsl.runtime.state.transfers import Transfers
+    made = {}
+    monkeypatch.setattr(swap, "Swapper", lambda folder, block, depth, **kw: made.update(kw) or "swapper")
+    config = {"placement": {"optimizer": {"tier": "nvme", "path": str(tmp_path), "pinned": pinned,
+                                          "block_bytes": 1 << 16, "queue_depth": 4}}}
+    assert Transfers(SimpleNamespace(rank=0), config).swapper == "swapper"
+    assert made == {"pin": pin}
