@@ -206,3 +206,15 @@ def test_plan_without_nvme_has_no_residency_line():
     plan = build_plan(compile_schedule(s, UNITS), s)
     assert "residency" not in plan.to_json()
     assert "host residency" not in render_plan(plan, width=200)
+
+
+@pytest.mark.parametrize("prefetch", [2, 3])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_deeper_prefetch_keeps_every_shard_and_verifies(prefetch, clip):
+    s = schedule(budget=1 << 40, prefetch=prefetch, clip=clip)
+    graph = compile_schedule(s, UNITS)
+    assert not [d for d in verify(graph, s) if d.severity == "error"]
+    report = graph.config["residency"]
+    assert report["kept"] == report["candidates"] > 0
+    assert report["saved_bytes"] == nvme_bytes(today(schedule(prefetch=prefetch, clip=clip)), "nvme.read") \
+        - nvme_bytes(graph, "nvme.read")
