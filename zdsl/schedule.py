@@ -139,6 +139,7 @@ class MachineProfile:
     cores: float = 0.0                     # CPU cores per rank that lanes share; 0: lanes independent
     comm_slots: int = 2                    # collectives the backend runs at once (gloo: its 2 threads; NCCL: 1)
     comm_under_load: float = 0.0           # with cores: a collective's rate while compute fills them; 0: fair share
+    wake_latency: float = 0.0              # seconds an op starts after an input made on another lane ended
     # 0 below: derived from the fields above (zdsl.planner.simulate.collective_seconds, rated_duration)
     scatter_bandwidth: float = 0.0         # reduce-scatter; 0: link_bandwidth
     scatter_latency: float = 0.0           # reduce-scatter; 0: link_latency
@@ -168,9 +169,10 @@ MACHINE_OPTIONS = (
     ("memory_bw", "memory_bandwidth"), ("host_memory_bw", "host_memory_bandwidth"),
     ("overhead", "op_overhead"), ("kernel_overhead", "kernel_overhead"), ("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),
     ("cores", "cores"), ("comm_slots", "comm_slots"), ("comm_under_load", "comm_under_load"),
+    ("wake", "wake_latency"),
 )
 # Keywords that may be 0 (a fixed cost, sharing off, or "derive it"); other rates must be > 0.
-MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "comm_overhead", "scatter_overhead", "cores", "comm_under_load",
+MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "comm_overhead", "scatter_overhead", "cores", "comm_under_load", "wake",
                        "scatter_link", "scatter_latency", "reduce_link", "reduce_latency", "host_memory_bw",
                        "disk_read_latency", "disk_write_latency", "disk_read_cpu", "disk_write_cpu")
 

@@ -254,6 +254,7 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         profile.scatter_latency, profile.scatter_bandwidth = fit["reduce_scatter"]
         profile.reduce_latency, profile.reduce_bandwidth = fit["all_reduce"]
     step_s, block_s, lane_op_s, comm_service_s, comm_loaded_s = reference_times(raw)
+    profile.wake_latency = mean(lambda r: statistics.median(b.get("wake_s", 0.0) for b in r["runtime"]))
     blocks = len(block_s)
     fit = fit_overhead(reference_graph(world, "cuda" if cuda else "cpu").graph, profile, step_s, lane_op_s,
                        comm_service_s, comm_loaded_s)
@@ -298,6 +299,8 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         notes.append(f"  comm_under_load  {_num(profile.comm_under_load)}: the share of its rate a collective keeps "
                      "while compute fills the cores (the slope of each reference collective's time beyond its rate "
                      "against the time compute ran beside it)")
+    notes.append(f"  wake        {_num(profile.wake_latency)} s: the mean of how long an op of the reference started "
+                 "after its input from another lane ended (the runtime's hop between lanes)")
     notes.append(f"  overhead    per op run in a lane's thread and kernel_overhead per kernel a compute op dispatches "
                  "(the line through each one's time beyond its rated time against its kernels), "
                  "comm_overhead per collective (then fitted to the step) and scatter_overhead per reduce-scatter "

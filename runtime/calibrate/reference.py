@@ -7,7 +7,7 @@ import os
 import statistics
 import tempfile
 
-from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_compute, lane_ops
+from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_compute, lane_ops, wake_delays
 from zdsl.runtime.calibrate.measure import CalibrationError, Settings
 
 
@@ -92,6 +92,8 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
                           for i in lane_ops(graph)},
             "comm_service_s": {i: statistics.median(iv[i][1] - iv[i][0] for iv in intervals) for i in comm_ops(graph)},
             "comm_loaded_s": {i: statistics.median(x[i] for x in loaded) for i in comm_ops(graph)},
+            # the mean, as for the collectives: a step pays each hop's tail too
+            "wake_s": statistics.fmean([w for t in records for w in wake_delays(graph, t)] or [0.0]),
             "ops": len(graph.ops)}
 
 

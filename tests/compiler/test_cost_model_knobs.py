@@ -3,7 +3,8 @@
 Each test is a reasoned example on a fixed machine profile: what a knob changes in the
 step (collectives called, gathers left in the open, memory held), the term of the model that
 prices it, and the direction and least size of the change that term implies. Dropping the
-term (a per-call cost of 0, lanes that run one collective at a time) fails them.
+term (a per-call cost of 0, lanes that run one collective at a time, no hop between lanes)
+fails them.
 """
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ import pytest
 
 from zdsl.compile.units import gpt_units
 from zdsl.driver import compile_schedule
+from zdsl.ir import Buffer
+from zdsl.ir import Op
+from zdsl.ir import TaskGraph
+from zdsl.ir import UnitInfo
+from zdsl.planner.calibration_fit import wake_delays
 from zdsl.planner.comm import comm_plan
 from zdsl.planner.simulate import collective_seconds
 from zdsl.planner.simulate import simulate
@@ -104,3 +110,78 @@ def test_deeper_prefetch_gains_where_the_backend_runs_two_gathers_at_once():
     gain_with_two = p1 - p2
     p1, p2 = (simulate(graph(prefetch=k), GPU).step_s for k in (1, 2))
     assert gain_with_two > (p1 - p2) + 1e-5
+
+
+def _gather_then_forward(gather_s: float):
+    """A gather of ``gather_s`` seconds on the comm lane beside a 3 s forward, then a forward
+    that needs both (its own lane's input and the other lane's)."""
+    def buf(name, kind="param_full"):
+        return Buffer(name, kind, 0, "device", 10, persistent=kind == "param_shard")
+    bufs = [buf("param_shard[0]", "param_shard"), buf("param_full[0]"), buf("act[0]", "act"), buf("act[1]", "act")]
+    ops = [Op(0, "comm.all_gather", "comm", 0, reads=["param_shard[0]"], writes=["param_full[0]"],
+              bytes=int(2 * gather_s)),      # 2 ranks: half of it on the wire, at 1 B/s
+           Op(1, "compute.forward", "compute", 0, writes=["act[0]"], flops=3),
+           Op(2, "compute.forward", "compute", 1, reads=["param_full[0]", "act[0]"], writes=["act[1]"], flops=3,
+              deps=[0, 1])]
+    return TaskGraph("hand", 2, 3, "fp32", 1, [UnitInfo(0, "u0", 8, 8, 4)], {b.name: b for b in bufs}, ops)
+
+
+@pytest.mark.parametrize("cores", [0.0, 1.0], ids=["independent-lanes", "event-loop"])
+@pytest.mark.parametrize("gather_s, want_start", [(5.0, 5.5), (2.0, 3.0)])
+def test_an_op_waits_the_wake_after_an_input_from_another_lane_only(cores, gather_s, want_start):
+    """The second forward starts 0.5 s (``wake``) after the gather it waited for (5 s); where its
+    own lane's forward (3 s) ends after the gather (2 s), it starts at once, as a lane's thread
+    runs its ready ops back to back."""
+    m = MachineProfile(name="cuda", flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=cores, comm_slots=1,
+                       wake_latency=0.5)
+    sim = simulate(_gather_then_forward(gather_s), m)
+    assert sim.start[2] == pytest.approx(want_start)
+    assert sim.critical_path[-1] == 2 and sim.critical_path[0] == (0 if gather_s > 3 else 1)
+
+
+@pytest.mark.parametrize("machine", [FAST_GPU, CPU, dataclasses.replace(CPU, cores=0.0)],
+                         ids=["gpu", "shared-core", "free-lanes"])
+def test_prefetch_0_pays_a_hop_between_lanes_for_every_gather(machine):
+    """At prefetch 0 each gather waits for the free after the compute before it (a hop from the
+    compute lane to the collectives lane) and its unit's compute waits for the gather (a hop
+    back), both on the critical path; at prefetch 1 the gathers are ready before their compute
+    and a lane's thread runs on. So with a hop of ``wake`` seconds, prefetch 0's gap over
+    prefetch 1 grows by at least one hop per gather, counted at half."""
+    g0, g1 = graph(prefetch=0), graph(prefetch=1)
+    gathers = sum(op.kind == "comm.all_gather" for op in g0.ops)
+
+    def gap(m):
+        return simulate(g0, m).step_s - simulate(g1, m).step_s
+    wake = 5e-4
+    assert gap(dataclasses.replace(machine, wake_latency=wake)) - gap(machine) >= 0.5 * gathers * wake
+
+
+def test_calibrate_measures_the_hop_only_where_another_lanes_input_held_an_op_back():
+    """``wake`` is measured, not fitted: in the reference's steps, how long each op started after
+    the input from another lane that held it back. An op its own lane held back (the forward
+    before it ended last) says nothing about the hop."""
+    from types import SimpleNamespace as Record
+    g = _gather_then_forward(5.0)
+
+    def record(*times):
+        return Record(timings=[Record(start=s, end=e) for s, e in times])
+    assert wake_delays(g, record((0.0, 5.0), (0.0, 3.0), (5.3, 8.3))) == pytest.approx([0.3])
+    assert wake_delays(g, record((0.0, 2.0), (0.0, 3.0), (3.01, 6.01))) == []
+
+
+def test_the_collective_cost_fitted_beside_a_measured_wake_is_what_the_hops_leave():
+    """calibrate sets ``wake`` from the reference's hops before it fits the cost per collective to
+    the step, so the fit returns the collective's own cost, not the hops folded into it."""
+    from zdsl.planner.calibration_fit import fit_overhead
+    from zdsl.planner.calibration_fit import lane_ops
+    from zdsl.planner.simulate import rated_duration
+    g = graph(prefetch=1)
+    truth = dataclasses.replace(CPU, cores=0.0, wake_latency=2e-4, comm_overhead=4e-4, scatter_overhead=4e-4)
+    lane_op_s = {i: rated_duration(g, g.ops[i], truth) + truth.op_overhead + g.ops[i].kernels * truth.kernel_overhead
+                 for i in lane_ops(g)}
+    fit = fit_overhead(g, dataclasses.replace(truth, comm_overhead=-1.0, scatter_overhead=-1.0),
+                       simulate(g, truth).step_s, lane_op_s)
+    assert fit.comm == pytest.approx(4e-4, rel=1e-3)
+    folded = fit_overhead(g, dataclasses.replace(truth, comm_overhead=-1.0, scatter_overhead=-1.0, wake_latency=0.0),
+                          simulate(g, truth).step_s, lane_op_s)
+    assert folded.comm > fit.comm            # without the measured hop, the collectives carry it

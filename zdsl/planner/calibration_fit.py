@@ -69,6 +69,25 @@ def comm_intervals(graph, record, slots: int = 1) -> dict[int, tuple[float, floa
     return intervals
 
 
+def wake_delays(graph, record) -> list[float]:
+    """Seconds each op of one measured step started after its input made on another lane ended,
+    for the ops that such an input held back (it ended after the op's lane was free): what the
+    runtime's hop from one lane to another costs (``wake_latency``). Every op counts, frees
+    too: a free on the collectives lane waits for a compute op the same way a gather does."""
+    ops, times = graph.ops, record.timings
+    lane_free: dict[str, float] = {}         # when the lane could take its next op
+    out = []
+    for op in ops:
+        free = lane_free.get(op.lane, 0.0)
+        # a collective is issued and left to the backend: the lane goes on at its issue
+        lane_free[op.lane] = times[op.id].start if op.kind.startswith("comm.") else times[op.id].end
+        inputs = [times[d].end for d in op.deps if ops[d].lane != op.lane]
+        mine = [times[d].end for d in op.deps if ops[d].lane == op.lane]
+        if inputs and max(inputs) > max([free, *mine]):
+            out.append(max(0.0, times[op.id].start - max(inputs)))
+    return out
+
+
 def comm_under_compute(graph, record, intervals: dict[int, tuple[float, float]]) -> dict[int, float]:
     """Seconds of each collective's service interval (:func:`comm_intervals`) during which a
     compute op ran on the rank (the cores were full: what ``comm_under_load`` is fitted on)."""
@@ -97,7 +116,7 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
     benchmarks/README.md, calibrate).
     """
     bare = simulate(graph, dataclasses.replace(profile, op_overhead=0.0, comm_overhead=-1.0,
-                                               kernel_overhead=0.0)).step_s
+                                               kernel_overhead=0.0, wake_latency=0.0)).step_s
     has_comm = any(op.kind.startswith("comm.") for op in graph.ops)
 
     def bisect(key, fixed: dict | None = None) -> float:

@@ -14,6 +14,7 @@ would cost more to import than the whole pass), so a 1,000-unit graph of
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 from zdsl.ir import LANES
@@ -190,6 +191,16 @@ def takes_share_first(op) -> bool:
     return op.kind.startswith("nvme.")
 
 
+def wake_after(graph: TaskGraph, machine: MachineProfile) -> list[float]:
+    """Per op, the seconds between the end of an input made on another lane and the op's start
+    (``wake_latency``): the lane that made it posts its completion to the runtime's event loop,
+    which wakes the waiting lane's task (a collective is issued, a free done, there) and hands a
+    lane op to the lane's thread. Ops of one lane that are ready in turn run back to back with
+    no such hop, so a schedule whose inputs are ready early (a deeper prefetch) pays it less
+    often than one that waits on each (prefetch 0: every gather, every compute after it)."""
+    return [machine.wake_latency] * len(graph.ops)
+
+
 def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
              index: GraphIndex | None = None) -> Simulation:
     """Predict one step of ``graph`` on ``machine`` (default: the graph's own profile).
@@ -208,6 +219,7 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     if isinstance(order, int):
         raise CyclicGraphError(order)
     slots = lane_slots(machine)
+    wake = wake_after(graph, machine)
     if machine.cores > 0:
         # The fixed cost per op is the host's work of running it (Python dispatch, a thread's
         # wake-up, a collective's completion): one thread's worth, shared like the rest. (As
@@ -216,22 +228,25 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
         demand = [cpu_demand(op, machine) for op in graph.ops]
         under = [under_load(op, machine) for op in graph.ops]
         first = [takes_share_first(op) for op in graph.ops]
-        start, end, gate = _shared_schedule(graph, fixed, rated, deps, demand, machine.cores, slots, under, first)
+        start, end, gate = _shared_schedule(graph, fixed, rated, deps, demand, machine.cores, slots, under, first,
+                                            wake)
         dur = [e - s for s, e in zip(start, end)]
     else:
         dur = [r + f for r, f in zip(rated, fixed)]
-        start, end, gate = _independent_schedule(graph, dur, deps, lane_prev, order, slots)
+        start, end, gate = _independent_schedule(graph, dur, deps, lane_prev, order, slots, wake)
     n = len(graph.ops)
     binding = [-1] * n          # the predecessor that made the op wait (ended last)
     chain = [0.0] * n           # longest dependency chain ending here (no lane contention)
+    ops = graph.ops
     for i in order:
         b, t, c = -1, -1.0, 0.0
         p = gate[i]
         if p >= 0:
             b, t = p, end[p]
         for d in deps[i]:
-            if end[d] > t:
-                b, t = d, end[d]
+            e = end[d] + (wake[i] if ops[d].lane != ops[i].lane else 0.0)
+            if e > t:
+                b, t = d, e
             if chain[d] > c:
                 c = chain[d]
         binding[i] = b
@@ -257,11 +272,14 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
                       memory=memory_timeline(graph, start, end), order=order)
 
 
-def _independent_schedule(graph: TaskGraph, dur, deps, lane_prev, order, slots: dict[str, int]):
+def _independent_schedule(graph: TaskGraph, dur, deps, lane_prev, order, slots: dict[str, int], wake=None):
     """Start and end per op when lanes never slow each other: one pass in topological order.
     Also each op's lane gate (-1: none): the lane op whose end let it start, the one before it,
-    or on a lane that runs k at once the k-th latest end before it (starts stay in order)."""
+    or on a lane that runs k at once the k-th latest end before it (starts stay in order).
+    ``wake[i]``: seconds op i starts after an input made on another lane ended."""
     n = len(dur)
+    ops = graph.ops
+    wake = wake or [0.0] * n
     start, end, gate = [0.0] * n, [0.0] * n, [-1] * n
     recent: dict[str, list[tuple[float, int]]] = {lane: [] for lane in slots}   # the k latest ends (a heap)
     for i in order:
@@ -277,8 +295,9 @@ def _independent_schedule(graph: TaskGraph, dur, deps, lane_prev, order, slots: 
             if len(heap) == k:
                 t, gate[i] = max(t, heap[0][0]), heap[0][1]
         for d in deps[i]:
-            if end[d] > t:
-                t = end[d]
+            e = end[d] + (wake[i] if ops[d].lane != lane else 0.0)
+            if e > t:
+                t = e
         start[i] = t
         end[i] = t + dur[i]
         if k > 1:
@@ -289,7 +308,7 @@ def _independent_schedule(graph: TaskGraph, dur, deps, lane_prev, order, slots: 
 
 
 def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, slots: dict[str, int],
-                     under: list[float], first: list[bool]):
+                     under: list[float], first: list[bool], wake=None):
     """Start and end per op when running ops share ``cores``: an event loop over op
     completions; between two events every running op progresses at a fixed rate. An op
     first spends its ``fixed`` seconds (one thread of host work), then its ``work`` seconds
@@ -297,9 +316,13 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
     running ops' demand exceeds ``cores``. An op with ``under[i] > 0`` (:func:`under_load`)
     takes no share and moves at ``under[i]`` of its rate while the others fill the cores;
     one with ``first[i]`` (:func:`takes_share_first`) takes its share before the others
-    divide what is left. A lane runs one op at a time, or ``slots[lane]``, started in lane order. Also returns
-    each op's lane gate (see _independent_schedule)."""
+    divide what is left. A lane runs one op at a time, or ``slots[lane]``, started in lane order; an
+    op starts no sooner than ``wake[i]`` after an input made on another lane ended (waiting, no
+    share). Also returns each op's lane gate (see _independent_schedule)."""
     n = len(work)
+    ops = graph.ops
+    wake = wake or [0.0] * n
+    ready_at = [0.0] * n                     # no start before: the latest input from another lane + wake
     lanes: dict[str, list[int]] = {}
     for i, op in enumerate(graph.ops):
         lanes.setdefault(op.lane, []).append(i)
@@ -319,9 +342,13 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
     busy = [0] * len(queues)                 # ops running per lane
     t, done = 0.0, 0
     while done < n:
+        woken = math.inf                     # the earliest wake-up a lane's next op waits for
         for q, queue in enumerate(queues):
             while busy[q] < capacity[q] and head[q] < len(queue) and waiting[queue[head[q]]] == 0:
                 i = queue[head[q]]
+                if ready_at[i] > t + 1e-12:
+                    woken = min(woken, ready_at[i])
+                    break
                 # the k-th latest end among the lane's earlier ops, as _independent_schedule's
                 free = capacity[q] - busy[q]
                 gate[i] = ended[q][-free] if len(ended[q]) >= free else -1
@@ -330,6 +357,9 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
                 running[i] = q
                 start[i] = t
         if not running:
+            if woken < math.inf:             # nothing runs until a lane wakes
+                t = woken
+                continue
             raise CyclicGraphError(next(i for i in range(n) if waiting[i] > 0))
         need = {i: 0.0 if under[i] else (demand[i] if fixed_left[i] == 0.0 else fixed_demand) for i in running}
         load = sum(need.values())
@@ -351,6 +381,7 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
                 rate[i] = 1.0
         # the next event: an op leaves its fixed part (and starts competing), or ends
         dt = min((fixed_left[i] if fixed_left[i] > 0 else work_left[i]) / rate[i] for i in running if rate[i] > 0)
+        dt = min(dt, woken - t)
         t += dt
         for i, q in list(running.items()):
             if fixed_left[i] > 0:
@@ -367,6 +398,8 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
                 done += 1
                 for s_ in succ[i]:
                     waiting[s_] -= 1
+                    if wake[s_] and ops[s_].lane != ops[i].lane and t + wake[s_] > ready_at[s_]:
+                        ready_at[s_] = t + wake[s_]
     return start, end, gate
 
 
