@@ -56,6 +56,7 @@ import torch
 
 from zdsl import env
 from zdsl.runtime.dist.affinity import local_rank_and_world
+from zdsl.runtime.exec.host_access import host_access
 from zdsl.runtime.io import native
 
 log = structlog.get_logger("zdsl.runtime.offload.host_adam")
@@ -357,6 +358,7 @@ def host_adamw_(
     ``torch.get_num_threads()``).
     """
     _check(param, grad, exp_avg, exp_avg_sq)
+    host_access(reads=(grad,), writes=(param, exp_avg, exp_avg_sq))   # the native kernel is no aten op
     if param.numel() == 0:
         return
     if fused:

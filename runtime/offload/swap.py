@@ -47,6 +47,7 @@ import structlog
 import torch
 import trio
 
+from zdsl.runtime.exec.host_access import host_access
 from zdsl.runtime.io import checksum
 from zdsl.runtime.io.aligned import ALIGN, AlignedPool, is_aligned, round_up
 from zdsl.runtime.io.directio import TruncatedFile, open_direct, pread_full, pwrite_all
@@ -509,6 +510,7 @@ class Swapper:
     # -- transfers --------------------------------------------------------------
 
     def _plan_write(self, name: str, tensor: torch.Tensor) -> "_Transfer":
+        host_access(reads=(tensor,))          # the stream checker's view of this read (runtime/exec/hb_check.py)
         src = _byte_view(tensor, f"write {name!r}")
         f = self._open(name)
         self._size(f, src.numel())
@@ -521,6 +523,7 @@ class Swapper:
                 f"swap read {name!r}: no complete write of it (the last write did not complete, "
                 f"or the name was only reserved) ({f.path})"
             )
+        host_access(writes=(out,))
         dst = _byte_view(out, f"read {name!r}")
         if dst.numel() != f.nbytes:
             raise SwapError(
