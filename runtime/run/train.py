@@ -31,7 +31,7 @@ from zdsl.runtime.exec.executor import StepRecord
 from zdsl.runtime.run.board import STEP
 from zdsl.runtime.run.board import STEP_DONE
 from zdsl.runtime.run.board import rank_board
-from zdsl.runtime.exec.streams import lane_streams
+from zdsl.runtime.exec.hb_check import run_streams
 from zdsl.runtime.offload.host_adam import limit_host_threads
 from zdsl.runtime.models.batch import as_batch
 
@@ -136,8 +136,8 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         model = build_model(schedule.model, seed=cfg["train"]["seed"], lazy=True)   # RankState: unit by unit
         state = RankState(graph, model, rank=rank, world=world, device=device)
         stack.callback(state.close_swap)    # even when the step failed (ranks end by os._exit: no atexit)
-        executor = Executor(graph, state, rank, record=True, streams=lane_streams(graph, device),
-                            board=rank_board())
+        streams = stack.enter_context(run_streams(graph, device, state, rank))   # CUDA's, or ZDSL_HB_CHECK's
+        executor = Executor(graph, state, rank, record=True, streams=streams, board=rank_board())
         scalars = None
         if rank == 0 and options.tensorboard:
             from zdsl.runtime.run.tensorboard import TensorBoardWriter
