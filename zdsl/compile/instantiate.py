@@ -101,8 +101,10 @@ class _Draft:
 
 
 class _Builder:
-    def __init__(self, schedule: Schedule, units: list[UnitSpec], keep: frozenset = frozenset()):
+    def __init__(self, schedule: Schedule, units: list[UnitSpec], keep: frozenset = frozenset(),
+                 read_ahead: int = 0):
         self.schedule = schedule
+        self.read_ahead = read_ahead             # step optimizer reads woven into the backward (read_optimizer_ahead)
         self.keep = keep                         # (host copy, end): frees left out (zdsl/compile/residency.py)
         self.resting: set[str] = set()           # kept copies between their left-out free and next read
         self.ends: dict[str, int] = {}           # host copy of NVMe state -> frees issued (or left out) so far
@@ -636,6 +638,29 @@ class _Builder:
             for stmt, u in slot:
                 self.run_stmt(stmt, u, "step", micro)
 
+    def run_backward_reading_ahead(self, backward: Pipeline, step: Pipeline, micro: int) -> None:
+        """The last backward with the step's first ``read_ahead`` NVMe optimizer reads woven in,
+        one after each unit's backward statements; the step finds those copies on the host.
+
+        Why: with clipping or fp16 every unit's step waits for the global norm, after the whole
+        backward, and the step's reads then queue on the one NVMe lane behind the writes of the
+        units stepped before them, while the disk sat idle through the backward (a trace of
+        programs/capacity.zs: the step's tail was read, step, write, unit after unit). The host
+        budget decides how many copies can wait there (:func:`read_optimizer_ahead`).
+        """
+        first: dict[int, PipeStmt] = {}
+        for slot in self.phase_slots(step, "step"):
+            for stmt, u in slot:
+                if stmt.verb == "read" and stmt.ref.state == "optimizer" and stmt.tier in (None, "nvme"):
+                    first.setdefault(u, stmt)
+        early = list(first.items())[: self.read_ahead]
+        for i, slot in enumerate(self.phase_slots(backward, "backward")):
+            for stmt, u in slot:
+                self.run_stmt(stmt, u, "backward", micro)
+            if i < len(early):
+                u, stmt = early[i]
+                self.run_stmt(stmt, u, "step", micro)
+
     def _check_unit(self, u: int, stmt: PipeStmt) -> int:
         if not 0 <= u < self.n_units:
             raise LoweringError(f"unit {u} does not exist (the model has units 0..{self.n_units - 1})", stmt)
@@ -681,6 +706,8 @@ class _Builder:
             self.run_phase(pipelines["forward"], "forward", micro)
             if micro == last and not self.clip and self.n_units > 1:
                 self.run_backward_and_step(pipelines["backward"], pipelines["step"], micro)
+            elif micro == last and self.read_ahead:
+                self.run_backward_reading_ahead(pipelines["backward"], pipelines["step"], micro)
             else:
                 self.run_phase(pipelines["backward"], "backward", micro)
         if self.clip or self.n_units <= 1:
@@ -803,13 +830,38 @@ def instantiate(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, 
     builder = _Builder(schedule, units)
     graph = builder.build(pipelines)
     budget = (schedule.memory or {}).get("host")
-    if not budget or not builder.free_drafts:
+    if not budget:
         return graph
-    return keep_resident(schedule, units, pipelines, graph, builder.free_positions(), budget)
+    builder, graph = read_optimizer_ahead(schedule, units, pipelines, builder, graph, budget)
+    if not builder.free_drafts:
+        return graph
+    return keep_resident(schedule, units, pipelines, graph, builder.free_positions(), budget, builder.read_ahead)
+
+
+def read_optimizer_ahead(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline],
+                         builder: _Builder, graph: TaskGraph, budget: int) -> tuple[_Builder, TaskGraph]:
+    """With the step after the whole backward (clip, fp16) and optimizer state on NVMe: the graph
+    rebuilt with as many of the step's optimizer reads woven into the backward as the host
+    ``budget`` holds until their steps (the simulated host peak within it, as the verifier
+    checks), and the count in its config; else the builder and graph as they were."""
+    on_nvme = [b.bytes for b in graph.buffers.values() if b.kind == "optim" and b.tier == "nvme"]
+    if not (builder.clip and builder.n_units > 1 and on_nvme):
+        return builder, graph
+    from zdsl.planner.simulate import simulate
+    room = budget - simulate(graph, schedule.machine).memory.peak("host")
+    ahead = min(len(on_nvme), builder.n_units, max(0, room) // max(on_nvme))
+    while ahead > 0:
+        early = _Builder(schedule, units, read_ahead=ahead)
+        ahead_graph = early.build(pipelines)
+        if simulate(ahead_graph, schedule.machine).memory.peak("host") <= budget:
+            ahead_graph.config["read_ahead"] = ahead
+            return early, ahead_graph
+        ahead -= max(1, ahead // 4)
+    return builder, graph
 
 
 def keep_resident(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline], graph: TaskGraph,
-                  frees: dict[int, tuple[str, int]], budget: int) -> TaskGraph:
+                  frees: dict[int, tuple[str, int]], budget: int, read_ahead: int = 0) -> TaskGraph:
     """``graph`` rebuilt with the host copies Belady's rule keeps under the host ``budget``
     (zdsl/compile/residency.py), or ``graph`` itself when none fits; either way its config
     records what the choice saves. The rebuilt graph's simulated host peak must stay within the
@@ -827,10 +879,13 @@ def keep_resident(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str
         held = residency.belady(gaps, room, margin)
         if not held:
             break
-        kept = _Builder(schedule, units, keep=frozenset((g.buffer, g.end) for g in held)).build(pipelines)
+        kept = _Builder(schedule, units, keep=frozenset((g.buffer, g.end) for g in held),
+                        read_ahead=read_ahead).build(pipelines)
         excess = simulate(kept, schedule.machine).memory.peak("host") - budget
         if excess <= 0:
             kept.config["residency"] = residency.summarize(gaps, held, room, budget).to_json()
+            if read_ahead:
+                kept.config["read_ahead"] = read_ahead
             return kept
         margin += excess
     graph.config["residency"] = residency.summarize(gaps, [], room, budget).to_json()
