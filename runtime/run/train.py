@@ -185,6 +185,9 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         state.step_begin(step, batches)
         if executor.board is not None:
             executor.board[STEP] = step
+        executor.record = timed_step(options, step, steps)
+        if executor.streams is not None and hasattr(executor.streams, "timing"):
+            executor.streams.timing = executor.record   # untimed steps order with cheaper CUDA events
         record = await executor.run_step()
         result = state.step_end()
         if executor.board is not None:
@@ -194,7 +197,8 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
             records = records[-options.trace_steps:]
         # the overlap report costs O(ops): every step when metrics are written, else the last step
         overlap = analyze(graph, [(t.start, t.end) for t in record.timings], rank=rank,
-                          step_time=record.seconds) if (options.metrics or step == steps - 1) else None
+                          step_time=record.seconds) if record.timings and (options.metrics or step == steps - 1) \
+            else None
         metrics = gather_metrics(step, record, result, state, world, device, tokens=label_count(batches),
                                  overlap=overlap)
         metrics.lr = lr
@@ -217,6 +221,13 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         from zdsl.runtime.exec.tracing import write_measured_trace
         write_measured_trace(graph, records, rank, world, options, state)
     return history
+
+
+def timed_step(options, step: int, steps: int) -> bool:
+    """Whether a step's op times are read: every step with ``--metrics`` (the overlap figures),
+    the steps ``--trace``/``--timeline`` keep, and the last (the summary's overlap)."""
+    kept = (options.trace or options.timeline) and step >= steps - options.trace_steps
+    return bool(options.metrics or kept or step == steps - 1)
 
 
 def label_count(batches) -> int:
