@@ -80,7 +80,7 @@ from zdsl.schedule import MACHINE_OPTIONS
 from zdsl.schedule import MachineProfile
 
 from zdsl.lang.sizes import human_bytes
-from zdsl.planner.calibration_fit import fit_overhead
+from zdsl.planner.calibration_fit import LATENCY_FIELDS, fit_overhead, scaled_latencies
 from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, CalibrationError, Settings,
                                             measure_collectives, measure_compute, measure_copy, measure_disk,
                                             measure_optimizer)
@@ -259,6 +259,10 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     fit = fit_overhead(reference_graph(world, "cuda" if cuda else "cpu").graph, profile, step_s, lane_op_s,
                        comm_service_s, comm_loaded_s)
     profile.op_overhead, profile.kernel_overhead, bare_s = fit.op, fit.kernel, fit.bare_s
+    measured_latency = profile.link_latency
+    scaled = scaled_latencies(profile, fit.latency_scale)    # the same unless they overshot the reference
+    for name in LATENCY_FIELDS:
+        setattr(profile, name, getattr(scaled, name))
     profile.comm_under_load = fit.under_load
     profile.comm_overhead = fit.comm if fit.comm >= 0 else fit.op   # written out: the statement has no "unset"
     profile.scatter_overhead = fit.scatter if fit.scatter >= 0 else profile.comm_overhead
@@ -299,6 +303,10 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         notes.append(f"  comm_under_load  {_num(profile.comm_under_load)}: the share of its rate a collective keeps "
                      "while compute fills the cores (the slope of each reference collective's time beyond its rate "
                      "against the time compute ran beside it)")
+    if fit.latency_scale < 1.0:
+        notes.append(f"  latency     the collectives' latencies scaled by {fit.latency_scale:.2f} (all-gather "
+                     f"{measured_latency * 1e3:.2f} -> {profile.link_latency * 1e3:.2f} ms): as measured they predict "
+                     "the reference step slower than it ran (calls that each waited for a core under outside load)")
     notes.append(f"  wake        {_num(profile.wake_latency)} s: the mean of how long an op of the reference started "
                  "after its input from another lane ended (the runtime's hop between lanes)")
     notes.append(f"  overhead    per op run in a lane's thread and kernel_overhead per kernel a compute op dispatches "

@@ -1,0 +1,48 @@
+"""calibrate's fits against the reference step (zdsl/planner/calibration_fit.py), torch-free."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from test_cost_model_knobs import CPU
+from test_cost_model_knobs import graph
+from zdsl.planner.calibration_fit import fit_overhead
+from zdsl.planner.calibration_fit import lane_ops
+from zdsl.planner.calibration_fit import scaled_latencies
+from zdsl.planner.simulate import rated_duration
+from zdsl.planner.simulate import simulate
+
+TRUTH = dataclasses.replace(CPU, cores=0.0, comm_overhead=3e-4, scatter_overhead=3e-4)
+
+
+def _measured(g):
+    """The reference's lane ops and step as ``TRUTH`` runs them."""
+    lane_op_s = {i: rated_duration(g, g.ops[i], TRUTH) + TRUTH.op_overhead + g.ops[i].kernels * TRUTH.kernel_overhead
+                 for i in lane_ops(g)}
+    return simulate(g, TRUTH).step_s, lane_op_s
+
+
+def _fitted(profile, fit):
+    return dataclasses.replace(scaled_latencies(profile, fit.latency_scale), op_overhead=fit.op,
+                               kernel_overhead=fit.kernel, comm_overhead=fit.comm, scatter_overhead=fit.comm)
+
+
+def test_latencies_measured_right_are_kept():
+    g = graph(prefetch=1)
+    step, lane_op_s = _measured(g)
+    fit = fit_overhead(g, dataclasses.replace(TRUTH, comm_overhead=-1.0, scatter_overhead=-1.0), step, lane_op_s)
+    assert fit.latency_scale == 1.0 and fit.comm == pytest.approx(3e-4, rel=1e-3)
+
+
+def test_latencies_that_alone_overshoot_the_reference_are_scaled_until_it_matches():
+    """A loaded host's loop of isolated calls measured every collective's latency 20 times what
+    the step sees: as measured they alone predict the reference far slower than it ran. The fit
+    scales them so the profile predicts its own reference (no cost per collective left)."""
+    g = graph(prefetch=1)
+    step, lane_op_s = _measured(g)
+    inflated = dataclasses.replace(scaled_latencies(TRUTH, 20.0), comm_overhead=-1.0, scatter_overhead=-1.0)
+    assert simulate(g, dataclasses.replace(inflated, comm_overhead=0.0, scatter_overhead=0.0)).step_s > 1.3 * step
+    fit = fit_overhead(g, inflated, step, lane_op_s)
+    assert fit.latency_scale < 1.0 and fit.comm == pytest.approx(0.0, abs=1e-9)
+    assert simulate(g, _fitted(inflated, fit)).step_s == pytest.approx(step, rel=0.01)
