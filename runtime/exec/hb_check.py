@@ -130,8 +130,8 @@ class HBChecker:
     def _on(self, agent: str, op: Op | None):
         """Run the body as ``agent`` (a lane's stream or host thread) doing ``op``."""
         local = self.local
-        saved = getattr(local, "agent", None), getattr(local, "op", None)
-        local.agent, local.op = agent, op
+        saved = getattr(local, "agent", None), getattr(local, "op", None), getattr(local, "in_collective", False)
+        local.agent, local.op, local.in_collective = agent, op, False
         mode = None
         if not getattr(local, "mode", False):
             mode = _Stamp(self)
@@ -143,7 +143,7 @@ class HBChecker:
             if mode is not None:
                 mode.__exit__(None, None, None)
                 local.mode = False
-            local.agent, local.op = saved
+            local.agent, local.op, local.in_collective = saved
             if op is not None:
                 self._name_buffers(op)
 
@@ -243,6 +243,8 @@ class HBChecker:
 
     def _stamp(self, reads, writes, fresh, agent: str | None = None) -> None:
         issuer = self._agent()
+        if agent is None and getattr(self.local, "in_collective", False):
+            agent = NCCL           # what a backend does after its first c10d call is the collective's own
         agent = agent or issuer
         who = self._who()
         with self.lock:
@@ -264,6 +266,9 @@ class HBChecker:
                 st = _storage(t)
                 if st is not None and st.data_ptr() not in written:
                     self.clocks.access(self._block(st, issuer), agent, epoch, who, False)
+            op = getattr(self.local, "op", None)
+            if agent == NCCL and op is not None:
+                self.work[op.id] = self.clocks.snapshot(NCCL)
 
     def _collective(self, schema, args, kwargs) -> None:
         """A c10d op: NCCL's stream waits for the issuing stream, then reads its inputs and writes
@@ -284,9 +289,10 @@ class HBChecker:
         with self.lock:
             self.clocks.merge(NCCL, self.clocks.of(issuer))
             self._stamp(reads, writes, [], agent=NCCL)
-            op = getattr(self.local, "op", None)
-            if op is not None:
-                self.work[op.id] = self.clocks.snapshot(NCCL)
+        if issuer != DEFAULT and WAIT not in issuer:
+            # gloo builds some collectives from several calls and copies (runtime/dist/collectives.py);
+            # NCCL runs each as one kernel on its stream: the rest of the issue is the collective's
+            self.local.in_collective = True
 
     # -- blocks and the allocator model ------------------------------------------------
     def _block(self, st, agent: str) -> Block:
@@ -309,9 +315,8 @@ class HBChecker:
 
     def _alloc(self, alloc, slot):
         """A buffer's allocation: a new block on the allocating stream's pool, whatever memory the
-        CPU run reuses for it (a flat buffer's storage, the host pool's blocks)."""
-        if slot.buf.tier != "device":
-            return alloc(slot)
+        CPU run reuses for it (a flat buffer's storage, the host pool's blocks). Host memory has
+        no stream pools (a pinned block is held back by its copies' events): only a new block."""
         self.local.renewing = {}
         try:
             t = alloc(slot)
@@ -323,7 +328,7 @@ class HBChecker:
                 agent = self._agent()
                 block = renewed.get(st.data_ptr()) or self._new_block(st, agent)
                 block.name = slot.buf.name
-                if agent not in HOST_LANES and WAIT not in agent:
+                if slot.buf.tier == "device" and agent not in HOST_LANES and WAIT not in agent:
                     self.pools.allocate(agent, self._who())
         return t
 

@@ -18,6 +18,7 @@ the allocation, or covered by a recorded stream. This module never imports torch
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 Clock = dict[str, int]
@@ -141,7 +142,7 @@ class Pools:
         """An allocation on ``agent``'s stream: it may receive any block waiting in its pool."""
         epoch = self.clocks.tick(agent)
         alloc, clock = Access(agent, epoch, who, True), self.clocks.snapshot(agent)
-        self.allocs.setdefault(agent, []).append((alloc, clock))
+        self.allocs.setdefault(agent, []).append((alloc, clock))     # epochs ascending
         for freed in self.pending.pop(agent, ()):
             self.clocks.reuse(freed, alloc, clock)
 
@@ -151,11 +152,12 @@ class Pools:
         first of them (the one ordered after least); else the next allocation checks it."""
         pool = freed.block.agent
         known = self.clocks.of(freed.agent).get(pool, 0)
-        for alloc, clock in self.allocs.get(pool, ()):
-            if alloc.epoch > known:
-                self.clocks.reuse(freed, alloc, clock)
-                return
-        self.pending.setdefault(pool, []).append(freed)
+        allocs = self.allocs.get(pool, [])
+        first = bisect.bisect_right(allocs, known, key=lambda entry: entry[0].epoch)
+        if first < len(allocs):
+            self.clocks.reuse(freed, *allocs[first])
+        else:
+            self.pending.setdefault(pool, []).append(freed)
 
     def synchronized(self) -> None:
         """After a device synchronize every later allocation is ordered after every free."""
