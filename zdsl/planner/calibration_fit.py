@@ -118,6 +118,8 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
     op took beyond its rated time (:func:`lane_costs`), and the cost per collective is then the
     one that makes the step match. Without it,
     one cost for every op makes the step match. Each prediction grows with its cost: bisection.
+    The profile's ``wake_latency`` (measured by calibrate: :func:`wake_delays`) is in every
+    prediction made here, so the cost per collective is what the hops between lanes leave.
 
     With ``comm_service_s`` (each collective's measured service time, :func:`comm_intervals`) a
     reduce-scatter costs what it took beyond its rated time more than the other collectives did
