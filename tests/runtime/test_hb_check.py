@@ -135,3 +135,18 @@ def test_host_accesses_outside_aten_are_stamped_only_while_a_checker_runs(tmp_pa
         assert host_access.observer is None
         swapper.read_sync("x", out)
     assert len(seen) == 1 and seen[0][0] == [] and seen[0][1][0] is out
+
+
+def test_a_run_uses_the_checker_only_when_asked_and_only_on_the_cpu(monkeypatch):
+    from zdsl.runtime.exec.hb_check import HBChecker
+    from zdsl.runtime.exec.hb_check import run_streams
+    graph, _ = _zero1()
+    monkeypatch.delenv("ZDSL_HB_CHECK", raising=False)
+    with run_streams(graph, torch.device("cpu"), None, 0) as streams:
+        assert streams is None                          # a plain CPU run: no seam at all
+    monkeypatch.setenv("ZDSL_HB_CHECK", "1")
+    with run_streams(graph, torch.device("cpu"), None, 0) as streams:
+        assert isinstance(streams, HBChecker)
+    with pytest.raises(ValueError, match="rank 1: ZDSL_HB_CHECK=1 checks .* on a CPU run"):
+        with run_streams(graph, torch.device("cuda", 0), None, 1):
+            pass
