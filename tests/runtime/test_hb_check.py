@@ -150,3 +150,19 @@ def test_a_run_uses_the_checker_only_when_asked_and_only_on_the_cpu(monkeypatch)
     with pytest.raises(ValueError, match="rank 1: ZDSL_HB_CHECK=1 checks .* on a CPU run"):
         with run_streams(graph, torch.device("cuda", 0), None, 1):
             pass
+
+
+def test_the_callers_work_before_the_step_races_when_the_lanes_do_not_wait_for_the_default_stream(
+        monkeypatch, one_rank_group):
+    """What begin_step's wait on the default stream is for: the micro-batches the caller made."""
+    from zdsl.runtime.exec.hb_check import HBChecker
+    begin = HBChecker.begin_step
+
+    def no_wait(self):
+        begin(self)
+        for lane in set(self.lane_of):
+            self.clocks.of(lane).pop("default", None)
+    monkeypatch.setattr(HBChecker, "begin_step", no_wait)
+    graph, sched = _zero1()
+    with pytest.raises(HBRaceError, match=r"the caller's work around the step \(default stream\)"):
+        check_steps(graph, sched)
