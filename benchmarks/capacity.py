@@ -156,11 +156,16 @@ def auto_size(schedule: Path, sets: list[str], keep_free: float, headroom: float
     from zdsl.planner.machine_fit import available_memory, free_bytes
     host = int((min(ram_bytes(), available_memory() or ram_bytes()) - headroom * GIB) // GIB)
     base = [s for s in sets if not s.startswith(("model.layers=", "memory.host="))] + [f"memory.host={host}GiB"]
-    at = {n: nvme_bytes(compile_schedule(schedule, base + [f"model.layers={n}"], simulate=False).graph)
-          for n in (2, 4)}
-    per_layer = (at[4] - at[2]) / 2
-    fixed = at[2] - 2 * per_layer
-    probe = compile_schedule(schedule, base + ["model.layers=2"], simulate=False).graph
+    # probed at sizes past what host residency can keep (the budget keeps a fixed amount off the disk)
+    low = int(dict(compile_schedule(schedule, base, simulate=False).schedule.model.args)["layers"])
+    probes = {n: compile_schedule(schedule, base + [f"model.layers={n}"], simulate=False).graph
+              for n in (low, 2 * low)}
+    per_layer = (nvme_bytes(probes[2 * low]) - nvme_bytes(probes[low])) / low
+    fixed = nvme_bytes(probes[low]) - low * per_layer
+    probe = probes[low]
+    if per_layer <= 0:
+        raise SystemExit(f"--size auto: the NVMe tier does not grow with layers at {low} and {2 * low} layers "
+                         f"(memory host {host} GiB keeps the states on the host?)")
     folder = swap_place(probe).get("path") or "/tmp"
     room = (free_bytes(folder) or 0) - (keep_free + SLACK_GB) * 1e9
     layers = int((room - fixed) // per_layer)
