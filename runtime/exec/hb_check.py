@@ -33,6 +33,7 @@ and die on the op's stream); host memory's pools (pinned blocks are guarded by t
 """
 from __future__ import annotations
 
+import re
 import threading
 from contextlib import contextmanager
 
@@ -53,6 +54,7 @@ from zdsl.runtime.exec.hb_model import Race
 from zdsl.runtime.exec.streams import HOST_LANES
 from zdsl.runtime.exec.streams import host_side_ops
 
+FACTORY = re.compile(r"new_.*|.*_like")    # as torch.cuda._sanitizer: their tensor arguments are metadata
 DEFAULT, NCCL = "default", "nccl"
 WAIT = ":wait#"                 # a collective's wait on its lane: "comm:wait#12"
 MAX_REPORTED = 12
@@ -223,10 +225,12 @@ class HBChecker:
         if func is torch.ops.aten.record_stream.default:
             return
         reads, writes, fresh = [], [], []
+        factory = FACTORY.fullmatch(schema.name.split("::")[-1]) is not None
         for arg, value in _bound(schema, args, kwargs):
             alias = arg.alias_info
             if alias is None:
-                reads.extend(_tensors(value))
+                if not factory:                  # empty_like(x) reads only x's metadata
+                    reads.extend(_tensors(value))
             elif alias.is_write:
                 writes.extend(_tensors(value))
         returns = schema.returns
