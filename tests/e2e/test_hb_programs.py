@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from ddp_reference import spawn
 
 PROGRAMS = Path(__file__).resolve().parents[2] / "programs"
@@ -34,6 +35,7 @@ def check_programs(rank: int, world: int, names: list[str]) -> dict[str, str | N
     return out
 
 
+@pytest.mark.slow        # about 30 s; the CLI run below and tests/runtime/test_hb_check.py are the fast part
 def test_every_program_runs_a_step_on_two_ranks_with_no_race_as_if_on_cuda():
     names = sorted(p.name for p in PROGRAMS.glob("*.zs") if not p.name.startswith("."))   # not a test's scratch
     assert len(names) >= 10 and "capacity.zs" in names
