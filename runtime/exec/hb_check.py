@@ -12,8 +12,11 @@ exactly as it would on CUDA, and the checker replays what each call would order 
   host-lane dependencies (it was enqueued after them); a host lane, and a device-lane op whose
   body touches a host buffer, synchronize on their dependencies' events; ``record`` is an event
   recorded on the lane's stream;
-* a collective runs on NCCL's own stream, ordered after its issuing stream at issue; the lane
-  that waits for it (``on_lane``, the watcher's ``wait``) is ordered after it;
+* a collective runs on NCCL's own stream, ordered after its issuing stream at issue (what gloo
+  does after its first c10d call counts as the collective's: NCCL runs it as one kernel); the
+  watcher's ``wait`` (``on_lane``) and what follows it are ordered after it and after the lane's
+  work up to the issue, not after what the lane issued since (the watcher may come first); the
+  lane's later ops that depend on it are (its wait is on their stream before them);
 * ``end_step``/``device_times``: a device synchronize.
 
 A ``TorchDispatchMode`` stamps every aten op's storage reads and writes (written: the arguments
@@ -190,6 +193,8 @@ class HBChecker:
                         self.clocks.merge(lane, self.host_done[d])
                 elif host or self.host_side[op.id] or self.lane_of[d] != lane or op.kind == "mem.free":
                     self.clocks.merge(lane, event)       # event.synchronize / stream.wait_event
+                elif self.graph.ops[d].is_collective:    # its watcher's wait is on this stream already
+                    self.clocks.merge(lane, event)
         with self._on(lane, op):
             yield
             if not host:
