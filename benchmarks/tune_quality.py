@@ -142,14 +142,14 @@ def print_truth(name: str, cands: list[Candidate]) -> None:
     measured = [c for c in cands if c.rounds]
     best = min(measured, key=lambda c: c.measured_s)
     print(f"\n{name}: the truth ({len(best.rounds)} rounds each; spread = interquartile range of the rounds)")
-    print(f"  {'combination':32} {'predicted':>10} {'true median':>12} {'spread ms':>14} {'vs best':>8}")
+    print(f"  {'combination':40} {'predicted':>10} {'true median':>12} {'spread ms':>14} {'vs best':>8}")
     for c in sorted(measured, key=lambda c: c.measured_s):
         lo, hi = noise.spread(list(c.rounds.values()))
-        print(f"  {c.label:32} {c.predicted_s * 1e3:8.2f}ms {c.measured_s * 1e3:10.2f}ms "
+        print(f"  {c.label:40} {c.predicted_s * 1e3:8.2f}ms {c.measured_s * 1e3:10.2f}ms "
               f"{lo * 1e3:6.2f}..{hi * 1e3:6.2f} {c.measured_s / best.measured_s - 1:+8.1%}")
     for c in cands:
         if c.failed:
-            print(f"  {c.label:32} failed: {c.failed}")
+            print(f"  {c.label:40} failed: {c.failed}")
 
 
 def judge(name: str, i: int, res: dict | None, cands: list[Candidate]) -> tuple[bool, int, int]:
