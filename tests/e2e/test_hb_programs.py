@@ -1,7 +1,8 @@
 """Every shipped program, one step on 2 gloo ranks under the CPU happens-before checker
 (runtime/exec/hb_check.py), as if on CUDA: no race. capacity.zs runs at a tiny size; what the
 schedules cover beyond the programs (every stage, fp16, ...) is tests/runtime/test_hb_check.py's.
-``ZDSL_HB_CHECK=1 zdsl run`` runs the same checker; one program goes through the CLI here."""
+``ZDSL_HB_CHECK=1 zdsl run`` runs the same checker: with the ZeRO-1 free path before its fix, the
+run fails with the race's report and no traceback."""
 from __future__ import annotations
 
 import os
@@ -44,9 +45,24 @@ def test_every_program_runs_a_step_on_two_ranks_with_no_race_as_if_on_cuda():
     assert not found, "\n".join(f"{name}: {text}" for name, text in found.items())
 
 
-def test_zdsl_run_with_the_checker_reports_no_race_and_trains(tmp_path):
-    env = dict(os.environ, ZDSL_HB_CHECK="1")
+# in the ranks of the run below: the free path before commit 0a8a67d (no record_stream)
+BEFORE_THE_FIX = """import os
+if os.environ.get("RANK") is not None:
+    from zdsl.runtime.exec import hb_check
+    init = hb_check.HBChecker.__init__
+    hb_check.HBChecker.__init__ = lambda self, graph, state=None, rank=0, record_streams=True: \\
+        init(self, graph, state, rank, False)
+"""
+
+
+def test_zdsl_run_with_the_checker_fails_on_the_zero1_race_naming_rank_ops_lanes_and_buffer(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(BEFORE_THE_FIX)
+    env = dict(os.environ, ZDSL_HB_CHECK="1", PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
     proc = subprocess.run([sys.executable, "-m", "zdsl.cli", "run", str(PROGRAMS / "zero1.zs"), "--set", "steps=1",
                            "--quiet"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode != 0
+    assert "zdsl: error: rank " in proc.stderr and ": happens-before check:" in proc.stderr, proc.stderr
+    assert "grad_shard[" in proc.stderr and "op #" in proc.stderr and "comm.reduce_scatter" in proc.stderr
+    assert "on lane compute" in proc.stderr and "unit " in proc.stderr and "pool of the comm stream" in proc.stderr
     assert "Traceback" not in proc.stderr
