@@ -181,6 +181,7 @@ def test_ranges_expand_integers_by_one_and_sizes_by_doubling():
     assert ranges.expand("bucket", "3MiB..16MiB") == ["3MiB", "6MiB", "12MiB", "16MiB"]
     assert dict(parse_vary(["bucket=0,1KiB..4KiB"]))["bucket"] == ["0", "1KiB", "2KiB", "4KiB"]
     assert len(combinations(parse_vary(["prefetch=0..2", "bucket=1MiB..4MiB"]))) == 9
+    assert dict(parse_vary(['model=hf("../a"),hf("../b")']))["model"] == ['hf("../a")', 'hf("../b")']   # paths
 
 
 @pytest.mark.parametrize("item, says", [

@@ -24,7 +24,8 @@ class RangeError(ValueError):
 
 
 def is_range(item: str) -> bool:
-    return ".." in item and not item.startswith(("(", "[", '"'))
+    """``LO..HI``; a value with quotes, brackets or a slash (``hf("../pre")``) is a value, not a range."""
+    return ".." in item and not any(ch in item for ch in '()[]"/\\ ')
 
 
 def expand(key: str, item: str) -> list[str]:
