@@ -231,3 +231,17 @@ def test_tune_planner_only_prints_pruned_rows(tmp_path, capsys):
     assert got["stopped"] == "planner only" and len(got["candidates"]) == 9
     assert got["winner"] == next(c["label"] for c in got["candidates"] if c["predicted_rank"] == 1)
     assert {c["verdict"].split(":")[0] for c in got["candidates"] if c["pruned"]} == {"pruned"}
+
+
+@pytest.mark.parametrize("option, says", [
+    (["--budget", "0"], "--budget must be a positive number of seconds"),
+    (["--rounds", "3"], "--rounds must be at least 4"),
+    (["--steps", "2", "--warmup", "2"], "--steps must exceed --warmup (2)"),
+    (["--prune", "0.5"], "--prune must be 1 or more"),
+])
+def test_bad_measuring_options_are_usage_errors(option, says, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["tune", ZERO3, "--vary", "prefetch=0..1", *option])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
