@@ -114,8 +114,7 @@ def choose_winner(cands: list[Candidate], order: dict[str, list[str]]) -> tuple[
     pick = min(by_memory, key=lambda c: simplicity(c, order) + (c.measured_s,))
     simplest = [c for c in by_memory if simplicity(c, order) == simplicity(pick, order)]
     why = "the simplest" if len(simplest) == 1 else "the fastest median of the simplest"
-    mem = " with equal peak memory" if len(by_memory) > 1 else ""
-    return pick, f"{len(tied)} tie; {why}{mem} (fewest changes from the file, then smaller values)"
+    return pick, f"{len(tied)} tie; {why} with equal peak memory (fewest changes from the file, then smaller values)"
 
 
 def simplicity(cand: Candidate, order: dict[str, list[str]]) -> tuple:
