@@ -133,11 +133,17 @@ def test_budgeted_graph_fits_and_saves_reads(clip, extra):
     report = graph.config["residency"]
     assert report["saved_bytes"] >= report["lru_saved_bytes"]
     saved = nvme_bytes(today(base), "nvme.read") - nvme_bytes(graph, "nvme.read")
-    assert saved == report["saved_bytes"]
-    assert nvme_bytes(graph, "nvme.write") == nvme_bytes(today(base), "nvme.write")   # nothing written is skipped
-    if extra >= 1.0:        # room for every parameter shard: each is read once per step
-        assert report["saved_bytes"] == report["max_saved_bytes"]
-        assert sum(op.bytes for op in graph.ops if op.kind == "nvme.read" and "param_shard" in op.writes[0]) == params
+    assert saved == report["saved_bytes"] + report["held_read_bytes"]
+    written = nvme_bytes(today(base), "nvme.write") - nvme_bytes(graph, "nvme.write")
+    assert written == report["held_saved_bytes"] - report["held_read_bytes"]   # only what is held is not written
+    held = {name.replace("@nvme", "@host") for name in report["held"]}
+    assert all(graph.buffers[name].persistent for name in held)
+    if extra > 0:           # room at every moment: the state the next step uses first is held
+        assert "param_shard[0]@nvme" in report["held"]
+    if extra >= 1.0:        # room for every parameter shard: each is held, or read once per step
+        param_reads = sum(op.bytes for op in graph.ops if op.kind == "nvme.read" and "param_shard" in op.writes[0])
+        held_params = sum(graph.buffers[name].bytes for name in held if name.startswith("param_shard"))
+        assert param_reads == params - held_params
 
 
 def test_belady_beats_lru_where_the_step_frees_optimizer_copies_mid_backward():
@@ -150,21 +156,30 @@ def test_belady_beats_lru_where_the_step_frees_optimizer_copies_mid_backward():
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_kept_copies_are_read_once_and_freed_once(accumulate):
-    s = schedule(budget=1 << 40, accumulate=accumulate)
-    graph = compile_schedule(s, UNITS)
+def test_each_kept_copy_drops_one_read_and_one_free(accumulate):
+    # a budget of the unbudgeted peak: no room at every moment (nothing held through the step),
+    # room between the peaks for some re-reads
+    base = schedule(accumulate=accumulate)
+    s = schedule(budget=host_peak(base), accumulate=accumulate)
+    graph, before = compile_schedule(s, UNITS), today(base)
+    assert graph.config["residency"]["held"] == []
+
+    def count(g, kind, name):
+        return sum(1 for op in g.ops if op.kind == kind and name in op.writes)
+
+    dropped = 0
     for u in range(len(UNITS)):
         host = f"param_shard[{u}]@host"
-        reads = [op for op in graph.ops if op.kind == "nvme.read" and host in op.writes]
-        frees = [op for op in graph.ops if op.kind == "mem.free" and host in op.writes]
-        # one read for every forward and backward of every micro-batch; after the step, a write and a free
-        assert len(reads) == 1, (u, [(op.phase, op.micro) for op in reads])
-        assert len(frees) == 2
+        reads = count(before, "nvme.read", host) - count(graph, "nvme.read", host)
+        assert reads == count(before, "mem.free", host) - count(graph, "mem.free", host) >= 0
+        assert count(graph, "nvme.read", host) >= 1          # read at least once per step: nothing is held
+        dropped += reads
+    assert dropped == graph.config["residency"]["kept"] > 0
     assert not [d for d in verify(graph, s) if d.severity == "error"]
 
 
 def test_optimizer_on_host_keeps_parameters_only():
-    s = schedule(budget=1 << 40, optimizer="cpu")
+    s = schedule(budget=host_peak(schedule(optimizer="cpu")), optimizer="cpu")
     report = compile_schedule(s, UNITS).config["residency"]
     assert report["kept"] and all(name.startswith("param_shard") for name in report["buffers"])
 
@@ -186,14 +201,17 @@ def test_plan_shows_bytes_per_tier_against_the_minimum_and_the_lru_comparison():
     plan = build_plan(graph, s)
     out = plan.to_json()
     moved = out["moved_bytes_per_step"]
-    params = sum(b.bytes for b in graph.buffers.values() if b.kind == "param_shard" and b.tier == "nvme")
-    optim = sum(b.bytes for b in graph.buffers.values() if b.kind == "optim" and b.tier == "nvme")
+    placed = today(base).buffers.values()   # the minimum counts held state where the schedule put it
+    params = sum(b.bytes for b in placed if b.kind == "param_shard" and b.tier == "nvme")
+    optim = sum(b.bytes for b in placed if b.kind == "optim" and b.tier == "nvme")
     assert moved["nvme -> host"] == {"bytes": nvme_bytes(graph, "nvme.read"), "minimum": 2 * params + optim}
     assert moved["host -> nvme"] == {"bytes": nvme_bytes(graph, "nvme.write"), "minimum": params + optim}
     r = out["residency"]
-    assert r["saved_bytes"] == nvme_bytes(today(base), "nvme.read") - moved["nvme -> host"]["bytes"] > 0
+    assert r["saved_bytes"] + r["held_read_bytes"] == \
+        nvme_bytes(today(base), "nvme.read") - moved["nvme -> host"]["bytes"] > 0
     text = render_plan(plan, width=200)
     assert "ZeRO-Infinity minimum" in text and "an LRU cache of the same room" in text
+    assert "held on the host through the whole step: parameters of unit" in text
 
 
 def test_plan_without_nvme_has_no_residency_line():
@@ -211,10 +229,34 @@ def test_plan_without_nvme_has_no_residency_line():
 @pytest.mark.parametrize("prefetch", [2, 3])
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_deeper_prefetch_keeps_every_shard_and_verifies(prefetch, clip):
-    s = schedule(budget=1 << 40, prefetch=prefetch, clip=clip)
+    s = schedule(budget=host_peak(schedule(prefetch=prefetch, clip=clip)), prefetch=prefetch, clip=clip)
     graph = compile_schedule(s, UNITS)
     assert not [d for d in verify(graph, s) if d.severity == "error"]
     report = graph.config["residency"]
-    assert report["kept"] == report["candidates"] > 0
+    assert report["kept"] > 0 and report["held"] == []
     assert report["saved_bytes"] == nvme_bytes(today(schedule(prefetch=prefetch, clip=clip)), "nvme.read") \
         - nvme_bytes(graph, "nvme.read")
+
+
+# -- held through the whole step ----------------------------------------------------------------------------
+
+def test_room_for_everything_holds_every_state_and_moves_nothing():
+    s = schedule(budget=1 << 40)
+    graph = compile_schedule(s, UNITS)
+    assert not [d for d in verify(graph, s) if d.severity == "error"]
+    assert not [op for op in graph.ops if op.kind.startswith("nvme.")]
+    report = graph.config["residency"]
+    assert report["held_saved_bytes"] == nvme_bytes(today(schedule()), "nvme.read") + \
+        nvme_bytes(today(schedule()), "nvme.write")
+
+
+def test_held_in_beladys_order_at_the_step_boundary():
+    # room at every moment for one and a half block shards: the units the next step reads first
+    # (the small embedding, then block 1), no further block; what still fits is the tiny last
+    # unit's shard and state, not the blocks' optimizer states, read only at the step
+    base = schedule()
+    shard = today(base).buffers["param_shard[1]@nvme"].bytes
+    graph = compile_schedule(schedule(budget=host_peak(base) + shard + shard // 2), UNITS)
+    held = graph.config["residency"]["held"]
+    assert held == ["param_shard[0]@nvme", "param_shard[1]@nvme", "param_shard[7]@nvme", "optim[7]@nvme"]
+    assert not [op for op in graph.ops if op.kind == "nvme.read" and op.writes == ["param_shard[0]@host"]]

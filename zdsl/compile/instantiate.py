@@ -34,11 +34,13 @@ Rules (the language reference repeats them for users):
   ``token`` buffer), so they never run at the same time.
 * **Host residency** (``memory host`` with state on NVMe). The graph is built
   once as above; then :mod:`zdsl.compile.residency` picks, by Belady's rule
-  under the host budget, which host copies of NVMe state stay live until
-  their next read, and the graph is built again with those frees and reads
-  left out. A kept copy is *resting*: held, but to every statement as
-  absent as if freed, until the read it replaces revives it, so the second
-  build makes the same decisions as the first.
+  under the host budget, the NVMe state held on the host through the whole
+  step (its home moves there for that unit: no read or write of it) and the
+  host copies that stay live until their next read within the step, and the
+  graph is built again with those frees and reads left out. A kept copy is
+  *resting*: held, but to every statement as absent as if freed, until the
+  read it replaces revives it, so the second build makes the same decisions
+  as the first.
 """
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ class _Draft:
 
 class _Builder:
     def __init__(self, schedule: Schedule, units: list[UnitSpec], keep: frozenset = frozenset(),
-                 read_ahead: int = 0):
+                 read_ahead: int = 0, rehome: frozenset = frozenset()):
         self.schedule = schedule
         self.read_ahead = read_ahead             # step optimizer reads woven into the backward (read_optimizer_ahead)
         self.keep = keep                         # (host copy, end): frees left out (zdsl/compile/residency.py)
@@ -121,6 +123,9 @@ class _Builder:
         self.layouts = [flat_layout(spec.numel, self.ranks, bucket_elems, [math.prod(s) for _, s in spec.params], row)
                         for spec, row in zip(units, self.frozen)]
         self.tiers = {state: self._unit_tiers(state) for state in STATES}
+        self.rehome = rehome             # (state, unit) on NVMe held on the host through the cycle (residency)
+        for state, u in rehome:
+            self.tiers[state][u] = "host"
         self.drafts: list[_Draft] = []
         self.buffers: dict[str, Buffer] = {}
         self.live: set[str] = set()
@@ -833,9 +838,41 @@ def instantiate(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, 
     if not budget:
         return graph
     builder, graph = read_optimizer_ahead(schedule, units, pipelines, builder, graph, budget)
+    builder, graph, held = hold_through_cycle(schedule, units, pipelines, builder, graph, budget)
     if not builder.free_drafts:
+        if held:
+            graph.config["residency"] = residency.Residency(budget=budget, held=held).to_json()
         return graph
-    return keep_resident(schedule, units, pipelines, graph, builder.free_positions(), budget, builder.read_ahead)
+    return keep_resident(schedule, units, pipelines, graph, builder.free_positions(), budget, builder.read_ahead,
+                         builder.rehome, held)
+
+
+def hold_through_cycle(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline],
+                       builder: _Builder, graph: TaskGraph, budget: int) -> tuple[_Builder, TaskGraph, list]:
+    """The graph rebuilt with the NVMe state :func:`residency.hold_through_cycle` holds on the host
+    in the room the host ``budget`` leaves free all step (its simulated peak within the budget,
+    shrinking the room by any excess and choosing again), with what they were; else as it was."""
+    from zdsl.planner.simulate import simulate
+    sim = simulate(graph, schedule.machine)
+    # the optimizer states the backward reads ahead already have their room (read_optimizer_ahead)
+    ahead = read_ahead_units(graph) if builder.read_ahead else set()
+    candidates = [h for h in residency.cycle_candidates(graph, sim.start)
+                  if not (h.state == "optimizer" and h.unit in ahead)]
+    room = budget - sim.memory.peak("host")
+    for _ in range(residency.MAX_TRIES):
+        held = residency.hold_through_cycle(candidates, room)
+        if not held:
+            break
+        rehomed = _Builder(schedule, units, read_ahead=builder.read_ahead,
+                           rehome=frozenset((h.state, h.unit) for h in held))
+        rehomed_graph = rehomed.build(pipelines)
+        excess = simulate(rehomed_graph, schedule.machine).memory.peak("host") - budget
+        if excess <= 0:
+            if builder.read_ahead:
+                rehomed_graph.config["read_ahead"] = builder.read_ahead
+            return rehomed, rehomed_graph, held
+        room -= excess
+    return builder, graph, []
 
 
 def read_optimizer_ahead(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline],
@@ -860,8 +897,20 @@ def read_optimizer_ahead(schedule: Schedule, units: list[UnitSpec], pipelines: d
     return builder, graph
 
 
+def read_ahead_units(graph: TaskGraph) -> set[int]:
+    """Units whose optimizer state the graph reads from NVMe before its first step."""
+    out = set()
+    for op in graph.ops:
+        if op.kind == "compute.step":
+            break
+        if op.kind == "nvme.read" and any(name.startswith("optim[") for name in op.reads):
+            out.add(op.unit)
+    return out
+
+
 def keep_resident(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline], graph: TaskGraph,
-                  frees: dict[int, tuple[str, int]], budget: int, read_ahead: int = 0) -> TaskGraph:
+                  frees: dict[int, tuple[str, int]], budget: int, read_ahead: int = 0,
+                  rehome: frozenset = frozenset(), cycle: list | None = None) -> TaskGraph:
     """``graph`` rebuilt with the host copies Belady's rule keeps under the host ``budget``
     (zdsl/compile/residency.py), or ``graph`` itself when none fits; either way its config
     records what the choice saves. The rebuilt graph's simulated host peak must stay within the
@@ -872,6 +921,8 @@ def keep_resident(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str
     gaps = residency.find_gaps(graph, sim.start, sim.end, sim.step_s, frees)
     host = sim.memory.tiers.get("host")
     if host is None or not any(gap.reread for gap in gaps):
+        if cycle:
+            graph.config["residency"] = residency.Residency(budget=budget, held=cycle).to_json()
         return graph
     room = residency.Room(host.times, host.working, budget, host.model_states, gaps)
     margin = 0
@@ -880,15 +931,15 @@ def keep_resident(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str
         if not held:
             break
         kept = _Builder(schedule, units, keep=frozenset((g.buffer, g.end) for g in held),
-                        read_ahead=read_ahead).build(pipelines)
+                        read_ahead=read_ahead, rehome=rehome).build(pipelines)
         excess = simulate(kept, schedule.machine).memory.peak("host") - budget
         if excess <= 0:
-            kept.config["residency"] = residency.summarize(gaps, held, room, budget).to_json()
+            kept.config["residency"] = residency.summarize(gaps, held, room, budget, cycle or []).to_json()
             if read_ahead:
                 kept.config["read_ahead"] = read_ahead
             return kept
         margin += excess
-    graph.config["residency"] = residency.summarize(gaps, [], room, budget).to_json()
+    graph.config["residency"] = residency.summarize(gaps, [], room, budget, cycle or []).to_json()
     return graph
 
 

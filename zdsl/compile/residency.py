@@ -21,8 +21,15 @@ MIN). The step's access sequence is read off the graph built without residency:
 
 The result is a set of (buffer, end) pairs: the ``end``-th free the builder issues for that
 buffer is left out, so the copy stays live and the next read finds it
-(:mod:`zdsl.compile.instantiate`). Residency is within one step: every copy is released by the
-step's end, as without a budget.
+(:mod:`zdsl.compile.instantiate`); every such copy is released by the step's end.
+
+Across the step boundary the one form a one-step graph can state is a copy held through the
+whole cycle: the state's home moves to the host for that unit (read and written nowhere else, as
+under ``offload ... -> cpu``; checkpoints and exports read it there). :func:`hold_through_cycle`
+picks those first, in Belady's order at the boundary (the state the next step uses soonest
+first), from the room free at every moment of the step; the gaps within the step then share what
+is left. A copy carried over the boundary and evicted later in the step (write-back on eviction)
+would need the runtime to hold working buffers between steps, which it does not.
 """
 from __future__ import annotations
 
@@ -56,11 +63,57 @@ class Residency:
     gaps: int = 0                         # reread gaps (candidates)
     budget: int = 0                       # the host budget the room came from
     kept: list[str] = field(default_factory=list)    # buffers kept at least once, in graph order
+    held: list[Hold] = field(default_factory=list)   # states held on the host through the cycle
 
     def to_json(self) -> dict:
         return {"policy": "belady", "host_budget": self.budget, "candidates": self.gaps,
                 "kept": len(self.keep), "buffers": self.kept, "saved_bytes": self.saved,
-                "lru_saved_bytes": self.lru_saved, "max_saved_bytes": self.reread}
+                "lru_saved_bytes": self.lru_saved, "max_saved_bytes": self.reread,
+                "held": [h.buffer for h in self.held], "held_saved_bytes": sum(h.moved for h in self.held),
+                "held_read_bytes": sum(h.read for h in self.held)}
+
+
+@dataclass(frozen=True)
+class Hold:
+    """NVMe state a step could hold on the host through the whole cycle (home there instead)."""
+    state: str           # "parameters" or "optimizer"
+    unit: int
+    buffer: str          # its NVMe home, e.g. ``optim[3]@nvme``
+    bytes: int
+    moved: int           # NVMe bytes per step its reads and writes move now
+    read: int            # ... of them read
+    first: float         # when the step first uses it: its next use after the step boundary
+
+
+def cycle_candidates(graph: TaskGraph, start: list[float]) -> list[Hold]:
+    """Every parameter shard and optimizer state whose home is NVMe, with what it moves per step."""
+    moved: dict[str, int] = {}
+    read: dict[str, int] = {}
+    first: dict[str, float] = {}
+    for i, op in enumerate(graph.ops):
+        if op.kind in ("nvme.read", "nvme.write"):
+            for name in (*op.reads, *op.writes):
+                if name.endswith("@nvme"):
+                    moved[name] = moved.get(name, 0) + op.bytes
+                    read[name] = read.get(name, 0) + (op.bytes if op.kind == "nvme.read" else 0)
+                    first.setdefault(name, start[i])
+    states = {"param_shard": "parameters", "optim": "optimizer"}
+    return [Hold(states[buf.kind], buf.unit, name, buf.bytes, moved.get(name, 0), read.get(name, 0),
+                 first.get(name, float("inf")))
+            for name, buf in graph.buffers.items()
+            if buf.persistent and buf.tier == "nvme" and buf.kind in states and moved.get(name)]
+
+
+def hold_through_cycle(candidates: list[Hold], room: int) -> list[Hold]:
+    """Belady's rule at the step boundary, for copies held all the time: the state the next step
+    uses soonest first (the first units' parameters, then the optimizer state in step order),
+    each while it fits in ``room``, the bytes free at every moment of the step."""
+    held, used = [], 0
+    for hold in sorted(candidates, key=lambda h: (h.first, h.unit, h.state)):
+        if used + hold.bytes <= room:
+            held.append(hold)
+            used += hold.bytes
+    return held
 
 
 def nvme_staging(graph: TaskGraph) -> set[str]:
@@ -170,10 +223,12 @@ def lru(gaps: list[Gap], room: Room) -> list[Gap]:
     return hits
 
 
-def summarize(gaps: list[Gap], held: list[Gap], room: Room, budget: int) -> Residency:
-    """What holding ``held`` saves, beside an LRU cache of the same room and the most any cache could."""
+def summarize(gaps: list[Gap], held: list[Gap], room: Room, budget: int, cycle: list[Hold] = ()) -> Residency:
+    """What keeping ``held`` (and holding ``cycle``) saves, beside an LRU cache of the same room
+    within the step and the most a cache within the step could."""
     kept = {g.buffer for g in held}
     return Residency(keep=frozenset((g.buffer, g.end) for g in held), saved=sum(g.bytes for g in held),
+                     held=list(cycle),
                      lru_saved=sum(g.bytes for g in lru(gaps, room)),
                      reread=sum(g.bytes for g in gaps if g.reread), gaps=sum(g.reread for g in gaps),
                      budget=budget, kept=list(dict.fromkeys(g.buffer for g in sorted(gaps, key=lambda g: g.start)

@@ -216,11 +216,36 @@ def moved_table(console, plan: Plan) -> None:
     r = plan.residency
     if r is not None:
         reads = rows.get("nvme -> host", {}).get("bytes", 0)
-        console.print(f"host residency (Belady, memory host {human_bytes(r['host_budget'])}): "
-                      f"{r['kept']} of {r['candidates']} re-reads kept on the host, NVMe reads "
-                      f"{human_bytes(r['saved_bytes'])} lower per step; an LRU cache of the same room: "
-                      f"{human_bytes(r['lru_saved_bytes'])} lower; no cache: {human_bytes(reads + r['saved_bytes'])} "
-                      f"read (at most {human_bytes(r['max_saved_bytes'])} to save)")
+        uncached = reads + r["saved_bytes"] + r.get("held_read_bytes", 0)
+        console.print(f"host residency (Belady, memory host {human_bytes(r['host_budget'])}): NVMe reads "
+                      f"{human_bytes(reads)} per step, {human_bytes(uncached)} with no cache; "
+                      f"{r['kept']} of {r['candidates']} re-reads in the step kept on the host save "
+                      f"{human_bytes(r['saved_bytes'])} (an LRU cache of the same room: "
+                      f"{human_bytes(r['lru_saved_bytes'])}, at most {human_bytes(r['max_saved_bytes'])})")
+        if r.get("held"):
+            console.print(f"  held on the host through the whole step: {held_words(r['held'])}; NVMe reads and "
+                          f"writes {human_bytes(r['held_saved_bytes'])} lower per step")
+
+
+def held_words(names: list[str]) -> str:
+    """``parameters of units 0-8, 41; optimizer state of units 0, 41`` from NVMe buffer names."""
+    from zdsl.ir import parse_buffer_name
+    by_kind: dict[str, list[int]] = {}
+    for name in names:
+        kind, u, _ = parse_buffer_name(name)
+        by_kind.setdefault(kind, []).append(u)
+    out = []
+    for kind, words in (("param_shard", "parameters"), ("optim", "optimizer state")):
+        units = sorted(by_kind.get(kind, []))
+        runs, start = [], None
+        for i, u in enumerate(units):
+            start = u if start is None else start
+            if i + 1 == len(units) or units[i + 1] != u + 1:
+                runs.append(str(u) if start == u else f"{start}-{u}")
+                start = None
+        if runs:
+            out.append(f"{words} of unit{'s' if len(units) > 1 else ''} {', '.join(runs)}")
+    return "; ".join(out)
 
 
 def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:

@@ -14,8 +14,10 @@ model states, so the plan can show what a schedule moves beside what it must mov
   (stages 2-3) or once (stage 1), and the updated shards once where the step runs on the device
   and the parameters live off it.
 
-Host residency (``memory host``, :mod:`zdsl.compile.residency`) can take the NVMe reads below the
-minimum: a parameter shard kept between forward and backward is read once.
+Host residency (``memory host``, :mod:`zdsl.compile.residency`) can take NVMe traffic below the
+minimum: a parameter shard kept between forward and backward is read once, and state held on the
+host through the whole step is neither read nor written (the minimum counts it where the
+schedule placed it).
 """
 from __future__ import annotations
 
@@ -39,9 +41,12 @@ def infinity_minimum(graph: TaskGraph) -> dict[str, int]:
     held: dict[tuple[str, str], int] = {}
     trained: dict[tuple[str, str], int] = {}
     trains = {u.index: u.trains for u in graph.units}
+    # state residency holds on the host for the whole step is counted where the schedule placed it
+    on_nvme = set((graph.config.get("residency") or {}).get("held", ()))
     for buf in graph.buffers.values():
         if buf.persistent and buf.kind in ("param_shard", "grad_shard", "optim"):
-            key = (buf.kind, buf.tier)
+            placed = "nvme" if buf.name.replace("@host", "@nvme") in on_nvme else buf.tier
+            key = (buf.kind, placed)
             held[key] = held.get(key, 0) + buf.bytes
             if trains.get(buf.unit, True):
                 trained[key] = trained.get(key, 0) + buf.bytes
