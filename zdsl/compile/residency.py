@@ -53,6 +53,18 @@ class Gap:
     reread: bool         # the next use reads it back from NVMe: holding it saves ``bytes``
 
 
+@dataclass(frozen=True)
+class Hold:
+    """NVMe state a step could hold on the host through the whole cycle (home there instead)."""
+    state: str           # "parameters" or "optimizer"
+    unit: int
+    buffer: str          # its NVMe home, e.g. ``optim[3]@nvme``
+    bytes: int
+    moved: int           # NVMe bytes per step its reads and writes move now
+    read: int            # ... of them read
+    first: float         # when the step first uses it: its next use after the step boundary
+
+
 @dataclass
 class Residency:
     """The copies kept and what they save per step, against a recency cache of the same room."""
@@ -71,18 +83,6 @@ class Residency:
                 "lru_saved_bytes": self.lru_saved, "max_saved_bytes": self.reread,
                 "held": [h.buffer for h in self.held], "held_saved_bytes": sum(h.moved for h in self.held),
                 "held_read_bytes": sum(h.read for h in self.held)}
-
-
-@dataclass(frozen=True)
-class Hold:
-    """NVMe state a step could hold on the host through the whole cycle (home there instead)."""
-    state: str           # "parameters" or "optimizer"
-    unit: int
-    buffer: str          # its NVMe home, e.g. ``optim[3]@nvme``
-    bytes: int
-    moved: int           # NVMe bytes per step its reads and writes move now
-    read: int            # ... of them read
-    first: float         # when the step first uses it: its next use after the step boundary
 
 
 def cycle_candidates(graph: TaskGraph, start: list[float]) -> list[Hold]:
