@@ -10,19 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from zdsl.runtime.state.compute import StepPlan
-
-
-@pytest.fixture
-def one_rank_group():
-    """A gloo group of one rank: ZeRO-1's reduce-scatter runs (and allocates the shard it frees)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already set up in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_host_gradient_gets_the_host_copy_of_a_device_coefficient():

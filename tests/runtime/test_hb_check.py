@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from zdsl.ir import TaskGraph
 from zdsl.runtime.exec.hb_check import HBRaceError
@@ -17,16 +16,6 @@ from zdsl.runtime.exec.hb_check import check_steps
 from zdsl.schedule import DataSpec, ModelSpec, OptimizerSpec, Schedule, TrainSpec
 
 ZERO1_GRAPH = Path(__file__).parent.parent / "data" / "zero1_race_graph.json"
-
-
-@pytest.fixture
-def one_rank_group():
-    """A gloo group of one rank: the graphs' collectives run (and allocate what they write)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already set up in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _zero1():
