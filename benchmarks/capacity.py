@@ -233,7 +233,7 @@ COMPUTE_PROBE = """
 import json, sys, torch
 from zdsl.runtime.calibrate.measure import Settings, measure_compute
 a = json.loads(sys.argv[1])
-out = measure_compute(torch.device("cpu"), Settings(ranks=1, quick=True, width=a["width"], heads=a["heads"],
+out = measure_compute(torch.device("cpu"), Settings(ranks=1, quick=False, width=a["width"], heads=a["heads"],
                       context=a["context"], batch=a["batch"]), getattr(torch, a["dtype"]))
 print(json.dumps({"rate": out.get("flops_at_batch") or out["block_flops"], "slope": out["block_flops"],
                   "mm": out["mm_flops"], "fixed_s": out.get("fixed_s", 0.0), "measured": out.get("measured", "")}))
@@ -243,7 +243,8 @@ print(json.dumps({"rate": out.get("flops_at_batch") or out["block_flops"], "slop
 def measure_compute_rate(schedule, graph) -> dict | None:
     """``zdsl calibrate``'s compute measurement (forward+backward of one GPT block) at the schedule's
     width, heads, context and batch, in its dtype, in a process of its own with the rank's thread
-    count. The bound's rate is the block's flops over its time at the run's batch (what the compute
+    count, at calibrate's full budget (its quick one swung 2x between runs on the loaded machine).
+    The bound's rate is the block's flops over its time at the run's batch (what the compute
     lane runs), kernels' fixed costs included: calibrate's slope over batch sizes, which leaves them to
     ``kernel_overhead``, can exceed the matmul ceiling at these small batches, so it is only shown."""
     m = dict(schedule.model.args)
