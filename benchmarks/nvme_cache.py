@@ -44,10 +44,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from capacity import SCHEDULE, Sampler, nvme_summary  # noqa: E402
+from capacity import SCHEDULE, Sampler  # noqa: E402
 from zdsl.runtime.dist.spawn import free_port, rank_env  # noqa: E402
 
 GIB = 1 << 30
+
+
+def nvme_summary(graph) -> tuple[int, int, int, str]:
+    """(bytes on the NVMe tier, graph bytes read per step, written per step, swap folder)."""
+    on_nvme = sum(b.bytes for b in graph.buffers.values() if b.tier == "nvme" and b.persistent)
+    read = sum(op.bytes for op in graph.ops if op.kind == "nvme.read")
+    written = sum(op.bytes for op in graph.ops if op.kind == "nvme.write")
+    places = [p for p in (graph.config.get("placement") or {}).values() if p.get("tier") == "nvme"]
+    return on_nvme, read, written, places[0]["path"] if places else ""
 MEMORY_LINE = re.compile(r"^\s*memory\s+host\b.*$", re.MULTILINE)
 
 
@@ -132,9 +141,10 @@ def main(argv=None) -> int:
         graph = compiled.graph
         _, g_read, g_written, _ = nvme_summary(graph)
         r = graph.config.get("residency") or {}
-        no_cache = g_read + r.get("saved_bytes", 0)
+        no_cache = g_read + r.get("saved_bytes", 0) + r.get("held_read_bytes", 0)
         lru_read = no_cache - r.get("lru_saved_bytes", 0)
         row = {"room": room, "host_budget": budget, "kept": r.get("kept", 0), "candidates": r.get("candidates", 0),
+               "held": len(r.get("held", [])),
                "graph_read": g_read, "graph_written": g_written, "lru_read": lru_read, "no_cache_read": no_cache,
                "planned_host_peak": compiled.sim.memory.peak("host"), "predicted_step_s": compiled.sim.step_s}
         if not args.dry_run:

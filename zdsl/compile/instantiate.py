@@ -838,13 +838,28 @@ def instantiate(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, 
     if not budget:
         return graph
     builder, graph = read_optimizer_ahead(schedule, units, pipelines, builder, graph, budget)
+    lru = lru_of_the_whole_room(schedule, builder, graph, budget)
     builder, graph, held = hold_through_cycle(schedule, units, pipelines, builder, graph, budget)
+    if builder.free_drafts:
+        graph = keep_resident(schedule, units, pipelines, graph, builder.free_positions(), budget,
+                              builder.read_ahead, builder.rehome, held)
+    elif held:
+        graph.config["residency"] = residency.Residency(budget=budget, held=held).to_json()
+    if "residency" in graph.config:
+        graph.config["residency"]["lru_saved_bytes"] = lru
+    return graph
+
+
+def lru_of_the_whole_room(schedule: Schedule, builder: _Builder, graph: TaskGraph, budget: int) -> int:
+    """What an LRU cache of the host room would save on ``graph``, for the plan's comparison."""
     if not builder.free_drafts:
-        if held:
-            graph.config["residency"] = residency.Residency(budget=budget, held=held).to_json()
-        return graph
-    return keep_resident(schedule, units, pipelines, graph, builder.free_positions(), budget, builder.read_ahead,
-                         builder.rehome, held)
+        return 0
+    from zdsl.planner.simulate import simulate
+    sim = simulate(graph, schedule.machine)
+    host = sim.memory.tiers.get("host")
+    if host is None:
+        return 0
+    return residency.lru_saved(graph, sim.start, sim.end, sim.step_s, host, budget, builder.free_positions())
 
 
 def hold_through_cycle(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline],

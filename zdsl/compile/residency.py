@@ -70,7 +70,7 @@ class Residency:
     """The copies kept and what they save per step, against a recency cache of the same room."""
     keep: frozenset = frozenset()         # (buffer, end) pairs whose free is left out
     saved: int = 0                        # NVMe read bytes per step the kept copies save
-    lru_saved: int = 0                    # ... that an LRU cache of the same room would save
+    lru_saved: int = 0                    # ... that an LRU cache of the same room would save (within the step)
     reread: int = 0                       # NVMe read bytes per step a cache could save at most
     gaps: int = 0                         # reread gaps (candidates)
     budget: int = 0                       # the host budget the room came from
@@ -233,3 +233,11 @@ def summarize(gaps: list[Gap], held: list[Gap], room: Room, budget: int, cycle: 
                      reread=sum(g.bytes for g in gaps if g.reread), gaps=sum(g.reread for g in gaps),
                      budget=budget, kept=list(dict.fromkeys(g.buffer for g in sorted(gaps, key=lambda g: g.start)
                                                             if g.buffer in kept)))
+
+
+def lru_saved(graph: TaskGraph, start: list[float], end: list[float], step_s: float, host, budget: int,
+              frees: dict[int, tuple[str, int]]) -> int:
+    """NVMe read bytes per step an LRU cache of the whole room would save on ``graph`` (the graph
+    before any state is held: a recency cache has only the step's sequence to go by)."""
+    gaps = find_gaps(graph, start, end, step_s, frees)
+    return sum(g.bytes for g in lru(gaps, Room(host.times, host.working, budget, host.model_states, gaps)))

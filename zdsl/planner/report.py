@@ -218,10 +218,10 @@ def moved_table(console, plan: Plan) -> None:
         reads = rows.get("nvme -> host", {}).get("bytes", 0)
         uncached = reads + r["saved_bytes"] + r.get("held_read_bytes", 0)
         console.print(f"host residency (Belady, memory host {human_bytes(r['host_budget'])}): NVMe reads "
-                      f"{human_bytes(reads)} per step, {human_bytes(uncached)} with no cache; "
+                      f"{human_bytes(reads)} per step, {human_bytes(uncached)} with no cache, "
+                      f"{human_bytes(uncached - r['lru_saved_bytes'])} with an LRU cache of the same room; "
                       f"{r['kept']} of {r['candidates']} re-reads in the step kept on the host save "
-                      f"{human_bytes(r['saved_bytes'])} (an LRU cache of the same room: "
-                      f"{human_bytes(r['lru_saved_bytes'])}, at most {human_bytes(r['max_saved_bytes'])})")
+                      f"{human_bytes(r['saved_bytes'])}")
         if r.get("held"):
             console.print(f"  held on the host through the whole step: {held_words(r['held'])}; NVMe reads and "
                           f"writes {human_bytes(r['held_saved_bytes'])} lower per step")
