@@ -235,11 +235,12 @@ def test_the_culprit_is_described_by_the_op_it_runs_else_the_collective_it_did_n
     w.seen[0] = tuple(board(step=3, step_done=2, last_done=6, issued=8 * 13 + 5))
     # the 6th collective of a step is op #13 (0, 1, 4, 7, 8, then 13)
     assert "in step 4, before op #13 comm.all_gather" in describe_culprit(0, w, g)
-    w.seen[0] = tuple(board(step=3, step_done=3, last_done=44, issued=8 * 13))
+    step_op = next(op.id for op in g.ops if op.kind == "compute.step")
+    w.seen[0] = tuple(board(step=3, step_done=3, last_done=step_op, issued=8 * 13))
     w.culprits[0] = "it was stopped (SIGSTOP or a debugger) for 5 s"
     assert describe_culprit(0, w, g).startswith(
         "rank 0 stopped making progress after step 4, before op #0 comm.all_gather (forward, unit 0, micro-batch 0) "
-        "of step 5 (the last op it finished: #44 compute.step")
+        f"of step 5 (the last op it finished: #{step_op} compute.step")
     assert describe_culprit(0, w, g).endswith("zdsl killed it")
 
 
