@@ -235,7 +235,7 @@ from zdsl.runtime.calibrate.measure import Settings, measure_compute
 a = json.loads(sys.argv[1])
 out = measure_compute(torch.device("cpu"), Settings(ranks=1, quick=False, width=a["width"], heads=a["heads"],
                       context=a["context"], batch=a["batch"]), getattr(torch, a["dtype"]))
-print(json.dumps({"rate": out.get("flops_at_batch") or out["block_flops"], "slope": out["block_flops"],
+print(json.dumps({"at_batch": out.get("flops_at_batch") or out["block_flops"], "slope": out["block_flops"],
                   "mm": out["mm_flops"], "fixed_s": out.get("fixed_s", 0.0), "measured": out.get("measured", "")}))
 """
 
@@ -245,8 +245,10 @@ def measure_compute_rate(schedule, graph) -> dict | None:
     width, heads, context and batch, in its dtype, in a process of its own with the rank's thread
     count, at calibrate's full budget (its quick one swung 2x between runs on the loaded machine).
     The bound's rate is the block's flops over its time at the run's batch (what the compute
-    lane runs), kernels' fixed costs included: calibrate's slope over batch sizes, which leaves them to
-    ``kernel_overhead``, can exceed the matmul ceiling at these small batches, so it is only shown."""
+    lane runs), kernels' fixed costs included, and never above the matmul ceiling measured beside it
+    (on the shared machine a timing now and then came out above it): calibrate's slope over batch
+    sizes, which leaves the fixed costs to ``kernel_overhead``, can exceed the ceiling at these small
+    batches, so it is only shown."""
     m = dict(schedule.model.args)
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(graph.precision, "float32")
     shape = {"width": m.get("width"), "heads": m.get("heads"), "context": m.get("context"),
@@ -256,7 +258,9 @@ def measure_compute_rate(schedule, graph) -> dict | None:
     if done.returncode != 0:
         print(f"compute measurement failed: {done.stderr.strip()[-400:]}", file=sys.stderr)
         return None
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), **shape}
+    out = {**json.loads(done.stdout.strip().splitlines()[-1]), **shape}
+    out["rate"] = min(out["at_batch"], out["mm"])
+    return out
 
 
 # ----------------------------------------------------------------------------
@@ -442,9 +446,9 @@ def main(argv=None) -> int:
         if compute:
             compute["bound_s"] = flops / compute["rate"]
             print(f"  compute (zdsl calibrate's measurement, one block at width {compute['width']}, batch "
-                  f"{compute['batch']}, {compute['dtype']}): {compute['rate'] / 1e9:.1f} GFLOP/s at that batch "
+                  f"{compute['batch']}, {compute['dtype']}): {compute['at_batch'] / 1e9:.1f} GFLOP/s at that batch "
                   f"(slope over batches {compute['slope'] / 1e9:.1f}, matmul ceiling {compute['mm'] / 1e9:.1f}; "
-                  f"cached profile {schedule.machine.flops / 1e9:.1f}) -> "
+                  f"cached profile {schedule.machine.flops / 1e9:.1f}); at {compute['rate'] / 1e9:.1f} -> "
                   f"compute bound {compute['bound_s']:.1f} s", flush=True)
 
     code, rusage, sampler, wall = run_rank(args.schedule, sets, args.out, args.trace, args.timeout)
@@ -495,6 +499,10 @@ def main(argv=None) -> int:
               f"{rd_b / max(1e-9, rd_s) / 1e9:.2f} GB/s; write {wr_b / GIB:.2f} GiB in {wr_s:.1f} s = "
               f"{wr_b / max(1e-9, wr_s) / 1e9:.2f} GB/s; nvme lane busy {busy.get('nvme', 0):.1f} s of "
               f"{statistics.median(f['span'] for f in measured):.1f} s")
+        lane_s = sum(kinds.get(k, 0.0) for k in COMPUTE_KINDS)
+        if lane_s:
+            print(f"compute lane in the run: {flops / lane_s / 1e9:.1f} GFLOP/s (forward+backward flops over "
+                  f"its ops' time, slowed by whatever shares the cores)")
         if host_s:
             print(f"host AdamW (compute.step ops): {host_s:.1f} s per step for {stepped:,} parameters = "
                   f"{stepped / host_s / 1e6:.0f} M parameters/s")
