@@ -12,20 +12,21 @@ which also carries start-up), what an LRU cache of the same room would read (sim
 compiler on the same access sequence), and the step time. The rank runs as in
 benchmarks/capacity.py (its sampler and disk check).
 
-Residency is within one step: the parameter shards between their forward and backward reads.
-They are 2 of the 16 bytes of model states per parameter, so a room over 12.5% of the model
-states keeps all of them (a step then reads each once).
+Residency: state held on the host through the whole step (neither read nor written), chosen in
+Belady's order at the step boundary from the room free at every moment, then parameter shards
+kept between their forward and backward reads in the room left between the peaks. With clipping
+(capacity.zs) the backward reads the step's optimizer state ahead first (read_optimizer_ahead),
+and those states are not held: at large rooms only parameters are held.
 
-Measured 2026-11-25 (2 cores shared with other jobs, load average 10-20; ext4 on virtio),
+Measured 2026-11-25 19:49 UTC (2 shared cores, load average 3-7; ext4 on virtio),
 ``--set model.layers=6 --set train.steps=4`` (5.71 GiB of model states, 5.00 GiB on NVMe),
-steps after the first: room 0, 5.71 GiB read per step by the graph, 5.62-5.68 GiB counted in
-/proc (the sampler reads /proc when a metrics line appears, polled every 0.5 s); rooms 5%, 25%
-and 50% keep all 9 re-reads: 5.00 GiB read by the graph, 4.71-5.02 GiB in /proc, writes 5.00
-GiB in every case; an LRU cache of the same room reads the same here (capacity.zs clips, so the
-step runs after the whole backward and no optimizer copy competes for the room; without
-clipping, ``zdsl plan`` shows Belady's rule saving 2-3x what LRU does at tight rooms); peak RSS
-3.15 GiB without residency, 3.5 GiB with; losses equal to the bit across rooms. Step times
-(12-23 s) moved with the machine's load more than with the room: rerun on a quiet machine.
+per step after the first (graph / /proc): room 0: reads 5.71 / 5.67 GiB, writes 5.00 GiB, 7.2 s;
+5%: 6 states held and 4 re-reads kept, reads 4.75 / 4.83 GiB (LRU of the same room 5.00 GiB),
+8.1 s; 25%: 9 held, reads 3.57 / 3.64 GiB, writes 3.57 GiB, 5.8 s; 50%: 10 held, reads 3.56 /
+3.40 GiB, 8.1 s. Peak RSS 3.15, 3.84, 4.34, 5.77 GiB (planned host peak 2.38, 2.62, 3.56, 4.28
+GiB; the CPU device tier is the same RAM). Losses equal to the bit across rooms. Step times moved
+with the other jobs on the machine as much as with the room (an earlier run at load 10-20 had
+12-23 s steps): rerun on a quiet machine.
 """
 from __future__ import annotations
 
