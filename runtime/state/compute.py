@@ -46,6 +46,7 @@ from zdsl.runtime.models.protocol import call_unit
 from zdsl.runtime.state.buffers import ActRecord
 from zdsl.runtime.state.buffers import BufferTable
 from zdsl.runtime.state.buffers import Slot
+from zdsl.runtime.state.host_pool import typed
 from zdsl.runtime.state.errors import StateError
 from zdsl.runtime.state.comm import Prescale
 from zdsl.runtime.state.optim import clip_coefficient
@@ -342,6 +343,14 @@ class Compute:
         with torch.no_grad():
             if op.unit is not None:
                 (grad,) = (table.read(n, op).tensor for n in reads)
+                if grad.device.type == "cpu" and grad.dtype != torch.float32:
+                    block = table.pool.take(grad.numel() * 4)
+                    g32 = typed(block, grad.numel(), torch.float32)
+                    g32.copy_(grad)
+                    table.write(out, op).copy_(torch.linalg.vector_norm(g32, 2) ** 2)
+                    del g32
+                    table.pool.give(block)
+                    return
                 table.write(out, op).copy_(torch.linalg.vector_norm(grad, 2, dtype=torch.float32) ** 2)
                 return
             if not self.norm_reduced and not self.mixed and self.stage == 0:
@@ -416,8 +425,19 @@ class Compute:
                     for d, m in zip(d_parts, masters):
                         dest[d].copy_(m)
                 return
+            blocks = []
             if opt.master:
-                g32 = [grad[s].float() for s in g_parts]
+                g32 = []
+                for s in g_parts:
+                    part = grad[s]
+                    if part.device.type == "cpu" and part.dtype != torch.float32:
+                        blocks.append(table.pool.take(part.numel() * 4))
+                        up = typed(blocks[-1], part.numel(), torch.float32)
+                        up.copy_(part)
+                        g32.append(up)
+                        del up
+                    else:
+                        g32.append(part.float())
                 params = masters
             else:
                 g32 = [grad[s] for s in g_parts]
@@ -432,6 +452,9 @@ class Compute:
             if masters is not None:
                 for d, m in zip(d_parts, masters):
                     dest[d].copy_(m)
+            g32 = g = None              # the pool keeps a block only once no view of it is left
+            for block in blocks:
+                table.pool.give(block)
 
     def _load_current(self, op: Op, u: int, dest: torch.Tensor, d_parts: list[slice]) -> None:
         src_name = next((n for n in op.reads if parse_buffer_name(n)[0] in ("param_full", "param_shard")), None)
