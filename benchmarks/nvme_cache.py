@@ -18,15 +18,7 @@ kept between their forward and backward reads in the room left between the peaks
 (capacity.zs) the backward reads the step's optimizer state ahead first (read_optimizer_ahead),
 and those states are not held: at large rooms only parameters are held.
 
-Measured 2026-11-25 19:49 UTC (2 shared cores, load average 3-7; ext4 on virtio),
-``--set model.layers=6 --set train.steps=4`` (5.71 GiB of model states, 5.00 GiB on NVMe),
-per step after the first (graph / /proc): room 0: reads 5.71 / 5.67 GiB, writes 5.00 GiB, 7.2 s;
-5%: 6 states held and 4 re-reads kept, reads 4.75 / 4.83 GiB (LRU of the same room 5.00 GiB),
-8.1 s; 25%: 9 held, reads 3.57 / 3.64 GiB, writes 3.57 GiB, 5.8 s; 50%: 10 held, reads 3.56 /
-3.40 GiB, 8.1 s. Peak RSS 3.15, 3.84, 4.34, 5.77 GiB (planned host peak 2.38, 2.62, 3.56, 4.28
-GiB; the CPU device tier is the same RAM). Losses equal to the bit across rooms. Step times moved
-with the other jobs on the machine as much as with the room (an earlier run at load 10-20 had
-12-23 s steps): rerun on a quiet machine.
+Measured results: benchmarks/README.md (nvme_cache.py).
 """
 from __future__ import annotations
 
