@@ -335,3 +335,14 @@ def test_the_disk_test_moves_aligned_buffers_as_a_run_does(tmp_path, monkeypatch
         monkeypatch.setattr(Swapper, method, spy)
     measure_disk(str(tmp_path), Settings(quick=True), rank=0)
     assert seen and all(seen)
+
+
+def test_the_cpu_copy_rate_is_measured_out_of_cache_even_when_quick():
+    """The memcpy rate prices one-rank collectives, whose payloads exceed the last-level cache:
+    quick calibration copies 64 MiB too (a 16 MiB copy stayed in a 32 MiB L3)."""
+    import torch
+
+    from zdsl.runtime.calibrate.measure import Settings
+    from zdsl.runtime.calibrate.measure import measure_copy
+    copy = measure_copy(torch.device("cpu"), Settings(quick=True))
+    assert copy["pcie"] > 0 and copy["copy_note"].startswith("memcpy of 64 MiB")

@@ -115,8 +115,9 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
         rate = (machine.host_memory_bandwidth or machine.memory_bandwidth) if host else machine.memory_bandwidth
         return optimizer_bytes / rate
     if kind.startswith("comm."):
-        wire = collective_payload(graph, op) * (n - 1) / n if n > 1 else 0.0
-        return collective_seconds(kind, wire, machine)
+        if n == 1:
+            return single_rank_collective_seconds(kind, collective_payload(graph, op), machine)
+        return collective_seconds(kind, collective_payload(graph, op) * (n - 1) / n, machine)
     if kind in ("copy.h2d", "copy.d2h"):
         return op.bytes / machine.pcie_bandwidth
     if kind == "nvme.read":
@@ -144,6 +145,16 @@ def collective_seconds(kind: str, wire_bytes: float, machine: MachineProfile) ->
             return (machine.reduce_latency or machine.link_latency) + wire_bytes / machine.reduce_bandwidth
         return scatter + gather
     return gather
+
+
+def single_rank_collective_seconds(kind: str, payload: float, machine: MachineProfile) -> float:
+    """A collective of one rank: nothing on the wire, but an all-gather copies its shard into the
+    full buffer and a reduce-scatter the full gradient into its shard (the runtime's, gloo's and
+    NCCL's alike), a memory copy of the payload (``pcie``: calibrate's memcpy rate on a cpu
+    machine; the device's ``memory_bw`` on cuda). An all-reduce sums in place: nothing to move."""
+    if kind == "comm.all_reduce":
+        return 0.0
+    return payload / (machine.pcie_bandwidth if machine.name == "cpu" else machine.memory_bandwidth)
 
 
 def cpu_demand(op, machine: MachineProfile) -> float:
