@@ -11,7 +11,8 @@ planner uses it*, under the conditions of a real run:
   ``op.flops / flops`` needs: on CPU the slope of its time over several
   batch sizes (each kernel's fixed cost is charged apart, below), on CUDA
   one batch's flops over its time. Plain ``torch.mm`` at the block's shapes
-  is reported beside it (the ceiling). fp32 on CPU, bf16 on CUDA.
+  is reported beside it (the ceiling). bf16 on CUDA; on CPU the
+  schedule's precision (``--schedule``), else fp32.
 * ``host_flops``: the same on the host CPU (the device rate on a CPU box).
 * ``memory_bw``/``host_memory_bw``: an AdamW step on a flat fp32 shard,
   counted as the planner counts a ``compute.step`` (moments + parameter +
@@ -81,7 +82,7 @@ from zdsl.schedule import MachineProfile
 
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.calibration_fit import LATENCY_FIELDS, fit_overhead, scaled_latencies
-from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, CalibrationError, Settings,
+from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, CalibrationError, Settings, compute_dtype,
                                             measure_collectives, measure_compute, measure_copy, measure_disk,
                                             measure_optimizer)
 from zdsl.runtime.calibrate.reference import (RUNTIME_BLOCKS, RUNTIME_STEPS, measure_runtime, reference_graph,
@@ -167,8 +168,7 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         early = [measure_runtime(device, s, rank, world, block_steps, slots)]
         barrier("runtime (first block)")
         report("compute")
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        out["compute"] = measure_compute(device, s, dtype)
+        out["compute"] = measure_compute(device, s, compute_dtype(device, s.precision))
         if device.type == "cuda":
             small = dataclasses.replace(s, width=None, heads=None, context=None, batch=None, layers=None)
             out["host_compute"] = measure_compute(torch.device("cpu"), small, torch.float32)
@@ -434,6 +434,7 @@ def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:
         shape.update(width=args["width"], heads=args["heads"], context=args["context"],
                      layers=args["layers"], vocab=args["vocab"])
     shape["batch"] = schedule.train.batch
+    shape["precision"] = schedule.train.precision
     folder = None
     for placement in schedule.placement.values():
         if placement.tier == "nvme":
@@ -471,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder for the disk test: where NVMe offload will swap (default: temp folder)")
     for name in ("layers", "width", "heads", "vocab", "context", "batch"):
         ap.add_argument(f"--{name}", type=int, default=None, help=f"model {name} the compute rate is measured at")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                    help="precision a CPU's compute rate is measured in (default: the schedule's, else fp32)")
     ap.add_argument("--schedule", metavar="FILE.zs",
                     help="measure at this schedule's model size, ranks and NVMe folder, block and depth")
     ap.add_argument("--no-progress", action="store_true")
@@ -484,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         a.disk_folder = a.disk_folder or folder
     a.ranks = ranks if a.ranks is None else a.ranks
-    shape.update({k: getattr(a, k) for k in ("layers", "width", "heads", "vocab", "context", "batch")
+    shape.update({k: getattr(a, k) for k in ("layers", "width", "heads", "vocab", "context", "batch", "precision")
                   if getattr(a, k) is not None})
     start = time.perf_counter()
     try:

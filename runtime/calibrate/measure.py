@@ -31,6 +31,7 @@ class Settings:
     heads: int | None = None
     context: int | None = None
     batch: int | None = None
+    precision: str = "fp32"          # the schedule's train precision: what a CPU's compute runs in
     block: int = Placement.block_bytes   # NVMe I/O size and requests in flight: the schedule's defaults
     depth: int = Placement.queue_depth
     timeout_s: float = 60.0
@@ -70,6 +71,16 @@ def _model_shape(s: Settings, device) -> dict:
         "layers": s.layers,
         "vocab": s.vocab or 256,
     }
+
+
+def compute_dtype(device, precision: str):
+    """The dtype the compute rate is measured in: bf16 on CUDA (what its schedules train in); on a
+    CPU the schedule's precision, since a bf16 step there runs 2-3x the fp32 rate where the CPU
+    has bf16 instructions (avx512_bf16) and far below it where it has none."""
+    import torch
+    if device.type == "cuda" or precision == "bf16":
+        return torch.bfloat16
+    return torch.float32
 
 
 def _block_fwd_bwd(block, batch: int, context: int, width: int):

@@ -358,3 +358,27 @@ def test_the_host_step_rate_is_measured_out_of_cache_even_when_quick():
     from zdsl.runtime.calibrate.measure import measure_optimizer
     step = measure_optimizer(torch.device("cpu"), Settings(quick=True))
     assert step["adam_numel"] * 16 >= 128 << 20 and step["host_adam_bandwidth"] > 0
+
+
+def test_a_bf16_schedule_is_calibrated_in_bf16(tmp_path):
+    """``--schedule`` of a bf16 program measures the CPU's compute in bf16, the precision its
+    step runs in (this CPU's bf16 rate is 2-3x its fp32 one); without a schedule, fp32."""
+    import torch
+
+    from zdsl.runtime.calibrate.cli import shape_of_schedule
+    from zdsl.runtime.calibrate.measure import Settings
+    from zdsl.runtime.calibrate.measure import compute_dtype
+    cpu = torch.device("cpu")
+    path = tmp_path / "bf16.zs"
+    path.write_text('schedule t "t"\nmodel gpt(layers=1, width=64, heads=4, vocab=256, context=32)\n'
+                    'data synthetic(vocab=256, context=32)\ntrain steps=1, batch=2, precision=bf16\n'
+                    'optimizer adamw(lr=1e-3)\nranks 1 on cpu\nzero 3\n')
+    shape, ranks, _ = shape_of_schedule(str(path))
+    assert ranks == 1 and compute_dtype(cpu, Settings(**shape).precision) == torch.bfloat16
+    assert compute_dtype(cpu, Settings().precision) == torch.float32
+
+
+def test_precision_is_a_calibrate_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["--precision", "fp8"])
+    assert "fp32" in capsys.readouterr().err
