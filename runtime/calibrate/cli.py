@@ -146,9 +146,10 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
     else:
         threads = max(1, (os.cpu_count() or 1) // world)
         torch.set_num_threads(threads)
-    if world > 1:                         # joined as a run's rank joins (gloo's loop threads calmed)
-        from zdsl.runtime.dist.group import init_group
-        init_group(rank, world, device, s.timeout_s, backend=backend, init_method=f"tcp://{MASTER_ADDR}:{port}")
+    # joined as a run's rank joins (gloo's loop threads calmed); at one rank too, since the
+    # reference step's collectives run on the group as a one-rank run's do
+    from zdsl.runtime.dist.group import init_group
+    init_group(rank, world, device, s.timeout_s, backend=backend, init_method=f"tcp://{MASTER_ADDR}:{port}")
     try:
         from zdsl.runtime.dist.collectives import comm_slots
         slots = comm_slots()

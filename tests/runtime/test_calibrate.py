@@ -382,3 +382,12 @@ def test_precision_is_a_calibrate_option(capsys):
     with pytest.raises(SystemExit):
         main(["--precision", "fp8"])
     assert "fp32" in capsys.readouterr().err
+
+
+def test_one_rank_calibrates(tmp_path):
+    """``--ranks 1`` (a one-rank schedule's: its disk is not shared, as at two ranks it is)
+    measures and writes a profile; its reference step's collectives need the group a one-rank
+    run joins, which calibrate did not join at one rank."""
+    out = tmp_path / "machine.zs"
+    assert main(["--quick", "--no-progress", "--ranks", "1", "--out", str(out), "--disk", str(tmp_path)]) == 0
+    assert profile_errors(out) == []
