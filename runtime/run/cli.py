@@ -102,6 +102,10 @@ def run_command(argv: list[str] | None) -> int:
         from zdsl.runtime.checkpoint.export_hf import not_hf_error
         print(f"zdsl run: error: {not_hf_error(compiled.schedule.model.kind)}", file=sys.stderr)
         return 2
+    clash = checkpoint_clash(compiled, args)
+    if clash is not None:
+        print(f"zdsl run: error: {clash}", file=sys.stderr)
+        return 2
     from zdsl.runtime.run.preflight import preflight
     refused = preflight(compiled, args, overrides)   # before any rank starts (or, in a rank, before step 1)
     if refused is not None:
@@ -111,6 +115,27 @@ def run_command(argv: list[str] | None) -> int:
         child = ["run", *(argv if argv is not None else sys.argv[2:])]
         return launch_local(child, compiled.graph.ranks, timeout_s=args.timeout, graph=compiled.graph)
     leave(run_one_rank(compiled, args))
+
+
+def checkpoint_clash(compiled, args) -> str | None:
+    """A fresh run whose checkpoint folder already holds a complete checkpoint at a step it would
+    save: said before any rank starts, not after training up to that step (the save refuses to
+    overwrite it). A resumed run continues after the checkpoint it resumes from."""
+    spec = compiled.schedule.checkpoint
+    folder = args.checkpoint_dir or (spec.dir if spec else None)
+    every = args.checkpoint_every or (spec.every if spec else 0)
+    if args.resume or not folder or every <= 0:
+        return None
+    from zdsl.runtime.checkpoint.index import INDEX_NAME
+    from zdsl.runtime.checkpoint.reader import list_checkpoints
+    steps = compiled.graph.config["train"]["steps"]
+    taken = [step for step, path in list_checkpoints(folder)
+             if step % every == 0 and step <= steps and (path / INDEX_NAME).exists()]
+    if not taken:
+        return None
+    return (f"{folder} already holds a complete checkpoint at step {taken[0]}, which this run would save "
+            f"again (every {every} steps): continue it with --resume {folder}, or give another "
+            f"--checkpoint-dir, or remove the old one")
 
 
 def output_problem(args) -> str | None:

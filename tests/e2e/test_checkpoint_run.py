@@ -235,3 +235,15 @@ def test_resumed_on_one_rank_accumulating_two_continues_the_two_rank_run(tmp_pat
     proc = run("--set", "steps=4", "--set", "ranks=1", "--resume", str(ck), "--export", str(other))
     assert "global batch (ranks x batch x accumulate) 8 -> 4" in proc.stdout
     assert update_rel(load_file(str(other)), load_file(str(full))) > 1e-3
+
+
+def test_a_fresh_run_onto_its_own_checkpoints_is_refused_before_it_trains(tmp_path):
+    ck = tmp_path / "ck"
+    run("--set", "steps=2", "--checkpoint-every", "2", "--checkpoint-dir", str(ck))
+    again = run("--set", "steps=4", "--checkpoint-every", "2", "--checkpoint-dir", str(ck), ok=False)
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert f"{ck} already holds a complete checkpoint at step 2" in again.stderr
+    assert f"--resume {ck}" in again.stderr and "step 1/" not in again.stdout   # nothing trained
+    # the same folder with --resume continues, and another stride that saves no old step runs
+    run("--set", "steps=4", "--checkpoint-every", "2", "--checkpoint-dir", str(ck), "--resume", str(ck))
+    run("--set", "steps=3", "--checkpoint-every", "3", "--checkpoint-dir", str(ck))
