@@ -8,8 +8,10 @@ and take a step; everything else lives here.
 
 A peer job is one process per rank, started by ``torchrun`` with
 ``--config CONFIG.json --out DIR``. Each rank writes ``DIR/rank{r}.json``:
-its step times, its losses, its peak RSS (``VmHWM``), the RSS it had before
-building the model, and (on CUDA) torch's peak allocated bytes.
+its step times and CPU seconds (user + system, every thread), its losses, its
+peak RSS (``VmHWM``), the RSS it had before building the model, the cores it
+ran on and the scheduling policy its gloo event-loop threads had, and (on CUDA)
+torch's peak allocated bytes.
 
 This module imports torch only inside the functions that run in a rank, so
 the orchestrator can import :class:`BenchConfig` without paying for torch.
@@ -30,6 +32,9 @@ MODELS = ("gpt", "hf:llama")
 # "cores": each rank of every peer on its own share of the cores (zdsl's default; DeepSpeed's
 # --bind_cores_to_rank; taskset for torch's ranks); "none": every peer's ranks unbound
 BINDINGS = ("cores", "none")
+# "equal": every peer with the same binding and zdsl's gloo loop policy; "as-they-come": zdsl with
+# its defaults (bound, its policy), DDP, FSDP2 and DeepSpeed with theirs (unbound, the OS's policy)
+TERMS = ("equal", "as-they-come")
 
 
 @dataclass
@@ -51,7 +56,8 @@ class BenchConfig:
     weight_decay: float = 0.1
     model: str = "gpt"                  # one of MODELS
     hf_dir: str = ""                    # model "hf:llama": the saved folder every peer loads
-    bind: str = "cores"                 # one of BINDINGS: the same for every peer
+    bind: str = "cores"                 # one of BINDINGS
+    loop_policy: str = ""               # gloo loop threads' policy (affinity.LOOP_POLICIES); "": left as is
     extra: dict = field(default_factory=dict)   # per-peer knobs (e.g. the DeepSpeed stage)
 
     @property
@@ -190,37 +196,56 @@ def run_peer(name: str, setup, backend: str = "gloo", argv=None) -> None:
     the (detached) loss; ``info`` is a dict reported beside the numbers.
     Ranks meet at a barrier before every step so a step's time is the
     system's, not the wait for a slower rank's previous step.
+    Under ``cfg.loop_policy`` gloo's event-loop threads get zdsl's policy as soon as the group
+    exists, and again after ``setup`` (which may make groups of its own, each with its loops).
     """
     cfg, out = _parse_job_args(argv)
-    cores = bind_rank(cfg)          # before torch starts a thread: each inherits the mask, as under taskset
+    given = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    bind_rank(cfg)                  # before torch starts a thread: each inherits the mask, as under taskset
     import torch
     import torch.distributed as dist
+    from zdsl.runtime.dist.affinity import calm_gloo_loops, loop_policies
 
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group(backend)
+    if cfg.loop_policy:
+        calm_gloo_loops(policy=cfg.loop_policy)
     rank, world = dist.get_rank(), dist.get_world_size()
     base_rss = rss_bytes()
 
     spec = data_spec(cfg)
     step, info = setup(cfg, rank, world)
-    times, losses = [], []
+    if cfg.loop_policy:
+        calm_gloo_loops(policy=cfg.loop_policy)
+    times, cpu, losses = [], [], []
     for i in range(cfg.total_steps):
         tokens, targets = batch_for(cfg, spec, i, rank, world)
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss = step(tokens, targets)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         losses.append(float(loss))
     dist.barrier()
 
-    result = dict(peer=name, rank=rank, world=world, step_s=times, loss=losses,
+    result = dict(peer=name, rank=rank, world=world, step_s=times, cpu_s=cpu, loss=losses,
                   warmup=cfg.warmup, peak_rss=peak_rss_bytes(), base_rss=base_rss,
                   cuda_peak=(torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None),
-                  torch=torch.__version__, cores=cores, info=info)
+                  torch=torch.__version__, ran_with=ran_with(given, loop_policies()), info=info)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def ran_with(given: list[int] | None, loop_policy: dict[str, int]) -> dict:
+    """What this rank ran with, as measured at its end: its cores, whether they are a binding
+    (fewer than the ``given`` cores the job started with), and how many gloo loop threads had
+    which policy."""
+    if given is None:
+        return dict(cores=None, bound=False, loop_policy=loop_policy)
+    cores = sorted(os.sched_getaffinity(0))
+    return dict(cores=cores, bound=cores != given, loop_policy=loop_policy)
 
 
 def bind_rank(cfg: BenchConfig) -> list[int] | None:
@@ -245,12 +270,15 @@ def bind_rank(cfg: BenchConfig) -> list[int] | None:
 
 def job_env(cfg: BenchConfig | None = None) -> dict:
     """Environment for a peer job: one intra-op thread, CPU DeepSpeed, repo importable, and
-    zdsl's ranks bound or not as ``cfg.bind`` says (the torch peers bind in :func:`bind_rank`)."""
+    zdsl's ranks bound or not and their loop policy as ``cfg`` says (the torch peers bind in
+    :func:`bind_rank` and set the policy in :func:`run_peer`)."""
     repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     if cfg is not None:
         env["ZDSL_BIND_CORES"] = "1" if cfg.bind == "cores" else "0"
+        if cfg.loop_policy:
+            env["ZDSL_GLOO_LOOP_POLICY"] = cfg.loop_policy
     env["DS_ACCELERATOR"] = env.get("DS_ACCELERATOR", "cpu")
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

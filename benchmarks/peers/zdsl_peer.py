@@ -11,12 +11,14 @@ rank (the launcher itself imports no torch and stays small).
 
 It writes ``DIR/rank0.json`` in the harness's format with ``world`` = 1
 row that already holds the across-rank figures, plus zdsl's own accounted
-peak bytes per tier and rank.
+peak bytes per tier and rank, and the cores and gloo loop policy its ranks were
+given (``ZDSL_BIND_CORES``, ``ZDSL_GLOO_LOOP_POLICY``: zdsl applies both itself).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -143,14 +145,29 @@ def run_job(cfg: BenchConfig, stage: int, out: Path, timeout_s: float) -> int:
         print(f"zdsl run wrote no metrics to {metrics}", file=sys.stderr)
         return 1
     rows = read_metrics(metrics)
+    told = ran_with(cfg)
     peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     result = dict(peer=f"zdsl{stage}", rank=0, world=1, step_s=[r["step_s"] for r in rows],
                   loss=[r["loss"] for r in rows], warmup=cfg.warmup, peak_rss=peak_rss, base_rss=None,
+                  ran_with=told,
                   cuda_peak=None, zdsl_peak_bytes=rows[-1].get("peak_bytes") if rows else None,
                   info=dict(wrapper=f"zdsl run --set zero={stage}", optimizer="zdsl AdamW (sharded)",
                             rss="max over ranks (getrusage of the launcher's children)"))
     (out / "rank0.json").write_text(json.dumps(result))
     return 0
+
+
+def ran_with(cfg: BenchConfig, ranks: int = 2) -> dict:
+    """The cores each rank is bound to and its gloo loop policy, as zdsl's own binding
+    (``affinity.rank_cores`` over this launcher's cores) and ZDSL_GLOO_LOOP_POLICY give them."""
+    from zdsl import env
+    from zdsl.runtime.dist.affinity import rank_cores
+    policy = cfg.loop_policy or env.get("ZDSL_GLOO_LOOP_POLICY")
+    if not hasattr(os, "sched_getaffinity"):
+        return dict(cores=None, bound=False, loop_policy={policy: ranks})
+    given = sorted(os.sched_getaffinity(0))
+    cores = [rank_cores(r, ranks, given) if cfg.bind == "cores" else given for r in range(ranks)]
+    return dict(cores=cores, bound=any(c != given for c in cores), loop_policy={policy: ranks})
 
 
 def main(argv=None) -> int:

@@ -98,7 +98,7 @@ def _thread_ids() -> list[int]:
         return [0]
 
 
-def calm_gloo_loops(wait_s: float = 1.0) -> int:
+def calm_gloo_loops(wait_s: float = 1.0, policy: str | None = None) -> int:
     """Stop gloo's event-loop threads from preempting the threads they wake; returns how many moved.
 
     gloo's loop thread, woken by a socket, handles a pair's events only if it can take the pair's
@@ -111,8 +111,10 @@ def calm_gloo_loops(wait_s: float = 1.0) -> int:
 
     The loop thread names itself once it runs, which can be after ``init_process_group`` returns
     (on a loaded host a test found none so named): so this waits up to ``wait_s`` for one.
+    ``policy`` is one of :data:`LOOP_POLICIES`' names, ZDSL_GLOO_LOOP_POLICY's when not given.
+    Every loop thread of the process moves, so a call after more groups exist moves theirs too.
     """
-    policy = LOOP_POLICIES.get(loop_policy_wanted())
+    policy = LOOP_POLICIES.get(policy or loop_policy_wanted())
     if policy is None or not hasattr(os, "sched_setscheduler"):
         return 0
     deadline = time.monotonic() + wait_s
@@ -137,3 +139,20 @@ def _thread_name(tid: int) -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def loop_policies() -> dict[str, int]:
+    """How many of this process's gloo event-loop threads run under each policy, by its
+    :data:`LOOP_POLICIES` name (``"other:N"`` for one not there): what a run really had."""
+    names = {number: name for name, number in LOOP_POLICIES.items() if number is not None}
+    found: dict[str, int] = {}
+    for tid in _thread_ids():
+        if _thread_name(tid) != GLOO_LOOP_THREAD:
+            continue
+        try:
+            number = os.sched_getscheduler(tid)
+        except (OSError, AttributeError):
+            continue             # a thread that has just ended, or no scheduling policies here
+        name = names.get(number, f"other:{number}")
+        found[name] = found.get(name, 0) + 1
+    return found
