@@ -720,10 +720,13 @@ class _Builder:
         self.apply_overlap_policy()
         self.auto_free()
         ops = self.finish()
+        config = self.schedule.to_config()
+        if self.read_ahead:
+            config["read_ahead"] = self.read_ahead
         return TaskGraph(
             schedule=self.schedule.name, ranks=self.ranks, stage=self.schedule.stage, precision=self.precision,
             accumulate=self.schedule.train.accumulate, units=self.unit_infos(), buffers=self.buffers, ops=ops,
-            config=self.schedule.to_config())
+            config=config)
 
     def apply_overlap_policy(self) -> None:
         verbs = {"comm.all_gather": "gather", "comm.reduce_scatter": "scatter", "comm.all_reduce": "reduce",
@@ -837,79 +840,139 @@ def instantiate(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, 
     budget = (schedule.memory or {}).get("host")
     if not budget:
         return graph
-    builder, graph = read_optimizer_ahead(schedule, units, pipelines, builder, graph, budget)
-    lru = lru_of_the_whole_room(schedule, builder, graph, budget)
-    builder, graph, held = hold_through_cycle(schedule, units, pipelines, builder, graph, budget)
-    if builder.free_drafts:
-        graph = keep_resident(schedule, units, pipelines, graph, builder.free_positions(), budget,
-                              builder.read_ahead, builder.rehome, held)
-    elif held:
-        graph.config["residency"] = residency.Residency(budget=budget, held=held).to_json()
+    host = _HostBudget(schedule, units, pipelines, budget)
+    built = host.read_optimizer_ahead(_Built(builder, graph, schedule.machine))
+    lru = host.lru_of_the_whole_room(built)
+    built, held = host.hold_through_cycle(built)
+    if built.builder.free_drafts:
+        graph = host.keep_resident(built, held)
+    else:
+        graph = built.graph
+        if held:
+            graph.config["residency"] = residency.Residency(budget=budget, held=held).to_json()
     if "residency" in graph.config:
         graph.config["residency"]["lru_saved_bytes"] = lru
     return graph
 
 
-def lru_of_the_whole_room(schedule: Schedule, builder: _Builder, graph: TaskGraph, budget: int) -> int:
-    """What an LRU cache of the host room would save on ``graph``, for the plan's comparison."""
-    if not builder.free_drafts:
-        return 0
-    from zdsl.planner.simulate import simulate
-    sim = simulate(graph, schedule.machine)
-    host = sim.memory.tiers.get("host")
-    if host is None:
-        return 0
-    return residency.lru_saved(graph, sim.start, sim.end, sim.step_s, host, budget, builder.free_positions())
+@dataclass
+class _Built:
+    """A builder, the graph it built and that graph's simulated step, simulated once when first asked."""
+    builder: _Builder
+    graph: TaskGraph
+    machine: object
+    _sim: object = None
+
+    @property
+    def sim(self):
+        if self._sim is None:
+            from zdsl.planner.simulate import simulate
+            self._sim = simulate(self.graph, self.machine)
+        return self._sim
+
+    @property
+    def host_peak(self) -> int:
+        return self.sim.memory.peak("host")
 
 
-def hold_through_cycle(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline],
-                       builder: _Builder, graph: TaskGraph, budget: int) -> tuple[_Builder, TaskGraph, list]:
-    """The graph rebuilt with the NVMe state :func:`residency.hold_through_cycle` holds on the host
-    in the room the host ``budget`` leaves free all step (its simulated peak within the budget,
-    shrinking the room by any excess and choosing again), with what they were; else as it was."""
-    from zdsl.planner.simulate import simulate
-    sim = simulate(graph, schedule.machine)
-    # the optimizer states the backward reads ahead already have their room (read_optimizer_ahead)
-    ahead = read_ahead_units(graph) if builder.read_ahead else set()
-    candidates = [h for h in residency.cycle_candidates(graph, sim.start)
-                  if not (h.state == "optimizer" and h.unit in ahead)]
-    room = budget - sim.memory.peak("host")
-    for _ in range(residency.MAX_TRIES):
-        held = residency.hold_through_cycle(candidates, room)
-        if not held:
-            break
-        rehomed = _Builder(schedule, units, read_ahead=builder.read_ahead,
-                           rehome=frozenset((h.state, h.unit) for h in held))
-        rehomed_graph = rehomed.build(pipelines)
-        excess = simulate(rehomed_graph, schedule.machine).memory.peak("host") - budget
-        if excess <= 0:
-            if builder.read_ahead:
-                rehomed_graph.config["read_ahead"] = builder.read_ahead
-            return rehomed, rehomed_graph, held
-        room -= excess
-    return builder, graph, []
+class _HostBudget:
+    """The passes that fill ``memory host`` over NVMe-homed state, in the order ``instantiate``
+    runs them: each rebuilds the graph with a choice and keeps it only where the rebuilt graph's
+    simulated host peak stays within the budget (the verifier checks the same)."""
 
+    def __init__(self, schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline], budget: int):
+        self.schedule, self.units, self.pipelines, self.budget = schedule, units, pipelines, budget
 
-def read_optimizer_ahead(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline],
-                         builder: _Builder, graph: TaskGraph, budget: int) -> tuple[_Builder, TaskGraph]:
-    """With the step after the whole backward (clip, fp16) and optimizer state on NVMe: the graph
-    rebuilt with as many of the step's optimizer reads woven into the backward as the host
-    ``budget`` holds until their steps (the simulated host peak within it, as the verifier
-    checks), and the count in its config; else the builder and graph as they were."""
-    on_nvme = [b.bytes for b in graph.buffers.values() if b.kind == "optim" and b.tier == "nvme"]
-    if not (builder.clip and builder.n_units > 1 and on_nvme):
-        return builder, graph
-    from zdsl.planner.simulate import simulate
-    room = budget - simulate(graph, schedule.machine).memory.peak("host")
-    ahead = min(len(on_nvme), builder.n_units, max(0, room) // max(on_nvme))
-    while ahead > 0:
-        early = _Builder(schedule, units, read_ahead=ahead)
-        ahead_graph = early.build(pipelines)
-        if simulate(ahead_graph, schedule.machine).memory.peak("host") <= budget:
-            ahead_graph.config["read_ahead"] = ahead
-            return early, ahead_graph
-        ahead -= max(1, ahead // 4)
-    return builder, graph
+    def build(self, **choices) -> _Built:
+        builder = _Builder(self.schedule, self.units, **choices)
+        return _Built(builder, builder.build(self.pipelines), self.schedule.machine)
+
+    def fit(self, knob, rebuild, shrink, tries: int):
+        """Rebuild at ``knob`` and keep the result if its host peak is within the budget; else
+        ``shrink(knob, excess)`` and try again, at most ``tries`` times. ``rebuild(knob)`` gives
+        (choice, built), or None when the knob leaves nothing to try. Returns (choice, built) or None."""
+        for _ in range(tries):
+            tried = rebuild(knob)
+            if tried is None:
+                return None
+            excess = tried[1].host_peak - self.budget
+            if excess <= 0:
+                return tried
+            knob = shrink(knob, excess)
+        return None
+
+    def read_optimizer_ahead(self, built: _Built) -> _Built:
+        """With the step after the whole backward (clip, fp16) and optimizer state on NVMe: the
+        graph rebuilt with as many of the step's optimizer reads woven into the backward as the
+        budget holds until their steps (build() records the count in its config); else ``built``."""
+        builder = built.builder
+        on_nvme = [b.bytes for b in built.graph.buffers.values() if b.kind == "optim" and b.tier == "nvme"]
+        if not (builder.clip and builder.n_units > 1 and on_nvme):
+            return built
+        room = self.budget - built.host_peak
+        ahead = min(len(on_nvme), builder.n_units, max(0, room) // max(on_nvme))
+        # each try reads at least one unit fewer ahead, so ``ahead`` tries reach none
+        fitted = self.fit(ahead, lambda n: (n, self.build(read_ahead=n)) if n > 0 else None,
+                          lambda n, excess: n - max(1, n // 4), tries=ahead)
+        return fitted[1] if fitted else built
+
+    def lru_of_the_whole_room(self, built: _Built) -> int:
+        """What an LRU cache of the host room would save on ``built``, for the plan's comparison."""
+        if not built.builder.free_drafts:
+            return 0
+        sim = built.sim
+        host = sim.memory.tiers.get("host")
+        if host is None:
+            return 0
+        return residency.lru_saved(built.graph, sim.start, sim.end, sim.step_s, host, self.budget,
+                                   built.builder.free_positions())
+
+    def hold_through_cycle(self, built: _Built) -> tuple[_Built, list]:
+        """``built`` rebuilt with the NVMe state :func:`residency.hold_through_cycle` holds on the
+        host in the room the budget leaves free all step (shrunk by any excess over the budget,
+        choosing again), with what they were; else ``built`` and nothing held."""
+        read_ahead = built.builder.read_ahead
+        # the optimizer states the backward reads ahead already have their room (read_optimizer_ahead)
+        ahead = read_ahead_units(built.graph) if read_ahead else set()
+        candidates = [h for h in residency.cycle_candidates(built.graph, built.sim.start)
+                      if not (h.state == "optimizer" and h.unit in ahead)]
+
+        def rebuild(room: int):
+            held = residency.hold_through_cycle(candidates, room)
+            if not held:
+                return None
+            return held, self.build(read_ahead=read_ahead, rehome=frozenset((h.state, h.unit) for h in held))
+
+        fitted = self.fit(self.budget - built.host_peak, rebuild, lambda room, excess: room - excess,
+                          tries=residency.MAX_TRIES)
+        return (fitted[1], fitted[0]) if fitted else (built, [])
+
+    def keep_resident(self, built: _Built, cycle: list) -> TaskGraph:
+        """``built``'s graph rebuilt with the host copies Belady's rule keeps under the budget
+        (zdsl/compile/residency.py), or ``built``'s graph itself when none fits; either way its
+        config records what the choice saves and the states ``cycle`` holds. Where moving reads
+        changed the timeline enough to go over the budget, the room shrinks by the excess and
+        the choice is made again."""
+        graph, sim, builder = built.graph, built.sim, built.builder
+        gaps = residency.find_gaps(graph, sim.start, sim.end, sim.step_s, builder.free_positions())
+        host = sim.memory.tiers.get("host")
+        if host is None or not any(gap.reread for gap in gaps):
+            if cycle:
+                graph.config["residency"] = residency.Residency(budget=self.budget, held=cycle).to_json()
+            return graph
+        room = residency.Room(host.times, host.working, self.budget, host.model_states, gaps)
+
+        def rebuild(margin: int):
+            held = residency.belady(gaps, room, margin)
+            if not held:
+                return None
+            return held, self.build(keep=frozenset((g.buffer, g.end) for g in held),
+                                    read_ahead=builder.read_ahead, rehome=builder.rehome)
+
+        fitted = self.fit(0, rebuild, lambda margin, excess: margin + excess, tries=residency.MAX_TRIES)
+        held, kept = fitted if fitted else ([], built)
+        kept.graph.config["residency"] = residency.summarize(gaps, held, room, self.budget, cycle).to_json()
+        return kept.graph
 
 
 def read_ahead_units(graph: TaskGraph) -> set[int]:
@@ -921,41 +984,6 @@ def read_ahead_units(graph: TaskGraph) -> set[int]:
         if op.kind == "nvme.read" and any(name.startswith("optim[") for name in op.reads):
             out.add(op.unit)
     return out
-
-
-def keep_resident(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline], graph: TaskGraph,
-                  frees: dict[int, tuple[str, int]], budget: int, read_ahead: int = 0,
-                  rehome: frozenset = frozenset(), cycle: list | None = None) -> TaskGraph:
-    """``graph`` rebuilt with the host copies Belady's rule keeps under the host ``budget``
-    (zdsl/compile/residency.py), or ``graph`` itself when none fits; either way its config
-    records what the choice saves. The rebuilt graph's simulated host peak must stay within the
-    budget (the verifier checks the same): where moving reads changed the timeline enough to go
-    over, the room shrinks by the excess and the choice is made again."""
-    from zdsl.planner.simulate import simulate
-    sim = simulate(graph, schedule.machine)
-    gaps = residency.find_gaps(graph, sim.start, sim.end, sim.step_s, frees)
-    host = sim.memory.tiers.get("host")
-    if host is None or not any(gap.reread for gap in gaps):
-        if cycle:
-            graph.config["residency"] = residency.Residency(budget=budget, held=cycle).to_json()
-        return graph
-    room = residency.Room(host.times, host.working, budget, host.model_states, gaps)
-    margin = 0
-    for _ in range(residency.MAX_TRIES):
-        held = residency.belady(gaps, room, margin)
-        if not held:
-            break
-        kept = _Builder(schedule, units, keep=frozenset((g.buffer, g.end) for g in held),
-                        read_ahead=read_ahead, rehome=rehome).build(pipelines)
-        excess = simulate(kept, schedule.machine).memory.peak("host") - budget
-        if excess <= 0:
-            kept.config["residency"] = residency.summarize(gaps, held, room, budget, cycle or []).to_json()
-            if read_ahead:
-                kept.config["read_ahead"] = read_ahead
-            return kept
-        margin += excess
-    graph.config["residency"] = residency.summarize(gaps, [], room, budget, cycle or []).to_json()
-    return graph
 
 
 def parameter_count(units: list[UnitSpec]) -> int:
