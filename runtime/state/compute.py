@@ -343,15 +343,11 @@ class Compute:
         with torch.no_grad():
             if op.unit is not None:
                 (grad,) = (table.read(n, op).tensor for n in reads)
-                if grad.device.type == "cpu" and grad.dtype != torch.float32:
-                    block = table.pool.take(grad.numel() * 4)
-                    g32 = typed(block, grad.numel(), torch.float32)
-                    g32.copy_(grad)
-                    table.write(out, op).copy_(torch.linalg.vector_norm(g32, 2) ** 2)
-                    del g32
-                    table.pool.give(block)
-                    return
-                table.write(out, op).copy_(torch.linalg.vector_norm(grad, 2, dtype=torch.float32) ** 2)
+                blocks = []
+                g = upcast_on_host(table.pool, grad, blocks)
+                table.write(out, op).copy_(torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2)
+                g = None
+                give_back(table.pool, blocks)
                 return
             if not self.norm_reduced and not self.mixed and self.stage == 0:
                 # exactly clip_grad_norm_'s total norm over the parameters' gradients
@@ -427,17 +423,7 @@ class Compute:
                 return
             blocks = []
             if opt.master:
-                g32 = []
-                for s in g_parts:
-                    part = grad[s]
-                    if part.device.type == "cpu" and part.dtype != torch.float32:
-                        blocks.append(table.pool.take(part.numel() * 4))
-                        up = typed(blocks[-1], part.numel(), torch.float32)
-                        up.copy_(part)
-                        g32.append(up)
-                        del up
-                    else:
-                        g32.append(part.float())
+                g32 = [upcast_on_host(table.pool, grad[s], blocks).float() for s in g_parts]
                 params = masters
             else:
                 g32 = [grad[s] for s in g_parts]
@@ -452,9 +438,8 @@ class Compute:
             if masters is not None:
                 for d, m in zip(d_parts, masters):
                     dest[d].copy_(m)
-            g32 = g = None              # the pool keeps a block only once no view of it is left
-            for block in blocks:
-                table.pool.give(block)
+            g32 = g = None
+            give_back(table.pool, blocks)
 
     def _load_current(self, op: Op, u: int, dest: torch.Tensor, d_parts: list[slice]) -> None:
         src_name = next((n for n in op.reads if parse_buffer_name(n)[0] in ("param_full", "param_shard")), None)
@@ -467,6 +452,25 @@ class Compute:
                 dest[d].copy_(s)
         else:
             dest.copy_(src)
+
+
+def upcast_on_host(pool, t: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+    """``t`` in fp32 where the host would upcast it: a CPU tensor of another dtype is copied into
+    a block of the host ``pool`` (appended to ``blocks``), since a fresh tensor of that size is newly
+    mapped, page-faulted memory every step (hundreds of MB at capacity.zs sizes). Any other
+    tensor comes back as it is. The caller drops every view of the result, then :func:`give_back`."""
+    if t.device.type != "cpu" or t.dtype == torch.float32:
+        return t
+    block = pool.take(t.numel() * 4)
+    blocks.append(block)
+    return typed(block, t.numel(), torch.float32).copy_(t)
+
+
+def give_back(pool, blocks: list[torch.Tensor]) -> None:
+    """Return :func:`upcast_on_host`'s blocks; the pool keeps a block only once no view of it is left."""
+    for block in blocks:
+        pool.give(block)
+    blocks.clear()
 
 
 def rng_state(device: torch.device) -> tuple:
