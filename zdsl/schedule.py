@@ -146,6 +146,14 @@ class MachineProfile:
     reduce_bandwidth: float = 0.0          # all-reduce; 0: a ring, reduce-scatter then all-gather
     reduce_latency: float = 0.0            # all-reduce; 0: as above
     host_memory_bandwidth: float = 0.0     # the optimizer step on the host; 0: memory_bandwidth
+    # By the schedule's shape (zdsl.planner.rates): empty or 0, ``flops`` and ``disk_*`` as given
+    flops_widths: tuple[float, ...] = ()   # model widths the per-precision compute rates were measured at
+    flops_fp32: tuple[float, ...] = ()     # a block's forward+backward rate at each of flops_widths, fp32
+    flops_bf16: tuple[float, ...] = ()     # the same in bf16
+    flops_fp16: tuple[float, ...] = ()     # the same in fp16
+    disk_ranks: int = 0                    # ranks sharing the disk when disk_read/disk_write were measured
+    disk_read_alone: float = 0.0           # one rank reading with the disk to itself
+    disk_write_alone: float = 0.0          # the same writing
 
     @classmethod
     def of_config(cls, config: dict | None) -> "MachineProfile":
@@ -153,8 +161,25 @@ class MachineProfile:
         of these fields), else the defaults."""
         raw = (config or {}).get("machine")
         if isinstance(raw, dict):
-            return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
+            return cls.of_fields(raw)
         return cls()
+
+    def to_config(self) -> dict:
+        """Plain JSON; the shape fields (``flops_widths`` ... ``disk_write_alone``) only where set,
+        so a profile without them keeps the graph digest it had before they existed."""
+        raw = dataclasses.asdict(self)
+        for key in MACHINE_SHAPE_FIELDS:
+            if not raw[key]:
+                del raw[key]
+            elif key in MACHINE_TUPLES:
+                raw[key] = list(raw[key])
+        return raw
+
+    @classmethod
+    def of_fields(cls, raw: dict) -> "MachineProfile":
+        """A profile from a plain-JSON dict of these fields (unknown ones left out, lists as tuples)."""
+        return cls(**{k: tuple(v) if k in MACHINE_TUPLES else v
+                      for k, v in raw.items() if k in cls.__dataclass_fields__})
 
 
 # ``machine cpu(KEY=...)`` keyword -> MachineProfile field, in the order they are written.
@@ -170,11 +195,20 @@ MACHINE_OPTIONS = (
     ("overhead", "op_overhead"), ("kernel_overhead", "kernel_overhead"), ("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),
     ("cores", "cores"), ("comm_slots", "comm_slots"), ("comm_under_load", "comm_under_load"),
     ("wake", "wake_latency"),
+    ("flops_widths", "flops_widths"), ("flops_fp32", "flops_fp32"), ("flops_bf16", "flops_bf16"),
+    ("flops_fp16", "flops_fp16"),
+    ("disk_ranks", "disk_ranks"), ("disk_read_alone", "disk_read_alone"), ("disk_write_alone", "disk_write_alone"),
 )
+# Keywords (each its field's name) whose value is a tuple of numbers, one per ``flops_widths``:
+# ``flops_bf16=(5e10, 2e11, 3e11)``.
+MACHINE_TUPLES = ("flops_widths", "flops_fp32", "flops_bf16", "flops_fp16")
+# The fields that give a rate by the schedule's shape (zdsl.planner.rates); unset: rates as given.
+MACHINE_SHAPE_FIELDS = (*MACHINE_TUPLES, "disk_ranks", "disk_read_alone", "disk_write_alone")
 # Keywords that may be 0 (a fixed cost, sharing off, or "derive it"); other rates must be > 0.
 MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "comm_overhead", "scatter_overhead", "cores", "comm_under_load", "wake",
                        "scatter_link", "scatter_latency", "reduce_link", "reduce_latency", "host_memory_bw",
-                       "disk_read_latency", "disk_write_latency", "disk_read_cpu", "disk_write_cpu")
+                       "disk_read_latency", "disk_write_latency", "disk_read_cpu", "disk_write_cpu",
+                       "disk_ranks", "disk_read_alone", "disk_write_alone")
 
 
 @dataclass
@@ -268,6 +302,7 @@ class Schedule:
         raw["recompute"] = sorted(self.recompute)
         raw["optimizer"] = self.optimizer.to_config()
         raw["data"] = self.data.to_config()
+        raw["machine"] = self.machine.to_config()
         for key in ("freeze", "eval"):      # only where set, so other schedules keep their graph digest
             if not getattr(self, key):
                 del raw[key]

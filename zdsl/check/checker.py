@@ -33,6 +33,7 @@ from zdsl.lang.parse import parse_text
 from zdsl.lang.parse import read_source
 from zdsl.schedule import (ALL_OVERLAPS, DEVICES, MACHINE_MAY_BE_ZERO, MACHINE_OPTIONS, PRECISIONS,
                        CheckpointSpec, DataSpec, MachineProfile, ModelSpec, OptimizerSpec, Schedule, Span, TrainSpec)
+from zdsl.schedule import MACHINE_TUPLES
 from zdsl.schedule import TOKEN_DTYPES
 from zdsl.schedule import EvalSpec
 from zdsl.compile.freeze import FreezeError
@@ -692,6 +693,10 @@ class Checker(PlacementChecks):
             # the per-collective and host rates 0 mean "derived from the others"
             if key == "comm_slots":     # a count of the backend's threads, not a rate
                 value = self.r.integer(arg.value, key, 1, 1024)
+            elif key == "disk_ranks":   # a count of ranks; 0: unknown
+                value = self.r.integer(arg.value, key, 0, MAX_RANKS)
+            elif key in MACHINE_TUPLES:
+                value = self._machine_tuple(arg.value, key)
             elif key == "comm_under_load":  # a share of a collective's rate
                 value = self.r.real(arg.value, key, 0.0, 1.0)
             else:
@@ -699,7 +704,27 @@ class Checker(PlacementChecks):
             if value is not None:
                 setattr(profile, MACHINE_FIELDS[key], value)
                 self.span(f"machine.{key}", arg.span)
+        self._machine_tables(profile, given)
         self.s.machine = profile
+
+    def _machine_tuple(self, v, key: str) -> tuple[float, ...] | None:
+        """``flops_widths=(64, 512, 2048)``, ``flops_bf16=(...)``: numbers > 0 (one: a 1-tuple)."""
+        items = v.items if isinstance(v, ast.Tuple) else [v]
+        values = [self.r.real(x, f"each of {key}", 0.0, None, lo_open=True) for x in items]
+        return None if None in values else tuple(values)
+
+    def _machine_tables(self, profile: MachineProfile, given: dict) -> None:
+        """The per-precision rates have one number per ``flops_widths``, which increase."""
+        widths = profile.flops_widths
+        if "flops_widths" in given and any(b <= a for a, b in zip(widths, widths[1:])):
+            self.r.error(given["flops_widths"].value.span, "flops_widths must increase, "
+                         f"not {', '.join(f'{w:g}' for w in widths)}", hint="flops_widths=(64, 512, 2048)")
+        for key in MACHINE_TUPLES[1:]:
+            rates = getattr(profile, key)
+            if key in given and rates and len(rates) != len(widths):
+                self.r.error(given[key].value.span,
+                             f"{key} has {len(rates)} rate(s) for {len(widths)} flops_widths: one per width",
+                             hint=f"flops_widths=(64, 512), {key}=(7e10, 2e11)")
 
     def _checkpoint(self, st: ast.CheckpointStmt) -> None:
         self.span("checkpoint", st.span)

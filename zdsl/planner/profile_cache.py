@@ -12,7 +12,6 @@ Torch-free: the cache is JSON, the measuring is the runtime's, in its own proces
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -30,6 +29,9 @@ from zdsl.planner.this_machine import usable_cores
 from zdsl.schedule import MachineProfile
 
 QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the default profile is used
+# What a cached profile holds; one of an older format is measured again once. 2: compute rates by
+# precision and width, disk rates alone and shared (zdsl.planner.rates).
+PROFILE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -71,17 +73,20 @@ def write_profile(fields: dict, statement: str, path: Path | None = None) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"profile": fields, "statement": statement, "when": when}, indent=1))
+    tmp.write_text(json.dumps({"format": PROFILE_FORMAT, "profile": fields, "statement": statement, "when": when},
+                              indent=1))
     tmp.replace(path)
     return path
 
 
 def read_profile(path: Path) -> tuple[MachineProfile, str] | None:
-    """The cached profile and when it was measured; None where absent or unreadable."""
+    """The cached profile and when it was measured; None where absent, unreadable or of an older
+    format (:data:`PROFILE_FORMAT`)."""
     try:
         cached = json.loads(path.read_text())
-        known = {f.name for f in dataclasses.fields(MachineProfile)}
-        return MachineProfile(**{k: v for k, v in cached["profile"].items() if k in known}), str(cached["when"])
+        if cached.get("format", 1) < PROFILE_FORMAT:
+            return None
+        return MachineProfile.of_fields(cached["profile"]), str(cached["when"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -119,14 +124,17 @@ def choose(device: str) -> Choice:
                 f"calibrate: zdsl calibrate")
     if device != machine_device():
         return Choice(None, fallback, None)          # a CUDA schedule planned on a CPU box: nothing to measure
+    older = path.exists()                             # there but unreadable: of an older format
     why = calibrate_in_runtime()
     cached = read_profile(path) if why is None else None
     if cached is None:
         why = why or f"it wrote no profile to {path}"
         return Choice(None, fallback, f"zdsl: could not calibrate this machine ({why}); planning with "
                                       f"zdsl's default profile")
-    return Choice(cached[0], f"rates: calibrated on this machine (cached {cached[1]}, {path})",
-                  f"zdsl: calibrated this machine once (zdsl calibrate --quick), cached in {path}")
+    said = (f"zdsl: calibrated this machine again (zdsl calibrate --quick): its cached profile was of an older "
+            f"format, without rates by precision, width and ranks; cached in {path}" if older else
+            f"zdsl: calibrated this machine once (zdsl calibrate --quick), cached in {path}")
+    return Choice(cached[0], f"rates: calibrated on this machine (cached {cached[1]}, {path})", said)
 
 
 def calibrated_for(schedule) -> MachineProfile | None:

@@ -26,6 +26,7 @@ from zdsl.planner.memory import STATES
 from zdsl.planner.memory import zero_model_states
 from zdsl.planner.profile_cache import calibrated_source
 from zdsl.planner.profile_cache import rates_line
+from zdsl.planner.rates import gaps as rate_gaps
 from zdsl.planner.simulate import Simulation
 from zdsl.planner.simulate import simulate
 from zdsl.planner.traffic import traffic_json
@@ -151,7 +152,8 @@ class Plan:
             "comm_bytes_per_step": self.comm.payload_bytes,
             "comm": self.comm.to_json(),
             "moved_bytes_per_step": traffic_json(g),
-            "machine": {"name": self.schedule.machine.name, "source": self.machine_source() or calibrated_source()},
+            "machine": {"name": self.schedule.machine.name, "source": self.machine_source() or calibrated_source(),
+                        **({"gaps": gaps} if (gaps := rate_gaps(self.schedule.machine, g)) else {})},
             "predicted_step_s": sim.step_s,
             "lower_bound_s": sim.bound_s,
             "overlap_efficiency": sim.overlap_efficiency,
@@ -319,6 +321,8 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
     console.print(f"[bold]predicted step {fmt_s(sim.step_s)}[/bold] (lower bound {fmt_s(sim.bound_s)}, "
                   f"overlap efficiency {sim.overlap_efficiency:.2f}) on machine {plan.schedule.machine.name!r}")
     console.print(f"  {plan.machine_line()}", style="dim", soft_wrap=True)    # a path stays whole
+    for gap in rate_gaps(plan.schedule.machine, plan.graph):
+        console.print(f"  {gap}", style="dim", soft_wrap=True)
     lanes = Table(title="lanes", title_justify="left")
     for col in ("lane", "busy", "share", ""):
         lanes.add_column(col, justify="left" if col in ("lane", "") else "right")

@@ -28,6 +28,8 @@ from zdsl.planner.lanes import lane_slots
 from zdsl.planner.lanes import union_length
 from zdsl.planner.memory import MemoryTimeline
 from zdsl.planner.memory import memory_timeline
+from zdsl.planner.rates import device_flops
+from zdsl.planner.rates import for_graph
 
 
 @dataclass
@@ -71,6 +73,13 @@ def op_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
     return rated_duration(graph, op, machine) + op_fixed(op, machine)
 
 
+def rated_durations(graph: TaskGraph, machine: MachineProfile) -> list[float]:
+    """:func:`rated_duration` of every op, the profile resolved once for the graph's shape."""
+    machine = for_graph(machine, graph)
+    unit_flops = device_flops(graph, machine)
+    return [rated_duration(graph, op, machine, unit_flops, resolved=True) for op in graph.ops]
+
+
 def op_fixed(op, machine: MachineProfile) -> float:
     """Fixed seconds per executed op: dispatch, thread hand-off, completion polling.
 
@@ -98,13 +107,21 @@ def op_fixed(op, machine: MachineProfile) -> float:
     return machine.op_overhead
 
 
-def rated_duration(graph: TaskGraph, op, machine: MachineProfile) -> float:
-    """Seconds one op takes from the machine's rates alone."""
+def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: list[float] | None = None,
+                   resolved: bool = False) -> float:
+    """Seconds one op takes from the machine's rates alone, at the graph's shape
+    (zdsl.planner.rates: the compute rate of its precision at its unit's width, the disk's at its
+    ranks). ``unit_flops`` and ``resolved``: that done already (:func:`rated_durations`)."""
     n = graph.ranks
     kind = op.kind
     host = op.lane == "host"
+    if not resolved:
+        machine = for_graph(machine, graph)
     if kind in ("compute.forward", "compute.backward", "compute.recompute"):
-        return op.flops / (machine.host_flops if host else machine.flops)
+        if host:
+            return op.flops / machine.host_flops
+        rates = unit_flops if unit_flops is not None else device_flops(graph, machine)
+        return op.flops / (rates[op.unit] if op.unit is not None and op.unit < len(rates) else machine.flops)
     if kind == "compute.norm":
         if op.flops:
             return op.flops / (machine.host_flops if host else machine.flops)
@@ -223,7 +240,7 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     """
     if machine is None:
         machine = machine_of(graph)
-    rated = [rated_duration(graph, op, machine) for op in graph.ops]
+    rated = rated_durations(graph, machine)
     fixed = [op_fixed(op, machine) for op in graph.ops]
     index = index or index_graph(graph)
     deps, lane_prev, order = index.deps, index.lane_prev, index.order

@@ -1,0 +1,109 @@
+"""The rates a schedule's ops get from a machine profile that was measured at another shape.
+
+A profile measures each rate at one setting: the compute rate at some model widths and
+precisions, the disk at some number of ranks sharing it. A schedule of another shape is priced
+at its own: its compute ops at the rate of its precision, interpolated (log-log) at its unit's
+width; its disk transfers at the rate of as many ranks as it runs (one alone, else each rank's
+share of the aggregate). Where the profile lacks what the schedule needs, the plain ``flops``,
+``disk_read`` and ``disk_write`` are used as given, and :func:`gaps` says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from zdsl.compile.units import GPT_DEFAULTS
+from zdsl.ir import TaskGraph
+from zdsl.schedule import MachineProfile
+
+def precision_of(graph: TaskGraph) -> str:
+    return (graph.config.get("train") or {}).get("precision", "fp32")
+
+
+def flops_table(machine: MachineProfile, precision: str) -> tuple[float, ...]:
+    """The profile's compute rates in ``precision``, one per ``flops_widths`` (empty: none)."""
+    rates = getattr(machine, f"flops_{precision}", ())
+    return rates if rates and len(rates) == len(machine.flops_widths) else ()
+
+
+def flops_at(widths: tuple[float, ...], rates: tuple[float, ...], width: float) -> float:
+    """The rate at ``width``: log-log linear between the measured widths, the end's outside them."""
+    if width <= widths[0] or len(widths) == 1:
+        return rates[0]
+    for (w0, r0), (w1, r1) in zip(zip(widths, rates), zip(widths[1:], rates[1:])):
+        if width <= w1:
+            t = math.log(width / w0) / math.log(w1 / w0)
+            return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+    return rates[-1]
+
+
+def micro_batch_shape(graph: TaskGraph) -> tuple[int, int]:
+    """(sequences per micro-batch, tokens per sequence: the data's context, else the model's)."""
+    config = graph.config
+    context = ((config.get("data") or {}).get("args") or {}).get("context") \
+        or ((config.get("model") or {}).get("args") or {}).get("context") or GPT_DEFAULTS["context"]
+    return max(1, int((config.get("train") or {}).get("batch", 1))), max(1, int(context))
+
+
+def unit_widths(graph: TaskGraph) -> list[float]:
+    """Per unit, the width of the GPT block whose forward does as many flops per token (24 w^2
+    for its 12 w^2 weights, 2 T w for causal attention over T tokens: zdsl/compile/units.py): the
+    size of its matrix products, which sets how near the machine's peak they run. A block's is
+    its width; a head of vocabulary V, about sqrt(width V / 12)."""
+    batch, context = micro_batch_shape(graph)
+    out = []
+    for u in graph.units:
+        per_token = u.fwd_flops / (batch * context)
+        out.append((math.sqrt(4.0 * context * context + 96.0 * per_token) - 2.0 * context) / 48.0)
+    return out
+
+
+def device_flops(graph: TaskGraph, machine: MachineProfile) -> list[float]:
+    """Per unit, the device's compute rate for its forward, backward and recompute: the profile's
+    table in the schedule's precision at the unit's width; empty without one (``flops`` then)."""
+    table = flops_table(machine, precision_of(graph))
+    if not table:
+        return []
+    return [flops_at(machine.flops_widths, table, w) for w in unit_widths(graph)]
+
+
+def uses_nvme(graph: TaskGraph) -> bool:
+    return any(b.tier == "nvme" for b in graph.buffers.values())
+
+
+def disk_rates(machine: MachineProfile, ranks: int) -> tuple[float, float]:
+    """(read, write) bytes a second one rank moves while ``ranks`` ranks of the node use the disk:
+    the one-rank rates alone; else the aggregate the profile measured (its ``disk_ranks`` ranks'
+    shares) split over ``ranks``; the profile's as given where it lacks the one it needs."""
+    if ranks == machine.disk_ranks or machine.disk_ranks <= 0:
+        return machine.disk_read, machine.disk_write
+    if ranks == 1:
+        return machine.disk_read_alone or machine.disk_read, machine.disk_write_alone or machine.disk_write
+    scale = machine.disk_ranks / ranks
+    return machine.disk_read * scale, machine.disk_write * scale
+
+
+def for_graph(machine: MachineProfile, graph: TaskGraph) -> MachineProfile:
+    """``machine`` with its disk rates for the graph's ranks (every rank of a schedule is on one
+    node and does its own NVMe I/O)."""
+    read, write = disk_rates(machine, graph.ranks)
+    if (read, write) == (machine.disk_read, machine.disk_write):
+        return machine
+    return dataclasses.replace(machine, disk_read=read, disk_write=write)
+
+
+def gaps(machine: MachineProfile, graph: TaskGraph) -> list[str]:
+    """What the profile lacks that the schedule needs, and what was used instead (one line each)."""
+    out = []
+    precision = precision_of(graph)
+    if machine.flops_widths and not flops_table(machine, precision):
+        have = [p for p in ("fp32", "bf16", "fp16") if flops_table(machine, p)]
+        why = ("zdsl calibrate does not measure fp16 on a CPU, where its kernels are a slow fallback"
+               if precision == "fp16" and machine.name == "cpu" else "calibrate: zdsl calibrate")
+        out.append(f"the profile has no {precision} compute rate (it has {', '.join(have) or 'none'} by width): "
+                   f"used flops={machine.flops:.3g} at every width; {why}")
+    if uses_nvme(graph) and machine.disk_ranks > 0 and graph.ranks != machine.disk_ranks:
+        if graph.ranks == 1 and not (machine.disk_read_alone and machine.disk_write_alone):
+            out.append(f"the profile has no one-rank disk rate (disk_read_alone, disk_write_alone): used each of "
+                       f"{machine.disk_ranks} ranks' share of the disk; calibrate: zdsl calibrate --ranks 1")
+    return out
