@@ -77,14 +77,16 @@ from dataclasses import asdict, dataclass, field
 
 from zdsl import env
 from zdsl.schedule import MACHINE_OPTIONS
+from zdsl.schedule import MACHINE_SHAPE_FIELDS
 
 from zdsl.schedule import MachineProfile
 
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.calibration_fit import LATENCY_FIELDS, fit_overhead, scaled_latencies
-from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, CalibrationError, Settings, compute_dtype,
-                                            measure_collectives, measure_compute, measure_copy, measure_disk,
-                                            measure_optimizer)
+from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, TABLE_CONTEXT, CalibrationError, Settings,
+                                            compute_dtype, measure_collectives, measure_compute,
+                                            measure_compute_table, measure_copy, measure_disk, measure_optimizer,
+                                            table_batch)
 from zdsl.runtime.calibrate.reference import (RUNTIME_BLOCKS, RUNTIME_STEPS, measure_runtime, reference_graph,
                                               reference_times)
 from zdsl.runtime.dist.spawn import MASTER_ADDR
@@ -107,7 +109,8 @@ class Calibration:
 
     def machine_statement(self) -> str:
         p = self.profile
-        args = ", ".join(f"{ZS_KEYS[k]}={_num(getattr(p, k))}" for k in ZS_KEYS)
+        args = ", ".join(f"{ZS_KEYS[k]}={_value(getattr(p, k))}" for k in ZS_KEYS if k not in MACHINE_SHAPE_FIELDS
+                         or getattr(p, k))
         return f"machine {p.name}({args})"
 
     def to_zs(self) -> str:
@@ -117,12 +120,17 @@ class Calibration:
 
 
 def _num(v: float) -> str:
-    return f"{v:.3g}"
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e5 else f"{v:.3g}"   # widths, counts: exact
+
+
+def _value(v) -> str:
+    """A keyword's value as the statement writes it: a number, or a tuple of numbers."""
+    return f"({', '.join(_num(x) for x in v)})" if isinstance(v, tuple) else _num(v)
 
 
 # -- one rank ---------------------------------------------------------------------------------
 
-STEPS = ("compute", "optimizer", "copy", "collectives", "disk", "runtime")
+STEPS = ("compute", "optimizer", "copy", "collectives", "disk", "disk alone", "runtime")
 
 
 def _device_for(rank: int, backend: str):
@@ -170,6 +178,7 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         barrier("runtime (first block)")
         report("compute")
         out["compute"] = measure_compute(device, s, compute_dtype(device, s.precision))
+        out["compute_table"] = measure_compute_table(device, s, *_known_table_rates(out["compute"]))
         if device.type == "cuda":
             small = dataclasses.replace(s, width=None, heads=None, context=None, batch=None, layers=None)
             out["host_compute"] = measure_compute(torch.device("cpu"), small, torch.float32)
@@ -191,6 +200,11 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         out["disk"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank,
                                    dist.barrier if world > 1 else (lambda: None))
         barrier("disk")
+        if world > 1:   # one rank with the disk to itself: what a one-rank schedule's transfers get
+            report("disk alone")
+            if rank == 0:
+                out["disk_alone"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank, beside=False)
+            barrier("disk alone")
         report("runtime")
         out["runtime"] = [*early, measure_runtime(device, s, rank, world, block_steps, slots)]
         barrier("runtime")
@@ -225,6 +239,21 @@ def _pick_backend(s: Settings) -> str:
     return "gloo"
 
 
+def _known_table_rates(compute: dict) -> tuple[float, dict]:
+    """(the block's fixed seconds, the table's rates already measured) from :func:`measure_compute`:
+    the default calibration's block (width 64, fp32) is the table's first entry, the same number
+    as ``flops``, so the programs of that size are priced as before."""
+    shape = compute["shape"]
+    if shape.get("layers") or "fixed_s" not in compute:
+        return 0.0, {}
+    known = {}
+    if compute.get("block_flops") and shape["context"] == TABLE_CONTEXT["cpu"] \
+            and shape["batch"] == table_batch("cpu", shape["width"]):
+        known[(compute["dtype"].replace("float32", "fp32").replace("bfloat16", "bf16"), shape["width"])] = \
+            compute["block_flops"]
+    return compute["fixed_s"], known
+
+
 # -- putting it together ----------------------------------------------------------------------
 
 def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibration:
@@ -248,6 +277,16 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                              pcie_bandwidth=pcie, **disk, memory_bandwidth=adam,
                              host_memory_bandwidth=host_adam, cores=_cores_per_rank(world),
                              comm_slots=first.get("comm_slots", 1))
+    table = first["compute_table"]
+    profile.flops_widths = tuple(float(w) for w in table["widths"])
+    for precision in ("fp32", "bf16", "fp16"):
+        if precision in table:
+            setattr(profile, f"flops_{precision}", tuple(mean(lambda r: r["compute_table"][precision][i])
+                                                         for i in range(len(table["widths"]))))
+    # the disk shared by all ranks (disk_read, disk_write: each one's share) and one rank's alone
+    alone = first.get("disk_alone") or first["disk"]
+    profile.disk_ranks = world
+    profile.disk_read_alone, profile.disk_write_alone = alone["disk_read"], alone["disk_write"]
     if world > 1:   # each kind of collective its own (latency, bandwidth); one rank keeps the defaults
         fit = {name: (mean(lambda r: r["collectives"][name][0]), mean(lambda r: r["collectives"][name][1]))
                for name in COLLECTIVES}
@@ -282,6 +321,11 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         *([f"              the slope of its time over batch {', '.join(str(n) for n in comp['batches'])} "
             f"(kernels are charged apart; batch {shape['batch']}'s flops over its time: "
             f"{_num(comp['flops_at_batch'])} flop/s)"] if comp.get("batches") else []),
+        f"  flops_*     a GPT block's forward+backward (heads width/64, context {table['context']}, batch "
+        f"{', '.join(str(b) for b in table['batches'])}) at flops_widths in "
+        f"{', '.join(p for p in ('fp32', 'bf16', 'fp16') if p in table)}: one batch's flops over its time less the "
+        f"block's kernels' fixed {table['fixed_s'] * 1e3:.2f} ms; zdsl plan prices a unit at its precision's rate at "
+        "its width (log-log between them)",
         f"  memory_bw   AdamW step on {first['optimizer']['adam_numel']} fp32 elements, "
         f"counted as 16 bytes each (moments, parameter, gradient)"
         + (": the device's; host_memory_bw the host's (runtime/offload/host_adam.py)" if cuda
@@ -328,6 +372,9 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                  f"1 - (a GPT block's forward+backward alone) / (beside back-to-back {human_bytes(DISK_SIZES[2])} "
                  f"transfers): {disk['beside_compute']['alone_s'] * 1e3:.2f} ms alone, "
                  + ", ".join(f"{t * 1e3:.2f} beside {w}s" for w, t in disk['beside_compute']['beside_s'].items()))
+    notes.append(f"  disk_*_alone  the same transfers by one rank with the disk to itself "
+                 f"(disk_read, disk_write: each of disk_ranks={world} ranks' share, all at once); zdsl plan uses "
+                 "the one-rank rates for a one-rank schedule, the aggregate split over its ranks for others")
     details = {"notes": notes, "ranks": raw, "backend": backend, "mm_flops": mm, "block_flops": block}
     return Calibration(profile, details)
 
@@ -389,7 +436,7 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
                 chosen = _pick_backend(s)
                 labels = {"compute": "compute (matmul, GPT block)", "optimizer": "memory (AdamW step)",
                           "copy": "host-device copies", "collectives": f"collectives ({chosen}, {ranks} ranks)",
-                          "disk": "disk (O_DIRECT)", "runtime": "runtime (a tiny ZeRO-3 step, per-op cost)"}
+                          "disk": "disk (O_DIRECT)", "disk alone": "disk (one rank alone)", "runtime": "runtime (a tiny ZeRO-3 step, per-op cost)"}
 
                 def report(step: str) -> None:
                     bar.update(task, description=labels[step], advance=1)

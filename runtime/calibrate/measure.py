@@ -153,6 +153,56 @@ def measure_compute(device, s: Settings, dtype) -> dict:
     return out
 
 
+# The compute-rate table (zdsl.planner.rates prices a unit at its precision's rate, interpolated at
+# its width): widths, sequences per batch at each (fewer at the largest, to keep a quick calibration
+# short) and precisions. fp16 on a CPU runs a fallback kernel (0.9 GFLOP/s at width 2048 here,
+# 170 in bf16): not measured there, a schedule in it is told so by zdsl plan.
+TABLE_WIDTHS = {"cpu": (64, 512, 2048), "cuda": (768, 2048, 4096)}
+TABLE_PRECISIONS = {"cpu": ("fp32", "bf16"), "cuda": ("fp32", "bf16", "fp16")}
+TABLE_CONTEXT = {"cpu": 32, "cuda": 512}
+
+
+def table_batch(kind: str, width: int) -> int:
+    """Sequences per batch of the table's measurement at ``width`` on a ``cpu`` or ``cuda`` device."""
+    return (2 if width >= 1024 else 4) if kind == "cpu" else 8
+
+
+def measure_compute_table(device, s: Settings, fixed_s: float = 0.0, known: dict | None = None) -> dict:
+    """A GPT block's forward+backward rate at each width of ``TABLE_WIDTHS`` in each precision of
+    ``TABLE_PRECISIONS``: one batch's flops over its time less ``fixed_s``, the block's kernels'
+    fixed cost (:func:`measure_compute`'s intercept on CPU, which the planner charges apart as
+    ``kernel_overhead``; at most half the time). Not the slope over batch sizes that gives
+    ``flops``: at width 2048 a matrix product of 64 rows runs far below one of 128 (bf16 slope 447
+    against 129 GFLOP/s at the batch here), so the slope prices large units far too fast.
+    ``known``: rates already measured at this shape, by (precision, width)."""
+    import torch
+    from zdsl.compile.units import gpt_units
+    from zdsl.runtime.models.gpt import Block
+    kind = "cpu" if device.type == "cpu" else "cuda"
+    widths, context = TABLE_WIDTHS[kind], TABLE_CONTEXT[kind]
+    sync = _sync_for(device)
+    budget = s.budget(0.5, 0.15)
+    out: dict = {"widths": list(widths), "context": context,
+                 "batches": [table_batch(kind, w) for w in widths], "fixed_s": fixed_s}
+    for precision in TABLE_PRECISIONS[kind]:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        rates = []
+        for width in widths:
+            if known and (precision, width) in known:
+                rates.append(known[(precision, width)])
+                continue
+            torch.manual_seed(0)
+            heads = max(1, width // 64)
+            block = Block(width, heads).to(device=device, dtype=dtype)
+            b = table_batch(kind, width)
+            flops = 3.0 * gpt_units(1, width, heads, 256, context)[1].fwd_flops_per_seq * b
+            t = _median_time(_block_fwd_bwd(block, b, context, width), sync, budget)
+            rates.append(flops / max(t - fixed_s, t / 2))
+            del block
+        out[precision] = rates
+    return out
+
+
 def measure_optimizer(device, s: Settings) -> dict:
     """AdamW steps on a flat fp32 shard, bytes counted as the planner's compute.step does:
     the step the runtime runs on the host (``host_adam``: what a CPU run and an offloaded
@@ -295,13 +345,13 @@ def _io_buffers(size: int):
     return data, aligned_empty(size)
 
 
-def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None) -> dict:
+def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None, beside: bool = True) -> dict:
     """The runtime's own swapper (``runtime/offload/swap.py``: ``block``-sized direct-I/O requests, up to
     ``depth`` in flight, every block checksummed) writing then reading transfers of several
     sizes from a plain thread, as a lane does; each direction fitted to ``latency + bytes / rate``.
     Then the share of the rank's core a transfer takes from compute beside it
-    (:func:`_disk_beside_compute`). ``barrier`` keeps the ranks at the same size, as they share
-    the disk in a run."""
+    (:func:`_disk_beside_compute`; not with ``beside`` False). ``barrier`` keeps the ranks at the
+    same size, as they share the disk in a run."""
     import torch
 
     from zdsl.runtime.offload.swap import Swapper
@@ -329,7 +379,7 @@ def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None) -> d
                     raise CalibrationError(f"disk test in {folder}: a read returned other bytes than were written")
                 swapper.discard(name)
             barrier()
-            cpu = _disk_beside_compute(swapper, s)
+            cpu = _disk_beside_compute(swapper, s) if beside else {"read": 0.0, "write": 0.0}
     except SwapError as e:
         raise CalibrationError(f"disk test in {folder} failed: {e}") from None
     finally:
