@@ -385,6 +385,7 @@ def main(argv=None) -> int:
 
     from zdsl.planner import profile_cache
     from zdsl.planner import traffic
+    from zdsl.planner import rates
     from zdsl.planner.machine_fit import schedule_fit
     from zdsl.compile.units import gpt_parameter_count
     from zdsl.lang.sizes import human_bytes
@@ -410,9 +411,14 @@ def main(argv=None) -> int:
     fit = schedule_fit(compiled)
     planned_ram = fit.needs.ram(fit.floor)
     print(f"plan: predicted step {sim.step_s:.1f} s; {profile_cache.rates_line() or 'rates: the schedule'}")
-    pm = schedule.machine
-    print(f"  profile: flops {pm.flops / 1e9:.1f} G/s, disk read {pm.disk_read / 1e9:.2f} GB/s, write "
-          f"{pm.disk_write / 1e9:.2f} GB/s, host step {pm.host_memory_bandwidth / 1e9:.1f} GB/s of optimizer bytes")
+    pm = rates.for_graph(schedule.machine, graph)       # the rates this schedule's ops get (its ranks, width)
+    block_flops = (rates.device_flops(graph, pm) or [pm.flops] * 2)[1]
+    print(f"  profile, as this schedule is priced: a block's compute {block_flops / 1e9:.1f} G/s "
+          f"({schedule.train.precision}, width {rates.unit_widths(graph)[1]:.0f}), disk read "
+          f"{pm.disk_read / 1e9:.2f} GB/s, write {pm.disk_write / 1e9:.2f} GB/s ({graph.ranks} rank(s)), host step "
+          f"{pm.host_memory_bandwidth / 1e9:.1f} GB/s of optimizer bytes")
+    for gap in rates.gaps(schedule.machine, graph):
+        print(f"  {gap}")
     print(f"plan: host peak {human_bytes(fit.needs.ram_per_rank)} + torch floor {human_bytes(fit.floor.private)} "
           f"+ shared {human_bytes(fit.floor.shared)} = {human_bytes(planned_ram)} in RAM")
     if folder:

@@ -13,6 +13,11 @@ planner uses it*, under the conditions of a real run:
   one batch's flops over its time. Plain ``torch.mm`` at the block's shapes
   is reported beside it (the ceiling). bf16 on CUDA; on CPU the
   schedule's precision (``--schedule``), else fp32.
+* ``flops_widths``, ``flops_fp32``/``flops_bf16`` (and ``flops_fp16`` on CUDA):
+  a GPT block's forward+backward at a few widths in each precision
+  (``measure_compute_table``), so that one profile prices a schedule of
+  another size or precision (``zdsl.planner.rates``); the default block
+  (width 64, fp32) is its first entry, the same number as ``flops``.
 * ``host_flops``: the same on the host CPU (the device rate on a CPU box).
 * ``memory_bw``/``host_memory_bw``: an AdamW step on a flat fp32 shard,
   counted as the planner counts a ``compute.step`` (moments + parameter +
@@ -26,7 +31,9 @@ planner uses it*, under the conditions of a real run:
 * ``disk_read``/``disk_write`` and their ``*_latency``: the NVMe tier's
   own swapper writing and reading transfers of 256 KiB to 16 MiB
   (``O_DIRECT`` requests of the schedule's block size, several in flight),
-  each direction fitted to ``latency + bytes / rate``; ``disk_*_cpu``
+  each direction fitted to ``latency + bytes / rate``, by every rank at once
+  (each one's share, ``disk_ranks`` of them) and then by rank 0 alone
+  (``disk_*_alone``: a one-rank schedule's); ``disk_*_cpu``
   the share of a core a transfer takes from a GPT block's forward+backward
   run beside it.
 * ``overhead``: what the runtime itself costs per op (dispatch, worker
