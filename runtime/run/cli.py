@@ -13,6 +13,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 from zdsl import env
 
@@ -121,9 +122,7 @@ def checkpoint_clash(compiled, args) -> str | None:
     """A fresh run whose checkpoint folder already holds a complete checkpoint at a step it would
     save: said before any rank starts, not after training up to that step (the save refuses to
     overwrite it). A resumed run continues after the checkpoint it resumes from."""
-    spec = compiled.schedule.checkpoint
-    folder = args.checkpoint_dir or (spec.dir if spec else None)
-    every = args.checkpoint_every or (spec.every if spec else 0)
+    folder, every, _ = checkpointing(compiled, args)
     if args.resume or not folder or every <= 0:
         return None
     from zdsl.runtime.checkpoint.index import INDEX_NAME
@@ -136,6 +135,21 @@ def checkpoint_clash(compiled, args) -> str | None:
     return (f"{folder} already holds a complete checkpoint at step {taken[0]}, which this run would save "
             f"again (every {every} steps): continue it with --resume {folder}, or give another "
             f"--checkpoint-dir, or remove the old one")
+
+
+class Checkpointing(NamedTuple):
+    folder: str | None      # where checkpoints go (None: no checkpoints)
+    every: int              # save every this many steps (0: never)
+    keep: int               # the last this many complete ones are kept (0: all)
+
+
+def checkpointing(compiled, args) -> Checkpointing:
+    """Where, how often and how many checkpoints a run saves: ``--checkpoint-dir``,
+    ``--checkpoint-every`` and ``--keep`` over the schedule's ``checkpoint`` statement."""
+    spec = compiled.schedule.checkpoint
+    return Checkpointing(folder=args.checkpoint_dir or (spec.dir if spec else None),
+                         every=args.checkpoint_every or (spec.every if spec else 0),
+                         keep=args.keep if args.keep is not None else (spec.keep if spec else 0))
 
 
 def output_problem(args) -> str | None:
@@ -179,16 +193,14 @@ def run_one_rank(compiled, args) -> int:
 
     rank = int(env.raw("RANK"))
     configure_rank_logging(rank)
-    spec = compiled.schedule.checkpoint
+    saving = checkpointing(compiled, args)
     export = hf_staging(args.export, rank) if args.format == "hf" else args.export
     options = RunOptions(metrics=args.metrics, trace=args.trace, timeline=args.timeline, export=export,
                          tensorboard=args.tensorboard,
                          progress=not args.quiet, timeout_s=args.timeout, resume=args.resume,
                          fresh_optimizer=args.fresh_optimizer,
                          trace_steps=args.trace_steps,
-                         checkpoint_dir=args.checkpoint_dir or (spec.dir if spec else None),
-                         checkpoint_every=args.checkpoint_every or (spec.every if spec else 0),
-                         checkpoint_keep=args.keep if args.keep is not None else (spec.keep if spec else 0))
+                         checkpoint_dir=saving.folder, checkpoint_every=saving.every, checkpoint_keep=saving.keep)
     steps = compiled.schedule.train.steps
     reporter = Reporter(compiled.schedule.name, steps, args.metrics, show=not args.quiet) if rank == 0 else None
     finished = False
