@@ -17,7 +17,8 @@ exactly as it would on CUDA, and the checker replays what each call would order 
   watcher's ``wait`` (``on_lane``) and what follows it are ordered after it and after the lane's
   work up to the issue, not after what the lane issued since (the watcher may come first); the
   lane's later ops that depend on it are (its wait is on their stream before them);
-* ``end_step``/``device_times``: a device synchronize.
+* ``end_step``/``device_times``: a device synchronize; ``timing`` as LaneStreams' (``device_times``
+  only while it is set: ``zdsl run`` sets it to whether the step is timed).
 
 A ``TorchDispatchMode`` stamps every aten op's storage reads and writes (written: the arguments
 the schema marks mutable, and fresh outputs; read: the other tensor arguments; views: neither)
@@ -91,6 +92,7 @@ class HBChecker:
         """``graph``: what the checker orders by (each op's dependencies and lane), the graph the
         executor runs unless a test mutates it."""
         self.graph, self.rank, self.record_streams = graph, rank, record_streams
+        self.timing = True          # as LaneStreams': device_times() only while set (the executor's record)
         self.deps = [op.deps for op in graph.ops]
         self.table = getattr(state, "table", None)
         self.lane_of = [op.lane for op in graph.ops]
@@ -178,6 +180,8 @@ class HBChecker:
         self._raise_races()
 
     def device_times(self) -> dict[int, tuple[float, float]]:
+        if not self.timing:
+            raise RuntimeError("device_times: these lane streams were made without timing events")
         self.end_step()
         return {}                                  # no device: the executor keeps its host times
 
@@ -490,6 +494,7 @@ def run_streams(graph: TaskGraph, device: torch.device, state, rank: int, timing
         raise ValueError(f"rank {rank}: ZDSL_HB_CHECK=1 checks the CUDA path's ordering on a CPU run; this run "
                          f"is on {device}: run it on the CPU (--set device=cpu), or use TORCH_CUDA_SANITIZER=1")
     with HBChecker(graph, state, rank) as checker:
+        checker.timing = timing
         yield checker
 
 

@@ -186,7 +186,7 @@ async def _loop(graph, schedule, units, state, executor, rank, world, device, op
         if executor.board is not None:
             executor.board[STEP] = step
         executor.record = timed_step(options, step, steps)
-        if executor.streams is not None and hasattr(executor.streams, "timing"):
+        if executor.streams is not None:
             executor.streams.timing = executor.record   # untimed steps order with cheaper CUDA events
         record = await executor.run_step()
         result = state.step_end()
