@@ -152,7 +152,10 @@ def launch_local(child_argv: list[str], ranks: int, timeout_s: float = 120.0, gr
         for rank in range(ranks):
             child_env = env.child_environment(**rank_env(rank, ranks, port),
                                               ZDSL_ERROR_FILE=str(errors / f"rank{rank}.err"))
-            procs.append(subprocess.Popen([sys.executable, "-m", "zdsl.cli", *child_argv], env=child_env))
+            # each rank in a session of its own, as torchrun starts them: where the kernel shares
+            # CPU time between sessions first (autogroup), ranks in one session split one share
+            procs.append(subprocess.Popen([sys.executable, "-m", "zdsl.cli", *child_argv], env=child_env,
+                                          start_new_session=True))
         watch = Watch(procs, boards, timeout_s)
         codes = watch.run()
         if all(c == 0 for c in codes):
