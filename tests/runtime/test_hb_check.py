@@ -151,6 +151,21 @@ def test_a_run_uses_the_checker_only_when_asked_and_only_on_the_cpu(monkeypatch)
             pass
 
 
+def test_the_checker_keeps_the_lane_streams_timing_contract(monkeypatch):
+    """As LaneStreams: the run's ``timing`` reaches the seam, and device times are refused while it is off."""
+    from zdsl.runtime.exec.hb_check import run_streams
+    graph, _ = _zero1()
+    monkeypatch.setenv("ZDSL_HB_CHECK", "1")
+    with run_streams(graph, torch.device("cpu"), None, 0, timing=False) as streams:
+        assert streams.timing is False
+        with pytest.raises(RuntimeError, match="without timing events"):
+            streams.device_times()
+        streams.timing = True                       # zdsl run turns it on for a timed step
+        assert streams.device_times() == {}
+    with run_streams(graph, torch.device("cpu"), None, 0) as streams:
+        assert streams.timing is True
+
+
 def test_the_callers_work_before_the_step_races_when_the_lanes_do_not_wait_for_the_default_stream(
         monkeypatch, one_rank_group):
     """What begin_step's wait on the default stream is for: the micro-batches the caller made."""
