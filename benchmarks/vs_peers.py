@@ -486,7 +486,7 @@ def _main(argv=None) -> int:
                 if o.unavailable or o.failed:
                     continue
                 job = job_config(o.peer, cfg, terms, policy)
-                same = job.to_json()
+                same = f"{key}\n{job.to_json()}"
                 if same in ran:             # zdsl bound is zdsl as it comes: one job counts for both
                     where, got = ran[same]
                     took = None
