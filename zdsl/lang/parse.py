@@ -17,12 +17,14 @@ from lark.exceptions import (LarkError, UnexpectedCharacters, UnexpectedEOF,
                              UnexpectedInput, UnexpectedToken, VisitError)
 
 from zdsl.lang import ast
+from zdsl.lang.continuation import Continuation
 from zdsl.lang.errors import ZsError
 from zdsl.lang.errors import did_you_mean
 from zdsl.lang.errors import error
 from zdsl.schedule import Span
 
 MAX_SOURCE_BYTES = 4 << 20     # a schedule is a page of text; 4 MiB is certainly not one
+_CONTINUATION = Continuation()  # the parser's postlexer: line ends inside '(' or after ',' continue
 
 # How terminals are named in "expected ..." messages.
 _TERMINAL_WORDS = {
@@ -59,7 +61,7 @@ def parser(strict: bool | None = None, cache: bool = True) -> Lark:
         except ImportError:
             strict = False
     options = dict(parser="lalr", strict=strict, propagate_positions=True,
-                   maybe_placeholders=True)
+                   maybe_placeholders=True, postlex=_CONTINUATION)
     if cache:
         try:
             return Lark(grammar_text(), cache=True, **options)
@@ -195,6 +197,10 @@ def _syntax_error(exc: UnexpectedInput, text: str, file: str):
                      hint=("expected " + _join(expected)) if expected else None)
     if isinstance(exc, UnexpectedToken):
         tok: Token = exc.token
+        paren = _CONTINUATION.unclosed(tok)
+        if paren is not None:
+            return error(Span(file, paren.line, paren.column, paren.column + 1), "'(' is never closed",
+                         hint=_unclosed_hint(paren, tok, text))
         accepted = _accepted(exc)
         expected = _expected_words(accepted)
         if tok.type == "$END":
@@ -225,6 +231,18 @@ def _syntax_error(exc: UnexpectedInput, text: str, file: str):
                      hint="expected " + _join(_expected_words(exc.expected or ())))
     return error(Span(file, getattr(exc, "line", 1) or 1, getattr(exc, "column", 1) or 1),
                  f"syntax error: {exc}")
+
+
+def _unclosed_hint(paren: Token, found: Token, text: str) -> str:
+    """How to fix an unclosed '(' whose statement ran on to ``found``."""
+    lines = text.splitlines()
+    last = len(lines) if found.type == "$END" else found.line - 1
+    while last > paren.line and not lines[last - 1].split("#", 1)[0].strip():
+        last -= 1       # the statement's last line: blank and comment lines are not part of it
+    hint = f"close it with ')' at the end of line {last}"
+    if found.type != "$END":
+        hint += f", or end line {last} with ',' if the statement goes on to line {found.line}"
+    return hint
 
 
 _STATEMENTS = ("schedule", "model", "data", "train", "optimizer", "ranks", "zero", "shard",

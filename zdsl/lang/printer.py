@@ -27,7 +27,7 @@ def print_schedule(schedule: Schedule, pipelines: dict[str, Pipeline] | None = N
     """.zs text for ``schedule`` followed by ``pipelines`` (default: its own)."""
     if pipelines is None:
         pipelines = schedule.pipelines
-    lines = _policies(schedule)
+    lines = [wrapped for line in _policies(schedule) for wrapped in wrap_statement(line)]
     if pipelines:
         lines.append("")
         lines.append("# pipelines: statement order is issue order; dependencies are derived")
@@ -46,6 +46,55 @@ def without_spans(schedule: Schedule) -> Schedule:
         for stmt in pipe.body:
             stmt.span = None
     return out
+
+
+# -- long statements ------------------------------------------------------------
+
+WIDTH = 100     # a statement longer than this is printed over several lines
+
+
+def wrap_statement(line: str, width: int = WIDTH) -> list[str]:
+    """A statement as lines no longer than ``width`` where its commas allow.
+
+    A call's settings go one per line inside its parentheses (the newlines inside
+    ``(`` ... ``)`` continue the statement); a statement with top-level commas and no
+    call (``train``, ``memory``, ``freeze``) breaks after each comma, each part under
+    the first. A statement that fits, or has nowhere to break, is one line.
+    """
+    if len(line) <= width:
+        return [line]
+    depth, start, parts, opened, closed = 0, 0, [], None, None
+    i = 0
+    while i < len(line):
+        c = line[i]
+        if c == '"':                      # skip a string, escapes included
+            i += 1
+            while i < len(line) and line[i] != '"':
+                i += 2 if line[i] == "\\" else 1
+        elif c == "(":
+            depth += 1
+            if depth == 1 and opened is None:
+                opened, start, parts = i, i + 1, []     # wrap at the call, not before it
+        elif c == ")":
+            depth -= 1
+            if depth == 0 and opened is not None and closed is None:
+                closed = i
+                parts.append(line[start:i].strip())
+        elif c == "," and depth == (1 if opened is not None and closed is None else 0):
+            parts.append(line[start:i].strip())
+            start = i + 1
+        i += 1
+    if opened is not None and closed is not None:
+        if len(parts) < 2:
+            return [line]
+        inner = [f"    {p}," for p in parts[:-1]] + [f"    {parts[-1]}"]
+        return [line[:opened + 1]] + inner + [line[closed:]]
+    parts.append(line[start:].strip())
+    keyword = re.match(r"\S+\s+", line)
+    if len(parts) < 2 or keyword is None:
+        return [line]
+    indent = " " * keyword.end()      # under the first item, after the keyword
+    return [parts[0] + ","] + [indent + p + "," for p in parts[1:-1]] + [indent + parts[-1]]
 
 
 # -- values ---------------------------------------------------------------------
