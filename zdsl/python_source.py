@@ -120,6 +120,7 @@ def _binds_inside(node, name: str) -> bool:
 
 
 def sizing_data(data) -> dict:
-    """``{"data": data}`` for a ``data python(...)`` source, whose function's tensors size a built model
-    (``zdsl.compile.models.units_for``); else nothing, so sizers that take the model alone still work."""
-    return {"data": data} if data is not None and data.kind == "python" else {}
+    """``{"data": data}`` for a ``data python(...)`` source, whose function's tensors size a built model,
+    and for ``jsonl(...)``, whose masked rows the GPT's sizing counts (``zdsl.compile.models.units_for``);
+    else nothing, so sizers that take the model alone still work."""
+    return {"data": data} if data is not None and data.kind in ("python", "jsonl") else {}

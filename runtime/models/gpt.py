@@ -9,8 +9,9 @@ no dropout. Every unit takes the batch: the embedding its positions, the blocks 
 attention mask, the head its labels (``-100`` not counted). Attention is causal; a
 batch with an ``attention_mask`` or ``segments`` (padded or packed rows) also hides
 padding keys and other segments' keys (:func:`zdsl.runtime.models.batch.allowed_keys`),
-through one boolean mask made by ``prepare``. A batch with neither takes the plain
-causal kernel, bit for bit as before masks existed.
+through one additive mask per micro-batch that every block's attention shares (see
+:func:`attention_mask`). A batch with neither takes the plain causal kernel (no mask at
+all), bit for bit as before masks existed.
 Parameter names and order per unit are exactly
 ``zdsl.compile.units.gpt_units`` (a test holds them together).
 """
@@ -29,6 +30,7 @@ from zdsl.runtime.models.loss import causal_lm_loss
 
 
 ALLOWED = "gpt.allowed"     # extras: (B or 1, 1, T, T) bool, True where a query may see a key
+ADDED = "gpt.allowed_add"  # extras: that mask as attention adds it (0 or -inf) in the blocks' dtype
 
 # Above this many parameters (4 GiB in fp32) a GPT is built lazily, unit by unit (see GPT).
 LAZY_ABOVE = 1 << 30
@@ -67,7 +69,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """``allowed``: None for plain causal attention, else :func:`attention_mask`'s mask."""
+        """``allowed``: None for plain causal attention, else :func:`attention_mask`'s additive mask."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
@@ -88,12 +90,27 @@ class MLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x)))
 
 
-def attention_mask(batch: Batch | None) -> torch.Tensor | None:
-    """None for a batch that needs only causality; else its boolean mask, made once per micro-batch
-    and kept in ``batch.extras``. Every query also sees itself, so that a padding query with no
-    key left (a row padded on the left) gives a finite output, not NaN."""
+def attention_mask(batch: Batch | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """None for a batch that needs only causality; else its mask, made once per micro-batch and
+    kept in ``batch.extras``. Every query also sees itself, so that a padding query with no key
+    left (a row padded on the left) gives a finite output, not NaN.
+
+    Without ``dtype``: the boolean mask (``prepare`` makes it). With ``dtype``: the additive mask
+    (0 where a query may see a key, -inf where not), which then replaces the boolean one. The
+    blocks take that one: scaled_dot_product_attention turns a boolean mask into exactly this
+    tensor (zeros, -inf where False) on every call and saves it for backward, one (B, 1, T, T)
+    copy per block; given the additive mask it converts nothing and every block saves the same
+    tensor (same values, same bits)."""
     if batch is None or not batch.masked:
         return None
+    if dtype is not None:
+        added = batch.extras.get(ADDED)
+        if added is None or added.dtype != dtype:
+            allowed = attention_mask(batch)
+            added = torch.zeros_like(allowed, dtype=dtype).masked_fill_(allowed.logical_not(), float("-inf"))
+            batch.extras[ADDED] = added
+            batch.extras.pop(ALLOWED, None)     # the additive one is what the rest of the step reads
+        return added
     allowed = batch.extras.get(ALLOWED)
     if allowed is None:
         T = batch.input_ids.shape[1]
@@ -115,7 +132,8 @@ class Block(nn.Module):
         self.mlp = MLP(width)
 
     def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attention_mask(batch))
+        h = self.ln_1(x)
+        x = x + self.attn(h, attention_mask(batch, h.dtype))
         return x + self.mlp(self.ln_2(x))
 
 

@@ -26,10 +26,19 @@ def run_context(schedule: Schedule) -> int:
     return int(value) if value else GPT_DEFAULTS["context"]
 
 
+def gpt_mask_elems(tokens: int) -> int:
+    """Elements per sequence of the attention mask the built-in GPT holds for a padded or packed
+    micro-batch (``runtime/models/gpt.py``'s ``attention_mask``): (T, T) in the blocks' dtype, made
+    once and read by every block's attention, so counted once with the micro-batch's input (the
+    embedding's), which is held from its forward to its backward whatever is recomputed."""
+    return tokens * tokens
+
+
 def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[UnitSpec]:
     """The ordered units of the model ``spec`` describes, with parameter shapes and the costs
     of one sequence of ``context`` tokens (default: the model's own context, see run_context).
-    ``data``: a ``data python(...)`` source, whose function gives a built model its input shapes."""
+    ``data``: a ``data python(...)`` source, whose function gives a built model its input shapes, or a
+    ``jsonl(...)`` one, whose padded or packed rows make the built-in GPT hold an attention mask."""
     if spec.kind == "gpt":
         unknown = sorted(set(spec.args) - set(GPT_DEFAULTS))
         if unknown:
@@ -42,7 +51,10 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
         if args["width"] % args["heads"]:
             raise ModelSizingError(
                 f"gpt(width={args['width']}) must be a multiple of heads={args['heads']}")
-        return gpt_units(**args, tokens=context)
+        units = gpt_units(**args, tokens=context)
+        if data is not None and data.kind == "jsonl":
+            units[0].input_elems_per_seq += gpt_mask_elems(context or args["context"])
+        return units
     if spec.kind in ("user", "hf"):
         try:   # torch (and transformers for hf): only for models built to be sized
             from zdsl.runtime.models.sizing import units_for_user_model
