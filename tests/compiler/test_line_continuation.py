@@ -136,10 +136,22 @@ def test_the_innermost_open_parenthesis_is_blamed():
     assert (diag.span.line, diag.span.column) == (1, 32)
 
 
-def test_a_trailing_comma_at_the_end_of_file_is_an_error_not_a_crash():
+def test_a_comma_that_swallows_the_next_statement_is_blamed():
+    text = HEADER + "shard optimizer,   # a stray comma\n\nzero 2\n"
     with pytest.raises(ZsError) as info:
-        parse_text("train steps=3,\n", "w.zs")
-    assert info.value.diagnostics[0].span.line >= 1
+        parse_text(text, "w.zs")
+    (diag,) = info.value.diagnostics
+    assert (diag.span.line, diag.span.column) == (2, 16)
+    assert diag.message == "a statement does not end with ','"
+    assert diag.hint == "remove this ','; with it the statement goes on to line 4's 'zero'"
+
+
+def test_a_trailing_comma_at_the_end_of_file_is_blamed():
+    with pytest.raises(ZsError) as info:
+        parse_text("train steps=3,\n\n", "w.zs")
+    (diag,) = info.value.diagnostics
+    assert (diag.span.line, diag.span.column) == (1, 14)
+    assert diag.hint == "remove this ','; with it the statement goes on to the end of the file"
 
 
 def test_pipeline_bodies_still_end_statements_at_line_ends():

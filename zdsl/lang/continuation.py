@@ -13,7 +13,9 @@ here: their statements end at line ends as ever.
 
 For a syntax error it records which ``(`` was still open and whether a line end
 was dropped inside it (:meth:`Continuation.unclosed`), so that an unclosed ``(``
-is reported where it was opened, not where the parser ran out of tokens.
+is reported where it was opened, not where the parser ran out of tokens; and which
+``,`` last continued a statement (:meth:`Continuation.trailing_comma`), so that a
+stray comma that swallowed the next statement is reported at the comma.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ class _State:
     last: Token | None = None                         # the last token passed to the parser
     before: Token | None = None                       # the one passed before it
     joined_after: int = 0                             # the line of the last line end dropped inside '('
+    comma: Token | None = None                        # the last ',' that continued a statement
+    after_comma: Token | None = None                  # the first token of the line it continued on
 
 
 class Continuation:
@@ -48,11 +52,14 @@ class Continuation:
                     state.joined_after = max(state.joined_after, tok.line)
                     continue
                 if state.last is not None and state.last.type == "COMMA":
+                    state.comma, state.after_comma = state.last, None
                     continue
             elif tok.type == "LPAR":
                 state.open.append(tok)
             elif tok.type == "RPAR" and state.open:
                 state.open.pop()
+            if state.comma is state.last and state.after_comma is None and state.last is not None:
+                state.after_comma = tok
             state.before, state.last = state.last, tok
             yield tok
 
@@ -71,4 +78,17 @@ class Continuation:
         previous = state.before if found is state.last else state.last
         if previous is not None and previous.line < found.line:
             return paren
+        return None
+
+    def trailing_comma(self, found: Token) -> tuple[Token, Token | None] | None:
+        """The line-ending ``,`` to blame for a syntax error at ``found`` when the statement went on
+        past it to ``found``'s line (or to the end of file), with the first token it went on to."""
+        state: _State | None = getattr(self._local, "state", None)
+        if state is None or state.comma is None:
+            return None
+        first = state.after_comma
+        if found.type == "$END":
+            return (state.comma, first) if first is None else None
+        if first is not None and first.line == found.line:
+            return state.comma, first
         return None

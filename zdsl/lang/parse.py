@@ -197,6 +197,13 @@ def _syntax_error(exc: UnexpectedInput, text: str, file: str):
                      hint=("expected " + _join(expected)) if expected else None)
     if isinstance(exc, UnexpectedToken):
         tok: Token = exc.token
+        stray = _CONTINUATION.trailing_comma(tok)
+        if stray is not None and (stray[1] is None or str(stray[1]) in _STATEMENTS):
+            comma, first = stray
+            went_on = "the end of the file" if first is None else f"line {first.line}'s {str(first)!r}"
+            return error(Span(file, comma.line, comma.column, comma.column + 1),
+                         "a statement does not end with ','",
+                         hint=f"remove this ','; with it the statement goes on to {went_on}")
         paren = _CONTINUATION.unclosed(tok)
         if paren is not None:
             return error(Span(file, paren.line, paren.column, paren.column + 1), "'(' is never closed",
