@@ -155,6 +155,7 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
     device = _device_for(rank, s.backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    unbound = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     if device.type == "cpu":              # bound to its cores, with their threads: as `zdsl run` does
         from zdsl.runtime.dist.affinity import set_cpu_threads
         threads = set_cpu_threads(rank, world)
@@ -209,8 +210,14 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         barrier("disk")
         if world > 1:   # one rank with the disk to itself: what a one-rank schedule's transfers get
             report("disk alone")
-            if rank == 0:
-                out["disk_alone"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank, beside=False)
+            if rank == 0:       # with every core, as a one-rank run has them (its swapper checksums on them)
+                _restore_cores(unbound)
+                try:
+                    out["disk_alone"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank, beside=False)
+                finally:
+                    if device.type == "cpu":
+                        from zdsl.runtime.dist.affinity import bind_rank
+                        bind_rank(rank, world)
             barrier("disk alone")
         report("runtime")
         out["runtime"] = [*early, measure_runtime(device, s, rank, world, block_steps, slots)]
