@@ -41,10 +41,21 @@ def profile_errors(machine_zs) -> list[str]:
             and key not in MACHINE_SHAPE_FIELDS]
 
 
-def test_quick_profile_parses(tmp_path, capsys):
+def test_quick_profile_parses(tmp_path, capsys, monkeypatch):
     out = tmp_path / "machine.zs"
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    from zdsl.runtime.calibrate import cli
+    measured_on = {}                 # rank 0's cores during each disk test (it measures in this process)
+
+    def disk(*args, beside=True, **kw):
+        measured_on["shared" if beside else "alone"] = os.sched_getaffinity(0) if cores is not None else None
+        return measure_disk(*args, beside=beside, **kw)
+    measure_disk = cli.measure_disk
+    monkeypatch.setattr(cli, "measure_disk", disk)
     assert main(["--quick", "--no-progress", "--out", str(out), "--disk", str(tmp_path)]) == 0
+    if cores is not None and len(cores) > 1 and os.environ.get("ZDSL_BIND_CORES", "1") != "0":
+        # bound to its share beside the other rank; alone with every core, as a one-rank run
+        assert measured_on["shared"] < cores and measured_on["alone"] == cores
     assert profile_errors(out) == []
     # the rates by shape (zdsl/planner/rates.py): compute by width in fp32 and bf16, the disk alone
     statement = out.read_text().splitlines()[-1]
