@@ -32,9 +32,11 @@ fp32 and one intra-op thread per rank. Repetitions are interleaved
 (A B C A B C ...) so drift of a shared machine falls on every peer alike.
 
 Per peer and terms it prints the median step time over the measured steps of every
-repetition (warm-up steps left out; a step's time is the slowest rank's),
-the peak RSS of the largest rank, both as a ratio to the baseline (zdsl
-stage 3 by default), the final loss, and the largest difference of the
+repetition (warm-up steps left out; a step's time is the slowest rank's), the
+median CPU seconds of a step's busiest rank (user + system, every thread: on a
+shared machine it moves less than the wall time), the peak RSS of the
+largest rank, step time and peak RSS each also as a ratio to the baseline
+(zdsl stage 3 by default), the final loss, and the largest difference of the
 per-step loss from DDP's, or FSDP2's where DDP is not in the run (they train
 the same thing, so it should be small: bitwise zero for none of them is
 promised, ~1e-5 is float noise).
@@ -206,8 +208,9 @@ def absorb(outcome: Outcome, ranks: list[dict]) -> None:
     steps = len(ranks[0]["step_s"])
     slowest = [max(r["step_s"][i] for r in ranks) for i in range(steps)]
     outcome.step_s.extend(slowest[warmup:])
-    if all(r.get("cpu_s") for r in ranks):
-        outcome.cpu_s.extend(max(r["cpu_s"][i] for r in ranks) for i in range(warmup, steps))
+    if all(r.get("cpu_s") for r in ranks):       # None: a step whose CPU time is not known
+        outcome.cpu_s.extend(max(r["cpu_s"][i] for r in ranks) for i in range(warmup, steps)
+                             if all(r["cpu_s"][i] is not None for r in ranks))
     outcome.ran_with.append(describe_ran_with(ranks))
     outcome.peak_rss.append(max(r["peak_rss"] for r in ranks))
     loss = [statistics.fmean(r["loss"][i] for r in ranks) for i in range(steps)]
@@ -285,7 +288,7 @@ def print_table(rows: list[dict], baseline: str, out=sys.stdout, *, second: list
     step, its time ratio to the baseline and what each ran with, as three more columns."""
     ref = next((r["loss_reference"] for r in rows if r.get("loss_reference")), None)
     ref_label = {"ddp": "DDP", "fsdp2": "FSDP2"}.get(ref, "-")
-    head = ("system", "median step s", "min step s", "peak RSS MiB", f"time / {baseline}", f"mem / {baseline}",
+    head = ("system", "median step s", "min step s", "CPU s", "peak RSS MiB", f"time / {baseline}", f"mem / {baseline}",
             "final loss", f"max |loss - {ref_label}|", "ran with")
     if second is not None:
         head += (f"{second_label}: step s", f"time / {baseline}", "ran with")
@@ -295,10 +298,10 @@ def print_table(rows: list[dict], baseline: str, out=sys.stdout, *, second: list
     for r in rows:
         if r["status"] != "ok":
             notes.append(f"{r['system']}: {r['status']}")
-            line = (r["system"], r["status"].split(":")[0], "", "", "", "", "", "", "")
+            line = (r["system"], r["status"].split(":")[0], "", "", "", "", "", "", "", "")
         else:
             line = (r["system"], _fmt(r["median_step_s"], ".3f"), _fmt(r["min_step_s"], ".3f"),
-                    _fmt(r["peak_rss_mib"], ".0f"),
+                    _fmt(r["median_cpu_s"], ".3f"), _fmt(r["peak_rss_mib"], ".0f"),
                     _fmt(r.get("time_ratio"), ".2f"), _fmt(r.get("memory_ratio"), ".2f"),
                     _fmt(r["final_loss"], ".4f"), _fmt(r["loss_diff_vs_ref"], ".2e"), r["ran_with"])
         if second is not None:

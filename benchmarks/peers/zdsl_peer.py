@@ -7,7 +7,11 @@ launches and waits for its own rank processes; this wrapper reads the
 per-step metrics zdsl writes (loss averaged over ranks, step seconds as the
 slowest rank's) and takes peak RSS from ``getrusage(RUSAGE_CHILDREN)``: the
 largest high-water mark of any process it waited for, which is the largest
-rank (the launcher itself imports no torch and stays small).
+rank (the launcher itself imports no torch and stays small). CPU seconds a step
+are read from the ranks' ``/proc/PID/stat`` (user + system, every thread) each
+time a metrics line appears: the step and the hand-over to the next one (batch,
+metrics exchange), which the torch peers' ``process_time`` around the step
+leaves out, so zdsl's figure is the larger by that.
 
 It writes ``DIR/rank0.json`` in the harness's format with ``world`` = 1
 row that already holds the across-rank figures, plus zdsl's own accounted
@@ -23,9 +27,10 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from benchmarks.peers import BenchConfig, data_statement, job_env, run_bounded
+from benchmarks.peers import BenchConfig, _descendants, data_statement, job_env, run_bounded, stop_tree
 
 
 def model_statement(cfg: BenchConfig) -> str:
@@ -134,7 +139,7 @@ def run_job(cfg: BenchConfig, stage: int, out: Path, timeout_s: float) -> int:
     command = [*zdsl_command(), "run", str(schedule), "--set", f"zero={stage}",
                "--metrics", str(metrics), "--quiet"]
     print("$", " ".join(command), flush=True)
-    code = run_bounded(command, timeout_s, env=job_env(cfg))
+    code, cpu = run_watching_cpu(command, timeout_s, job_env(cfg), metrics)
     if code is None:
         print(f"zdsl run did not finish in {timeout_s:.0f} s", file=sys.stderr)
         return 1
@@ -149,12 +154,55 @@ def run_job(cfg: BenchConfig, stage: int, out: Path, timeout_s: float) -> int:
     peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     result = dict(peer=f"zdsl{stage}", rank=0, world=1, step_s=[r["step_s"] for r in rows],
                   loss=[r["loss"] for r in rows], warmup=cfg.warmup, peak_rss=peak_rss, base_rss=None,
-                  ran_with=told,
+                  ran_with=told, cpu_s=cpu if len(cpu) == len(rows) else None,
                   cuda_peak=None, zdsl_peak_bytes=rows[-1].get("peak_bytes") if rows else None,
                   info=dict(wrapper=f"zdsl run --set zero={stage}", optimizer="zdsl AdamW (sharded)",
                             rss="max over ranks (getrusage of the launcher's children)"))
     (out / "rank0.json").write_text(json.dumps(result))
     return 0
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system seconds of every thread of ``pid`` so far (/proc/PID/stat), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_watching_cpu(command: list[str], timeout_s: float, env: dict, metrics: Path,
+                     poll_s: float = 0.005) -> tuple[int | None, list[float | None]]:
+    """Run ``zdsl run``; its exit status (None: timed out) and, per step, the largest CPU seconds
+    any rank spent from the previous metrics line to this one (None for the first step, which
+    has no start, and where /proc is not there). Stopped like :func:`run_bounded`."""
+    proc = subprocess.Popen(command, env=env)
+    deadline = time.monotonic() + timeout_s
+    seen, last, cpu = 0, None, []
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                stop_tree(proc)
+                return None, cpu
+            time.sleep(poll_s)
+            try:
+                lines = metrics.read_bytes().count(b"\n")
+            except OSError:
+                continue
+            if lines == seen:
+                continue
+            now = {pid: _cpu_seconds(pid) for pid in _descendants(proc.pid)}
+            if last is None:
+                cpu.extend([None] * (lines - seen))
+            else:
+                spent = [now[p] - last[p] for p in now if now[p] is not None and last.get(p) is not None]
+                cpu.extend([max(spent) / (lines - seen) if spent else None] * (lines - seen))
+            seen, last = lines, now
+    except BaseException:
+        stop_tree(proc)
+        raise
+    return proc.returncode, cpu
 
 
 def ran_with(cfg: BenchConfig, ranks: int = 2) -> dict:
