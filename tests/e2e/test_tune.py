@@ -111,6 +111,25 @@ def test_winner_text_keeps_comments_and_reproduces_the_graph(tmp_path):
     assert zdsl("check", str(out)).returncode == 0
 
 
+def test_a_winner_replaces_a_statement_wrapped_over_several_lines(tmp_path):
+    """A statement may go on inside '(' or after a trailing ','; the edit replaces all its lines."""
+    src = tmp_path / "wrapped.zs"
+    text = Path(ZERO3).read_text().replace(
+        "optimizer adamw(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, clip=1.0)",
+        "optimizer adamw(lr=3e-3,\n                # the paper's betas\n                betas=(0.9, 0.95),\n"
+        "                weight_decay=0.1, clip=1.0)\n\n# between statements")
+    assert text.count("\n                ") == 3
+    src.write_text(text)
+    out = tmp_path / "tuned.zs"
+    written, how = write_schedule_text(str(src), {"optimizer": "adamw(lr=0.01)"}, str(out))
+    assert how == "edited", written
+    assert "optimizer adamw(lr=0.01)" in written and "# between statements" in written
+    assert "was: optimizer adamw(lr=3e-3, # the paper's betas betas" not in written
+    assert "#                weight_decay=0.1, clip=1.0)" in written
+    out.write_text(written)
+    assert zdsl("check", str(out)).returncode == 0
+
+
 def test_winner_from_an_override_the_text_cannot_take_is_printed(tmp_path):
     out = tmp_path / "q.zs"
     text, how = write_schedule_text(QUICK, {"lr": "0.01", "prefetch": "2"}, str(out))

@@ -135,9 +135,11 @@ def _edited_text(path: str, overrides: dict[str, str], out_path: str) -> str | N
         if not hits:
             appended.append(text)
             continue
-        i = hits[0].span.line - 1
-        old = lines[i].split(" #", 1)[0].strip()
+        i, last = _statement_lines(program, hits[0], lines)
+        old = " ".join(code for code in (_code(line) for line in lines[i:last + 1]) if code)
         lines[i] = f"{text}    # tuned by zdsl tune; was: {old}"
+        for j in range(i + 1, last + 1):    # the rest of a statement wrapped over several lines
+            lines[j] = "#" + lines[j] if lines[j].strip() else lines[j]
     for stmt in program.statements:           # includes relative to the new folder
         if isinstance(stmt, ast.IncludeStmt):
             i = stmt.span.line - 1
@@ -147,6 +149,24 @@ def _edited_text(path: str, overrides: dict[str, str], out_path: str) -> str | N
     if appended:
         lines += ["", "# set by zdsl tune"] + appended
     return "\n".join(lines) + "\n"
+
+
+def _code(line: str) -> str:
+    """A line without its comment ('#' at the start, or after a space: not inside a name)."""
+    line = line.strip()
+    return "" if line.startswith("#") else line.split(" #", 1)[0].strip()
+
+
+def _statement_lines(program, stmt, lines: list[str]) -> tuple[int, int]:
+    """The first and last line (0-based) of ``stmt``, which may go on over several lines inside
+    '(' or after a trailing ','. Between two statements there are only blank and comment lines, so
+    it ends at the last code line before the next statement of its file (or the end of the file)."""
+    first = stmt.span.line - 1
+    later = [s.span.line - 1 for s in program.statements if s.span.file == stmt.span.file and s.span.line - 1 > first]
+    last = min(later, default=len(lines)) - 1
+    while last > first and not _code(lines[last]):
+        last -= 1
+    return first, last
 
 
 def _printed_text(compiled, out_path: str) -> str:
