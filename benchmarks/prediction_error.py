@@ -72,12 +72,18 @@ def zdsl(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
 
 
 def machine_statement(path: str) -> str:
-    """The value of the profile's ``machine`` statement (``cpu(flops=..., ...)``)."""
+    """The value of the profile's ``machine`` statement (``cpu(flops=..., ...)``), on one line
+    (calibrate writes it a setting a line: the lines up to the ')' that closes it)."""
+    parts, depth = [], 0
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         line = line.split("#", 1)[0].strip()
-        if line.startswith("machine "):
-            return line[len("machine "):].strip()
-    raise SystemExit(f"error: {path} has no `machine` statement")
+        if not parts and not line.startswith("machine "):
+            continue
+        parts.append(line[len("machine "):].strip() if not parts else line)
+        depth += line.count("(") - line.count(")")
+        if depth <= 0:
+            return " ".join(parts).replace("( ", "(").replace(" )", ")")
+    raise SystemExit(f"error: {path} has no complete `machine` statement")
 
 
 def calibrate(out: str, disk: str | None = None, quiet: bool = False, quick: bool = True) -> None:

@@ -121,9 +121,10 @@ class Calibration:
         return f"machine {p.name}({args})"
 
     def to_zs(self) -> str:
-        """The text of ``machine.zs``: comments saying how, then one statement."""
+        """The text of ``machine.zs``: comments saying how, then one statement, a setting a line."""
+        from zdsl.lang.printer import wrap_statement
         lines = [f"# {line}" for line in self.details.get("notes", [])]
-        return "\n".join(lines + [self.machine_statement()]) + "\n"
+        return "\n".join(lines + wrap_statement(self.machine_statement())) + "\n"
 
 
 def _num(v: float) -> str:
