@@ -53,6 +53,14 @@ machine cpu(flops=1.5e10, memory_bw=2e10)
 """
 
 
+def _syntax_error(text: str):
+    """The one diagnostic parsing ``text`` (as file w.zs) raises."""
+    with pytest.raises(ZsError) as info:
+        parse_text(text, "w.zs")
+    (diag,) = info.value.diagnostics
+    return diag
+
+
 def _errors(text: str, file: str = "w.zs"):
     with pytest.raises(ZsError) as info:
         check_text(text, file)
@@ -96,14 +104,10 @@ def test_checker_errors_point_at_the_second_and_third_line_of_a_statement():
 
 def test_syntax_errors_on_continued_lines_are_positioned_there():
     text = "machine cpu(flops=1e10,\n            link==2e9,\n            memory_bw=1)\n"
-    with pytest.raises(ZsError) as info:
-        parse_text(text, "w.zs")
-    (diag,) = info.value.diagnostics
+    diag = _syntax_error(text)
     assert (diag.span.line, diag.span.column) == (2, 18) and diag.message == "unexpected '='"
     text = "train steps=30,\n      batch=4,\n      precision fp32\n"
-    with pytest.raises(ZsError) as info:
-        parse_text(text, "w.zs")
-    (diag,) = info.value.diagnostics
+    diag = _syntax_error(text)
     assert (diag.span.line, diag.span.column) == (3, 17)
 
 
@@ -121,26 +125,20 @@ def test_an_unclosed_parenthesis_is_blamed_where_it_opened():
 
 def test_an_unclosed_parenthesis_at_the_end_of_file_is_blamed_where_it_opened():
     text = "optimizer adamw(lr=1e-3,\n  betas=(0.9, 0.95),\n  eps=1e-8\n\n"
-    with pytest.raises(ZsError) as info:
-        parse_text(text, "w.zs")
-    (diag,) = info.value.diagnostics
+    diag = _syntax_error(text)
     assert (diag.span.line, diag.span.column) == (1, 16)
     assert diag.hint == "close it with ')' at the end of line 3"
 
 
 def test_the_innermost_open_parenthesis_is_blamed():
     text = "optimizer adamw(lr=1e-3, betas=(0.9,\n  0.95\nzero 2\n"
-    with pytest.raises(ZsError) as info:
-        parse_text(text, "w.zs")
-    (diag,) = info.value.diagnostics
+    diag = _syntax_error(text)
     assert (diag.span.line, diag.span.column) == (1, 32)
 
 
 def test_a_comma_that_swallows_the_next_statement_is_blamed():
     text = HEADER + "shard optimizer,   # a stray comma\n\nzero 2\n"
-    with pytest.raises(ZsError) as info:
-        parse_text(text, "w.zs")
-    (diag,) = info.value.diagnostics
+    diag = _syntax_error(text)
     assert (diag.span.line, diag.span.column) == (2, 16)
     assert diag.message == "a statement does not end with ','"
     assert diag.hint == "remove this ','; with it the statement goes on to line 4's 'zero'"
