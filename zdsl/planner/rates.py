@@ -16,6 +16,7 @@ from zdsl.compile.units import GPT_DEFAULTS
 from zdsl.ir import TaskGraph
 from zdsl.schedule import MachineProfile
 
+
 def precision_of(graph: TaskGraph) -> str:
     return (graph.config.get("train") or {}).get("precision", "fp32")
 
