@@ -7,18 +7,31 @@ the interquartile range of its round figures (the middle half; with two
 rounds, both figures). The spread describes this machine's run-to-run noise,
 so more rounds sharpen the median but do not narrow it.
 
-A is **faster** than B only when both hold, over at least
-:data:`MIN_ROUNDS` rounds that both ran:
+A is **faster** than B only when all hold, over at least :data:`MIN_ROUNDS`
+rounds that both ran. A round runs the candidates back to back, so a load that
+slows one run slows its neighbours too: the rounds are compared in pairs, by
+the ratio of B's figure to A's in each round, which cancels that load.
 
-1. their spreads do not overlap: B's lower quartile is above A's upper one,
-   i.e. the difference of the medians exceeds the two facing half-spreads;
-2. A was faster in every round both ran: a round runs the candidates back to
-   back, so a load that slows one run slows its neighbours too, and a real
-   difference shows in each round while noise flips some.
+1. the pairs' spread is past the difference of none: the interquartile range
+   of the round ratios lies entirely above 1 (the difference exceeds the
+   spread of the differences);
+2. A was faster in so many of the rounds that an even coin would do it less
+   than :data:`SIGN_LEVEL` of the time (6 of 6, 8 of 8, 9 of 10, 10 of 12,
+   11 of 14 ...): noise flips some rounds, a real difference few;
+3. the median ratio is at least ``1 +`` :data:`MIN_DIFFERENCE`: smaller
+   differences are ties, too small to act on or to confirm on a shared host.
 
-(Simulated with 8% run-to-run noise and no real difference, (1) alone claims a
-difference in ~5% of pairs at 4-5 rounds, (1)+(2) in ~2%; a 20% difference is
-found ~95% of the time either way.) Otherwise the verdict is a **tie**, and
+The spreads of the candidates' own round figures (the table's "spread"
+column) include the drift between rounds, which the pairs cancel: on this
+2-core host a real 5% difference (prefetch 2 against 1 on zero3.zs) kept
+overlapping spreads after 6 rounds while B was slower in nearly every round.
+(Simulated with 3% noise per run plus 3% shared by a round: with no real
+difference, judging after every round from the 6th to the 12th as the race
+does, (1)-(3) claim one in ~5% of pairs; a real 5% difference is found in
+~84% of pairs, never the wrong way round. Hence up to
+:data:`zdsl.tune.rounds.DEFAULT_MAX_ROUNDS` rounds.)
+
+Otherwise the verdict is a **tie**, and
 among the candidates tied with the fastest median the winner is the one with
 the lower peak device memory (peaks within 1% are equal), then the
 **simpler** schedule: fewer varied values that differ from the file's own,
@@ -29,12 +42,15 @@ nothing is decided: the fastest median wins and the table says "undecided".
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
 from zdsl.tune.search import Candidate
 
-MIN_ROUNDS = 4            # no verdict on fewer shared rounds (with 3, (1)+(2) claims ~7% of equal pairs)
+MIN_ROUNDS = 6            # no verdict on fewer shared rounds ((2) cannot hold on 5)
+SIGN_LEVEL = 0.02         # (2): the chance an even coin wins as many rounds (6 of 6 is 0.016)
+MIN_DIFFERENCE = 0.02     # (3): a median round ratio under 1.02 is a tie
 MEMORY_TOLERANCE = 0.01   # peaks this close count as equal memory
 MODEL_EQUAL = 0.01        # predictions this close count as "the model sees no difference"
 
@@ -55,19 +71,35 @@ class Comparison:
     b: Candidate
     shared: int              # rounds both ran
     b_wins: int              # of those, rounds where b was faster
-    disjoint: bool           # b's spread entirely below a's
+    ratios: tuple[float, float, float]   # a's figure over b's per shared round: lower quartile, median, upper
+
+    @property
+    def apart(self) -> bool:
+        """(1): the round ratios' interquartile range lies above 1."""
+        return self.shared > 0 and self.ratios[0] > 1.0
 
     @property
     def faster(self) -> bool:
-        return self.shared >= MIN_ROUNDS and self.disjoint and self.b_wins == self.shared
+        return (self.shared >= MIN_ROUNDS and self.apart and sign_chance(self.b_wins, self.shared) <= SIGN_LEVEL
+                and self.ratios[1] >= 1.0 + MIN_DIFFERENCE)
+
+
+def sign_chance(wins: int, n: int) -> float:
+    """The chance that an even coin wins at least ``wins`` of ``n`` rounds."""
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n if n else 1.0
 
 
 def compare(a: Candidate, b: Candidate) -> Comparison:
     """Is ``b`` faster than ``a``? (order them so that ``b``'s median is the lower one)."""
     shared = sorted(set(a.rounds) & set(b.rounds))
     wins = sum(1 for r in shared if b.rounds[r] < a.rounds[r])
-    (_, b_hi), (a_lo, _) = spread(list(b.rounds.values())), spread(list(a.rounds.values()))
-    return Comparison(a, b, len(shared), wins, b_hi < a_lo)
+    ratios = [a.rounds[r] / b.rounds[r] for r in shared]
+    if ratios:
+        lo, hi = spread(ratios)
+        quartiles = (lo, statistics.median(ratios), hi)
+    else:
+        quartiles = (1.0, 1.0, 1.0)
+    return Comparison(a, b, len(shared), wins, quartiles)
 
 
 def clearly_slower(cand: Candidate, leader: Candidate) -> bool:
@@ -150,16 +182,24 @@ def verdict(cand: Candidate, winner: Candidate, cands: list[Candidate]) -> str:
         cmp = compare(cand, other)
         whom = "" if other is winner else f" than {other.label} (fastest median)"
         return (f"slower{whom} by {cand.measured_s / other.measured_s - 1:.0%} "
-                f"({_ms(cand, other)}; spread {_iqr(cand)} above {_iqr(other)}; "
+                f"({_ms(cand, other)}; round by round {_pairs(cmp)}; "
                 f"slower in {cmp.b_wins}/{cmp.shared} rounds)")
     fast, slow = (winner, cand) if cand.measured_s >= winner.measured_s else (cand, winner)
     cmp = compare(slow, fast)
     if cmp.shared < MIN_ROUNDS:
         return f"undecided ({_ms(cand, winner)}; {cmp.shared} shared round(s): a verdict needs {MIN_ROUNDS})"
-    if not cmp.disjoint:
-        return f"tie with best ({_ms(cand, winner)}; spreads {_iqr(cand)} and {_iqr(winner)} overlap)"
-    return (f"tie with best ({_ms(cand, winner)}; spreads apart but {'faster' if fast is cand else 'slower'} "
-            f"in only {cmp.b_wins}/{cmp.shared} rounds)")
+    if not cmp.apart:
+        return f"tie with best ({_ms(cand, winner)}; round by round {_pairs(cmp)}: the spread reaches no difference)"
+    if cmp.ratios[1] < 1.0 + MIN_DIFFERENCE:
+        return f"tie with best ({_ms(cand, winner)}; round by round {_pairs(cmp)}: under {MIN_DIFFERENCE:.0%})"
+    return (f"tie with best ({_ms(cand, winner)}; round by round {_pairs(cmp)} but "
+            f"{'faster' if fast is cand else 'slower'} in only {cmp.b_wins}/{cmp.shared} rounds)")
+
+
+def _pairs(cmp: Comparison) -> str:
+    """The slower one's round figures over the faster one's: median and interquartile range."""
+    lo, mid, hi = cmp.ratios
+    return f"{mid:.3f}x (spread {lo:.3f}..{hi:.3f})"
 
 
 def _ms(a: Candidate, b: Candidate) -> str:

@@ -9,9 +9,9 @@ not run again. The race stops at the first of:
 
 * one candidate left: it is faster than every other beyond the spread (or it
   was the only one to measure: one round then);
-* ``max_rounds`` rounds done: the ones left tie (their spreads overlap, and the
-  spread is the machine's noise: more rounds would sharpen the medians, not
-  separate them);
+* ``max_rounds`` rounds done: the ones left tie (rounds compared in pairs
+  separate a real difference of a few percent only after 8-12 of them on a
+  shared host, ``zdsl.tune.noise``; the budget usually ends the race first);
 * the budget: a round is started only if it is expected to end within it (the
   last round's time per run times the runs left); the first round always runs;
 * every run failed.
@@ -28,7 +28,7 @@ from zdsl.tune.noise import MIN_ROUNDS, clearly_slower, leader
 from zdsl.tune.search import Candidate
 
 DEFAULT_BUDGET_S = 120.0
-DEFAULT_MAX_ROUNDS = 6
+DEFAULT_MAX_ROUNDS = 12
 
 
 @dataclass
@@ -82,7 +82,7 @@ def race(cands: list[Candidate], measure: Callable[[Candidate], Run], budget_s: 
         elif len(active) == 1:
             stopped = f"only {active[0].label} is left to measure: the other runs failed"
         elif r >= max_rounds:
-            stopped = f"the {len(active)} left tie after {r} rounds (their spreads overlap)"
+            stopped = f"the {len(active)} left tie after {r} rounds"
         else:
             continue
         break
