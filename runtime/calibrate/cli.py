@@ -261,11 +261,12 @@ def _known_table_rates(compute: dict) -> tuple[float, dict]:
     shape = compute["shape"]
     if shape.get("layers") or "fixed_s" not in compute:
         return 0.0, {}
+    from zdsl.runtime.state.precision import DTYPES
+    precision = {str(dtype).removeprefix("torch."): name for name, dtype in DTYPES.items()}[compute["dtype"]]
     known = {}
     if compute.get("block_flops") and shape["context"] == TABLE_CONTEXT["cpu"] \
             and shape["batch"] == table_batch("cpu", shape["width"]):
-        known[(compute["dtype"].replace("float32", "fp32").replace("bfloat16", "bf16"), shape["width"])] = \
-            compute["block_flops"]
+        known[(precision, shape["width"])] = compute["block_flops"]
     return compute["fixed_s"], known
 
 

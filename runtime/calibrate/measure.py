@@ -178,6 +178,7 @@ def measure_compute_table(device, s: Settings, fixed_s: float = 0.0, known: dict
     import torch
     from zdsl.compile.units import gpt_units
     from zdsl.runtime.models.gpt import Block
+    from zdsl.runtime.state.precision import DTYPES
     kind = "cpu" if device.type == "cpu" else "cuda"
     widths, context = TABLE_WIDTHS[kind], TABLE_CONTEXT[kind]
     sync = _sync_for(device)
@@ -185,7 +186,7 @@ def measure_compute_table(device, s: Settings, fixed_s: float = 0.0, known: dict
     out: dict = {"widths": list(widths), "context": context,
                  "batches": [table_batch(kind, w) for w in widths], "fixed_s": fixed_s}
     for precision in TABLE_PRECISIONS[kind]:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        dtype = DTYPES[precision]
         rates = []
         for width in widths:
             if known and (precision, width) in known:
