@@ -182,21 +182,22 @@ def verdict(cand: Candidate, winner: Candidate, cands: list[Candidate]) -> str:
         cmp = compare(cand, other)
         whom = "" if other is winner else f" than {other.label} (fastest median)"
         return (f"slower{whom} by {cand.measured_s / other.measured_s - 1:.0%} "
-                f"({_ms(cand, other)}; round by round {_pairs(cmp)}; "
+                f"({_ms(cand, other)}; round by round {ratio_text(cmp)}; "
                 f"slower in {cmp.b_wins}/{cmp.shared} rounds)")
     fast, slow = (winner, cand) if cand.measured_s >= winner.measured_s else (cand, winner)
     cmp = compare(slow, fast)
     if cmp.shared < MIN_ROUNDS:
         return f"undecided ({_ms(cand, winner)}; {cmp.shared} shared round(s): a verdict needs {MIN_ROUNDS})"
     if not cmp.apart:
-        return f"tie with best ({_ms(cand, winner)}; round by round {_pairs(cmp)}: the spread reaches no difference)"
+        return (f"tie with best ({_ms(cand, winner)}; round by round {ratio_text(cmp)}: "
+                f"the spread reaches no difference)")
     if cmp.ratios[1] < 1.0 + MIN_DIFFERENCE:
-        return f"tie with best ({_ms(cand, winner)}; round by round {_pairs(cmp)}: under {MIN_DIFFERENCE:.0%})"
-    return (f"tie with best ({_ms(cand, winner)}; round by round {_pairs(cmp)} but "
+        return f"tie with best ({_ms(cand, winner)}; round by round {ratio_text(cmp)}: under {MIN_DIFFERENCE:.0%})"
+    return (f"tie with best ({_ms(cand, winner)}; round by round {ratio_text(cmp)} but "
             f"{'faster' if fast is cand else 'slower'} in only {cmp.b_wins}/{cmp.shared} rounds)")
 
 
-def _pairs(cmp: Comparison) -> str:
+def ratio_text(cmp: Comparison) -> str:
     """The slower one's round figures over the faster one's: median and interquartile range."""
     lo, mid, hi = cmp.ratios
     return f"{mid:.3f}x (spread {lo:.3f}..{hi:.3f})"

@@ -1,0 +1,60 @@
+"""benchmarks/tune_quality.py's judging of a tune run against the truth (synthetic rounds, no runs).
+
+A claimed difference is contradicted only when the truth shows the opposite beyond its noise (the
+rule tune itself uses, on the truth's rounds); a truth whose medians go the other way within its
+noise neither confirms nor contradicts: "not borne out", counted apart.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from zdsl.tune.search import Candidate
+
+BENCH = Path(__file__).parents[2] / "benchmarks" / "tune_quality.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("tune_quality", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def truth(label: str, ms: list[float]) -> Candidate:
+    c = Candidate({"prefetch": label}, {"prefetch": label})
+    c.rounds = {r: v / 1e3 for r, v in enumerate(ms, 1)}
+    return c
+
+
+def tune_result(winner: str, slow: str, fast: str) -> dict:
+    return {"winner": winner, "rounds": 6, "took_s": 60.0,
+            "candidates": [{"label": f"prefetch={slow}", "slower_than": f"prefetch={fast}", "pruned": None},
+                           {"label": f"prefetch={fast}", "slower_than": None, "pruned": None}]}
+
+
+def test_a_confirmed_claim_counts_nothing_against_it():
+    bench = load_bench()
+    a = truth("1", [10.5, 10.6, 10.4, 10.7, 10.5, 10.6, 10.5, 10.4])
+    b = truth("2", [10.0, 10.1, 9.9, 10.2, 10.0, 10.0, 10.1, 9.9])
+    ok, claims, contradicted, flipped = bench.judge("zero3", 1, tune_result("prefetch=2", "1", "2"), [a, b])
+    assert (ok, claims, contradicted, flipped) == (True, 1, 0, 0)
+
+
+def test_the_truth_showing_the_opposite_contradicts():
+    bench = load_bench()
+    a = truth("1", [10.0, 10.1, 9.9, 10.2, 10.0, 10.0, 10.1, 9.9])
+    b = truth("2", [10.5, 10.6, 10.4, 10.7, 10.5, 10.6, 10.5, 10.4])
+    ok, claims, contradicted, flipped = bench.judge("zero3", 1, tune_result("prefetch=2", "1", "2"), [a, b])
+    assert (claims, contradicted, flipped) == (1, 1, 0)
+    assert not ok        # the pick is 5% off the truth's best
+
+
+def test_medians_flipped_within_the_truths_noise_are_not_borne_out():
+    bench = load_bench()
+    # the truth's rounds go both ways: prefetch=1 has the lower median by 0.5%, far inside its noise
+    a = truth("1", [13.0, 13.9, 12.6, 13.5, 12.8, 13.1, 12.5, 14.0])
+    b = truth("2", [13.6, 12.5, 13.2, 12.9, 14.2, 12.7, 13.3, 13.1])
+    assert a.measured_s < b.measured_s
+    ok, claims, contradicted, flipped = bench.judge("zero3", 1, tune_result("prefetch=2", "1", "2"), [a, b])
+    assert (ok, claims, contradicted, flipped) == (True, 1, 0, 1)
