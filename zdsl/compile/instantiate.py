@@ -845,13 +845,11 @@ def instantiate(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, 
     lru = host.lru_of_the_whole_room(built)
     built, held = host.hold_through_cycle(built)
     if built.builder.free_drafts:
-        graph = host.keep_resident(built, held)
+        graph, chosen = host.keep_resident(built, held)
     else:
-        graph = built.graph
-        if held:
-            graph.config["residency"] = residency.Residency(budget=budget, held=held).to_json()
-    if "residency" in graph.config:
-        graph.config["residency"]["lru_saved_bytes"] = lru
+        graph, chosen = built.graph, residency.Residency(budget=budget, held=held) if held else None
+    if chosen is not None:
+        graph.config["residency"] = chosen.to_json() | {"lru_saved_bytes": lru}
     return graph
 
 
@@ -947,19 +945,17 @@ class _HostBudget:
                           tries=residency.MAX_TRIES)
         return (fitted[1], fitted[0]) if fitted else (built, [])
 
-    def keep_resident(self, built: _Built, cycle: list) -> TaskGraph:
+    def keep_resident(self, built: _Built, cycle: list) -> tuple[TaskGraph, residency.Residency | None]:
         """``built``'s graph rebuilt with the host copies Belady's rule keeps under the budget
-        (zdsl/compile/residency.py), or ``built``'s graph itself when none fits; either way its
-        config records what the choice saves and the states ``cycle`` holds. Where moving reads
-        changed the timeline enough to go over the budget, the room shrinks by the excess and
-        the choice is made again."""
+        (zdsl/compile/residency.py), or ``built``'s graph itself when none fits; either way with
+        what the choice saves and the states ``cycle`` holds (None: nothing kept, nothing held).
+        Where moving reads changed the timeline enough to go over the budget, the room shrinks
+        by the excess and the choice is made again."""
         graph, sim, builder = built.graph, built.sim, built.builder
         gaps = residency.find_gaps(graph, sim.start, sim.end, sim.step_s, builder.free_positions())
         host = sim.memory.tiers.get("host")
         if host is None or not any(gap.reread for gap in gaps):
-            if cycle:
-                graph.config["residency"] = residency.Residency(budget=self.budget, held=cycle).to_json()
-            return graph
+            return graph, residency.Residency(budget=self.budget, held=cycle) if cycle else None
         room = residency.Room(host.times, host.working, self.budget, host.model_states, gaps)
 
         def rebuild(margin: int):
@@ -971,8 +967,7 @@ class _HostBudget:
 
         fitted = self.fit(0, rebuild, lambda margin, excess: margin + excess, tries=residency.MAX_TRIES)
         held, kept = fitted if fitted else ([], built)
-        kept.graph.config["residency"] = residency.summarize(gaps, held, room, self.budget, cycle).to_json()
-        return kept.graph
+        return kept.graph, residency.summarize(gaps, held, room, self.budget, cycle)
 
 
 def read_ahead_units(graph: TaskGraph) -> set[int]:
