@@ -16,6 +16,9 @@ was dropped inside it (:meth:`Continuation.unclosed`), so that an unclosed ``(``
 is reported where it was opened, not where the parser ran out of tokens; and which
 ``,`` last continued a statement (:meth:`Continuation.trailing_comma`), so that a
 stray comma that swallowed the next statement is reported at the comma.
+
+:func:`statement_end` finds where a statement that went on over several lines ends in
+the text: zdsl tune replaces all of its lines, an unclosed ``(`` hint names that line.
 """
 from __future__ import annotations
 
@@ -92,3 +95,19 @@ class Continuation:
         if first is not None and first.line == found.line:
             return state.comma, first
         return None
+
+
+def has_code(line: str) -> bool:
+    """Whether a line holds more than blanks and a comment."""
+    return bool(line.split("#", 1)[0].strip())
+
+
+def statement_end(lines: list[str], first: int, next_start: int) -> int:
+    """The last line (0-based) of the statement that starts on line ``first`` when what follows
+    it starts on line ``next_start`` (``len(lines)``: the end of the text): the last line before
+    that holds code, never before ``first``. The blank and comment lines between two statements
+    belong to neither; the lines of a wrapped statement hold code up to its last."""
+    last = next_start - 1
+    while last > first and not has_code(lines[last]):
+        last -= 1
+    return last

@@ -18,6 +18,7 @@ from lark.exceptions import (LarkError, UnexpectedCharacters, UnexpectedEOF,
 
 from zdsl.lang import ast
 from zdsl.lang.continuation import Continuation
+from zdsl.lang.continuation import statement_end
 from zdsl.lang.errors import ZsError
 from zdsl.lang.errors import did_you_mean
 from zdsl.lang.errors import error
@@ -243,9 +244,7 @@ def _syntax_error(exc: UnexpectedInput, text: str, file: str):
 def _unclosed_hint(paren: Token, found: Token, text: str) -> str:
     """How to fix an unclosed '(' whose statement ran on to ``found``."""
     lines = text.splitlines()
-    last = len(lines) if found.type == "$END" else found.line - 1
-    while last > paren.line and not lines[last - 1].split("#", 1)[0].strip():
-        last -= 1       # the statement's last line: blank and comment lines are not part of it
+    last = statement_end(lines, paren.line - 1, len(lines) if found.type == "$END" else found.line - 1) + 1
     hint = f"close it with ')' at the end of line {last}"
     if found.type != "$END":
         hint += f", or end line {last} with ',' if the statement goes on to line {found.line}"

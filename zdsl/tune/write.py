@@ -14,6 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from zdsl.lang.continuation import statement_end
 from zdsl.lang.errors import UsageError
 
 WHOLE_STATEMENT_KEYS = ("ranks", "zero", "shard", "prefetch", "bucket", "overlap", "recompute",
@@ -163,10 +164,7 @@ def _statement_lines(program, stmt, lines: list[str]) -> tuple[int, int]:
     it ends at the last code line before the next statement of its file (or the end of the file)."""
     first = stmt.span.line - 1
     later = [s.span.line - 1 for s in program.statements if s.span.file == stmt.span.file and s.span.line - 1 > first]
-    last = min(later, default=len(lines)) - 1
-    while last > first and not _code(lines[last]):
-        last -= 1
-    return first, last
+    return first, statement_end(lines, first, min(later, default=len(lines)))
 
 
 def _printed_text(compiled, out_path: str) -> str:
