@@ -1,0 +1,87 @@
+"""Two ops whose cost is a memory copy on the host, priced as one: a collective of one rank (the
+runtime copies the shard into the full buffer, the gradient into its shard: no message to wait
+for) and a norm over bf16 gradients on a CPU (the runtime upcasts them into an fp32 block first).
+At programs/capacity.zs's full size they were planned at 21.1 s (the copies at gloo's rate under
+load) and 0.09 s (the reduction's flops alone) against 7.4 s and 1.5 s measured."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from zdsl.compile.units import gpt_units
+from zdsl.driver import compile_schedule
+from zdsl.ir import DTYPE_BYTES
+from zdsl.planner.simulate import op_duration
+from zdsl.planner.simulate import op_fixed
+from zdsl.planner.simulate import simulate
+from zdsl.planner.simulate import under_load
+from zdsl.schedule import MachineProfile
+from zdsl.schedule import OptimizerSpec
+from zdsl.schedule import Schedule
+from zdsl.schedule import TrainSpec
+
+UNITS = gpt_units(layers=3, width=256, heads=4, vocab=256, context=32)
+# one core per rank shared by the lanes, and gloo's collectives at 2% of their rate while compute
+# fills it (the calibrated profile's figures on this VM)
+CPU = MachineProfile(name="cpu", flops=5e10, host_flops=5e10, link_bandwidth=2e9, link_latency=2e-4,
+                     pcie_bandwidth=4e9, memory_bandwidth=3e10, op_overhead=1e-4, comm_overhead=3e-4,
+                     cores=1.0, comm_under_load=0.02)
+GPU = MachineProfile(name="cuda", flops=1e12, link_bandwidth=1e9, link_latency=1e-5,
+                     pcie_bandwidth=2e10, memory_bandwidth=1e11)
+
+
+def graph(ranks: int, precision: str = "fp32", stage: int = 3):
+    s = Schedule(name="copies", ranks=ranks, stage=stage, train=TrainSpec(precision=precision, batch=4),
+                 optimizer=OptimizerSpec(kind="adamw", clip=1.0))
+    return compile_schedule(s, UNITS)
+
+
+def comm_busy(g, machine) -> float:
+    sim = simulate(g, machine)
+    return sum(d for op, d in zip(g.ops, sim.duration) if op.kind in ("comm.all_gather", "comm.reduce_scatter"))
+
+
+def test_a_one_rank_collective_shares_the_cores_as_a_copy():
+    """At one rank ``comm_under_load`` (gloo's threads waiting for messages) does not apply: the
+    copies take their share of the cores, so their planned time is the fair-share one."""
+    fair = dataclasses.replace(CPU, comm_under_load=0.0)
+    one = graph(ranks=1)
+    gather = next(op for op in one.ops if op.kind == "comm.all_gather")
+    assert under_load(gather, CPU, 1) == 0.0 and under_load(gather, CPU, 2) == CPU.comm_under_load
+    assert comm_busy(one, CPU) == pytest.approx(comm_busy(one, fair))
+    # while two ranks' collectives still move at their rate under load, beside the compute
+    two = graph(ranks=2)
+    assert comm_busy(two, CPU) != pytest.approx(comm_busy(two, fair))
+
+
+def rated(g, op, machine):
+    return op_duration(g, op, machine) - op_fixed(op, machine)
+
+
+def unit_norms(g):
+    norms = [op for op in g.ops if op.kind == "compute.norm" and op.unit is not None]
+    assert norms
+    return norms
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_bf16_norm_on_a_cpu_pays_its_upcast(ranks):
+    """Each bf16 gradient a norm reads is copied into fp32 (its elements at 4 bytes) at the
+    host's copy rate before the reduction its flops price; an fp32 one is reduced as it is."""
+    g = graph(ranks, "bf16")
+    for op in unit_norms(g):
+        (grad,) = (g.buffers[n] for n in op.reads)
+        assert grad.dtype == "bf16"
+        upcast = grad.bytes // DTYPE_BYTES["bf16"] * 4 / CPU.pcie_bandwidth
+        assert rated(g, op, CPU) == pytest.approx(op.flops / CPU.flops + upcast)
+    g = graph(ranks, "fp32")
+    for op in unit_norms(g):
+        assert rated(g, op, CPU) == pytest.approx(op.flops / CPU.flops)
+
+
+def test_a_cuda_device_reduces_bf16_gradients_without_a_copy():
+    g = graph(2, "bf16")
+    for op in unit_norms(g):
+        assert g.buffers[op.reads[0]].tier == "device"
+        assert rated(g, op, GPU) == pytest.approx(op.flops / GPU.flops)
