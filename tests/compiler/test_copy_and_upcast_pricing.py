@@ -1,8 +1,9 @@
-"""Two ops whose cost is a memory copy on the host, priced as one: a collective of one rank (the
-runtime copies the shard into the full buffer, the gradient into its shard: no message to wait
-for) and a norm over bf16 gradients on a CPU (the runtime upcasts them into an fp32 block first).
-At programs/capacity.zs's full size they were planned at 21.1 s (the copies at gloo's rate under
-load) and 0.09 s (the reduction's flops alone) against 7.4 s and 1.5 s measured."""
+"""How a one-rank CPU schedule's host work is priced. Two ops whose cost is a memory copy, priced
+as one: a collective of one rank (the runtime copies the shard into the full buffer, the gradient
+into its shard: no message to wait for) and a norm over bf16 gradients on a CPU (the runtime
+upcasts them into an fp32 block first). At programs/capacity.zs's full size they were planned at
+21.1 s (the copies at gloo's rate under load) and 0.09 s (the reduction's flops alone) against
+7.4 s and 1.5 s measured. And the cores its lanes share: the node's, not one rank's share of it."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ import pytest
 from zdsl.compile.units import gpt_units
 from zdsl.driver import compile_schedule
 from zdsl.ir import DTYPE_BYTES
+from zdsl.planner.rates import for_graph
 from zdsl.planner.simulate import op_duration
 from zdsl.planner.simulate import op_fixed
 from zdsl.planner.simulate import simulate
@@ -85,3 +87,18 @@ def test_a_cuda_device_reduces_bf16_gradients_without_a_copy():
     for op in unit_norms(g):
         assert g.buffers[op.reads[0]].tier == "device"
         assert rated(g, op, GPU) == pytest.approx(op.flops / GPU.flops)
+
+
+def test_a_one_rank_schedule_shares_the_cores_the_profiles_ranks_divided():
+    """Calibrate binds each of its ``disk_ranks`` ranks to its share of the node (``cores``); a
+    schedule of one rank has all of them, so its lanes share ``cores x disk_ranks``, as a profile
+    measured with one rank would say. Resolving the profile for the schedule twice is once."""
+    measured_at_two = dataclasses.replace(CPU, disk_ranks=2)
+    one = graph(ranks=1)
+    node = for_graph(measured_at_two, one)
+    assert node.cores == 2.0 and for_graph(node, one) == node
+    as_if_one = dataclasses.replace(CPU, cores=2.0, disk_ranks=1)
+    assert simulate(one, measured_at_two).step_s == pytest.approx(simulate(one, as_if_one).step_s)
+    assert simulate(one, measured_at_two).step_s < simulate(one, dataclasses.replace(CPU, disk_ranks=0)).step_s
+    two = graph(ranks=2)
+    assert for_graph(measured_at_two, two).cores == 1.0

@@ -4,7 +4,7 @@ A profile measures each rate at one setting: the compute rate at some model widt
 precisions, the disk at some number of ranks sharing it. A schedule of another shape is priced
 at its own: its compute ops at the rate of its precision, interpolated (log-log) at its unit's
 width; its disk transfers at the rate of as many ranks as it runs (one alone, else each rank's
-share of the aggregate). Where the profile lacks what the schedule needs, the plain ``flops``,
+share of the aggregate), and its lanes share the node's cores divided by its ranks. Where the profile lacks what the schedule needs, the plain ``flops``,
 ``disk_read`` and ``disk_write`` are used as given, and :func:`gaps` says so.
 """
 from __future__ import annotations
@@ -84,13 +84,27 @@ def disk_rates(machine: MachineProfile, ranks: int) -> tuple[float, float]:
     return machine.disk_read * scale, machine.disk_write * scale
 
 
+def cores_per_rank(machine: MachineProfile, ranks: int) -> float:
+    """Cores each of ``ranks`` ranks of the node has for its lanes: calibrate measures with its
+    ``disk_ranks`` ranks on the node, each bound to its share (``cores``), and a run of another
+    number of ranks divides the same cores (runtime/dist/affinity.py: cpu_count // ranks threads
+    each). A one-rank schedule planned on one core of a two-rank profile shared it among its
+    copies, norms, host step and compute, which a one-rank run does on two: programs/capacity.zs's
+    device-to-host copies planned at 2.7x their measured time, the forward at 1.9x."""
+    if machine.cores <= 0 or machine.disk_ranks <= 0 or ranks == machine.disk_ranks:
+        return machine.cores
+    return machine.cores * machine.disk_ranks / ranks
+
+
 def for_graph(machine: MachineProfile, graph: TaskGraph) -> MachineProfile:
-    """``machine`` with its disk rates for the graph's ranks (every rank of a schedule is on one
-    node and does its own NVMe I/O)."""
+    """``machine`` with its disk rates and cores for the graph's ranks (every rank of a schedule
+    is on one node and does its own NVMe I/O), as measured with that many (``disk_ranks``), so
+    resolving it again changes nothing."""
     read, write = disk_rates(machine, graph.ranks)
-    if (read, write) == (machine.disk_read, machine.disk_write):
+    cores = cores_per_rank(machine, graph.ranks)
+    if (read, write, cores) == (machine.disk_read, machine.disk_write, machine.cores):
         return machine
-    return dataclasses.replace(machine, disk_read=read, disk_write=write)
+    return dataclasses.replace(machine, disk_read=read, disk_write=write, cores=cores, disk_ranks=graph.ranks)
 
 
 def gaps(machine: MachineProfile, graph: TaskGraph) -> list[str]:

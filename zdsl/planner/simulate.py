@@ -268,6 +268,7 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     """
     if machine is None:
         machine = machine_of(graph)
+    machine = for_graph(machine, graph)     # the cores and disk of the schedule's ranks
     rated = rated_durations(graph, machine)
     fixed = [op_fixed(op, machine) for op in graph.ops]
     index = index or index_graph(graph)
