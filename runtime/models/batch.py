@@ -46,6 +46,20 @@ class Batch:
                      attention_mask=move(self.attention_mask), segments=move(self.segments),
                      extras={k: move(v) for k, v in self.extras.items()})
 
+    def extra_tensors(self) -> list[torch.Tensor]:
+        """The tensors ``extras`` holds (values, or inside tuple and list values), one per storage
+        (on the meta device too). They belong to the micro-batch, not to any unit."""
+        out: dict[int, torch.Tensor] = {}
+        for value in self.extras.values():
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    out.setdefault(t.untyped_storage()._cdata, t)
+        return list(out.values())
+
+    def extras_bytes(self) -> int:
+        """Bytes of the storages ``extras`` holds."""
+        return sum(t.untyped_storage().nbytes() for t in self.extra_tensors())
+
     @property
     def masked(self) -> bool:
         """Whether attention must see more than causality: padding or packed segments."""

@@ -48,6 +48,9 @@ How zdsl calls a unit
     from the positions, a 4-D causal and padding mask) so that no unit recomputes them. It may
     read the model's buffers, never its parameters (they live in zdsl's flat shards and may not
     be gathered then). It must be deterministic: a recomputed unit sees the same ``batch``.
+    What it and the units put into ``extras`` is held until the micro-batch's last backward (one
+    micro-batch's at a time when they run one after another) and the plan counts it with the
+    micro-batch's input: per row what grows with the rows, once what every row shares.
 
 ``tied: dict[tuple[int, int], str | tuple[str, ...]]`` (optional)
     ``{(user_unit, owner_unit): "param name in the owner unit"}``: unit ``user_unit`` reads a

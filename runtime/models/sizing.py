@@ -42,9 +42,11 @@ from zdsl.runtime.models.protocol import prepare_batch
 from zdsl.runtime.models.protocol import tied_uses
 
 
-def unit_specs(model_spec, context: int, base_dir=None, sample=None) -> list[UnitSpec]:
+def unit_specs(model_spec, context: int, base_dir=None, sample=None, masked: bool = False) -> list[UnitSpec]:
     """The units of the model a schedule names, for a sequence of ``context`` tokens, or for
-    ``sample``, one row of the data's ``(inputs, targets)`` (``data python(...)``: any tensors)."""
+    ``sample``, one row of the data's ``(inputs, targets)`` (``data python(...)``: any tensors).
+    ``masked``: the data's rows are padded or packed (``jsonl(...)``), so they come with an
+    ``attention_mask``."""
     if model_spec.kind == "gpt":
         return gpt_units(**{**GPT_DEFAULTS, **model_spec.args})
     with torch.device("meta"):
@@ -55,7 +57,8 @@ def unit_specs(model_spec, context: int, base_dir=None, sample=None) -> list[Uni
     specs = [UnitSpec(name=f"unit.{i}", params=[(n, tuple(p.shape)) for n, p in u.named_parameters()],
                       uses=uses[i], aliases=param_aliases(model, i, u)) for i, u in enumerate(units)]
     try:
-        _measure(model, units, specs, lambda: meta_batch(context, sample))
+        one_row = _measure(model, units, specs, lambda: meta_batch(context, sample, masked=masked))
+        _count_extras(model, units, specs[0], one_row, meta_batch(context, sample, rows=2, masked=masked))
     except Exception as exc:   # the user's forward cannot run on meta: keep exact sizes, estimate the rest
         warnings.warn(f"{where}: could not trace one sequence on the meta device "
                       f"({type(exc).__name__}: {exc}); flops and activations are estimates")
@@ -93,27 +96,28 @@ def param_aliases(model, index: int, unit) -> dict[str, list[str]]:
 ESTIMATED_KERNELS = (1, 3)
 
 
-def meta_batch(context: int, sample=None) -> Batch:
-    """One sequence of ``context`` tokens on the meta device (every label counted), or one row of
-    the data's ``sample`` pair."""
+def meta_batch(context: int, sample=None, rows: int = 1, masked: bool = False) -> Batch:
+    """``rows`` sequences of ``context`` tokens on the meta device (every label counted), or
+    ``rows`` copies of the row of the data's ``sample`` pair; ``masked``: with an
+    ``attention_mask``, as padded or packed rows come."""
     if sample is not None:
-        return Batch.of(*(t.to("meta") for t in sample))
-    ids = torch.zeros(1, context, dtype=torch.long, device="meta")
-    return Batch.of(ids, ids.clone())
+        batch = Batch.of(*(torch.cat([t.to("meta")] * rows) for t in sample))
+    else:
+        ids = torch.zeros(rows, context, dtype=torch.long, device="meta")
+        batch = Batch.of(ids, ids.clone())
+    if masked:
+        batch.attention_mask = torch.ones(batch.input_ids.shape[:2], dtype=torch.long, device="meta")
+    return batch
 
 
-def _measure(model, units, specs: list[UnitSpec], example) -> None:
-    """``example()``: a fresh meta batch of one sequence."""
+def _measure(model, units, specs: list[UnitSpec], example) -> Batch:
+    """``example()``: a fresh meta batch of one sequence; returns it, its extras made."""
     from torch.utils.flop_counter import FlopCounterMode
 
     batch = prepare_batch(model, example())
     x = batch.input_ids
-    # prepare's extras belong to the micro-batch, held once whichever units save them (the runtime
-    # counts them so too), not to a unit's activations
-    extras = {id(v._base if v._base is not None else v) for v in batch.extras.values()
-              if isinstance(v, torch.Tensor)}
     for i, (unit, spec) in enumerate(zip(units, specs)):
-        not_acts = {id(p) for p in unit.parameters()} | extras
+        not_acts = {id(p) for p in unit.parameters()}
         saved: dict[int, int] = {}    # id of the saved tensor's base -> its elements (views count once)
 
         def pack(t, not_acts=not_acts, saved=saved):
@@ -129,9 +133,33 @@ def _measure(model, units, specs: list[UnitSpec], example) -> None:
             out = call_unit(unit, x_in, batch, last=i == len(units) - 1)
         if i < len(units) - 1 and not isinstance(out, torch.Tensor):
             raise ModelProtocolError(f"unit {i} returned {type(out).__name__}; units pass one tensor forward")
+        # the batch's extras (prepare's, or made by this unit: a mask in the layers' dtype) belong to
+        # the micro-batch, held once whichever units save them (the runtime meters them so too)
+        for t in batch.extra_tensors():
+            saved.pop(id(t._base if t._base is not None else t), None)
         spec.fwd_flops_per_seq = float(counter.get_total_flops())
         spec.act_elems_per_seq = int(sum(saved.values()))
         x = out.detach()
+    return batch
+
+
+def _extras_elems(batch: Batch) -> int:
+    return sum(t.untyped_storage().nbytes() // t.element_size() for t in batch.extra_tensors())
+
+
+def _count_extras(model, units, first: UnitSpec, one_row: Batch, two_rows: Batch) -> None:
+    """Count the micro-batch's extras (masks, rotary tables) with unit 0's input, which the plan
+    holds from the micro-batch's first forward to its last backward, as the runtime holds them:
+    per row what grows with the rows, once per micro-batch what does not (a causal mask of
+    (1, 1, T, T) every row shares). ``one_row`` has been through the units; ``two_rows`` goes now."""
+    batch = prepare_batch(model, two_rows)
+    x = batch.input_ids
+    with torch.no_grad():
+        for i, unit in enumerate(units):
+            x = call_unit(unit, x, batch, last=i == len(units) - 1)
+    one, two = _extras_elems(one_row), _extras_elems(batch)
+    first.extras_elems_per_seq += two - one
+    first.extras_elems_per_batch += 2 * one - two
 
 
 def _count_kernels(model, units, specs: list[UnitSpec], example) -> None:
@@ -155,4 +183,5 @@ def units_for_user_model(spec, context: int | None = None, base_dir=None, data=N
     if data is not None and data.kind == "python":
         from zdsl.runtime.data.python_source import meta_sample
         sample = meta_sample(data)
-    return unit_specs(spec, context, base_dir=base_dir, sample=sample)
+    masked = data is not None and data.kind == "jsonl"
+    return unit_specs(spec, context, base_dir=base_dir, sample=sample, masked=masked)

@@ -1,8 +1,11 @@
 """What the compute ops do: ``compute.forward|backward|recompute|norm|step``, and the step frame.
 
 * Units run one at a time, called as the unit protocol says (``runtime/models/protocol.py``):
-  each micro-batch is a ``Batch`` the model's ``prepare`` sees once, in ``step_begin``; every
-  unit of that micro-batch, recomputed ones included, gets that same object.
+  each micro-batch is a ``Batch`` the model's ``prepare`` sees once, at its first forward; every
+  unit of that micro-batch, recomputed ones included, gets that same object. What ``prepare``
+  and the units put in its ``extras`` (masks, rotary tables) is held from then to the
+  micro-batch's last compute op, one micro-batch's at a time when they run one after another
+  (as the plan counts them: with the micro-batch's input, ``act[0]``), metered as ``extras[m]``.
   Forward keeps a unit's input (detached, so autograd stops at the unit
   boundary) and its output; backward runs autograd for that one unit with the gradient of its
   output and leaves the gradient of its input in ``act_grad[u]``. A recomputed unit's forward runs
@@ -55,6 +58,9 @@ from zdsl.runtime.state.precision import overflowed
 from zdsl.runtime.state.transfers import Transfers
 
 
+MICRO_BATCH_OPS = ("compute.forward", "compute.recompute", "compute.backward")
+
+
 @dataclass
 class StepPlan:
     """What every step op of one step shares: overflow, clip coefficient, unscale factor.
@@ -99,9 +105,12 @@ class Compute:
         self.last = len(modules) - 1
         self.norm_reduced = any(op.kind == "comm.all_reduce" and "norm" in op.writes for op in graph.ops)
         self.has_backward = {op.unit for op in graph.ops if op.kind == "compute.backward"}
+        # micro-batch -> the id of its last forward, recompute or backward: its extras go after it
+        self.last_use = {op.micro: op.id for op in graph.ops if op.kind in MICRO_BATCH_OPS}
         self._lock = threading.Lock()
         self._pending_tied: dict[tuple[int, int], torch.Tensor] = {}
         self.batches: list[Batch] = []
+        self.prepared: set[int] = set()     # micro-batches whose prepare ran this step
         self.losses: list[torch.Tensor] = []
         self._plan: StepPlan | None = None
         self.step_index = 0
@@ -119,11 +128,8 @@ class Compute:
             raise StateError(f"rank {self.table.rank}: step {step} got a {wrong} for a micro-batch; "
                              f"step_begin takes Batch objects (Batch.of(idx, targets) wraps a pair)")
         self.step_index = step
+        self.drop_extras()
         self.batches = [b.to(self.device, non_blocking=True) for b in batches]
-        if self.prepare is not None:
-            with torch.no_grad():
-                for b in self.batches:
-                    self.prepare(b)
         self.losses = []
         self._plan = None
         self._pending_tied.clear()
@@ -139,6 +145,7 @@ class Compute:
         if self.scaler.enabled:
             self.scaler.update(plan.overflow)
         loss = float(torch.stack(self.losses).mean()) if self.losses else float("nan")
+        self.drop_extras()
         self.batches = []
         return dict(loss=loss, skipped=plan.overflow, grad_norm=plan.grad_norm,
                     loss_scale=self.scaler.scale if self.scaler.enabled else None)
@@ -161,16 +168,15 @@ class Compute:
                 m.training = mode
             _set_rng_state(rng, self.device)
             self.evaluating = False
+            self.drop_extras()
             self.batches, self.losses = [], []
 
     def eval_begin(self, batch: Batch) -> None:
         """Start one forward-only pass over ``batch`` (inside :meth:`evaluation`)."""
         if not self.evaluating:
             raise StateError(f"rank {self.table.rank}: eval_begin outside evaluation()")
+        self.drop_extras()
         self.batches = [batch.to(self.device, non_blocking=True)]
-        if self.prepare is not None:
-            with torch.no_grad():
-                self.prepare(self.batches[0])
         self.losses = []
 
     def eval_end(self) -> torch.Tensor:
@@ -189,6 +195,32 @@ class Compute:
         if fn is None:
             raise self.table.error(op, "not a compute op")
         fn(op)
+        if op.kind in MICRO_BATCH_OPS and not self.evaluating and self.last_use.get(op.micro) == op.id:
+            self.drop_extras(op.micro)
+
+    # -- a micro-batch's extras ------------------------------------------------------------
+    def _batch(self, micro: int) -> Batch:
+        """Micro-batch ``micro``, given to the model's ``prepare`` the first time a unit runs it."""
+        batch = self.batches[micro]
+        if micro not in self.prepared:
+            self.prepared.add(micro)
+            if self.prepare is not None:
+                with torch.no_grad():
+                    self.prepare(batch)
+        return batch
+
+    def _meter_extras(self, micro: int) -> None:
+        nbytes = self.batches[micro].extras_bytes()
+        if nbytes:
+            self.table.meter.hold(f"extras[{micro}]", "device", "extras", "working", nbytes)
+
+    def drop_extras(self, micro: int | None = None) -> None:
+        """Let go of micro-batch ``micro``'s extras (None: every micro-batch's): its units are done."""
+        for m in range(len(self.batches)) if micro is None else (micro,):
+            self.batches[m].extras.clear()
+            self.table.meter.release(f"extras[{m}]")
+        if micro is None:
+            self.prepared.clear()
 
     # -- forward, recompute, backward --------------------------------------------------
     def _unit_input(self, op: Op) -> torch.Tensor:
@@ -206,11 +238,11 @@ class Compute:
 
     def _run_unit(self, u: int, x: torch.Tensor, micro: int, grad: bool) -> tuple[torch.Tensor, int]:
         """Run unit ``u`` on ``x``; returns the output and the bytes autograd saved (not counting
-        ``prepare``'s extras: the micro-batch holds them once, whichever units save them)."""
+        the batch's extras, made before or by this unit: the micro-batch holds them once, whichever
+        units save them; they are metered apart)."""
         module = self.modules[u]
-        batch = self.batches[micro]
-        extras = {v.untyped_storage().data_ptr() for v in batch.extras.values() if isinstance(v, torch.Tensor)}
-        skip = self._param_storages() | {x.untyped_storage().data_ptr()} | extras
+        batch = self._batch(micro)
+        skip = self._param_storages() | {x.untyped_storage().data_ptr()}
         seen: dict[int, int] = {}
 
         def pack(t):
@@ -229,6 +261,9 @@ class Compute:
         optr = out.untyped_storage().data_ptr()
         if optr not in seen:
             seen[optr] = out.untyped_storage().nbytes()
+        for t in batch.extra_tensors():
+            seen.pop(t.untyped_storage().data_ptr(), None)
+        self._meter_extras(micro)
         return out, sum(seen.values())
 
     def _forward(self, op: Op) -> None:

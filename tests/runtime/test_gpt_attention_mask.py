@@ -79,8 +79,8 @@ def test_a_masked_batch_saves_one_mask_for_all_blocks_and_the_planner_counts_it(
     spec = ModelSpec("gpt", dict(CFG))
     plain = units_for(spec, T)
     masked = units_for(spec, T, data=DataSpec(kind="jsonl"))
-    counted = sum(u.input_elems_per_seq + u.act_elems_per_seq for u in masked) \
-        - sum(u.input_elems_per_seq + u.act_elems_per_seq for u in plain)
+    counted = sum(u.input_elems_per_seq + u.act_elems_per_seq + u.extras_elems_per_seq for u in masked) \
+        - sum(u.input_elems_per_seq + u.act_elems_per_seq + u.extras_elems_per_seq for u in plain)
     assert counted * B * dtype.itemsize == mask_bytes
 
 

@@ -48,7 +48,8 @@ class _EvalBuilder(_Builder):
         new = name not in self.buffers
         buf = super().buffer(name)
         if new and buf.kind == "act":      # forward only: a unit's input, nothing saved for a backward
-            buf.bytes = self.batch * self.specs[buf.unit].input_elems_per_seq * self.elem_bytes
+            extras = self.extras_elems if buf.unit == 0 else 0      # the pass's masks, with its input
+            buf.bytes = (self.batch * self.specs[buf.unit].input_elems_per_seq + extras) * self.elem_bytes
         return buf
 
     def build(self, pipelines: dict[str, Pipeline]) -> TaskGraph:

@@ -44,6 +44,7 @@ Rules (the language reference repeats them for users):
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -176,6 +177,20 @@ class _Builder:
         offloaded = self.tiers["gradients"][u] != "device" or self.optim_tier(u) != "device"
         return "host" if offloaded else "device"
 
+    @functools.cached_property
+    def extras_elems(self) -> int:
+        """Elements of one micro-batch's extras (masks, rotary tables; on unit 0's spec)."""
+        first = self.specs[0]
+        return self.batch * first.extras_elems_per_seq + first.extras_elems_per_batch
+
+    @functools.cached_property
+    def extras_holder(self) -> int:
+        """The unit whose ``act`` counts the micro-batch's extras: the runtime holds them from the
+        micro-batch's first forward to its last backward, the first trained unit's, whose ``act``
+        lives until then (unit 0's when it trains; a frozen embedding's is freed after the next
+        forward)."""
+        return next((u for u, needs in enumerate(self.needs_backward) if needs), 0)
+
     def has_master(self, u: int) -> bool:
         """An fp32 master copy lives with the optimizer state: in mixed precision, and whenever the
         optimizer or the parameters are off the device (the step then never reads the shard).
@@ -235,7 +250,7 @@ class _Builder:
         elif kind == "act":
             keeps = u not in self.recompute and self.needs_backward[u]   # autograd's saved tensors
             elems = spec.input_elems_per_seq + (spec.act_elems_per_seq if keeps else 0)
-            nbytes = self.batch * elems * elem_bytes
+            nbytes = (self.batch * elems + (self.extras_elems if u == self.extras_holder else 0)) * elem_bytes
         elif kind == "act_inner":
             nbytes = self.batch * spec.act_elems_per_seq * elem_bytes
         elif kind == "act_grad":

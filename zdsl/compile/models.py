@@ -29,8 +29,8 @@ def run_context(schedule: Schedule) -> int:
 def gpt_mask_elems(tokens: int) -> int:
     """Elements per sequence of the attention mask the built-in GPT holds for a padded or packed
     micro-batch (``runtime/models/gpt.py``'s ``attention_mask``): (T, T) in the blocks' dtype, made
-    once and read by every block's attention, so counted once with the micro-batch's input (the
-    embedding's), which is held from its forward to its backward whatever is recomputed."""
+    once and read by every block's attention, so counted once, with the micro-batch's other extras
+    (``UnitSpec.extras_elems_per_seq``), held from its first forward to its last backward."""
     return tokens * tokens
 
 
@@ -53,7 +53,7 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
                 f"gpt(width={args['width']}) must be a multiple of heads={args['heads']}")
         units = gpt_units(**args, tokens=context)
         if data is not None and data.kind == "jsonl":
-            units[0].input_elems_per_seq += gpt_mask_elems(context or args["context"])
+            units[0].extras_elems_per_seq += gpt_mask_elems(context or args["context"])
         return units
     if spec.kind in ("user", "hf"):
         try:   # torch (and transformers for hf): only for models built to be sized

@@ -19,6 +19,10 @@ class UnitSpec:
     fwd_flops_per_seq: float = 0.0                 # forward flops for one sequence
     act_elems_per_seq: int = 0                     # elements autograd keeps for backward, one sequence
     input_elems_per_seq: int = 0                   # elements of the unit's input, one sequence
+    # the micro-batch's extras (masks, rotary tables: runtime/models/protocol.py's prepare), on unit 0's
+    # spec: elements per sequence, and once per micro-batch what every row shares
+    extras_elems_per_seq: int = 0
+    extras_elems_per_batch: int = 0
     fwd_kernels: int = 0                           # aten ops its forward dispatches (runtime/models/kernel_count.py)
     bwd_kernels: int = 0                           # the same for its backward, gradient accumulation included
     # other names of a parameter (name within the unit -> names): the model's own state-dict name and,

@@ -2,9 +2,9 @@
 
 A family (gpt2.py, llama.py) builds an embedding unit and says how its
 decoder layers are called; :class:`HfCausalLM` holds ``units()``, ``tied``,
-``prepare(batch)`` (the causal mask, plus whatever the family adds, e.g.
-rotary tables), the seeded initialisation and the map from unit-local
-parameter names to the HF checkpoint's names.
+``prepare(batch)`` (whatever the family makes per micro-batch, e.g. rotary
+tables; the layers make the causal mask), the seeded initialisation and the
+map from unit-local parameter names to the HF checkpoint's names.
 
 Parameters get their values unit by unit (:meth:`HfCausalLM.materialize_unit`),
 from the safetensors files or the seeded init: a model built lazily (its
@@ -34,17 +34,16 @@ from zdsl.runtime.models.lazy import LazyUnits
 from zdsl.runtime.models.lazy import UnitValues
 from zdsl.runtime.models.loss import causal_lm_loss
 
-ALLOWED = "hf.allowed"        # extras: (B or 1, 1, T, T) bool, True where a query may see a key
-
-
 def additive_mask(batch: Batch, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """The mask a layer adds to its attention scores, in the scores' dtype (0 where seen, the dtype's
-    lowest finite value where not: a row with nothing to see stays finite). Made once per
-    micro-batch, dtype and window, kept in ``batch.extras``."""
+    lowest finite value where not: a row with nothing to see stays finite). Made by the first layer
+    that needs it, once per micro-batch, dtype and window, and kept in ``batch.extras``: a run
+    holds one mask per window in its layers' dtype, (B, 1, T, T) for padded or packed rows, else
+    (1, 1, T, T), nothing in another dtype and no boolean one."""
     key = ("hf.mask", dtype, window)
     mask = batch.extras.get(key)
     if mask is None:
-        allowed = batch.extras[ALLOWED]
+        allowed = allowed_keys(batch)
         if window is not None:
             T = allowed.shape[-1]
             i = torch.arange(T, device=allowed.device)
@@ -119,11 +118,8 @@ class HfCausalLM(LazyUnits, nn.Module):
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> None:
-        """The masks (fp32 ones made here; other dtypes on first use) and the family's per-batch
-        tables; buffers only, never parameters."""
-        batch.extras[ALLOWED] = allowed_keys(batch)
-        for window in {layer.window for layer in self.layers}:
-            additive_mask(batch, torch.float32, window)
+        """The family's per-batch tables (buffers only, never parameters); the masks are made by
+        the layers, in their dtype (:func:`additive_mask`)."""
 
     def forward(self, input_ids, labels=None) -> torch.Tensor:
         """The loss of ``Batch`` ``input_ids`` (or of ``input_ids``, ``labels``): the units in order."""
