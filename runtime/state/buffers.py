@@ -3,8 +3,11 @@
 A slot is live while it holds data; an op reads only live slots and writing allocates a slot that
 is not. Sizes and dtypes come from the unit's flat layout (``flats``) and optimizer (``optims``),
 which the rank state fills in unit by unit at start-up. Every allocation and release is booked
-on the memory meter. The table never touches NVMe: a buffer on that tier is live when the swapper
-holds it (``runtime/state/transfers.py``).
+on the memory meter. Memory in the CPU's address space that is not pinned (host buffers, and a
+CPU rank's device buffers, the flat parameters and gradients included) comes from the host pool
+(``host_pool.py``), which keeps a released block for the next buffer of its size instead of
+unmapping it, so a step does not page-fault its buffers in again. The table never touches NVMe:
+a buffer on that tier is live when the swapper holds it (``runtime/state/transfers.py``).
 """
 from __future__ import annotations
 
@@ -17,7 +20,10 @@ from zdsl.ir import Op
 from zdsl.ir import TaskGraph
 from zdsl.runtime.state.flat import FlatParam
 from zdsl.runtime.state.flat import alloc_storage
+from zdsl.runtime.state.flat import can_lend
 from zdsl.runtime.state.flat import free_storage
+from zdsl.runtime.state.flat import lend_storage
+from zdsl.runtime.state.flat import reclaim_storage
 from zdsl.runtime.state.host_pool import HostPool
 from zdsl.runtime.state.host_pool import typed
 from zdsl.runtime.state.errors import StateError
@@ -59,7 +65,7 @@ class BufferTable:
         self.slots: dict[str, Slot] = {name: Slot(b) for name, b in graph.buffers.items() if b.kind != "token"}
         self.flats: list[FlatParam] = []          # per unit, filled by the rank state at start-up
         self.optims: list[UnitOptimizer] = []     # per unit, likewise
-        self.pool = HostPool()                    # pageable host memory, reused step to step
+        self.pool = HostPool()                    # pageable CPU memory, reused step to step
 
     def error(self, op: Op | None, cause: str) -> StateError:
         where = f"op {op.id} {op.kind}" + (f" unit {op.unit}" if op.unit is not None else "") \
@@ -137,13 +143,16 @@ class BufferTable:
         dev = self.device if buf.tier == "device" else self.host
         if buf.kind in ("norm", "loss"):
             t = torch.zeros((), dtype=torch.float32, device=dev)
-        elif buf.kind == "param_full" and buf.tier == "device":
-            t = self.flats[buf.unit].full
-            alloc_storage(t)
-        elif buf.kind == "grad_full" and buf.tier == "device":
-            t = self.flats[buf.unit].grad
-            alloc_storage(t)
-            t.zero_()
+        elif buf.kind in ("param_full", "grad_full") and buf.tier == "device":
+            flat = self.flats[buf.unit]
+            t = flat.full if buf.kind == "param_full" else flat.grad
+            if dev.type == "cpu" and can_lend():
+                slot.block = self.pool.take(t.numel() * t.element_size())
+                lend_storage(t, slot.block)
+            else:
+                alloc_storage(t)
+            if buf.kind == "grad_full":
+                t.zero_()
         elif dev.type == "cpu" and not pins_host_memory(buf, self.device):
             numel, dtype = self.numel(buf), self.dtype_of(buf)
             slot.block = self.pool.take(numel * dtype.itemsize)
@@ -170,7 +179,11 @@ class BufferTable:
         for t in (slot.tensor, *((slot.record.input, slot.record.output) if slot.record is not None else ())):
             record_current_stream(t)
         if buf.kind in ("param_full", "grad_full") and buf.tier == "device" and slot.tensor is not None:
-            free_storage(slot.tensor)   # keep the tensor object: autograd's views see the next gather
+            # keep the tensor object: autograd's views see the next gather
+            if slot.block is not None:
+                reclaim_storage(slot.tensor, slot.block)
+            else:
+                free_storage(slot.tensor)
         else:
             slot.tensor = None
         slot.record = None

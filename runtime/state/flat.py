@@ -12,7 +12,8 @@ gradient a view into the flat gradient buffer (the trainable parts only), so:
   storage, after which the module computes with the gathered values;
 * freeing releases the storage (``untyped_storage().resize_(0)``) but keeps
   the tensor objects, as FSDP does: the views autograd saved in forward see
-  the data again once backward re-gathers into the same storage;
+  the data again once backward re-gathers into the same storage (on the CPU
+  the memory is lent by the host pool and handed back, ``lend_storage``);
 * gradients leave through one reduce-scatter per part from the flat
   gradient buffer into the rank's gradient shard.
 
@@ -64,6 +65,29 @@ def alloc_storage(t: torch.Tensor) -> None:
     need = t.numel() * t.element_size()
     if t.untyped_storage().nbytes() != need:
         t.untyped_storage().resize_(need)
+
+
+def can_lend() -> bool:
+    """This torch can move memory between two storages (``lend_storage``)."""
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def lend_storage(t: torch.Tensor, block: torch.Tensor) -> None:
+    """Give freed ``t`` (and its views) ``block``'s memory, at least ``t``'s bytes and left
+    empty meanwhile; contents are undefined. The storage object stays ``t``'s, so autograd's
+    saved views see this memory as they see :func:`alloc_storage`'s."""
+    mine, lent = t.untyped_storage(), block.untyped_storage()
+    if mine.nbytes() != 0 or lent.nbytes() < t.numel() * t.element_size():
+        raise ValueError(f"lend_storage: {mine.nbytes()} bytes held, block of {lent.nbytes()} "
+                         f"for {t.numel() * t.element_size()}")
+    mine._swap_data_ptr_(lent)
+
+
+def reclaim_storage(t: torch.Tensor, block: torch.Tensor) -> None:
+    """Hand the memory :func:`lend_storage` gave ``t`` back to ``block``, leaving ``t`` freed."""
+    if block.untyped_storage().nbytes() != 0:
+        raise ValueError("reclaim_storage: the block was not lent")
+    t.untyped_storage()._swap_data_ptr_(block.untyped_storage())
 
 
 class FlatParam:

@@ -46,3 +46,17 @@ def test_a_block_someone_still_views_is_not_handed_out_again():
     other = pool.take(MB)
     other.zero_()
     assert torch.all(kept_view == 7.0)                # the view's memory was not reused
+
+
+def test_a_larger_kept_block_serves_a_request_of_at_least_half_its_size():
+    pool = HostPool()
+    full = pool.take(4 * MB)
+    pool.give(full)
+    del full
+    shard = pool.take(2 * MB)                         # a gradient shard in its full gradient's block
+    assert shard.numel() == 4 * MB and pool.reused == 1 and pool.taken_bytes == 4 * MB
+    pool.give(shard)
+    del shard
+    small = pool.take(MB)                             # under half: a new block, the kept one unmapped
+    assert small.numel() == MB and pool.fresh == 2 and pool.kept_bytes == 0
+    assert pool.taken_bytes + pool.kept_bytes <= pool.high_bytes
