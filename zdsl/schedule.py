@@ -151,6 +151,10 @@ class MachineProfile:
     flops_fp32: tuple[float, ...] = ()     # a block's forward+backward rate at each of flops_widths, fp32
     flops_bf16: tuple[float, ...] = ()     # the same in bf16
     flops_fp16: tuple[float, ...] = ()     # the same in fp16
+    compute_ranks: int = 0                 # ranks measuring at once (``cores`` each) when the tables above were
+    flops_alone_fp32: tuple[float, ...] = ()   # the fp32 table by one rank alone with every core of the node
+    flops_alone_bf16: tuple[float, ...] = ()   # the same in bf16
+    flops_alone_fp16: tuple[float, ...] = ()   # the same in fp16
     disk_ranks: int = 0                    # ranks sharing the disk when disk_read/disk_write were measured
     disk_read_alone: float = 0.0           # one rank reading with the disk to itself
     disk_write_alone: float = 0.0          # the same writing
@@ -196,19 +200,22 @@ MACHINE_OPTIONS = (
     ("cores", "cores"), ("comm_slots", "comm_slots"), ("comm_under_load", "comm_under_load"),
     ("wake", "wake_latency"),
     ("flops_widths", "flops_widths"), ("flops_fp32", "flops_fp32"), ("flops_bf16", "flops_bf16"),
-    ("flops_fp16", "flops_fp16"),
+    ("flops_fp16", "flops_fp16"), ("compute_ranks", "compute_ranks"),
+    ("flops_alone_fp32", "flops_alone_fp32"), ("flops_alone_bf16", "flops_alone_bf16"),
+    ("flops_alone_fp16", "flops_alone_fp16"),
     ("disk_ranks", "disk_ranks"), ("disk_read_alone", "disk_read_alone"), ("disk_write_alone", "disk_write_alone"),
 )
 # Keywords (each its field's name) whose value is a tuple of numbers, one per ``flops_widths``:
 # ``flops_bf16=(5e10, 2e11, 3e11)``.
-MACHINE_TUPLES = ("flops_widths", "flops_fp32", "flops_bf16", "flops_fp16")
+MACHINE_TUPLES = ("flops_widths", "flops_fp32", "flops_bf16", "flops_fp16",
+                  "flops_alone_fp32", "flops_alone_bf16", "flops_alone_fp16")
 # The fields that give a rate by the schedule's shape (zdsl.planner.rates); unset: rates as given.
-MACHINE_SHAPE_FIELDS = (*MACHINE_TUPLES, "disk_ranks", "disk_read_alone", "disk_write_alone")
+MACHINE_SHAPE_FIELDS = (*MACHINE_TUPLES, "compute_ranks", "disk_ranks", "disk_read_alone", "disk_write_alone")
 # Keywords that may be 0 (a fixed cost, sharing off, or "derive it"); other rates must be > 0.
 MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "comm_overhead", "scatter_overhead", "cores", "comm_under_load", "wake",
                        "scatter_link", "scatter_latency", "reduce_link", "reduce_latency", "host_memory_bw",
                        "disk_read_latency", "disk_write_latency", "disk_read_cpu", "disk_write_cpu",
-                       "disk_ranks", "disk_read_alone", "disk_write_alone")
+                       "compute_ranks", "disk_ranks", "disk_read_alone", "disk_write_alone")
 
 
 @dataclass

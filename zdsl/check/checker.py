@@ -693,7 +693,7 @@ class Checker(PlacementChecks):
             # the per-collective and host rates 0 mean "derived from the others"
             if key == "comm_slots":     # a count of the backend's threads, not a rate
                 value = self.r.integer(arg.value, key, 1, 1024)
-            elif key == "disk_ranks":   # a count of ranks; 0: unknown
+            elif key in ("disk_ranks", "compute_ranks"):   # a count of ranks; 0: unknown
                 value = self.r.integer(arg.value, key, 0, MAX_RANKS)
             elif key in MACHINE_TUPLES:
                 value = self._machine_tuple(arg.value, key)

@@ -3,9 +3,11 @@
 A profile measures each rate at one setting: the compute rate at some model widths and
 precisions, the disk at some number of ranks sharing it. A schedule of another shape is priced
 at its own: its compute ops at the rate of its precision, interpolated (log-log) at its unit's
-width; its disk transfers at the rate of as many ranks as it runs (one alone, else each rank's
-share of the aggregate), and its lanes share the node's cores divided by its ranks. Where the profile lacks what the schedule needs, the plain ``flops``,
-``disk_read`` and ``disk_write`` are used as given, and :func:`gaps` says so.
+width, in the table of as many ranks as it runs (one alone with every core, else theirs); its
+disk transfers at the rate of as many ranks as it runs (one alone, else each rank's share of the
+aggregate), and its lanes share the node's cores divided by its ranks. Where the profile lacks
+what the schedule needs, the plain ``flops``, ``disk_read`` and ``disk_write`` (or the tables of
+the ranks it was measured by) are used as given, and :func:`gaps` says so.
 """
 from __future__ import annotations
 
@@ -21,10 +23,32 @@ def precision_of(graph: TaskGraph) -> str:
     return (graph.config.get("train") or {}).get("precision", "fp32")
 
 
-def flops_table(machine: MachineProfile, precision: str) -> tuple[float, ...]:
-    """The profile's compute rates in ``precision``, one per ``flops_widths`` (empty: none)."""
-    rates = getattr(machine, f"flops_{precision}", ())
+def flops_table(machine: MachineProfile, precision: str, alone: bool = False) -> tuple[float, ...]:
+    """The profile's compute rates in ``precision``, one per ``flops_widths`` (empty: none);
+    ``alone``: the table one rank measured with every core of the node."""
+    rates = getattr(machine, f"flops_{'alone_' if alone else ''}{precision}", ())
     return rates if rates and len(rates) == len(machine.flops_widths) else ()
+
+
+def compute_tables(machine: MachineProfile, ranks: int) -> MachineProfile:
+    """``machine`` with the compute tables a rank of a ``ranks``-rank schedule gets: the profile's
+    tables were measured by ``compute_ranks`` ranks at once, each on its share of the node's
+    cores; a schedule of fewer ranks has more cores each, and a one-rank one all of them, which
+    the ``flops_alone_*`` tables measured (programs/capacity.zs's forward ran at 243 GFLOP/s
+    on two cores against the one-core table's 173.5). Between the two, log-log in cores per rank;
+    unchanged for as many ranks or more, or where the profile lacks the alone table."""
+    measured = machine.compute_ranks
+    if measured <= 1 or ranks >= measured:
+        return machine
+    # log(cores per rank) from the shared tables' (node / measured) to the alone tables' (node)
+    t = 1.0 if ranks <= 1 else math.log(measured / ranks) / math.log(measured)
+    tables = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        shared, alone = flops_table(machine, precision), flops_table(machine, precision, alone=True)
+        if shared and alone:
+            tables[f"flops_{precision}"] = alone if t == 1.0 else tuple(
+                math.exp(math.log(s) + t * (math.log(a) - math.log(s))) for s, a in zip(shared, alone))
+    return dataclasses.replace(machine, **tables, compute_ranks=ranks) if tables else machine
 
 
 def flops_at(widths: tuple[float, ...], rates: tuple[float, ...], width: float) -> float:
@@ -97,9 +121,10 @@ def cores_per_rank(machine: MachineProfile, ranks: int) -> float:
 
 
 def for_graph(machine: MachineProfile, graph: TaskGraph) -> MachineProfile:
-    """``machine`` with its disk rates and cores for the graph's ranks (every rank of a schedule
-    is on one node and does its own NVMe I/O), as measured with that many (``disk_ranks``), so
-    resolving it again changes nothing."""
+    """``machine`` with its disk rates, cores and compute tables for the graph's ranks (every rank
+    of a schedule is on one node and does its own NVMe I/O), as measured with that many
+    (``disk_ranks``, ``compute_ranks``), so resolving it again changes nothing."""
+    machine = compute_tables(machine, graph.ranks)
     read, write = disk_rates(machine, graph.ranks)
     cores = cores_per_rank(machine, graph.ranks)
     if (read, write, cores) == (machine.disk_read, machine.disk_write, machine.cores):
@@ -117,6 +142,11 @@ def gaps(machine: MachineProfile, graph: TaskGraph) -> list[str]:
                if precision == "fp16" and machine.name == "cpu" else "calibrate: zdsl calibrate")
         out.append(f"the profile has no {precision} compute rate (it has {', '.join(have) or 'none'} by width): "
                    f"used flops={machine.flops:.3g} at every width; {why}")
+    elif machine.flops_widths and 0 < graph.ranks < machine.compute_ranks \
+            and not flops_table(machine, precision, alone=True):
+        out.append(f"the profile has no {precision} compute rate of one rank alone (flops_alone_{precision}): used "
+                   f"each of {machine.compute_ranks} ranks' rate on its share of the cores, where this schedule's "
+                   f"{graph.ranks} rank(s) have more; calibrate: zdsl calibrate")
     if uses_nvme(graph) and machine.disk_ranks > 0 and graph.ranks != machine.disk_ranks:
         if graph.ranks == 1 and not (machine.disk_read_alone and machine.disk_write_alone):
             out.append(f"the profile has no one-rank disk rate (disk_read_alone, disk_write_alone): used each of "
