@@ -18,6 +18,9 @@ planner uses it*, under the conditions of a real run:
   (``measure_compute_table``), so that one profile prices a schedule of
   another size or precision (``zdsl.planner.rates``); the default block
   (width 64, fp32) is its first entry, the same number as ``flops``.
+  Measured by every rank at once, each on its share of the cores
+  (``compute_ranks`` of them), and then by rank 0 alone with every core
+  and a torch thread on each (``flops_alone_*``: a one-rank schedule's).
 * ``host_flops``: the same on the host CPU (the device rate on a CPU box).
 * ``memory_bw``/``host_memory_bw``: an AdamW step on a flat fp32 shard,
   counted as the planner counts a ``compute.step`` (moments + parameter +
@@ -72,6 +75,7 @@ statement that a schedule includes (``include "machine.zs"``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -138,7 +142,7 @@ def _value(v) -> str:
 
 # -- one rank ---------------------------------------------------------------------------------
 
-STEPS = ("compute", "optimizer", "copy", "collectives", "disk", "disk alone", "runtime")
+STEPS = ("compute", "optimizer", "copy", "collectives", "disk", "disk alone", "compute alone", "runtime")
 
 
 def _device_for(rank: int, backend: str):
@@ -209,16 +213,16 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         out["disk"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank,
                                    dist.barrier if world > 1 else (lambda: None))
         barrier("disk")
-        if world > 1:   # one rank with the disk to itself: what a one-rank schedule's transfers get
+        if world > 1:   # one rank with the disk and the node to itself: what a one-rank schedule's ops get
             report("disk alone")
             if rank == 0:       # with every core, as a one-rank run has them (its swapper checksums on them)
-                _restore_cores(unbound)
-                try:
+                with _every_core(unbound, device, rank, world):
                     out["disk_alone"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank, beside=False)
-                finally:
-                    if device.type == "cpu":
-                        from zdsl.runtime.dist.affinity import bind_rank
-                        bind_rank(rank, world)
+                    if device.type == "cpu":        # a GPU's rate does not depend on the host's cores
+                        report("compute alone")
+                        out["compute_alone"] = {**measure_compute_table(device, s, out["compute_table"]["fixed_s"]),
+                                                "threads": torch.get_num_threads(),
+                                                "cores": len(unbound) if unbound else os.cpu_count() or 1}
             barrier("disk alone")
         report("runtime")
         out["runtime"] = [*early, measure_runtime(device, s, rank, world, block_steps, slots)]
@@ -299,6 +303,13 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         if precision in table:
             setattr(profile, f"flops_{precision}", tuple(mean(lambda r: r["compute_table"][precision][i])
                                                          for i in range(len(table["widths"]))))
+    # the compute tables by all ranks at once, each on its share of the cores, and by rank 0 alone
+    # with every core (one rank measured them alone: its tables are those)
+    if not cuda:
+        profile.compute_ranks = world
+        for precision in ("fp32", "bf16", "fp16"):
+            if precision in first.get("compute_alone", {}):
+                setattr(profile, f"flops_alone_{precision}", tuple(first["compute_alone"][precision]))
     # the disk shared by all ranks (disk_read, disk_write: each one's share) and one rank's alone
     alone = first.get("disk_alone") or first["disk"]
     profile.disk_ranks = world
@@ -342,6 +353,10 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         f"{', '.join(p for p in ('fp32', 'bf16', 'fp16') if p in table)}: one batch's flops over its time less the "
         f"block's kernels' fixed {table['fixed_s'] * 1e3:.2f} ms; zdsl plan prices a unit at its precision's rate at "
         "its width (log-log between them)",
+        *([f"  flops_alone_*  the same by rank 0 alone with every core ({first['compute_alone']['cores']} "
+            f"cores, {first['compute_alone']['threads']} threads) after the others measured (flops_*: each of "
+            f"compute_ranks={world} ranks on its share): zdsl plan prices a schedule of fewer ranks, more cores "
+            f"each, with them ({', '.join(_alone_gains(profile))})"] if first.get("compute_alone") else []),
         f"  memory_bw   AdamW step on {first['optimizer']['adam_numel']} fp32 elements, "
         f"counted as 16 bytes each (moments, parameter, gradient)"
         + (": the device's; host_memory_bw the host's (runtime/offload/host_adam.py)" if cuda
@@ -393,6 +408,36 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                  "the one-rank rates for a one-rank schedule, the aggregate split over its ranks for others")
     details = {"notes": notes, "ranks": raw, "backend": backend, "mm_flops": mm, "block_flops": block}
     return Calibration(profile, details)
+
+
+def _alone_gains(profile: MachineProfile) -> list[str]:
+    """The alone tables against the shared ones at the widest width: ``bf16 at width 2048: 2.4e+11 flop/s, 1.40x``."""
+    out = []
+    for precision in ("fp32", "bf16", "fp16"):
+        shared, alone = getattr(profile, f"flops_{precision}"), getattr(profile, f"flops_alone_{precision}")
+        if shared and alone:
+            out.append(f"{precision} at width {_num(profile.flops_widths[-1])}: {_num(alone[-1])} flop/s, "
+                       f"{alone[-1] / shared[-1]:.2f}x")
+    return out
+
+
+@contextlib.contextmanager
+def _every_core(unbound: set[int] | None, device, rank: int, world: int):
+    """Rank 0 with every core of the node and a torch thread on each, as a one-rank run has them
+    (runtime/dist/affinity.set_cpu_threads: an explicit OMP_NUM_THREADS wins); its share and
+    thread count back after."""
+    import torch
+    threads = torch.get_num_threads()
+    _restore_cores(unbound)
+    if env.raw("OMP_NUM_THREADS") is None:
+        torch.set_num_threads(len(unbound) if unbound else os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if device.type == "cpu":
+            from zdsl.runtime.dist.affinity import bind_rank
+            bind_rank(rank, world)
 
 
 def _restore_cores(cores: set[int] | None) -> None:
@@ -452,7 +497,8 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
                 chosen = _pick_backend(s)
                 labels = {"compute": "compute (matmul, GPT block)", "optimizer": "memory (AdamW step)",
                           "copy": "host-device copies", "collectives": f"collectives ({chosen}, {ranks} ranks)",
-                          "disk": "disk (O_DIRECT)", "disk alone": "disk (one rank alone)", "runtime": "runtime (a tiny ZeRO-3 step, per-op cost)"}
+                          "disk": "disk (O_DIRECT)", "disk alone": "disk (one rank alone)",
+                          "compute alone": "compute (one rank, every core)", "runtime": "runtime (a tiny ZeRO-3 step, per-op cost)"}
 
                 def report(step: str) -> None:
                     bar.update(task, description=labels[step], advance=1)

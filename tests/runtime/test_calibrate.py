@@ -58,15 +58,31 @@ def test_quick_profile_parses(tmp_path, capsys, monkeypatch):
         return measure_disk(*args, beside=beside, **kw)
     measure_disk = cli.measure_disk
     monkeypatch.setattr(cli, "measure_disk", disk)
+    import torch
+    tables = []                      # rank 0's (cores, torch threads) during each compute table
+
+    def table(*args, **kw):
+        tables.append((os.sched_getaffinity(0) if cores is not None else None, torch.get_num_threads()))
+        return measure_compute_table(*args, **kw)
+    measure_compute_table = cli.measure_compute_table
+    monkeypatch.setattr(cli, "measure_compute_table", table)
+    threads = torch.get_num_threads()
     assert main(["--quick", "--no-progress", "--out", str(out), "--disk", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == threads
+    assert len(tables) == 2                      # beside the other rank, then alone
+    every = len(cores) if cores is not None else os.cpu_count()
+    if os.environ.get("OMP_NUM_THREADS") is None:
+        assert tables[1][1] == every and tables[0][1] == max(1, every // 2)
     if cores is not None and len(cores) > 1 and os.environ.get("ZDSL_BIND_CORES", "1") != "0":
         # bound to its share beside the other rank; alone with every core, as a one-rank run
         assert measured_on["shared"] < cores and measured_on["alone"] == cores
+        assert tables[0][0] < cores and tables[1][0] == cores
     assert profile_errors(out) == []
     # the rates by shape (zdsl/planner/rates.py): compute by width in fp32 and bf16, the disk alone
     statement = machine_statement(out)
     for key in ("flops_widths=(64, 512, 2048)", "flops_fp32=(", "flops_bf16=(", "disk_ranks=2",
-                "disk_read_alone=", "disk_write_alone="):
+                "disk_read_alone=", "disk_write_alone=", "compute_ranks=2", "flops_alone_fp32=(",
+                "flops_alone_bf16=("):
         assert key in statement
     # the default block (fp32, width 64) is the table's first entry: programs of that size keep their rate
     flops = re.search(r"[(, ]flops=([^,]+),", statement).group(1)
@@ -422,3 +438,5 @@ def test_one_rank_calibrates(tmp_path):
     statement = machine_statement(out)      # alone is how its one rank measured the disk
     read = re.search(r"[(, ]disk_read=([^,]+),", statement).group(1)
     assert "disk_ranks=1" in statement and f"disk_read_alone={read}," in statement
+    # its compute tables are one rank's with every core already: none measured again
+    assert "compute_ranks=1" in statement and "flops_alone_" not in statement

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from zdsl.planner import profile_cache
 from zdsl.runtime.calibrate.cli import Calibration
@@ -26,3 +27,37 @@ def test_calibrate_off_leaves_the_cache_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
     assert cache_profile(Calibration(MachineProfile())) == "not cached for zdsl plan: ZDSL_CALIBRATE=0"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cached_profile_without_the_alone_tables_is_measured_again_once_and_that_is_said(
+        tmp_path, capsys, monkeypatch):
+    """Format 2 had no compute tables of one rank with every core (flops_alone_*): a one-rank
+    schedule would plan on one core's rates, so the cache is measured again, once, and said."""
+    from zdsl.cli import main
+    monkeypatch.setenv("ZDSL_CALIBRATE", "1")
+    monkeypatch.setenv("ZDSL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    path = profile_cache.profile_path("cpu")
+    path.parent.mkdir(parents=True)
+    shared = MachineProfile(name="cpu", flops_widths=(64.0,), flops_fp32=(4e10,), disk_ranks=2)
+    path.write_text(json.dumps({"format": 2, "profile": shared.to_config(), "statement": "machine cpu(...)",
+                                "when": "2026-11-25 20:45 UTC"}))
+    alone = dataclasses.replace(shared, compute_ranks=2, flops_alone_fp32=(6e10,))
+    calls = []
+
+    def quick():
+        calls.append(1)
+        profile_cache.write_profile(alone.to_config(), "machine cpu(...)")
+    monkeypatch.setattr(profile_cache, "calibrate_in_runtime", quick)
+    schedule = tmp_path / "s.zs"
+    schedule.write_text("schedule s\nmodel gpt(layers=2)\ndata synthetic(vocab=256, context=32)\n"
+                        "train steps=1, batch=4\nranks 1 on cpu\nzero 3\n")
+    try:
+        for _ in range(2):
+            assert main(["plan", str(schedule)]) == 0
+        err = capsys.readouterr().err
+        assert calls == [1] and err.count("calibrated this machine again") == 1
+        assert "older format, without the compute rates of one rank with every core" in err
+        assert profile_cache.read_profile(path)[0].flops_alone_fp32 == (6e10,)
+    finally:
+        profile_cache.enable(False)

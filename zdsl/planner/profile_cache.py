@@ -30,8 +30,12 @@ from zdsl.schedule import MachineProfile
 
 QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the default profile is used
 # What a cached profile holds; one of an older format is measured again once. 2: compute rates by
-# precision and width, disk rates alone and shared (zdsl.planner.rates).
-PROFILE_FORMAT = 2
+# precision and width, disk rates alone and shared (zdsl.planner.rates); 3: the compute rates of one
+# rank alone with every core too (flops_alone_*, compute_ranks).
+PROFILE_FORMAT = 3
+# What a profile of each older format lacks, as the line saying it was measured again words it.
+LACKING = {1: "without rates by precision, width and ranks",
+           2: "without the compute rates of one rank with every core"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,15 @@ def read_profile(path: Path) -> tuple[MachineProfile, str] | None:
         return None
 
 
+def cached_format(path: Path) -> int | None:
+    """The format of the profile cached at ``path``; None where absent or unreadable."""
+    try:
+        found = json.loads(path.read_text()).get("format", 1)
+        return found if isinstance(found, int) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def nvidia_gpus() -> int:
     try:
         return len(os.listdir("/proc/driver/nvidia/gpus"))
@@ -125,6 +138,7 @@ def choose(device: str) -> Choice:
     if device != machine_device():
         return Choice(None, fallback, None)          # a CUDA schedule planned on a CPU box: nothing to measure
     older = path.exists()                             # there but unreadable: of an older format
+    lacking = LACKING.get(cached_format(path), "")
     why = calibrate_in_runtime()
     cached = read_profile(path) if why is None else None
     if cached is None:
@@ -132,7 +146,7 @@ def choose(device: str) -> Choice:
         return Choice(None, fallback, f"zdsl: could not calibrate this machine ({why}); planning with "
                                       f"zdsl's default profile")
     said = (f"zdsl: calibrated this machine again (zdsl calibrate --quick): its cached profile was of an older "
-            f"format, without rates by precision, width and ranks; cached in {path}" if older else
+            f"format{', ' + lacking if lacking else ''}; cached in {path}" if older else
             f"zdsl: calibrated this machine once (zdsl calibrate --quick), cached in {path}")
     return Choice(cached[0], f"rates: calibrated on this machine (cached {cached[1]}, {path})", said)
 
