@@ -3,8 +3,9 @@ embed_tokens, transformers' own ``<Family>DecoderLayer`` per layer, norm + lm_he
 
 The rotary tables are computed once per micro-batch in ``prepare`` from the batch's
 positions by the family's rotary module (buffers only, held by the model outside every
-unit), and each layer reads them from ``batch.extras``. HF names: ``model.embed_tokens.weight``,
-``model.layers.<i>.*``, ``model.norm.weight``, ``lm_head.weight``.
+unit), cast once to the layers' dtype, and each layer reads them from ``batch.extras``.
+HF names: ``model.embed_tokens.weight``, ``model.layers.<i>.*``, ``model.norm.weight``,
+``lm_head.weight``.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from zdsl.runtime.models.hf.causal_lm import HfCausalLM
 
 # model_type -> the class-name prefix in transformers.models.<model_type>.modeling_<model_type>
 PREFIXES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-ROTARY = "hf.rotary"          # extras: (cos, sin) in fp32, (B, T, head_dim)
+ROTARY = "hf.rotary"          # extras: (cos, sin) in fp32, (B, T, head_dim); (ROTARY, dtype): in the layers' dtype
 
 
 class LlamaEmbedding(nn.Module):
@@ -32,13 +33,27 @@ class LlamaEmbedding(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
 
     def forward(self, input_ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
+        rotary_tables(batch, hidden.dtype)      # the layers' tables, no fp32 ones left in between
+        return hidden
+
+
+def rotary_tables(batch: Batch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prepare``'s fp32 tables in the layers' dtype, cast once per micro-batch (not by every layer,
+    each keeping its own copy for backward); the cast replaces the fp32 ones, as every layer of a
+    micro-batch runs in one dtype."""
+    if dtype == torch.float32:
+        return batch.extras[ROTARY]
+    tables = batch.extras.get((ROTARY, dtype))
+    if tables is None:
+        cos, sin = batch.extras.pop(ROTARY)
+        tables = batch.extras[(ROTARY, dtype)] = (cos.to(dtype), sin.to(dtype))
+    return tables
 
 
 def _call_layer(layer, hidden: torch.Tensor, batch: Batch, mask: torch.Tensor):
-    cos, sin = batch.extras[ROTARY]
     return layer(hidden, attention_mask=mask, position_ids=batch.position_ids(),
-                 position_embeddings=(cos.to(hidden.dtype), sin.to(hidden.dtype)))
+                 position_embeddings=rotary_tables(batch, hidden.dtype))
 
 
 class Llama(HfCausalLM):
