@@ -1,9 +1,10 @@
 """A micro-batch's extras (attention masks, rotary tables) as the runtime holds them and the plan
 counts them. They live from the micro-batch's first forward to its last backward, one micro-batch's
 at a time when micro-batches run one after another (accumulate > 1 held every micro-batch's for the
-whole step, the plan one), and the plan counts them with that micro-batch's input (``act[0]``): the
-meter's ``extras`` peak is the planned figure for the built-in GPT and Hugging Face models, on padded
-or packed rows (``jsonl``) and on plain ones (an HF model's causal mask, shared by the rows)."""
+whole step, the plan one), and the plan counts them in the ``act`` of the micro-batch's first unit
+with a backward, which lives as long: the meter's ``extras`` peak is the planned figure for the
+built-in GPT and Hugging Face models, in fp32 and bf16, on padded or packed rows (``jsonl``) and on
+plain ones (an HF model's causal mask, shared by the rows)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,7 +18,6 @@ from sft_data import write_jsonl
 from zdsl.driver import compile_file
 
 BATCH, CONTEXT, ACCUMULATE = 3, 16, 3
-FP32 = 4
 ELEM = {"fp32": 4, "bf16": 2}
 
 
@@ -95,7 +95,7 @@ def _check(compiled, expected: int) -> None:
 
 def test_the_gpts_mask_on_packed_rows_is_held_one_micro_batch_at_a_time(tmp_path, one_rank_group):
     compiled = _compile(tmp_path, "gpt(layers=2, width=32, heads=4, vocab=256, context=16)", _jsonl(tmp_path))
-    _check(compiled, BATCH * CONTEXT * CONTEXT * FP32)
+    _check(compiled, BATCH * CONTEXT * CONTEXT * ELEM["fp32"])
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["jsonl", "plain"])
@@ -103,7 +103,7 @@ def test_an_hf_gpt2s_mask_is_planned_as_held(tmp_path, one_rank_group, packed):
     data = _jsonl(tmp_path) if packed else f"synthetic(vocab=256, context={CONTEXT})"
     compiled = _compile(tmp_path, _hf(tmp_path, "gpt2"), data)
     rows = BATCH if packed else 1           # plain rows share one (1, 1, T, T) causal mask
-    _check(compiled, rows * CONTEXT * CONTEXT * FP32)
+    _check(compiled, rows * CONTEXT * CONTEXT * ELEM["fp32"])
 
 
 @pytest.mark.parametrize("freeze, precision", [("", "fp32"), ("freeze embed_tokens.weight\n", "fp32"), ("", "bf16")],
