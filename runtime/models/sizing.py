@@ -11,8 +11,12 @@ dispatch. The built-in GPT is sized analytically in ``zdsl/``
 units on meta tensors, called as zdsl calls them: flops come from torch's
 ``FlopCounterMode``, activations from the tensors autograd saves
 (``saved_tensors_hooks``; parameters excluded), inputs from each unit's
-input. If the model cannot run on meta (data-dependent Python control flow),
-the parameters are still exact and the rest falls back to estimates
+input. The units' saved tensors are measured again with their parameters in
+bf16 (``UnitSpec.half_act_elems_per_seq``), in bytes: layers in a 2-byte
+dtype keep some tensors in fp32 (a norm's upcast input, the loss's logits and
+log-probabilities) and int64 token ids, which counting their elements at 2
+bytes missed. If the model cannot run on meta (data-dependent Python control
+flow), the parameters are still exact and the rest falls back to estimates
 (2 flops per parameter per token; activations: the output) with a warning.
 """
 from __future__ import annotations
@@ -56,9 +60,11 @@ def unit_specs(model_spec, context: int, base_dir=None, sample=None, masked: boo
     uses = tied_uses(model, len(units))
     specs = [UnitSpec(name=f"unit.{i}", params=[(n, tuple(p.shape)) for n, p in u.named_parameters()],
                       uses=uses[i], aliases=param_aliases(model, i, u)) for i, u in enumerate(units)]
+    traced = False
     try:
         one_row = _measure(model, units, specs, lambda: meta_batch(context, sample, masked=masked))
         _count_extras(model, units, specs[0], one_row, meta_batch(context, sample, rows=2, masked=masked))
+        traced = True
     except Exception as exc:   # the user's forward cannot run on meta: keep exact sizes, estimate the rest
         warnings.warn(f"{where}: could not trace one sequence on the meta device "
                       f"({type(exc).__name__}: {exc}); flops and activations are estimates")
@@ -74,6 +80,12 @@ def unit_specs(model_spec, context: int, base_dir=None, sample=None, masked: boo
         for s in specs:
             s.fwd_kernels = ESTIMATED_KERNELS[0] * len(s.params)
             s.bwd_kernels = ESTIMATED_KERNELS[1] * len(s.params)
+    try:                       # last: it casts the units
+        if traced:
+            _measure_half(model, units, specs, lambda: meta_batch(context, sample, masked=masked))
+    except Exception as exc:   # bf16/fp16 activations: the fp32 elements at 2 bytes each
+        warnings.warn(f"{where}: could not trace one sequence in bf16 on the meta device "
+                      f"({type(exc).__name__}: {exc}); under bf16 or fp16 its fp32 upcasts are not counted")
     return specs
 
 
@@ -117,30 +129,52 @@ def _measure(model, units, specs: list[UnitSpec], example) -> Batch:
     batch = prepare_batch(model, example())
     x = batch.input_ids
     for i, (unit, spec) in enumerate(zip(units, specs)):
-        not_acts = {id(p) for p in unit.parameters()}
-        saved: dict[int, int] = {}    # id of the saved tensor's base -> its elements (views count once)
-
-        def pack(t, not_acts=not_acts, saved=saved):
-            base = t._base if t._base is not None else t
-            if id(base) not in not_acts and not isinstance(base, torch.nn.Parameter):
-                saved[id(base)] = base.numel()
-            return t
-
         spec.input_elems_per_seq = int(x.numel())
-        x_in = x.detach().requires_grad_(x.is_floating_point() and i > 0)    # unit 0's data: no gradient
         counter = FlopCounterMode(display=False)
-        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = call_unit(unit, x_in, batch, last=i == len(units) - 1)
+        with counter:
+            out, saved = _saved_by(unit, x, batch, i, len(units))
         if i < len(units) - 1 and not isinstance(out, torch.Tensor):
             raise ModelProtocolError(f"unit {i} returned {type(out).__name__}; units pass one tensor forward")
-        # the batch's extras (prepare's, or made by this unit: a mask in the layers' dtype) belong to
-        # the micro-batch, held once whichever units save them (the runtime meters them so too)
-        for t in batch.extra_tensors():
-            saved.pop(id(t._base if t._base is not None else t), None)
         spec.fwd_flops_per_seq = float(counter.get_total_flops())
-        spec.act_elems_per_seq = int(sum(saved.values()))
+        spec.act_elems_per_seq = sum(t.numel() for t in saved)
         x = out.detach()
     return batch
+
+
+def _measure_half(model, units, specs: list[UnitSpec], example) -> None:
+    """``half_act_elems_per_seq``: the bytes autograd saves, one sequence, with the units' parameters
+    in bf16 (as the runtime's flat parameters hold them under bf16 or fp16; the model's own buffers
+    outside the units, rotary frequencies, stay fp32), in 2-byte elements."""
+    for unit in units:
+        unit.to(torch.bfloat16)
+    batch = prepare_batch(model, example())
+    x = batch.input_ids
+    for i, (unit, spec) in enumerate(zip(units, specs)):
+        out, saved = _saved_by(unit, x, batch, i, len(units))
+        spec.half_act_elems_per_seq = -(-sum(t.numel() * t.element_size() for t in saved) // 2)
+        x = out.detach()
+
+
+def _saved_by(unit, x: torch.Tensor, batch: Batch, index: int, n_units: int):
+    """Unit ``index``'s output for input ``x``, called as zdsl calls it, and the tensors autograd
+    saves for its backward: their bases (views count once), its parameters and the batch's extras
+    (prepare's, or made by this unit: a mask in the layers' dtype) left out, as the micro-batch
+    holds those once whichever units save them (the runtime meters them so too)."""
+    not_acts = {id(p) for p in unit.parameters()}
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if id(base) not in not_acts and not isinstance(base, torch.nn.Parameter):
+            saved[id(base)] = base
+        return t
+
+    x_in = x.detach().requires_grad_(x.is_floating_point() and index > 0)    # unit 0's data: no gradient
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = call_unit(unit, x_in, batch, last=index == n_units - 1)
+    for t in batch.extra_tensors():
+        saved.pop(id(t._base if t._base is not None else t), None)
+    return out, list(saved.values())
 
 
 def _extras_elems(batch: Batch) -> int:

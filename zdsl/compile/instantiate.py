@@ -249,10 +249,10 @@ class _Builder:
             dtype = "fp32"
         elif kind == "act":
             keeps = u not in self.recompute and self.needs_backward[u]   # autograd's saved tensors
-            elems = spec.input_elems_per_seq + (spec.act_elems_per_seq if keeps else 0)
+            elems = spec.input_elems_per_seq + (spec.act_elems(elem_bytes) if keeps else 0)
             nbytes = (self.batch * elems + (self.extras_elems if u == self.extras_holder else 0)) * elem_bytes
         elif kind == "act_inner":
-            nbytes = self.batch * spec.act_elems_per_seq * elem_bytes
+            nbytes = self.batch * spec.act_elems(elem_bytes) * elem_bytes
         elif kind == "act_grad":
             nbytes = self.batch * spec.input_elems_per_seq * elem_bytes
         elif kind in ("norm", "loss"):
@@ -838,7 +838,7 @@ class _Builder:
                 index=i, name=spec.name, numel=spec.numel, padded_numel=layout.padded_numel,
                 shard_numel=layout.shard_numel, parts=layout.parts, uses=list(spec.uses),
                 recompute=i in self.recompute, persistent=i in self.persist,
-                act_bytes=self.batch * spec.act_elems_per_seq * self.elem_bytes,
+                act_bytes=self.batch * spec.act_elems(self.elem_bytes) * self.elem_bytes,
                 input_bytes=self.batch * spec.input_elems_per_seq * self.elem_bytes,
                 fwd_flops=spec.fwd_flops_per_seq * self.batch, master=self.has_master(i), decay=decay[i],
                 frozen=[k for k, f in enumerate(self.frozen[i]) if f] or None, trains=self.trains[i],

@@ -18,6 +18,9 @@ class UnitSpec:
     uses: list[int] = field(default_factory=list)  # other units whose parameters this one reads (tied)
     fwd_flops_per_seq: float = 0.0                 # forward flops for one sequence
     act_elems_per_seq: int = 0                     # elements autograd keeps for backward, one sequence
+    # the same when the layers run in a 2-byte dtype (bf16, fp16), in 2-byte elements: what they keep
+    # in fp32 (a norm's upcast input, the loss's log-probabilities) counts twice; None: act_elems_per_seq
+    half_act_elems_per_seq: int | None = None
     input_elems_per_seq: int = 0                   # elements of the unit's input, one sequence
     # the micro-batch's extras (masks, rotary tables: runtime/models/protocol.py's prepare), on unit 0's
     # spec: elements per sequence, and once per micro-batch what every row shares
@@ -28,6 +31,13 @@ class UnitSpec:
     # other names of a parameter (name within the unit -> names): the model's own state-dict name and,
     # for a Hugging Face model, its checkpoint name; globs (freeze, no_decay) match these too
     aliases: dict[str, list[str]] = field(default_factory=dict)
+
+    def act_elems(self, elem_bytes: int) -> int:
+        """Elements of ``elem_bytes`` bytes autograd keeps for backward, one sequence, with the
+        layers in a dtype of that size."""
+        if elem_bytes == 2 and self.half_act_elems_per_seq is not None:
+            return self.half_act_elems_per_seq
+        return self.act_elems_per_seq
 
     @property
     def numel(self) -> int:
