@@ -185,6 +185,7 @@ class Compute:
             raise StateError(f"rank {self.table.rank}: an evaluation pass ended without a loss "
                              f"(the graph never ran the last unit's forward)")
         loss = self.losses[-1]
+        self.drop_extras()          # the pass is over: its masks go, in the meter too
         self.batches, self.losses = [], []
         return loss
 

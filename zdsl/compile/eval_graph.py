@@ -9,9 +9,13 @@ training's own buffers (``runtime/run/evaluate.py``), so its buffer names are a
 subset of the training graph's.
 
 Memory: a unit keeps only its input (no autograd, nothing saved for a backward). The
-model states the training graph holds (gradient shards, optimizer state) stay
-allocated while evaluating; :func:`held_states` counts them, and :func:`eval_findings`
-checks the budgets against the evaluation's peak plus them.
+batch's extras (attention masks, rotary tables) live the whole pass, from the first
+unit's forward to the last one's (``runtime/state/compute.py``): no buffer lives that
+long, so the graph records their bytes (``config["eval_extras"]``) and
+:func:`pass_extras` adds them to every point of the pass. The model states the training
+graph holds (gradient shards, optimizer state) stay allocated while evaluating;
+:func:`held_states` counts them, and :func:`eval_findings` checks the budgets against
+the evaluation's peak plus both.
 """
 from __future__ import annotations
 
@@ -48,8 +52,7 @@ class _EvalBuilder(_Builder):
         new = name not in self.buffers
         buf = super().buffer(name)
         if new and buf.kind == "act":      # forward only: a unit's input, nothing saved for a backward
-            extras = self.extras_elems if buf.unit == 0 else 0      # the pass's masks, with its input
-            buf.bytes = (self.batch * self.specs[buf.unit].input_elems_per_seq + extras) * self.elem_bytes
+            buf.bytes = self.batch * self.specs[buf.unit].input_elems_per_seq * self.elem_bytes
         return buf
 
     def build(self, pipelines: dict[str, Pipeline]) -> TaskGraph:
@@ -60,9 +63,12 @@ class _EvalBuilder(_Builder):
         self.apply_overlap_policy()
         self.auto_free()
         ops = self.finish()
+        config = self.schedule.to_config()
+        if self.extras_elems:
+            config["eval_extras"] = self.extras_elems * self.elem_bytes
         return TaskGraph(
             schedule=self.schedule.name, ranks=self.ranks, stage=self.schedule.stage, precision=self.precision,
-            accumulate=1, units=self.unit_infos(), buffers=self.buffers, ops=ops, config=self.schedule.to_config())
+            accumulate=1, units=self.unit_infos(), buffers=self.buffers, ops=ops, config=config)
 
 
 def instantiate_eval(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline]) -> TaskGraph:
@@ -81,11 +87,19 @@ def held_states(train: TaskGraph, evaluation: TaskGraph) -> dict[str, int]:
     return out
 
 
+def pass_extras(evaluation: TaskGraph) -> dict[str, int]:
+    """tier -> bytes of the eval batch's extras (masks, rotary tables), held on the compute device
+    for the whole pass."""
+    nbytes = evaluation.config.get("eval_extras", 0)
+    return {"device": nbytes} if nbytes else {}
+
+
 def eval_peak(train: TaskGraph, evaluation: TaskGraph, sim) -> dict[str, int]:
-    """tier -> the evaluation's simulated peak plus what training keeps allocated beside it."""
-    held = held_states(train, evaluation)
-    tiers = set(held) | set(sim.memory.tiers)
-    return {tier: sim.memory.peak(tier) + held.get(tier, 0) for tier in sorted(tiers)}
+    """tier -> the evaluation's simulated peak plus its batch's extras and what training keeps
+    allocated beside it."""
+    held, extras = held_states(train, evaluation), pass_extras(evaluation)
+    tiers = set(held) | set(extras) | set(sim.memory.tiers)
+    return {tier: sim.memory.peak(tier) + extras.get(tier, 0) + held.get(tier, 0) for tier in sorted(tiers)}
 
 
 def eval_findings(train: TaskGraph, evaluation: TaskGraph, schedule: Schedule, want_sim: bool = True):
@@ -105,13 +119,15 @@ def eval_findings(train: TaskGraph, evaluation: TaskGraph, schedule: Schedule, w
         sim = simulate(evaluation, schedule.machine)
         peak = eval_peak(train, evaluation, sim)
         held = held_states(train, evaluation)
+        extras = pass_extras(evaluation)
         for tier, budget in sorted(schedule.memory.items()):
             if peak.get(tier, 0) > budget:
+                masks = f", its batch's masks {human_bytes(extras[tier])}" if extras.get(tier) else ""
                 found.append(Finding(
                     "error", f"evaluating needs {human_bytes(peak[tier])} of {tier} memory, over the budget of "
                              f"{human_bytes(budget)}: the forward pass holds {human_bytes(sim.memory.peak(tier))} "
-                             f"(parameters and working buffers) and the gradients and optimizer state training "
-                             f"keeps beside it {human_bytes(held.get(tier, 0))}",
+                             f"(parameters and working buffers){masks} and the gradients and optimizer state "
+                             f"training keeps beside it {human_bytes(held.get(tier, 0))}",
                     schedule.spans.get("eval"),
                     "evaluate on a shorter context (eval ... on SOURCE(context=N)) or raise the budget"))
     return found, sim
