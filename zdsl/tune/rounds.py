@@ -11,8 +11,7 @@ not run again. The race stops at the first of:
   was the only one to measure: one round then);
 * ``max_rounds`` rounds done: the ones left tie (rounds compared in pairs
   separate a real difference of a few percent only after 8-12 of them on a
-  shared host, ``zdsl.tune.noise``: the default budget is sized so that three
-  contenders of a ~3 s run reach them);
+  shared host, ``zdsl.tune.noise``; the budget usually ends the race first);
 * the budget: a round is started only if it is expected to end within it (the
   last round's time per run times the runs left); the first round always runs;
 * every run failed.
@@ -28,7 +27,7 @@ from zdsl.tune.measure import Run, RunFailed
 from zdsl.tune.noise import MIN_ROUNDS, clearly_slower, leader
 from zdsl.tune.search import Candidate
 
-DEFAULT_BUDGET_S = 150.0
+DEFAULT_BUDGET_S = 120.0
 DEFAULT_MAX_ROUNDS = 12
 
 
