@@ -145,6 +145,11 @@ def test_zdsl_plan_prints_the_gap_under_its_rates_line(tmp_path, capsys):
     ("flops_widths=(64, 0)", "each of flops_widths must be greater than 0"),
     ("disk_ranks=-1", "disk_ranks must be"),
     ("disk_read_alone=-2e9", "disk_read_alone must be"),
+    ("flops_widths=(64, 1024), flops_alone_bf16=(1e10, 2e10, 3e10)",
+     "flops_alone_bf16 has 3 rate(s) for 2 flops_widths"),
+    ("flops_widths=(64, 1024), flops_alone_fp32=(1e10, 0)", "each of flops_alone_fp32 must be greater than 0"),
+    ("compute_ranks=-1", "compute_ranks must be"),
+    ("compute_ranks=1.5", "compute_ranks"),
 ])
 def test_the_checker_refuses_a_bad_shape_field_at_its_position(tmp_path, capsys, args, message):
     path = schedule(tmp_path, machine=f"machine cpu({args})\n")
