@@ -498,7 +498,8 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
                 labels = {"compute": "compute (matmul, GPT block)", "optimizer": "memory (AdamW step)",
                           "copy": "host-device copies", "collectives": f"collectives ({chosen}, {ranks} ranks)",
                           "disk": "disk (O_DIRECT)", "disk alone": "disk (one rank alone)",
-                          "compute alone": "compute (one rank, every core)", "runtime": "runtime (a tiny ZeRO-3 step, per-op cost)"}
+                          "compute alone": "compute (one rank, every core)",
+                          "runtime": "runtime (a tiny ZeRO-3 step, per-op cost)"}
 
                 def report(step: str) -> None:
                     bar.update(task, description=labels[step], advance=1)

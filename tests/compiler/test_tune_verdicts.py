@@ -173,8 +173,9 @@ def test_a_clear_winner_wins_over_less_memory_and_with_few_rounds_nothing_is_dec
 def test_the_cost_model_gap_line_names_pairs_predicted_equal_but_measured_apart():
     a = with_rounds(cand("a", predicted_ms=12.0, prefetch="2"), [10, 10.5, 10.2, 10.1, 10.3, 10.4])
     b = with_rounds(cand("b", predicted_ms=12.1, prefetch="1"), [14, 14.5, 14.2, 14.1, 14.3, 14.4])     # within 1%
-    c = with_rounds(cand("c", predicted_ms=20.0, prefetch="0"), [18, 18.5, 18.2, 18.1, 18.3, 18.4])     # predicted apart
-    d = with_rounds(cand("d", predicted_ms=12.0, prefetch="3"), [10.1, 10.4, 10.3, 10.0, 10.2, 10.5])   # measured a tie with a
+    c = with_rounds(cand("c", predicted_ms=20.0, prefetch="0"), [18, 18.5, 18.2, 18.1, 18.3, 18.4])  # predicted apart
+    # measured a tie with a
+    d = with_rounds(cand("d", predicted_ms=12.0, prefetch="3"), [10.1, 10.4, 10.3, 10.0, 10.2, 10.5])
     lines = noise.model_gaps([a, b, c, d])
     assert len(lines) == 2, lines
     assert lines[0].startswith("the cost model does not see the difference between prefetch=2 and prefetch=1 "

@@ -60,7 +60,8 @@ verdicts: each round runs every candidate once (A B C, A B C, ...); a round's fi
   ratio of their figures in each round, which cancels a load both met): one is faster
   only when, over at least 6 shared rounds, the ratios' interquartile range lies past 1,
   it was faster in so many rounds that an even coin would be so lucky under 2% of the
-  time (6 of 6, 8 of 8, 9 of 10, 10 of 12), and the median ratio is at least 1.02; otherwise they tie, and a tie goes to the lower peak device memory, then the simpler
+  time (6 of 6, 8 of 8, 9 of 10, 10 of 12), and the median ratio is at least 1.02;
+  otherwise they tie, and a tie goes to the lower peak device memory, then the simpler
   schedule (fewer values changed from the file, then smaller values), then the faster
   median. Measuring stops when one candidate beats all others, when the ones left
   still tie after --rounds rounds, or before a round that would overrun --budget.""")
