@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--ignore-limits", action="store_true",
                    help="start the ranks even where they do not fit this machine's memory, cores or swap space")
+    # zdsl tune's rounds: several short runs in one launch (runtime/run/variants.py)
+    p.add_argument("--variants", metavar="V.json", help=argparse.SUPPRESS)
     return p
 
 
@@ -91,6 +93,12 @@ def run_command(argv: list[str] | None) -> int:
         print(f"zdsl run: error: {unwritable}", file=sys.stderr)
         return 2
     rank = env.raw("RANK")
+    if args.variants:
+        from zdsl.runtime.run.variants import run_variants
+        code = run_variants(args, overrides, parser)
+        if rank is None:
+            return code
+        leave(code)
     if args.trace and rank is None:               # the launcher: the traced run beside calibrated rates
         from zdsl.planner import profile_cache
         profile_cache.enable()
