@@ -95,7 +95,7 @@ def run_command(argv: list[str] | None) -> int:
     rank = env.raw("RANK")
     if args.variants:
         from zdsl.runtime.run.variants import run_variants
-        code = run_variants(args, overrides, parser)
+        code = run_variants(args, overrides, parser, run_one_rank, fail)
         if rank is None:
             return code
         leave(code)

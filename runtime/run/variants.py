@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import socket
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from zdsl import env
 
@@ -32,6 +32,10 @@ EXIT_INVALID, EXIT_USAGE = 1, 2     # zdsl/cli.py's
 # options of a single run that have no meaning per variant (each writes only its metrics)
 SINGLE_RUN_ONLY = ("metrics", "tensorboard", "trace", "timeline", "export", "checkpoint_every", "checkpoint_dir",
                    "keep", "resume", "fresh_optimizer")
+
+
+RunOne = Callable[[object, argparse.Namespace], int]     # (compiled, args) -> a rank's exit status
+Fail = Callable[[int, str], int]                         # (rank, text) -> exit status, the error reported
 
 
 class VariantsError(Exception):
@@ -71,8 +75,10 @@ def read_variants(path: str) -> list[Variant]:
     return out
 
 
-def run_variants(args, base: dict[str, str], parser: argparse.ArgumentParser) -> int:
-    """``zdsl run FILE --variants V.json`` in this process's role: the launcher, or one rank."""
+def run_variants(args, base: dict[str, str], parser: argparse.ArgumentParser, run_one: RunOne, fail: Fail) -> int:
+    """``zdsl run FILE --variants V.json`` in this process's role: the launcher, or one rank. A rank
+    trains each variant with ``run_one(compiled, args)`` (``zdsl run``'s rank: its exit status) and
+    reports its own errors with ``fail(rank, text)``."""
     given = [f"--{name.replace('_', '-')}" for name in SINGLE_RUN_ONLY if getattr(args, name)]
     if given:
         parser.error(f"{given[0]} is not taken with --variants: each variant writes only its own metrics")
@@ -83,7 +89,7 @@ def run_variants(args, base: dict[str, str], parser: argparse.ArgumentParser) ->
         return EXIT_USAGE
     if env.raw("RANK") is None:
         return launch_variants(args, base, variants, parser)
-    return run_rank_variants(args, base, variants, parser)
+    return run_rank_variants(args, base, variants, parser, run_one, fail)
 
 
 def compile_variant(args, base: dict[str, str], variant: Variant, parser):
@@ -152,11 +158,10 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def run_rank_variants(args, base: dict[str, str], variants: list[Variant], parser) -> int:
+def run_rank_variants(args, base: dict[str, str], variants: list[Variant], parser, run_one: RunOne,
+                      fail: Fail) -> int:
     """One rank: each variant compiled and trained in turn, each in a process group of its own."""
     from zdsl.driver import report
-    from zdsl.runtime.run.cli import fail
-    from zdsl.runtime.run.cli import run_one_rank
 
     rank = int(env.raw("RANK"))
     if any(v.port is None for v in variants):
@@ -169,10 +174,10 @@ def run_rank_variants(args, base: dict[str, str], variants: list[Variant], parse
             if rank == 0:
                 report(compiled)
             return fail(rank, f"rank {rank}: {name} does not check")
-        os.environ["MASTER_PORT"] = str(variant.port)
+        env.export(MASTER_PORT=str(variant.port))
         one = copy.copy(args)
         one.metrics = variant.metrics
-        code = run_one_rank(compiled, one)
+        code = run_one(compiled, one)
         if code != 0:
             name_in_error(name)
             return code
