@@ -27,19 +27,22 @@ def cand(label: str, predicted_ms: float = 10.0, peak: int = 1000, **combo) -> C
 
 
 class Fake:
-    """A measure function: each candidate's step time per round from a table; records the call order."""
+    """A round's measure function: each candidate's step time per round from a table; records the run order."""
 
     def __init__(self, times: dict[str, list[float]], clock=None, run_s: float = 1.0):
         self.times, self.calls, self.clock, self.run_s = times, [], clock, run_s
 
-    def __call__(self, c: Candidate) -> Run:
+    def __call__(self, cands: list[Candidate]) -> dict[str, Run | RunFailed]:
+        return {c.label: self.one(c) for c in cands}
+
+    def one(self, c: Candidate) -> Run | RunFailed:
         self.calls.append(c.label)
         if self.clock is not None:
             self.clock.now += self.run_s
         seq = self.times[c.label]
         value = seq[sum(1 for x in self.calls if x == c.label) - 1]
         if value is None:
-            raise RunFailed("rank 1 ran out of memory")
+            return RunFailed("rank 1 ran out of memory")
         return Run(value / 1e3, {"device": c.predicted_peak["device"]})
 
 
@@ -67,8 +70,8 @@ def test_rounds_interleave_and_a_clearly_slower_candidate_is_not_run_again():
                  "name=c": [20, 21, 19, 22, 20, 21]})
     said = []
     result = race([a, b, c], fake, budget_s=1e9, max_rounds=6, say=said.append)
-    abc = ["name=a", "name=b", "name=c"]
-    assert fake.calls == abc * 6                                    # A B C A B C ...
+    abc, bca, cab = ["name=a", "name=b", "name=c"], ["name=b", "name=c", "name=a"], ["name=c", "name=a", "name=b"]
+    assert fake.calls == (abc + bca + cab) * 2                      # A B C, B C A, C A B, ...
     assert c.dropped == 6 and a.dropped is None and b.dropped is None
     assert result.rounds == 6 and "the 2 left tie after 6 rounds" in result.stopped
     assert len(said) == 6 and all(line.startswith(f"zdsl tune: round {i}:") for i, line in enumerate(said, 1))

@@ -3,11 +3,11 @@
 Why two stages: the planner prices a combination in milliseconds and knows
 the memory budget, so it can afford to try all of them, reject the ones that
 do not fit and prune the ones predicted too slow to win; but a prediction is a
-model, so the best few are then run for real (short ``zdsl run`` subprocesses,
-exactly as a user would run them), in interleaved rounds until the verdict
-stands out of the machine's noise or the budget ends. The table shows both,
-so the user also sees how far the cost model is off on this machine, and
-where it cannot tell two candidates apart that measure apart.
+model, so the best few are then run for real (short training runs, each as
+``zdsl run`` would do it, a round's all in one launch), in interleaved rounds
+until the verdict stands out of the machine's noise or the budget ends. The
+table shows both, so the user also sees how far the cost model is off on this
+machine, and where it cannot tell two candidates apart that measure apart.
 
 This module turns arguments into calls: the candidates, their ranking and
 pruning (``zdsl.tune.search``, ranges in ``zdsl.tune.ranges``), the rounds
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from zdsl.tune import noise
-from zdsl.tune.measure import measure
+from zdsl.tune.measure import measure_round
 from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, race
 from zdsl.tune.search import (PRUNE_FACTOR, TuneUsageError, combinations, count_changes, parse_vary, predict,
                               prune, validate_values)
@@ -54,8 +54,9 @@ ranges: prefetch=0..4 is every integer from 0 to 4 (step 1); bucket=256KiB..16Mi
   end is always included). Ranges and values mix: bucket=0,256KiB..4MiB.
 values with top-level commas (overlap pairs): separate alternatives with '|',
   e.g. --vary 'overlap=all|gather/forward,scatter/backward'
-verdicts: each round runs every candidate once (A B C, A B C, ...); a round's figure is
-  its run's median step after the warm-up. "measured" is the median of those figures,
+verdicts: each round runs every candidate once, back to back in one launch, the order
+  rotated each round (A B C, B C A, C A B, ...); a round's figure is a candidate's run's
+  median step after the warm-up. "measured" is the median of those figures,
   "spread" their interquartile range. Two candidates are compared round by round (the
   ratio of their figures in each round, which cancels a load both met): one is faster
   only when, over at least 6 shared rounds, the ratios' interquartile range lies past 1,
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result = None
     if to_measure:
-        result = race(to_measure, lambda c: measure(args.file, c, args.steps, args.warmup, args.timeout),
+        result = race(to_measure,
+                      lambda cs: measure_round(args.file, cs, args.steps, args.warmup, args.timeout),
                       args.budget, args.rounds)
         print(f"zdsl tune: stopped after {result.rounds} round(s), {result.seconds:.0f} s: {result.stopped}",
               file=sys.stderr)

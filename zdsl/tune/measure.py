@@ -1,10 +1,18 @@
-"""``zdsl tune``'s measurement: a candidate run for real, its step times read back.
+"""``zdsl tune``'s measurement: candidates run for real, their step times read back.
 
-One call is one candidate's turn in a round (``zdsl.tune.rounds``). Each
-run is ``zdsl run FILE --set ...`` in a subprocess (the candidate's
-overrides, ``steps``, ``--metrics`` into a temporary folder), exactly as a
-user would run it and outside any launcher's rank variables; the tuner
-itself never imports torch.
+:func:`measure_round` runs one round (``zdsl.tune.rounds``): every candidate
+given, in the order given, as a variant of one launch (``zdsl run FILE
+--variants V.json``, ``runtime/run/variants.py``): each a complete short run
+with its own compiled graph, fresh model and state, and metrics file, while
+the launcher and the ranks' start-up are paid once and the candidates share
+the processes' conditions. When that launch fails or overruns, the round's
+candidates are run again one by one, so a failure is named for the candidate
+that has it and the others still get their figures.
+
+:func:`measure` is one candidate alone: ``zdsl run FILE --set ...`` exactly as a
+user would run it. Both run outside any launcher's rank variables (steps set
+by ``steps``, ``--metrics`` into a temporary folder); the tuner itself never
+imports torch.
 """
 from __future__ import annotations
 
@@ -31,25 +39,61 @@ class Run:
     peak: dict[str, int]
 
 
+def measure_round(path: str, cands: list[Candidate], steps: int, warmup: int,
+                  timeout_s: float) -> dict[str, Run | RunFailed]:
+    """Each of ``cands`` run once, back to back in one launch, ``steps`` steps of which the first
+    ``warmup`` are not timed; by label, its Run or why it failed. ``timeout_s`` is per candidate."""
+    if len(cands) > 1:
+        with tempfile.TemporaryDirectory(prefix="zdsl-tune-") as tmp:
+            files = [os.path.join(tmp, f"metrics{i}.jsonl") for i in range(len(cands))]
+            variants = os.path.join(tmp, "variants.json")
+            with open(variants, "w", encoding="utf-8") as f:
+                json.dump([{"overrides": [f"{k}={v}" for k, v in c.overrides.items()], "metrics": m}
+                           for c, m in zip(cands, files)], f)
+            try:
+                run_zdsl(path, ["--set", f"steps={steps}", "--variants", variants], timeout_s * len(cands))
+                every = [read_metrics(m) for m in files]
+                if all(every):
+                    return {c.label: run_of(rows, warmup) for c, rows in zip(cands, every)}
+            except RunFailed:
+                pass                               # named per candidate below
+    out: dict[str, Run | RunFailed] = {}
+    for cand in cands:
+        try:
+            out[cand.label] = measure(path, cand, steps, warmup, timeout_s)
+        except RunFailed as exc:
+            out[cand.label] = exc
+    return out
+
+
 def measure(path: str, cand: Candidate, steps: int, warmup: int, timeout_s: float) -> Run:
     """One short real run of ``steps`` steps; the first ``warmup`` are not timed. Raises RunFailed."""
     with tempfile.TemporaryDirectory(prefix="zdsl-tune-") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        cmd = [sys.executable, "-m", "zdsl.cli", "run", path]
+        sets = []
         for k, v in cand.overrides.items():
-            cmd += ["--set", f"{k}={v}"]
-        cmd += ["--set", f"steps={steps}", "--metrics", metrics, "--quiet"]
-        # zdsl run is the launcher here: an outer launcher's rank variables would make it a rank
-        env = child_environment(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-        except subprocess.TimeoutExpired:
-            raise RunFailed(f"run took longer than {timeout_s:.0f} s") from None
+            sets += ["--set", f"{k}={v}"]
+        run_zdsl(path, sets + ["--set", f"steps={steps}", "--metrics", metrics], timeout_s)
         rows = read_metrics(metrics)
-        if proc.returncode != 0 or not rows:
-            lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
-            raise RunFailed((lines[-1] if lines else f"exit status {proc.returncode}")[:200])
+        if not rows:
+            raise RunFailed("the run wrote no step")
     return run_of(rows, warmup)
+
+
+def run_zdsl(path: str, options: list[str], timeout_s: float) -> None:
+    """``zdsl run path options --quiet`` as a user would start it; RunFailed (its last error line, else
+    its last line) unless it exits with status 0 within ``timeout_s``."""
+    cmd = [sys.executable, "-m", "zdsl.cli", "run", path, *options, "--quiet"]
+    # zdsl run is the launcher here: an outer launcher's rank variables would make it a rank
+    env = child_environment(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"run took longer than {timeout_s:.0f} s") from None
+    if proc.returncode != 0:                       # the error, not the hint or source line after it
+        lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "error:" in ln]
+        raise RunFailed((errors or lines or [f"exit status {proc.returncode}"])[-1][:200])
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -1,11 +1,13 @@
 """``zdsl tune``'s measuring loop: candidates run in interleaved rounds until the verdict holds.
 
-A round runs every candidate still in the race once, in a fixed order
-(A B C, A B C, ...): one short ``zdsl run`` each (``zdsl.tune.measure``), so a
-spell of load from elsewhere falls on neighbouring runs of different
-candidates rather than on all runs of one. From round :data:`MIN_ROUNDS` on,
-a candidate clearly slower than the fastest median (``zdsl.tune.noise``) is
-not run again. The race stops at the first of:
+A round runs every candidate still in the race once, all in one launch
+(``zdsl.tune.measure.measure_round``), so they share its processes' conditions
+and a spell of load from elsewhere falls on neighbouring runs of different
+candidates rather than on all runs of one. The order rotates each round (A B
+C, B C A, C A B, ...): no candidate always runs first, after the start-up, or
+always after the same one (whose warm heap or caches it would inherit). From
+round :data:`MIN_ROUNDS` on, a candidate clearly slower than the fastest median
+(``zdsl.tune.noise``) is not run again. The race stops at the first of:
 
 * one candidate left: it is faster than every other beyond the spread (or it
   was the only one to measure: one round then);
@@ -39,11 +41,15 @@ class Race:
     stopped: str
 
 
-def race(cands: list[Candidate], measure: Callable[[Candidate], Run], budget_s: float = DEFAULT_BUDGET_S,
+MeasureRound = Callable[[list[Candidate]], dict[str, Run | RunFailed]]
+
+
+def race(cands: list[Candidate], measure_round: MeasureRound, budget_s: float = DEFAULT_BUDGET_S,
          max_rounds: int = DEFAULT_MAX_ROUNDS, clock: Callable[[], float] = time.monotonic,
          say: Callable[[str], None] | None = None) -> Race:
     """Measure ``cands`` in interleaved rounds; fills each one's ``rounds``, ``measured_peak``,
-    ``failed`` and ``dropped``. ``measure`` runs one candidate once (raises RunFailed)."""
+    ``failed`` and ``dropped``. ``measure_round`` runs the candidates it is given once each, in that
+    order, and returns each one's Run or RunFailed by label."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     start, active, r, per_run = clock(), list(cands), 0, 0.0
     while True:
@@ -55,11 +61,11 @@ def race(cands: list[Candidate], measure: Callable[[Candidate], Run], budget_s: 
         r += 1
         t0 = clock()
         ran = len(active)
+        results = measure_round(rotated(active, r - 1))
         for cand in active:
-            try:
-                run = measure(cand)
-            except RunFailed as exc:
-                cand.failed = str(exc)
+            run = results.get(cand.label, RunFailed("the round gave no figure for it"))
+            if isinstance(run, RunFailed):
+                cand.failed = str(run)
                 continue
             cand.rounds[r] = run.median_s
             for tier, b in run.peak.items():
@@ -87,6 +93,12 @@ def race(cands: list[Candidate], measure: Callable[[Candidate], Run], budget_s: 
             continue
         break
     return Race(r, clock() - start, stopped)
+
+
+def rotated(cands: list[Candidate], by: int) -> list[Candidate]:
+    """``cands`` starting at index ``by`` (modulo their number), wrapping round."""
+    k = by % len(cands) if cands else 0
+    return cands[k:] + cands[:k]
 
 
 def progress(r: int, spent: float, budget_s: float, lead: Candidate | None, active: list[Candidate],
