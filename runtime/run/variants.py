@@ -106,7 +106,7 @@ def launch_variants(args, base: dict[str, str], variants: list[Variant], parser)
     from zdsl.runtime.run.launch import launch_local
     from zdsl.runtime.run.preflight import preflight
 
-    ranks, graph = None, None
+    ranks, graphs = None, {}
     for i, variant in enumerate(variants):
         name = variant.label(i, len(variants))
         compiled = compile_variant(args, base, variant, parser)
@@ -118,7 +118,8 @@ def launch_variants(args, base: dict[str, str], variants: list[Variant], parser)
             print(f"zdsl run: error: {name} runs on {compiled.graph.ranks} ranks, the first variant on {ranks}: "
                   f"the variants of one launch share its ranks", file=sys.stderr)
             return EXIT_INVALID
-        ranks, graph = compiled.graph.ranks, graph or compiled.graph
+        ranks = compiled.graph.ranks
+        graphs.setdefault(compiled.graph.digest(), compiled.graph)
         one = copy.copy(args)
         one.metrics = variant.metrics
         refused = preflight(compiled, one, {**base, **parse_sets(variant.overrides, parser)})
@@ -140,7 +141,9 @@ def launch_variants(args, base: dict[str, str], variants: list[Variant], parser)
         child += ["--quiet"] if args.quiet else []
         for key, value in base.items():
             child += ["--set", f"{key}={value}"]
-        return launch_local(child, ranks, timeout_s=args.timeout, graph=graph)
+        # the launcher names a stuck rank's op from the graph: only when every variant has the same one
+        return launch_local(child, ranks, timeout_s=args.timeout,
+                            graph=next(iter(graphs.values())) if len(graphs) == 1 else None)
 
 
 def free_ports(n: int) -> list[int]:
