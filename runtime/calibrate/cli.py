@@ -397,11 +397,12 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     disk = first["disk"]
     notes.append(f"  disk        the runtime's swapper ({'O_DIRECT' if disk['direct'] else 'buffered: no O_DIRECT here'}, "
                  f"{human_bytes(s.block)} requests, {s.depth} in flight) writing and reading "
-                 f"{', '.join(human_bytes(n) for n in disk['sizes'])} per rank, each direction fitted to "
-                 "latency + bytes / rate")
+                 f"{', '.join(human_bytes(n) for n in disk['sizes'])} per rank in {disk['rounds']} interleaved "
+                 "rounds, each direction fitted to latency + bytes / rate")
     notes.append(f"              in {s.disk_folder or tempfile.gettempdir()}; disk_read_cpu, disk_write_cpu: "
                  f"1 - (a GPT block's forward+backward alone) / (beside back-to-back {human_bytes(DISK_SIZES[2])} "
-                 f"transfers): {disk['beside_compute']['alone_s'] * 1e3:.2f} ms alone, "
+                 f"transfers, the median of {disk['rounds']} rounds): "
+                 f"{disk['beside_compute']['alone_s'] * 1e3:.2f} ms alone, "
                  + ", ".join(f"{t * 1e3:.2f} beside {w}s" for w, t in disk['beside_compute']['beside_s'].items()))
     notes.append(f"  disk_*_alone  the same transfers by one rank with the disk to itself "
                  f"(disk_read, disk_write: each of disk_ranks={world} ranks' share, all at once); zdsl plan uses "

@@ -346,46 +346,72 @@ def _io_buffers(size: int):
     return data, aligned_empty(size)
 
 
+# Rounds of the disk test: each round times every size in both directions (a slice of the budget
+# each), and a size's time is the median over all its rounds' transfers, so that a burst of outside
+# load spreads over the sizes instead of bending the fitted rate through one of them; the CPU share
+# beside compute likewise, in rounds of alone, beside reads, beside writes. Quick: 3 rounds, full: 4.
+DISK_ROUNDS = {True: 3, False: 4}
+
+
+def _times(fn, seconds: float, min_reps: int = 1) -> list[float]:
+    """Seconds of each call of ``fn``, called back to back for about ``seconds`` (at least ``min_reps``)."""
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < min_reps or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None, beside: bool = True) -> dict:
     """The runtime's own swapper (``runtime/offload/swap.py``: ``block``-sized direct-I/O requests, up to
     ``depth`` in flight, every block checksummed) writing then reading transfers of several
-    sizes from a plain thread, as a lane does; each direction fitted to ``latency + bytes / rate``.
+    sizes from a plain thread, as a lane does, in ``DISK_ROUNDS`` interleaved rounds; each
+    direction fitted to ``latency + bytes / rate`` through each size's median time.
     Then the share of the rank's core a transfer takes from compute beside it
     (:func:`_disk_beside_compute`; not with ``beside`` False). ``barrier`` keeps the ranks at the
-    same size, as they share the disk in a run."""
+    same size and direction, as they share the disk in a run."""
     import torch
 
     from zdsl.runtime.offload.swap import Swapper
 
     from zdsl.runtime.offload.swap import SwapError
     sizes = DISK_SIZES[:-1] if s.quick else DISK_SIZES
-    budget = s.budget(0.4, 0.1)
+    rounds = DISK_ROUNDS[s.quick]
+    slice_s = s.budget(0.4, 0.1) / rounds
     where = os.path.join(folder, f".zdsl-calibrate-{os.getpid()}-{rank}")
-    points: dict[str, list[tuple[float, float]]] = {"write": [], "read": []}
+    times: dict[str, dict[int, list[float]]] = {"write": {n: [] for n in sizes}, "read": {n: [] for n in sizes}}
     direct = True
     try:
         with Swapper(where, s.block, s.depth) as swapper:
-            for size in sizes:
-                data, out = _io_buffers(size)
+            buffers = {size: _io_buffers(size) for size in sizes}
+            for size, (data, out) in buffers.items():     # each file made and read once: the warm-up
                 name = f"transfer-{size}"
                 swapper.reserve({name: size})
-                barrier()
-                points["write"].append((size, _median_time(lambda: swapper.write_sync(name, data),
-                                                           lambda: None, budget)))
+                swapper.write_sync(name, data)
                 direct = direct and swapper.direct(name)
-                barrier()
-                points["read"].append((size, _median_time(lambda: swapper.read_sync(name, out),
-                                                          lambda: None, budget)))
+                swapper.read_sync(name, out)
+            for _ in range(rounds):
+                for size, (data, out) in buffers.items():
+                    name = f"transfer-{size}"
+                    barrier()
+                    times["write"][size] += _times(lambda: swapper.write_sync(name, data), slice_s)
+                    barrier()
+                    times["read"][size] += _times(lambda: swapper.read_sync(name, out), slice_s)
+            for size, (data, out) in buffers.items():
                 if not torch.equal(out, data):
                     raise CalibrationError(f"disk test in {folder}: a read returned other bytes than were written")
-                swapper.discard(name)
+                swapper.discard(f"transfer-{size}")
+            del buffers
             barrier()
             cpu = _disk_beside_compute(swapper, s) if beside else {"read": 0.0, "write": 0.0}
     except SwapError as e:
         raise CalibrationError(f"disk test in {folder} failed: {e}") from None
     finally:
         shutil.rmtree(where, ignore_errors=True)
-    result = {"direct": direct, "sizes": list(sizes), "points": points, "beside_compute": cpu}
+    points = {way: [(size, statistics.median(ts)) for size, ts in by_size.items()] for way, by_size in times.items()}
+    result = {"direct": direct, "sizes": list(sizes), "points": points, "rounds": rounds, "beside_compute": cpu}
     for way in ("read", "write"):
         latency, rate = fit_latency_bandwidth(points[way])
         result.update({f"disk_{way}": rate, f"disk_{way}_latency": latency, f"disk_{way}_cpu": cpu[way]})
@@ -394,10 +420,13 @@ def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None, besi
 
 def _disk_beside_compute(swapper, s: Settings) -> dict:
     """How much of the core a disk transfer takes from compute: a GPT block's forward+backward
-    on the host alone, then beside back-to-back reads, then writes, then alone again; the share
-    is ``1 - alone / beside``. The swapper's threads wake for each request and checksum each
-    block, and the scheduler runs them first: traced, a block's forward+backward took 1.4x its
-    time beside reads and 2x beside writes while the transfers kept their rate."""
+    on the host alone, then beside back-to-back reads, then beside writes, in ``DISK_ROUNDS``
+    rounds and alone once more after the last; a round's share is ``1 - alone / beside`` with
+    ``alone`` the mean of the alone times on either side of it, and each direction's share the
+    median of its rounds' (load from outside that moves between rounds cancels in a round's
+    ratio). The swapper's threads wake for each request and checksum each block, and the
+    scheduler runs them first: traced, a block's forward+backward took 1.4x its time beside
+    reads and 2x beside writes while the transfers kept their rate."""
     import threading
 
     import torch
@@ -407,12 +436,12 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
     fwd_bwd = _block_fwd_bwd(Block(shape["width"], shape["heads"]), shape["batch"], shape["context"], shape["width"])
     data, out = _io_buffers(DISK_SIZES[2])
     swapper.write_sync("beside", data)
-    budget = s.budget(0.5, 0.15)
-    nothing = lambda: None                     # noqa: E731
-    alone = [_median_time(fwd_bwd, nothing, budget)]
-    beside = {}
-    for way, transfer in (("read", lambda: swapper.read_sync("beside", out)),
-                          ("write", lambda: swapper.write_sync("beside", data))):
+    rounds = DISK_ROUNDS[s.quick]
+    # the time of four slices (alone, reads, writes, alone) spread over 3 per round and a last one
+    slice_s = 4 * s.budget(0.5, 0.15) / (3 * rounds + 1)
+    transfers = {"read": lambda: swapper.read_sync("beside", out), "write": lambda: swapper.write_sync("beside", data)}
+
+    def beside_transfer(transfer) -> float:
         stop = threading.Event()
         failed: list[BaseException] = []
 
@@ -425,14 +454,23 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
         thread = threading.Thread(target=loop, name="zdsl-calibrate-disk", daemon=True)
         thread.start()
         try:
-            beside[way] = _median_time(fwd_bwd, nothing, budget)
+            return statistics.median(_times(fwd_bwd, slice_s, min_reps=2))
         finally:
             stop.set()
             thread.join()
-        if failed:                                 # else compute "beside" it ran alone
-            raise failed[0]
-    alone.append(_median_time(fwd_bwd, nothing, budget))
+            if failed:                                 # else compute "beside" it ran alone
+                raise failed[0]
+
+    fwd_bwd()                                          # warm-up
+    alone = [statistics.median(_times(fwd_bwd, slice_s, min_reps=2))]
+    beside: dict[str, list[float]] = {way: [] for way in transfers}
+    for _ in range(rounds):
+        for way, transfer in transfers.items():
+            beside[way].append(beside_transfer(transfer))
+        alone.append(statistics.median(_times(fwd_bwd, slice_s, min_reps=2)))
     swapper.discard("beside")
-    base = statistics.fmean(alone)
-    return {way: min(1.0, max(MIN_DISK_CPU, 1.0 - base / t)) for way, t in beside.items()} | \
-        {"alone_s": base, "beside_s": beside}
+    shares = {way: statistics.median(1.0 - (a0 + a1) / 2 / t for a0, a1, t in zip(alone, alone[1:], ts))
+              for way, ts in beside.items()}
+    return {way: min(1.0, max(MIN_DISK_CPU, share)) for way, share in shares.items()} | \
+        {"alone_s": statistics.median(alone), "beside_s": {way: statistics.median(ts) for way, ts in beside.items()},
+         "rounds": rounds}
