@@ -401,7 +401,7 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                  "rounds, each direction fitted to latency + bytes / rate")
     notes.append(f"              in {s.disk_folder or tempfile.gettempdir()}; disk_read_cpu, disk_write_cpu: "
                  f"1 - (a GPT block's forward+backward alone) / (beside back-to-back {human_bytes(DISK_SIZES[2])} "
-                 f"transfers, the median of {disk['rounds']} rounds): "
+                 f"transfers), the median of {disk['rounds']} rounds: "
                  f"{disk['beside_compute']['alone_s'] * 1e3:.2f} ms alone, "
                  + ", ".join(f"{t * 1e3:.2f} beside {w}s" for w, t in disk['beside_compute']['beside_s'].items()))
     notes.append(f"  disk_*_alone  the same transfers by one rank with the disk to itself "

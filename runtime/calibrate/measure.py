@@ -424,9 +424,10 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
     rounds and alone once more after the last; a round's share is ``1 - alone / beside`` with
     ``alone`` the mean of the alone times on either side of it, and each direction's share the
     median of its rounds' (load from outside that moves between rounds cancels in a round's
-    ratio). The swapper's threads wake for each request and checksum each block, and the
-    scheduler runs them first: traced, a block's forward+backward took 1.4x its time beside
-    reads and 2x beside writes while the transfers kept their rate."""
+    ratio; zdsl.planner.simulate.transfer_demand turns it into the cores a transfer needs). The
+    swapper's threads make system calls for each request and checksum each block; on one core
+    they do not keep their rate beside compute: 4 MiB transfers beside a width-256 block's
+    forward+backward took 2.1-2.3x (reads) and 2.9-3.3x (writes) their time alone."""
     import threading
 
     import torch

@@ -301,11 +301,17 @@ def _beside_a_transfer(kind: str, other: str):
 
 
 @pytest.mark.parametrize("kind", ["nvme.read", "nvme.write"])
-def test_a_disk_transfer_takes_its_share_of_the_core_first(kind):
-    """Its threads wake first: the transfer keeps its rate and the forward gets what is left
-    (0.5 of the core for 1 s, then alone: ends at 1.5). A fair share would slow both to 2/3."""
-    m = MachineProfile(flops=1.0, disk_read=1.0, disk_write=1.0, cores=1, disk_read_cpu=0.5, disk_write_cpu=0.5)
-    assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.0, 1.5])
+def test_a_disk_transfer_shares_one_core_and_takes_its_share_of_more_first(kind):
+    """On one core a transfer shares it fairly with the forward beside it: calibrate's share 1/3
+    (compute beside it took 1.5x) is half a core, 1.5 cores of demand on 1, so both move at 2/3
+    of their rate and end at 1.5 s (measured on one core, transfers beside compute took 2-3x
+    their time alone). On two its threads wake first: it keeps its rate and the forward gets
+    what is left (1.5 of 2 cores for 1 s, then alone: ends at 1.25)."""
+    m = MachineProfile(flops=1.0, disk_read=1.0, disk_write=1.0, cores=1, disk_read_cpu=1 / 3, disk_write_cpu=1 / 3)
+    assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.5, 1.5])
+    m.cores, m.disk_read_cpu, m.disk_write_cpu = 2, 0.5, 0.5
+    assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.0, 1.25])
+    m.cores = 1
     m.disk_read_cpu = m.disk_write_cpu = 0.0           # no host work: independent
     assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.0, 1.0])
     m.cores = 0                                        # no sharing model
@@ -314,11 +320,12 @@ def test_a_disk_transfer_takes_its_share_of_the_core_first(kind):
 
 
 def test_a_collective_under_load_moves_in_what_the_others_leave():
-    """Beside a write holding 0.75 of the core, a gather (2 wire bytes on 2 ranks: 1 s) moves at
-    0.25 for 1 s and alone after it: ends at 1.75; beside a write that holds all of it, at its
-    ``comm_under_load`` share 0.1 (1 s: 0.1 done, 0.9 alone)."""
+    """Beside a write holding 0.75 of the core (calibrate's share 3/7: compute beside it took
+    1.75x), a gather (2 wire bytes on 2 ranks: 1 s) moves at 0.25 for 1 s and alone after it:
+    ends at 1.75; beside a write that holds all of it, at its ``comm_under_load`` share 0.1
+    (1 s: 0.1 done, 0.9 alone)."""
     m = MachineProfile(disk_write=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, comm_under_load=0.1,
-                       disk_write_cpu=0.75)
+                       disk_write_cpu=3 / 7)
     assert simulate(_beside_a_transfer("nvme.write", "gather"), m).end == pytest.approx([1.0, 1.75])
     m.disk_write_cpu = 1.0
     assert simulate(_beside_a_transfer("nvme.write", "gather"), m).end == pytest.approx([1.0, 1.9])

@@ -204,9 +204,8 @@ def cpu_demand(op, machine: MachineProfile) -> float:
     On a ``cpu`` machine every lane runs on the host: compute and the optimizer step use
     all of torch's threads (the whole share), a gloo collective or a memcpy one thread.
     On ``cuda`` only host work competes: the host optimizer step and the swapper.
-    A disk transfer keeps ``disk_read_cpu``/``disk_write_cpu`` busy on either: the swapper's
-    threads' system calls and the checksum of every block (traced here: compute beside
-    back-to-back reads took 1.4 times as long, beside writes twice).
+    A disk transfer keeps the cores :func:`transfer_demand` says busy on either: the swapper's
+    threads' system calls and the checksum of every block.
     """
     kind = op.kind
     on_host = machine.name == "cpu" or op.lane == "host"
@@ -215,10 +214,35 @@ def cpu_demand(op, machine: MachineProfile) -> float:
     if kind.startswith(("comm.", "copy.")):
         return min(1.0, machine.cores) if machine.name == "cpu" else 0.0
     if kind == "nvme.read":
-        return machine.disk_read_cpu
+        return transfer_demand(machine.disk_read_cpu, machine)
     if kind == "nvme.write":
-        return machine.disk_write_cpu
+        return transfer_demand(machine.disk_write_cpu, machine)
     return 0.0
+
+
+def transfer_demand(share: float, machine: MachineProfile) -> float:
+    """Cores a disk transfer keeps busy, from ``share`` (``disk_read_cpu``/``disk_write_cpu``):
+    the part of compute's rate a transfer beside it took in calibrate, ``1 - alone / beside`` on
+    a rank's core. Where transfers take their share first (:func:`takes_share_first`) that is
+    their demand; where they share a core fairly, compute beside one took ``1 / (1 - share)`` its
+    time alone, which a fair share of ``share / (1 - share)`` cores gives (at most the rank's
+    cores: calibrate's write share 0.41-0.48 here is 0.7-0.9 of a core)."""
+    if share <= 0 or takes_share_first(machine):
+        return share
+    return min(float(machine.cores), share / (1.0 - share)) if share < 1.0 else float(machine.cores)
+
+
+def takes_share_first(machine: MachineProfile) -> bool:
+    """Whether disk transfers get their share of a rank's cores before the others divide the
+    rest: where it has more than one, since its compute threads leave a core between kernels
+    and the scheduler runs a waking swapper thread there (programs/capacity.zs, one rank on two
+    cores, read 1.58 GB/s in its run with compute beside it against the 1.32 calibrate measured
+    alone). On one core they queue behind the compute thread and share it fairly: measured,
+    4 MiB transfers beside a width-256 block's forward+backward on one core took 2.1-2.3x
+    (reads) and 2.9-3.3x (writes) their time alone, which a share taken first (their rate
+    kept) priced at 1x; programs/nvme.zs (two ranks, a core each) was planned 11-22% under its
+    measured step in each of three quiet rounds."""
+    return machine.cores > 1
 
 
 def under_load(op, machine: MachineProfile, ranks: int) -> float:
@@ -237,14 +261,6 @@ def under_load(op, machine: MachineProfile, ranks: int) -> float:
     if ranks > 1 and machine.comm_under_load > 0 and machine.name == "cpu" and op.kind.startswith("comm."):
         return machine.comm_under_load
     return 0.0
-
-
-def takes_share_first(op) -> bool:
-    """Whether an op's threads get their share of the cores before the others divide the rest:
-    a disk transfer's. They sleep on each request and wake briefly, and the scheduler runs a
-    waking thread first; traced, compute beside a stream of reads took 1.4 times as long while
-    the reads kept their rate (a fair share would have slowed both)."""
-    return op.kind.startswith("nvme.")
 
 
 def wake_after(graph: TaskGraph, machine: MachineProfile) -> list[float]:
@@ -284,7 +300,7 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
         # programs whose lanes overlap most: on one core per rank their work only adds up.)
         demand = [cpu_demand(op, machine) for op in graph.ops]
         under = [under_load(op, machine, graph.ranks) for op in graph.ops]
-        first = [takes_share_first(op) for op in graph.ops]
+        first = [op.kind.startswith("nvme.") and takes_share_first(machine) for op in graph.ops]
         start, end, gate = _shared_schedule(graph, fixed, rated, deps, demand, machine.cores, slots, under, first,
                                             wake)
         dur = [e - s for s, e in zip(start, end)]
@@ -372,7 +388,7 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
     (``demand`` cores); each takes that long alone and is slowed by the share while the
     running ops' demand exceeds ``cores``. An op with ``under[i] > 0`` (:func:`under_load`)
     takes no share and moves at ``under[i]`` of its rate while the others fill the cores;
-    one with ``first[i]`` (:func:`takes_share_first`) takes its share before the others
+    one with ``first[i]`` (a disk transfer, :func:`takes_share_first`) takes its share before the others
     divide what is left. A lane runs one op at a time, or ``slots[lane]``, started in lane order; an
     op starts no sooner than ``wake[i]`` after an input made on another lane ended (waiting, no
     share). Also returns each op's lane gate (see _independent_schedule)."""
