@@ -66,15 +66,15 @@ def quiet(_line):
 
 def test_rounds_interleave_and_a_clearly_slower_candidate_is_not_run_again():
     a, b, c = cand("a"), cand("b"), cand("c")
-    fake = Fake({"name=a": [10, 11, 10, 12, 11, 10], "name=b": [11, 10, 12, 10, 10, 11],
-                 "name=c": [20, 21, 19, 22, 20, 21]})
+    fake = Fake({"name=a": [10, 11, 10, 12, 11, 10, 11], "name=b": [11, 10, 12, 10, 10, 11, 10],
+                 "name=c": [20, 21, 19, 22, 20, 21, 20]})
     said = []
-    result = race([a, b, c], fake, budget_s=1e9, max_rounds=6, say=said.append)
+    result = race([a, b, c], fake, budget_s=1e9, max_rounds=7, say=said.append)
     abc, bca, cab = ["name=a", "name=b", "name=c"], ["name=b", "name=c", "name=a"], ["name=c", "name=a", "name=b"]
-    assert fake.calls == (abc + bca + cab) * 2                      # A B C, B C A, C A B, ...
-    assert c.dropped == 6 and a.dropped is None and b.dropped is None
-    assert result.rounds == 6 and "the 2 left tie after 6 rounds" in result.stopped
-    assert len(said) == 6 and all(line.startswith(f"zdsl tune: round {i}:") for i, line in enumerate(said, 1))
+    assert fake.calls == (abc + bca + cab) * 2 + abc                # A B C, B C A, C A B, ...
+    assert c.dropped == 7 and a.dropped is None and b.dropped is None
+    assert result.rounds == 7 and "the 2 left tie after 7 rounds" in result.stopped
+    assert len(said) == 7 and all(line.startswith(f"zdsl tune: round {i}:") for i, line in enumerate(said, 1))
     assert "1 clearly slower" in said[-1]
 
 
@@ -110,18 +110,18 @@ def test_a_failed_run_marks_its_candidate_and_the_others_go_on():
 # -- verdicts ---------------------------------------------------------------------------------------
 
 def test_faster_needs_the_round_pairs_apart_nearly_every_round_and_two_percent():
-    fast = with_rounds(cand("fast"), [10, 10.5, 10.2, 10.1, 10.3, 10.4])
-    slow = with_rounds(cand("slow"), [12, 12.5, 12.2, 12.1, 12.3, 12.4])
+    fast = with_rounds(cand("fast"), [10, 10.5, 10.2, 10.1, 10.3, 10.4, 10.25])
+    slow = with_rounds(cand("slow"), [12, 12.5, 12.2, 12.1, 12.3, 12.4, 12.25])
     assert noise.compare(slow, fast).faster
     text = noise.verdict(slow, fast, [fast, slow])
     assert text.startswith("slower by 20% (12.25 vs 10.25 ms; round by round 1.195x (spread ") \
-        and "slower in 6/6 rounds" in text
-    flipped = with_rounds(cand("flip"), [12, 12.5, 12.2, 12.1, 10.2, 12.4])    # round 5: faster than fast
+        and "slower in 7/7 rounds" in text
+    flipped = with_rounds(cand("flip"), [12, 12.5, 12.2, 12.1, 10.2, 12.4, 12.25])    # round 5: faster than fast
     cmp = noise.compare(flipped, fast)
-    assert cmp.apart and not cmp.faster                          # 5 of 6: an even coin does that 11% of the time
-    assert "tie with best" in noise.verdict(flipped, fast, [fast, flipped]) and "5/6 rounds" in \
+    assert cmp.apart and not cmp.faster                          # 6 of 7: an even coin does that 6% of the time
+    assert "tie with best" in noise.verdict(flipped, fast, [fast, flipped]) and "6/7 rounds" in \
         noise.verdict(flipped, fast, [fast, flipped])
-    close = with_rounds(cand("close"), [10.1, 10.6, 10.3, 10.2, 10.4, 10.5])   # slower every round, by 1%
+    close = with_rounds(cand("close"), [10.1, 10.6, 10.3, 10.2, 10.4, 10.5, 10.35])   # slower every round, by 1%
     assert noise.compare(close, fast).apart and not noise.compare(close, fast).faster
     assert "under 2%" in noise.verdict(close, fast, [fast, close])
     # 5% slower in every round while the candidates' own spreads overlap (the rounds drift together): faster
@@ -142,7 +142,7 @@ def test_the_spread_is_the_interquartile_range_of_the_round_figures():
 
 
 def test_ties_go_to_lower_memory_then_the_simpler_schedule():
-    base = [10, 10.4, 10.2, 10.1, 10.3, 10.5]
+    base = [10, 10.4, 10.2, 10.1, 10.3, 10.5, 10.25]
     fast_big = with_rounds(cand("p2", peak=2000, prefetch="2"), [x - 0.1 for x in base])
     slow_small = with_rounds(cand("p0", peak=1000, prefetch="0"), base)
     winner, why = noise.choose_winner([fast_big, slow_small], {"prefetch": ["0", "1", "2"]})
@@ -162,23 +162,23 @@ def test_ties_go_to_lower_memory_then_the_simpler_schedule():
 
 
 def test_a_clear_winner_wins_over_less_memory_and_with_few_rounds_nothing_is_decided():
-    fast = with_rounds(cand("fast", peak=5000), [10, 10.5, 10.2, 10.1, 10.3, 10.4])
-    small = with_rounds(cand("small", peak=1000), [12, 12.5, 12.2, 12.1, 12.3, 12.4])
+    fast = with_rounds(cand("fast", peak=5000), [10, 10.5, 10.2, 10.1, 10.3, 10.4, 10.25])
+    small = with_rounds(cand("small", peak=1000), [12, 12.5, 12.2, 12.1, 12.3, 12.4, 12.25])
     winner, why = noise.choose_winner([fast, small], {})
     assert winner is fast and why == "faster than every other measured one beyond the spread"
     few_fast = with_rounds(cand("fast", peak=5000), [10, 10.5, 10.2, 10.4])
     few_small = with_rounds(cand("small", peak=1000), [10.1, 10.6, 10.3, 10.5])
     winner, why = noise.choose_winner([few_fast, few_small], {})
-    assert winner is few_fast and "undecided: 4 round(s), a verdict needs 6" in why
+    assert winner is few_fast and "undecided: 4 round(s), a verdict needs 7" in why
     assert noise.verdict(few_small, winner, [few_fast, few_small]).startswith("undecided (10.40 vs 10.30 ms")
 
 
 def test_the_cost_model_gap_line_names_pairs_predicted_equal_but_measured_apart():
-    a = with_rounds(cand("a", predicted_ms=12.0, prefetch="2"), [10, 10.5, 10.2, 10.1, 10.3, 10.4])
-    b = with_rounds(cand("b", predicted_ms=12.1, prefetch="1"), [14, 14.5, 14.2, 14.1, 14.3, 14.4])     # within 1%
-    c = with_rounds(cand("c", predicted_ms=20.0, prefetch="0"), [18, 18.5, 18.2, 18.1, 18.3, 18.4])  # predicted apart
+    a = with_rounds(cand("a", predicted_ms=12.0, prefetch="2"), [10, 10.5, 10.2, 10.1, 10.3, 10.4, 10.25])
+    b = with_rounds(cand("b", predicted_ms=12.1, prefetch="1"), [14, 14.5, 14.2, 14.1, 14.3, 14.4, 14.25])     # within 1%
+    c = with_rounds(cand("c", predicted_ms=20.0, prefetch="0"), [18, 18.5, 18.2, 18.1, 18.3, 18.4, 18.25])  # predicted apart
     # measured a tie with a
-    d = with_rounds(cand("d", predicted_ms=12.0, prefetch="3"), [10.1, 10.4, 10.3, 10.0, 10.2, 10.5])
+    d = with_rounds(cand("d", predicted_ms=12.0, prefetch="3"), [10.1, 10.4, 10.3, 10.0, 10.2, 10.5, 10.35])
     lines = noise.model_gaps([a, b, c, d])
     assert len(lines) == 2, lines
     assert lines[0].startswith("the cost model does not see the difference between prefetch=2 and prefetch=1 "
@@ -249,7 +249,7 @@ def test_tune_planner_only_prints_pruned_rows(tmp_path, capsys):
 
 @pytest.mark.parametrize("option, says", [
     (["--budget", "0"], "--budget must be a positive number of seconds"),
-    (["--rounds", "5"], "--rounds must be at least 6"),
+    (["--rounds", "5"], "--rounds must be at least 7"),
     (["--steps", "2", "--warmup", "2"], "--steps must exceed --warmup (2)"),
     (["--prune", "0.5"], "--prune must be 1 or more"),
 ])

@@ -16,8 +16,8 @@ the ratio of B's figure to A's in each round, which cancels that load.
    of the round ratios lies entirely above 1 (the difference exceeds the
    spread of the differences);
 2. A was faster in so many of the rounds that an even coin would do it less
-   than :data:`SIGN_LEVEL` of the time (6 of 6, 8 of 8, 9 of 10, 10 of 12,
-   11 of 14 ...): noise flips some rounds, a real difference few;
+   than :data:`SIGN_LEVEL` of the time (7 of 7, 10 of 10, 10 of 11, 11 of 12,
+   14 of 16, 16 of 20, 22 of 30): noise flips some rounds, a real difference few;
 3. the median ratio is at least ``1 +`` :data:`MIN_DIFFERENCE`: smaller
    differences are ties, too small to act on or to confirm on a shared host.
 
@@ -25,11 +25,15 @@ The spreads of the candidates' own round figures (the table's "spread"
 column) include the drift between rounds, which the pairs cancel: on this
 2-core host a real 5% difference (prefetch 2 against 1 on zero3.zs) kept
 overlapping spreads after 6 rounds while B was slower in nearly every round.
-(Simulated with 3% noise per run plus 3% shared by a round: with no real
-difference, judging after every round from the 6th to the 12th as the race
-does, (1)-(3) claim one in ~5% of pairs; a real 5% difference is found in
-~84% of pairs, never the wrong way round. Hence up to
-:data:`zdsl.tune.rounds.DEFAULT_MAX_ROUNDS` rounds.)
+(Simulated with 3% noise per run plus 3% shared by a round, judging after
+every round from the 7th to the 30th as the race does: with no real
+difference (1)-(3) claim one in ~4% of pairs (~5% when one run in ten is
+slowed by a further 0-9%); a real 5% difference is found in 97-99% of pairs
+and a 3% one in 61-71%, never the wrong way round. Judged from the 6th to the
+12th round at level 0.02 the same noise gave ~5% false claims and found 84%
+of 5% differences: more rounds at a stricter level buy both. Hence up to
+:data:`zdsl.tune.rounds.DEFAULT_MAX_ROUNDS` rounds, which a round in one
+launch (``zdsl.tune.measure.measure_round``) makes affordable.)
 
 Otherwise the verdict is a **tie**, and
 among the candidates tied with the fastest median the winner is the one with
@@ -48,8 +52,8 @@ from dataclasses import dataclass
 
 from zdsl.tune.search import Candidate
 
-MIN_ROUNDS = 6            # no verdict on fewer shared rounds ((2) cannot hold on 5)
-SIGN_LEVEL = 0.02         # (2): the chance an even coin wins as many rounds (6 of 6 is 0.016)
+MIN_ROUNDS = 7            # no verdict on fewer shared rounds ((2) cannot hold on 6)
+SIGN_LEVEL = 0.01         # (2): the chance an even coin wins as many rounds (7 of 7 is 0.008)
 MIN_DIFFERENCE = 0.02     # (3): a median round ratio under 1.02 is a tie
 MEMORY_TOLERANCE = 0.01   # peaks this close count as equal memory
 MODEL_EQUAL = 0.01        # predictions this close count as "the model sees no difference"

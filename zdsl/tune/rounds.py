@@ -12,8 +12,8 @@ round :data:`MIN_ROUNDS` on, a candidate clearly slower than the fastest median
 * one candidate left: it is faster than every other beyond the spread (or it
   was the only one to measure: one round then);
 * ``max_rounds`` rounds done: the ones left tie (rounds compared in pairs
-  separate a real difference of a few percent only after 8-12 of them on a
-  shared host, ``zdsl.tune.noise``; the budget usually ends the race first);
+  separate a real difference of 3-5% only after 10-30 of them on a shared
+  host, ``zdsl.tune.noise``; the budget may end the race first);
 * the budget: a round is started only if it is expected to end within it (the
   last round's time per run times the runs left); the first round always runs;
 * every run failed.
@@ -30,7 +30,7 @@ from zdsl.tune.noise import MIN_ROUNDS, clearly_slower, leader
 from zdsl.tune.search import Candidate
 
 DEFAULT_BUDGET_S = 120.0
-DEFAULT_MAX_ROUNDS = 12
+DEFAULT_MAX_ROUNDS = 30
 
 
 @dataclass
