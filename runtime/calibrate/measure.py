@@ -427,7 +427,7 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
     ratio; zdsl.planner.simulate.transfer_demand turns it into the cores a transfer needs). The
     swapper's threads make system calls for each request and checksum each block; on one core
     they do not keep their rate beside compute: 4 MiB transfers beside a width-256 block's
-    forward+backward took 2.1-2.3x (reads) and 2.9-3.3x (writes) their time alone."""
+    forward+backward took 1.0-2.3x (reads) and 1.2-3.4x (writes) their time alone."""
     import threading
 
     import torch

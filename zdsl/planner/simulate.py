@@ -238,9 +238,9 @@ def takes_share_first(machine: MachineProfile) -> bool:
     and the scheduler runs a waking swapper thread there (programs/capacity.zs, one rank on two
     cores, read 1.58 GB/s in its run with compute beside it against the 1.32 calibrate measured
     alone). On one core they queue behind the compute thread and share it fairly: measured,
-    4 MiB transfers beside a width-256 block's forward+backward on one core took 2.1-2.3x
-    (reads) and 2.9-3.3x (writes) their time alone, which a share taken first (their rate
-    kept) priced at 1x; programs/nvme.zs (two ranks, a core each) was planned 11-22% under its
+    4 MiB transfers beside a width-256 block's forward+backward on one core took 1.0-2.3x
+    (reads, median 1.7) and 1.2-3.4x (writes, median 2.9) their time alone in nine trials at
+    load 3-5, which a share taken first (their rate kept) priced at 1x; programs/nvme.zs (two ranks, a core each) was planned 11-22% under its
     measured step in each of three quiet rounds."""
     return machine.cores > 1
 
