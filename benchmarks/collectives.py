@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT))
 from zdsl.runtime.dist.spawn import run_ranks          # noqa: E402
 from zdsl.lang.sizes import format_size, parse_size     # noqa: E402
 
-GATHER = ("native", "broadcast")
-SCATTER = ("native", "exchange", "all_reduce", "reduce")   # exchange: 2 ranks (all_reduce at more)
+GATHER = ("native", "broadcast", "shm")
+SCATTER = ("native", "exchange", "all_reduce", "reduce", "shm")   # exchange, shm: 2 ranks (else all_reduce)
+REDUCE = ("native", "shm")                                         # all-reduce; shm: 2 ranks of one host
 
 
 def _rank(rank: int, world: int, sizes: list[int], repeat: int) -> list | None:
@@ -63,6 +64,10 @@ def _rank(rank: int, world: int, sizes: list[int], repeat: int) -> list | None:
                     collectives.GLOO_REDUCE_SCATTER = algorithm
                     inp = full.clone()           # consumed by the non-native algorithms
                     timed(f"reduce_scatter {algorithm}", lambda: collectives.reduce_scatter(shard, inp))
+                for algorithm in REDUCE:
+                    collectives.GLOO_ALL_REDUCE = algorithm
+                    inp = full.clone()
+                    timed(f"all_reduce {algorithm}", lambda: collectives.all_reduce(inp))
                 if r == 0:
                     times.clear()
             # the slowest rank's time is the collective's
@@ -84,22 +89,26 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     from zdsl.runtime.dist import collectives
-    ours = collectives.GLOO_REDUCE_SCATTER          # the runtime's default, before any rank changes it
+    ours = dict(AG=collectives.GLOO_ALL_GATHER, RS=collectives.GLOO_REDUCE_SCATTER,   # the runtime's defaults,
+                AR=collectives.GLOO_ALL_REDUCE)                                       # before a rank changes them
     rows = run_ranks(_rank, args.ranks, sizes, args.repeat)[0]
     print(f"gloo, {args.ranks} ranks on {os.cpu_count()} cores, median of {args.repeat} "
           f"(slowest rank per call), ms")
     head = f"{'size':>8}  " + "".join(f"{'AG ' + a:>14}" for a in GATHER) + \
-        "".join(f"{'RS ' + a:>16}" for a in SCATTER) + f"{'AG ours/torch':>15}{'RS ours/torch':>15}"
+        "".join(f"{'RS ' + a:>16}" for a in SCATTER) + "".join(f"{'AR ' + a:>12}" for a in REDUCE) + \
+        f"{'AG ours/torch':>15}{'RS ours/torch':>15}{'AR ours/torch':>15}"
     print(head)
     for size, med in rows:
         line = f"{format_size(size):>8}  "
         line += "".join(f"{med[f'all_gather {a}'] * 1e3:14.1f}" for a in GATHER)
         line += "".join(f"{med[f'reduce_scatter {a}'] * 1e3:16.1f}" for a in SCATTER)
-        ag = med["all_gather broadcast"] / med["all_gather native"]
-        rs = med[f"reduce_scatter {ours}"] / med["reduce_scatter native"]
-        print(line + f"{ag:15.2f}{rs:15.2f}")
-    print(f"ours = the defaults from 1 MiB up (all-gather: broadcast, reduce-scatter: {ours}; below 1 MiB "
-          "the runtime uses gloo's own); < 1 means faster")
+        line += "".join(f"{med[f'all_reduce {a}'] * 1e3:12.1f}" for a in REDUCE)
+        ag = med[f"all_gather {ours['AG']}"] / med["all_gather native"]
+        rs = med[f"reduce_scatter {ours['RS']}"] / med["reduce_scatter native"]
+        ar = med[f"all_reduce {ours['AR']}"] / med["all_reduce native"]
+        print(line + f"{ag:15.2f}{rs:15.2f}{ar:15.2f}")
+    print(f"ours = the defaults from 1 MiB up (all-gather: {ours['AG']}, reduce-scatter: {ours['RS']}, "
+          f"all-reduce: {ours['AR']}; below 1 MiB the runtime uses gloo's own); < 1 means faster")
     return 0
 
 

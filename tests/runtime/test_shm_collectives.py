@@ -1,0 +1,132 @@
+"""Same-host 2-rank collectives through shared memory (runtime/dist/shm.py).
+
+Each test spawns two real gloo ranks. The shared-memory path must give gloo's bits,
+fail with a named error (not hang) when its peer dies mid-collective, fall back to gloo
+when the ranks cannot share memory, and leave nothing behind in /dev/shm.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from zdsl.runtime.dist.spawn import LocalRanks, run_ranks
+
+SLOT = 4096                    # small slots: several pieces and slot reuse even at these sizes
+SIZES = (2 * 1237, 2 * 5003 + 2, 2 * 12289)     # element counts; no nice multiples
+DTYPES = ("float32", "bfloat16", "float64")
+
+
+def _join(rank: int, slot: int = SLOT):
+    import torch
+    import torch.distributed as dist
+
+    from zdsl.runtime.dist import collectives, shm
+    torch.set_num_threads(1)
+    shm.SLOT_BYTES = slot
+    collectives.GLOO_NATIVE_BELOW = 0          # these tensors are small: take the chosen path anyway
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    return torch, dist, collectives, shm
+
+
+def _results(collectives, torch, n: int, dtype, rank: int, path: str) -> dict:
+    """The three collectives along ``path`` ("shm", or gloo's paths), on inputs seeded by rank."""
+    collectives.GLOO_ALL_GATHER = "shm" if path == "shm" else "broadcast"
+    collectives.GLOO_REDUCE_SCATTER = "shm" if path == "shm" else "exchange"
+    collectives.GLOO_ALL_REDUCE = "shm" if path == "shm" else "native"
+    g = torch.Generator().manual_seed(1000 * rank + n)
+    full = (torch.randn(n, generator=g) * 1e3).to(dtype)
+    shard = torch.randn(n // 2, generator=g).to(dtype)
+    gathered = torch.full((n,), float("nan"), dtype=dtype)
+    scattered = torch.full((n // 2,), float("nan"), dtype=dtype)
+    summed = full.clone()
+    then = []
+    work = collectives.all_gather(gathered, shard, async_op=True)
+    work.get_future().then(lambda f: then.append("gathered"))
+    scatter_work = collectives.reduce_scatter(scattered, full.clone(), async_op=True)
+    collectives.all_reduce(summed)
+    work.wait()
+    scatter_work.wait()
+    return dict(gathered=gathered, scattered=scattered, summed=summed, then=then)
+
+
+def _bits_rank(rank: int, world: int) -> dict:
+    torch, dist, collectives, shm = _join(rank)
+    out = {}
+    for dtype in DTYPES:
+        for n in SIZES:
+            ours = _results(collectives, torch, n, getattr(torch, dtype), rank, "shm")
+            gloo = _results(collectives, torch, n, getattr(torch, dtype), rank, "gloo")
+            for key in ("gathered", "scattered", "summed"):
+                a, b = ours[key], gloo[key]
+                same = a.view(torch.uint8).equal(b.view(torch.uint8))
+                out[(dtype, n, key)] = same
+            out[(dtype, n, "then")] = ours["then"] == ["gathered"]
+    out["pair"] = shm.pair_of(None) is not None
+    out["pid"] = os.getpid()
+    dist.barrier()
+    return out
+
+
+def _left_in_shm(pids) -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if any(f"zdsl-shm-{pid}-" in f for pid in pids)]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_shared_memory_gives_gloos_bits_and_leaves_nothing_behind():
+    results = run_ranks(_bits_rank, 2)
+    for r, got in enumerate(results):
+        assert got["pair"], f"rank {r} did not use shared memory"
+        wrong = [k for k, same in got.items() if isinstance(k, tuple) and not same]
+        assert wrong == [], f"rank {r}: shared memory differs from gloo (or a callback did not run) in {wrong}"
+    assert _left_in_shm([got["pid"] for got in results]) == []
+
+
+def _dies_rank(rank: int, world: int, pids_file: str) -> None:
+    torch, dist, collectives, shm = _join(rank)
+    collectives.GLOO_ALL_GATHER = collectives.GLOO_REDUCE_SCATTER = "shm"
+    n = 2 * 5003
+    collectives.all_gather(torch.empty(n), torch.ones(n // 2))          # the pair is set up and works
+    pair = shm.pair_of(None)
+    assert pair is not None
+    with open(f"{pids_file}.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 1:
+        class DieAfterTheFirstPiece:     # the peer dies with the reduce-scatter half done
+            def release(self):
+                os.kill(os.getpid(), signal.SIGKILL)
+        pair.peer.free = DieAfterTheFirstPiece()
+    collectives.reduce_scatter(torch.empty(n // 2), torch.ones(n))        # rank 0: raises, rank 1: dies
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_a_peer_that_dies_mid_collective_is_an_error_naming_it_not_a_hang(tmp_path):
+    import time
+    pids_file = str(tmp_path / "pid")
+    with LocalRanks(_dies_rank, 2, (pids_file,)) as ranks:
+        deadline = time.monotonic() + 60
+        while any(p.exitcode is None for p in ranks.procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        codes = {r: p.exitcode for r, p in ranks.procs.items()}
+        failure = ranks.failure(0)
+    assert codes == {0: 1, 1: -signal.SIGKILL}, codes          # neither is still waiting
+    assert failure.error is not None and "reduce_scatter through shared memory" in failure.error
+    assert "peer rank 1" in failure.error and "is gone" in failure.error, failure.error
+    pids = [open(f"{pids_file}.{r}").read() for r in (0, 1)]
+    assert _left_in_shm(pids) == []
+
+
+def _other_host_rank(rank: int, world: int) -> dict:
+    import socket
+    socket.gethostname = lambda: f"host{rank}"       # as if the ranks ran on two machines
+    torch, dist, collectives, shm = _join(rank)
+    got = _results(collectives, torch, 2 * 5003, torch.float32, rank, "shm")
+    want = _results(collectives, torch, 2 * 5003, torch.float32, rank, "gloo")
+    same = all(got[k].equal(want[k]) for k in ("gathered", "scattered", "summed"))
+    return dict(pair=shm.pair_of(None) is not None, same=same, then=got["then"])
+
+
+def test_ranks_on_different_hosts_keep_gloo():
+    for got in run_ranks(_other_host_rank, 2):
+        assert got == dict(pair=False, same=True, then=["gathered"])
