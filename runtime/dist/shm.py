@@ -48,8 +48,9 @@ SHM_DIR = "/dev/shm"
 _SEMAPHORE = 1               # _multiprocessing's kind for a counting semaphore
 
 
-class PeerGone(RuntimeError):
-    """The peer of a shared-memory pair died, or did not arrive within the group's timeout."""
+class SharedMemoryError(RuntimeError):
+    """A collective through shared memory failed: its peer died or did not come within the group's
+    timeout, or the pair broke in an earlier collective (every later one fails with that error)."""
 
 
 class _Outbox:
@@ -149,10 +150,10 @@ class Pair:
         for lo in range(0, send.numel(), step):
             hi = min(lo + step, send.numel())
             n, i = hi - lo, self.pieces
-            self._wait(self.mine.free, what, "to free a slot")
+            self._wait(self.mine.free, what, "did not read this rank's last piece")
             self.mine.slot(i, send.dtype, n).copy_(send[lo:hi])
             self.mine.ready.release()
-            self._wait(self.peer.ready, what, "to send")
+            self._wait(self.peer.ready, what, "did not send its piece")
             take(self.peer.slot(i, send.dtype, n), lo, hi)
             self.peer.free.release()
             self.pieces += 1
@@ -161,11 +162,11 @@ class Pair:
         deadline = time.monotonic() + self.timeout_s
         while not sem.acquire(True, POLL_S):
             if not _alive(self.peer_pid):
-                raise PeerGone(f"{what} through shared memory: peer rank {self.peer_rank} (pid {self.peer_pid}) "
-                               f"is gone")
+                raise SharedMemoryError(f"{what} through shared memory: peer rank {self.peer_rank} "
+                                        f"(pid {self.peer_pid}) is gone")
             if time.monotonic() > deadline:
-                raise PeerGone(f"{what} through shared memory: peer rank {self.peer_rank} did not come {why} "
-                               f"within the group's timeout of {self.timeout_s:g} s")
+                raise SharedMemoryError(f"{what} through shared memory: peer rank {self.peer_rank} {why} within the "
+                                        f"group's timeout of {self.timeout_s:g} s")
 
     def _submit(self, run) -> torch.futures.Future:
         future: torch.futures.Future = torch.futures.Future()
@@ -181,12 +182,14 @@ class Pair:
             run, future = job
             try:
                 if self.broken is not None:
-                    raise PeerGone(str(self.broken))
+                    raise SharedMemoryError(str(self.broken))
                 run()
             except BaseException as exc:  # noqa: BLE001 - the caller's wait() raises it
+                if not isinstance(exc, SharedMemoryError):
+                    exc = SharedMemoryError(f"{type(exc).__name__}: {exc}")
                 if self.broken is None:
                     self.broken = exc
-                future.set_exception(exc if isinstance(exc, PeerGone) else PeerGone(f"{type(exc).__name__}: {exc}"))
+                future.set_exception(exc)
                 continue
             future.set_result(None)
 

@@ -18,15 +18,18 @@ SIZES = (2 * 1237, 2 * 5003 + 2, 2 * 12289)     # element counts; no nice multip
 DTYPES = ("float32", "bfloat16", "float64")
 
 
-def _join(rank: int, slot: int = SLOT):
+def _join(rank: int, timeout_s: float | None = None):
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     from zdsl.runtime.dist import collectives, shm
     torch.set_num_threads(1)
-    shm.SLOT_BYTES = slot
+    shm.SLOT_BYTES = SLOT
     collectives.GLOO_NATIVE_BELOW = 0          # these tensors are small: take the chosen path anyway
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    timeout = {} if timeout_s is None else dict(timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", rank=rank, world_size=2, **timeout)
     return torch, dist, collectives, shm
 
 
@@ -115,6 +118,27 @@ def test_a_peer_that_dies_mid_collective_is_an_error_naming_it_not_a_hang(tmp_pa
     assert "peer rank 1" in failure.error and "is gone" in failure.error, failure.error
     pids = [open(f"{pids_file}.{r}").read() for r in (0, 1)]
     assert _left_in_shm(pids) == []
+
+
+def _late_rank(rank: int, world: int) -> str | None:
+    import time
+    torch, dist, collectives, shm = _join(rank, timeout_s=2)
+    n = 2 * 5003
+    collectives.all_gather(torch.empty(n), torch.ones(n // 2))          # the pair is set up and works
+    if rank == 1:
+        time.sleep(4)                    # alive, but never comes to the reduce-scatter
+        return None
+    try:
+        collectives.reduce_scatter(torch.empty(n // 2), torch.ones(n))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_peer_that_does_not_come_is_an_error_after_the_groups_timeout():
+    error = run_ranks(_late_rank, 2)[0]
+    assert error == "reduce_scatter through shared memory: peer rank 1 did not send its piece within the " \
+                    "group's timeout of 2 s"
 
 
 def _other_host_rank(rank: int, world: int) -> dict:
