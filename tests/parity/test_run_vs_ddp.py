@@ -27,8 +27,8 @@ def run_both(rank: int, world: int, stage: int, accumulate: int, clip, offload, 
     from zdsl.runtime.models.gpt import GPT
     from zdsl.runtime.state.rank import RankState
 
-    # this model's units are under 1 MiB, where gloo's own collectives are used: run ours (one
-    # broadcast per owner, reduce-scatter by all-reduce) here; tests/parity/test_state_vs_ddp.py runs gloo's
+    # this model's units are under 1 MiB, where gloo's own collectives are used: run ours (shared
+    # memory at 2 ranks of one host, broadcasts and all-reduces at more) here; test_state_vs_ddp.py runs gloo's
     collectives.GLOO_NATIVE_BELOW = 0
     schedule = make_schedule(world, stage, accumulate=accumulate, clip=clip, offload=offload,
                              bucket_bytes=bucket_bytes)
