@@ -31,11 +31,14 @@ from zdsl.schedule import MachineProfile
 QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the default profile is used
 # What a cached profile holds; one of an older format is measured again once. 2: compute rates by
 # precision and width, disk rates alone and shared (zdsl.planner.rates); 3: the compute rates of one
-# rank alone with every core too (flops_alone_*, compute_ranks).
-PROFILE_FORMAT = 3
+# rank alone with every core too (flops_alone_*, compute_ranks); 4: the collectives of 2 ranks of one
+# host through shared memory (zdsl.runtime.dist.shm: 2-3x gloo's TCP rates), and disk rates timed in
+# interleaved rounds.
+PROFILE_FORMAT = 4
 # What a profile of each older format lacks, as the line saying it was measured again words it.
 LACKING = {1: "without rates by precision, width and ranks",
-           2: "without the compute rates of one rank with every core"}
+           2: "without the compute rates of one rank with every core",
+           3: "with the collective rates of gloo's TCP, before shared memory"}
 
 
 @dataclass(frozen=True)
