@@ -173,6 +173,18 @@ def test_a_clear_winner_wins_over_less_memory_and_with_few_rounds_nothing_is_dec
     assert noise.verdict(few_small, winner, [few_fast, few_small]).startswith("undecided (10.40 vs 10.30 ms")
 
 
+def test_the_winner_is_judged_by_the_paired_rounds_not_by_medians_over_different_rounds():
+    # p0 ran 7 rounds while the host was fast and was dropped, 6% slower in each; the host then
+    # slowed by 10% for p2's later rounds: p0's median is the lower, yet p2 beat it in every round
+    fast_host = [10, 10.2, 10.1, 10.3, 10.0, 10.2, 10.1]
+    p2 = with_rounds(cand("p2", peak=2000, prefetch="2"), fast_host + [11.2] * 12)
+    p0 = with_rounds(cand("p0", peak=1000, prefetch="0"), [x * 1.06 for x in fast_host])
+    assert p0.measured_s < p2.measured_s
+    winner, why = noise.choose_winner([p0, p2], {"prefetch": ["0", "1", "2"]})
+    assert winner is p2 and why == "faster than every other measured one beyond the spread"
+    assert noise.verdict(p0, p2, [p0, p2]).startswith("slower by 6% (")
+
+
 def test_the_cost_model_gap_line_names_pairs_predicted_equal_but_measured_apart():
     a = with_rounds(cand("a", predicted_ms=12.0, prefetch="2"), [10, 10.5, 10.2, 10.1, 10.3, 10.4, 10.25])
     b = with_rounds(cand("b", predicted_ms=12.1, prefetch="1"), [14, 14.5, 14.2, 14.1, 14.3, 14.4, 14.25])     # within 1%

@@ -140,9 +140,11 @@ def choose_winner(cands: list[Candidate], order: dict[str, list[str]]) -> tuple[
     if len(best.rounds) < MIN_ROUNDS:    # no verdicts yet: ties are unknown, not shown
         return best, (f"the fastest median, undecided: {len(best.rounds)} round(s), a verdict needs "
                       f"{MIN_ROUNDS} (give more --budget or fewer --measure)")
-    tied = undominated(cands)
+    # by the rounds compared in pairs, not by the medians: a candidate dropped early has its median
+    # from the early rounds only, which the host's drift can put below the winner's
+    tied = undominated(cands) or [best]
     if len(tied) == 1:
-        return best, "faster than every other measured one beyond the spread"
+        return tied[0], "faster than every other measured one beyond the spread"
     low = min(peak_key(c) for c in tied)
     by_memory = [c for c in tied if peak_key(c) <= low * (1 + MEMORY_TOLERANCE)]
     if len(by_memory) == 1:
@@ -185,7 +187,7 @@ def verdict(cand: Candidate, winner: Candidate, cands: list[Candidate]) -> str:
     if other is not None:
         cmp = compare(cand, other)
         whom = "" if other is winner else f" than {other.label} (fastest median)"
-        return (f"slower{whom} by {cand.measured_s / other.measured_s - 1:.0%} "
+        return (f"slower{whom} by {cmp.ratios[1] - 1:.0%} "
                 f"({_ms(cand, other)}; round by round {ratio_text(cmp)}; "
                 f"slower in {cmp.b_wins}/{cmp.shared} rounds)")
     fast, slow = (winner, cand) if cand.measured_s >= winner.measured_s else (cand, winner)
