@@ -6,6 +6,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from zdsl.runtime.dist import shm
 from zdsl.runtime.dist.affinity import calm_gloo_loops
 
 
@@ -35,6 +36,7 @@ def init_group(rank: int, world: int, device: torch.device, timeout_s: float, *,
 
 
 def leave_group() -> None:
-    """Destroy the default process group if this process joined one."""
+    """Destroy the default process group if this process joined one, and its shared-memory pair."""
+    shm.release_all()
     if dist.is_initialized():
         dist.destroy_process_group()

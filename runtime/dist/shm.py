@@ -240,6 +240,17 @@ def pair_of(group) -> Pair | None:
     return pair
 
 
+def release_all() -> None:
+    """Close every pair (their workers end after the collectives issued) and forget them: called as a
+    process leaves its groups, so a process that joins one group after another (``zdsl run
+    --variants``) holds one pair's segments and worker at a time, not one per group until collected."""
+    with _pairs_lock:
+        pairs = [p for p in _pairs.values() if p is not None]
+        _pairs.clear()
+    for pair in pairs:
+        pair.close()
+
+
 def _set_up(pg) -> Pair | None:
     if dist.get_world_size(pg) != 2:
         return None
