@@ -170,7 +170,7 @@ class Pair:
 
     def _submit(self, run) -> torch.futures.Future:
         future: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((run, future))
+        self._jobs.put([run, future])
         return future
 
     def _serve(self) -> None:
@@ -179,19 +179,28 @@ class Pair:
             job = self._jobs.get()
             if job is None:
                 return
-            run, future = job
-            try:
-                if self.broken is not None:
-                    raise SharedMemoryError(str(self.broken))
-                run()
-            except BaseException as exc:  # noqa: BLE001 - the caller's wait() raises it
-                if not isinstance(exc, SharedMemoryError):
-                    exc = SharedMemoryError(f"{type(exc).__name__}: {exc}")
-                if self.broken is None:
-                    self.broken = exc
-                future.set_exception(exc)
-                continue
-            future.set_result(None)
+            self._run(job)
+
+    def _run(self, job: list) -> None:
+        """Run one collective. Its closure (and the tensors it holds) is dropped before the future
+        completes: the caller may free those buffers at once, and the buffer table gives a block
+        back to the host pool only when nothing else refers to its memory."""
+        run, future = job
+        job.clear()
+        try:
+            if self.broken is not None:
+                raise SharedMemoryError(str(self.broken))
+            run()
+        except BaseException as exc:  # noqa: BLE001 - the caller's wait() raises it
+            run = None
+            if not isinstance(exc, SharedMemoryError):
+                exc = SharedMemoryError(f"{type(exc).__name__}: {exc}")
+            if self.broken is None:
+                self.broken = exc
+            future.set_exception(exc)
+            return
+        run = None
+        future.set_result(None)
 
     def close(self) -> None:
         """Stop the worker after the collectives already issued."""

@@ -154,3 +154,28 @@ def _other_host_rank(rank: int, world: int) -> dict:
 def test_ranks_on_different_hosts_keep_gloo():
     for got in run_ranks(_other_host_rank, 2):
         assert got == dict(pair=False, same=True, then=["gathered"])
+
+
+def _held_rank(rank: int, world: int) -> list[list[int]]:
+    """How many more owners the tensors have than before, as each collective's wait() returns: the
+    worker must drop a collective's closure before completing it, or the buffer the executor then
+    frees is still referred to and its block is never given back to the host pool for reuse."""
+    torch, dist, collectives, shm = _join(rank)
+    from zdsl.runtime.state.host_pool import _use_count
+    n = 2 * 5003
+    full, shard = torch.randn(n), torch.randn(n // 2)
+    gathered, scattered = torch.empty(n), torch.empty(n // 2)
+    counts = lambda: [_use_count(t) for t in (full, shard, gathered, scattered)]   # noqa: E731
+    before, extra = counts(), []
+    for issue in (lambda: collectives.all_gather(gathered, shard, async_op=True),
+                  lambda: collectives.reduce_scatter(scattered, full, async_op=True),
+                  lambda: collectives.all_reduce(gathered, async_op=True)):
+        issue().wait()
+        extra.append([a - b for a, b in zip(counts(), before)])
+    dist.destroy_process_group()
+    return extra
+
+
+def test_a_finished_collective_holds_none_of_its_tensors():
+    for extra in run_ranks(_held_rank, 2):
+        assert extra == [[0, 0, 0, 0]] * 3, extra
