@@ -19,13 +19,18 @@ RUNTIME_STEPS = {False: 240, True: 24}
 RUNTIME_BLOCKS = 3
 
 
-# The graph the per-op overhead is fitted on: small enough that fixed costs dominate. Its step
-# count only has to be valid: measure_runtime runs as many steps as each block needs.
+# The graph the per-op overhead is fitted on: small enough that fixed costs dominate. It clips
+# gradients, as most recipes do (HF's max_grad_norm=1.0, DeepSpeed's gradient_clipping), so the fit
+# covers the norm ops and the norm's all-reduce too: without them the costs fitted for a step's
+# lane ops and collectives priced a clipped program's norms at a compute op's hand-off and its
+# scalar all-reduce at a gathered unit's (programs/quickstart.zs, which is this with clip=1.0,
+# planned 16-20% slow in three quiet rounds while the reference matched). Its step count only
+# has to be valid: measure_runtime runs as many steps as each block needs.
 REFERENCE = """schedule calibrate_reference "zdsl calibrate: a tiny ZeRO-3 step, what the runtime costs per op"
 model     gpt(layers=2, width=64, heads=4, vocab=256, context=32)
 data      synthetic(vocab=256, context=32)
 train     steps={steps}, batch=4, precision=fp32, seed=0
-optimizer adamw(lr=1e-3)
+optimizer adamw(lr=1e-3, clip=1.0)
 ranks     {ranks} on {device}
 zero      3
 """
