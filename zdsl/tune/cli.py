@@ -59,13 +59,15 @@ verdicts: each round runs every candidate once, back to back in one launch, the 
   median step after the warm-up. "measured" is the median of those figures,
   "spread" their interquartile range. Two candidates are compared round by round (the
   ratio of their figures in each round, which cancels a load both met): one is faster
-  only when, over at least 6 shared rounds, the ratios' interquartile range lies past 1,
-  it was faster in so many rounds that an even coin would be so lucky under 2% of the
-  time (6 of 6, 8 of 8, 9 of 10, 10 of 12), and the median ratio is at least 1.02;
+  only when, over at least {min_rounds} shared rounds, the ratios' interquartile range lies past 1,
+  it was faster in so many rounds that an even coin would be so lucky under {level:.0%} of the
+  time ({examples}), and the median ratio is at least {min_ratio:g};
   otherwise they tie, and a tie goes to the lower peak device memory, then the simpler
   schedule (fewer values changed from the file, then smaller values), then the faster
   median. Measuring stops when one candidate beats all others, when the ones left
-  still tie after --rounds rounds, or before a round that would overrun --budget.""")
+  still tie after --rounds rounds, or before a round that would overrun --budget.""".format(
+                    min_rounds=noise.MIN_ROUNDS, level=noise.SIGN_LEVEL, min_ratio=1 + noise.MIN_DIFFERENCE,
+                    examples=", ".join(f"{noise.wins_needed(n)} of {n}" for n in (noise.MIN_ROUNDS, 11, 20, 30))))
     p.add_argument("file", metavar="FILE", nargs="?", help="the .zs schedule")
     p.add_argument("--vary", nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
                    help="a --set key and the values (or LO..HI ranges) to try (repeatable)")

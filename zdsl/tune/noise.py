@@ -93,6 +93,11 @@ def sign_chance(wins: int, n: int) -> float:
     return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n if n else 1.0
 
 
+def wins_needed(n: int) -> int:
+    """The fewest rounds of ``n`` one candidate must win for (2) to hold (``n + 1``: it cannot)."""
+    return next((w for w in range(n + 1) if sign_chance(w, n) <= SIGN_LEVEL), n + 1)
+
+
 def compare(a: Candidate, b: Candidate) -> Comparison:
     """Is ``b`` faster than ``a``? (order them so that ``b``'s median is the lower one)."""
     shared = sorted(set(a.rounds) & set(b.rounds))
