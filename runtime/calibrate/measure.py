@@ -51,14 +51,20 @@ def _median_time(fn, sync, budget_s: float, min_reps: int = 3, max_reps: int = 1
     """Median seconds of ``fn`` after one warm-up, repeated for about ``budget_s``."""
     fn()
     sync()
+    return statistics.median(_times(fn, budget_s, min_reps, max_reps, sync))
+
+
+def _times(fn, seconds: float, min_reps: int = 1, max_reps: int | None = None, sync=lambda: None) -> list[float]:
+    """Seconds of each call of ``fn`` (and ``sync`` after it), called back to back for about ``seconds``:
+    at least ``min_reps`` calls, at most ``max_reps``."""
     times: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(times) < min_reps or (time.perf_counter() < deadline and len(times) < max_reps):
+    deadline = time.perf_counter() + seconds
+    while len(times) < min_reps or (time.perf_counter() < deadline and (max_reps is None or len(times) < max_reps)):
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def _model_shape(s: Settings, device) -> dict:
@@ -351,17 +357,6 @@ def _io_buffers(size: int):
 # load spreads over the sizes instead of bending the fitted rate through one of them; the CPU share
 # beside compute likewise, in rounds of alone, beside reads, beside writes. Quick: 3 rounds, full: 4.
 DISK_ROUNDS = {True: 3, False: 4}
-
-
-def _times(fn, seconds: float, min_reps: int = 1) -> list[float]:
-    """Seconds of each call of ``fn``, called back to back for about ``seconds`` (at least ``min_reps``)."""
-    times: list[float] = []
-    deadline = time.perf_counter() + seconds
-    while len(times) < min_reps or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None, beside: bool = True) -> dict:
