@@ -7,7 +7,12 @@ multiples of the device's logical block size (512 B or 4 KiB). Aligning to
 *pinned* (page-locked), so host<->device copies of the same bytes run at
 full PCIe speed and can be asynchronous; without CUDA, pinning is impossible
 and unnecessary, so an anonymous ``mmap`` (page aligned by construction)
-is used.
+is used, backed by transparent huge pages where the kernel has them: direct
+I/O into 2 MiB pages ran 2x faster than into 4 KiB ones on the VM we measure
+on (the same 128 MiB file read at 3.6 against 1.2-1.7 GB/s, written at 6.5
+against 3.3; the rate into 4 KiB pages moved with how scattered the pages
+were, so a run's disk rate differed from its calibration's), and the CPU's
+copies into them run no slower.
 
 Two things live here:
 
@@ -29,6 +34,10 @@ from typing import Iterator
 import torch
 
 from zdsl.schedule import DIRECT_IO_ALIGN as ALIGN
+
+
+HUGE_PAGE = 2 << 20                                      # x86-64's and arm64's transparent huge page
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)    # Linux only
 
 
 def round_up(nbytes: int, align: int = ALIGN) -> int:
@@ -61,6 +70,13 @@ def aligned_empty(nbytes: int, *, pin: bool | None = None) -> torch.Tensor:
     # An anonymous private mapping is page aligned; the tensor keeps the
     # mmap object alive, and the pages return to the OS when both go.
     region = mmap.mmap(-1, padded, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if padded >= HUGE_PAGE and _MADV_HUGEPAGE is not None:
+        # The 2 MiB-aligned stretches inside the mapping get huge pages (where THP is
+        # "always" or "madvise"); the ends stay 4 KiB pages, so resident bytes stay exact.
+        try:
+            region.madvise(_MADV_HUGEPAGE)
+        except OSError:     # a kernel built without THP: 4 KiB pages, as before
+            pass
     return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
 
 
