@@ -342,8 +342,8 @@ MIN_DISK_CPU = 0.01     # a share of a core: noise can make compute beside a tra
 
 def _io_buffers(size: int):
     """Random bytes to write and a buffer to read them back into, both 4 KiB aligned as the
-    run's host-pool buffers are: the swapper moves an aligned tensor's blocks in place and an
-    unaligned one's through its staging copy (measured 1.09 against 1.47 GB/s reading 256 MiB)."""
+    run's host-pool buffers are (huge pages from 2 MiB): the swapper moves such a tensor's blocks
+    in place, a smaller one's through its staging pool, as in a run."""
     import torch
 
     from zdsl.runtime.io.aligned import aligned_empty

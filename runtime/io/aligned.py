@@ -50,12 +50,16 @@ def pin_default() -> bool:
     return torch.cuda.is_available()
 
 
-def aligned_empty(nbytes: int, *, pin: bool | None = None) -> torch.Tensor:
+def aligned_empty(nbytes: int, *, pin: bool | None = None, whole_huge_pages: bool = False) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` whose first byte is 4 KiB aligned.
 
     The storage behind it is rounded up to a whole number of 4 KiB pages, so
     the tensor may be viewed as any dtype and sliced at 4 KiB offsets while
     staying aligned. Contents are undefined when pinned, zero otherwise.
+    Unpinned, a tensor of at least one huge page is advised onto huge pages;
+    ``whole_huge_pages`` also starts it on a huge page and rounds its pages up
+    to whole huge pages, so every byte of it is in one (for fixed buffers the
+    I/O goes through; costs up to a huge page more of memory).
     """
     if nbytes < 0:
         raise ValueError(f"aligned_empty: nbytes must be >= 0, got {nbytes}")
@@ -67,6 +71,9 @@ def aligned_empty(nbytes: int, *, pin: bool | None = None) -> torch.Tensor:
             raw = torch.empty(padded + ALIGN, dtype=torch.uint8, pin_memory=True)
         start = (-raw.data_ptr()) % ALIGN
         return raw[start : start + nbytes]
+    if whole_huge_pages:
+        # over-map by one huge page so that a whole number of them starts on a boundary inside
+        padded = round_up(padded, HUGE_PAGE) + HUGE_PAGE
     # An anonymous private mapping is page aligned; the tensor keeps the
     # mmap object alive, and the pages return to the OS when both go.
     region = mmap.mmap(-1, padded, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -77,7 +84,9 @@ def aligned_empty(nbytes: int, *, pin: bool | None = None) -> torch.Tensor:
             region.madvise(_MADV_HUGEPAGE)
         except OSError:     # a kernel built without THP: 4 KiB pages, as before
             pass
-    return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
+    memory = torch.frombuffer(region, dtype=torch.uint8)
+    start = (-memory.data_ptr()) % HUGE_PAGE if whole_huge_pages else 0
+    return memory[start : start + nbytes]
 
 
 def is_aligned(tensor: torch.Tensor) -> bool:
@@ -101,7 +110,7 @@ class AlignedPool:
         self.block_bytes = block_bytes
         self.count = count
         self.pinned = pin_default() if pin is None else pin
-        self._memory = aligned_empty(block_bytes * count, pin=self.pinned)
+        self._memory = aligned_empty(block_bytes * count, pin=self.pinned, whole_huge_pages=True)
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         for i in range(count):
             self._free.put(self._memory[i * block_bytes : (i + 1) * block_bytes])

@@ -373,6 +373,30 @@ def test_large_aligned_buffers_ask_for_huge_pages():
     big, small = aligned_empty(4 << 20, pin=False), aligned_empty(1 << 20, pin=False)
     assert "hg" in _vm_flags(big.data_ptr())
     assert "hg" not in _vm_flags(small.data_ptr())
+    # the staging pool lies in whole huge pages, starting on one
+    from zdsl.runtime.io.aligned import HUGE_PAGE, AlignedPool
+    pool = AlignedPool(BLOCK, 3, pin=False)
+    first = pool.acquire()
+    assert first.data_ptr() % HUGE_PAGE == 0 and "hg" in _vm_flags(first.data_ptr())
+
+
+def test_only_buffers_of_a_huge_page_or_more_move_in_place(swapper, monkeypatch):
+    # A smaller one cannot lie in a huge page of its own: its blocks go through the staging pool.
+    staged = []
+    borrow = swapper.pool.buffer
+
+    def counting():
+        staged.append(1)
+        return borrow()
+    monkeypatch.setattr(swapper.pool, "buffer", counting)
+    for nbytes, expect_staged in ((1 << 20, 16), (2 << 20, 0)):
+        src = aligned_empty(nbytes, pin=False)
+        src.copy_(_tensor(nbytes).view(torch.uint8))
+        dst = aligned_empty(nbytes, pin=False)
+        staged.clear()
+        swapper.write_sync("x", src)
+        swapper.read_sync("x", dst)
+        assert torch.equal(src, dst) and len(staged) == 2 * expect_staged, nbytes
 
 
 def test_concurrent_transfers_share_the_queue_depth(tmp_path):
