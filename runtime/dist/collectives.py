@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_dispatch_mode
 
 from zdsl.runtime.dist import shm
+from zdsl.schedule import SHARED_MEMORY_FROM
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -65,7 +66,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 GLOO_ALL_GATHER = "shm"
 GLOO_REDUCE_SCATTER = "shm"
 GLOO_ALL_REDUCE = "shm"
-GLOO_NATIVE_BELOW = 1 << 20          # bytes of full tensor
+GLOO_NATIVE_BELOW = SHARED_MEMORY_FROM     # bytes of full tensor
 
 
 def check_settings() -> None:

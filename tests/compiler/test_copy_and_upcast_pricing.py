@@ -14,12 +14,14 @@ from zdsl.compile.units import gpt_units
 from zdsl.driver import compile_schedule
 from zdsl.ir import DTYPE_BYTES
 from zdsl.planner.rates import for_graph
+from zdsl.planner.simulate import collective_payload
 from zdsl.planner.simulate import op_duration
 from zdsl.planner.simulate import op_fixed
 from zdsl.planner.simulate import simulate
 from zdsl.planner.simulate import under_load
 from zdsl.schedule import MachineProfile
 from zdsl.schedule import OptimizerSpec
+from zdsl.schedule import SHARED_MEMORY_FROM
 from zdsl.schedule import Schedule
 from zdsl.schedule import TrainSpec
 
@@ -48,13 +50,30 @@ def test_a_one_rank_collective_shares_the_cores_as_a_copy():
     """At one rank ``comm_under_load`` (gloo's threads waiting for messages) does not apply: the
     copies take their share of the cores, so their planned time is the fair-share one."""
     fair = dataclasses.replace(CPU, comm_under_load=0.0)
-    one = graph(ranks=1)
-    gather = next(op for op in one.ops if op.kind == "comm.all_gather")
-    assert under_load(gather, CPU, 1) == 0.0 and under_load(gather, CPU, 2) == CPU.comm_under_load
+    one, four = graph(ranks=1), graph(ranks=4)
+    assert under_load(one, gathers(one)[0], CPU) == 0.0
+    assert under_load(four, gathers(four)[0], CPU) == CPU.comm_under_load
     assert comm_busy(one, CPU) == pytest.approx(comm_busy(one, fair))
-    # while two ranks' collectives still move at their rate under load, beside the compute
+    # while four ranks' collectives still move at their rate under load, beside the compute
+    assert comm_busy(four, CPU) != pytest.approx(comm_busy(four, fair))
+
+
+def gathers(g, shared: bool | None = None):
+    """The graph's all-gathers; with ``shared``, those at least (True) or under (False) the size
+    from which 2 ranks' collectives go through shared memory."""
+    return [op for op in g.ops if op.kind == "comm.all_gather"
+            and (shared is None or (collective_payload(g, op) >= SHARED_MEMORY_FROM) == shared)]
+
+
+def test_two_ranks_collectives_through_shared_memory_share_the_cores_as_a_copy():
+    """At 2 ranks a collective of at least SHARED_MEMORY_FROM bytes is a shared-memory worker's
+    copies and sums (runtime/dist/shm.py): a fair share, not gloo's waiting; a smaller one still
+    goes through gloo's TCP and keeps ``comm_under_load``."""
     two = graph(ranks=2)
-    assert comm_busy(two, CPU) != pytest.approx(comm_busy(two, fair))
+    big, small = gathers(two, shared=True), gathers(two, shared=False)
+    assert big and small
+    assert {under_load(two, op, CPU) for op in big} == {0.0}
+    assert {under_load(two, op, CPU) for op in small} == {CPU.comm_under_load}
 
 
 def rated(g, op, machine):

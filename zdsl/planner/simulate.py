@@ -22,6 +22,7 @@ from zdsl.ir import LANES
 from zdsl.ir import DTYPE_BYTES
 from zdsl.ir import TaskGraph
 from zdsl.schedule import MachineProfile
+from zdsl.schedule import SHARED_MEMORY_FROM
 from zdsl.planner.graph_index import CyclicGraphError
 from zdsl.planner.graph_index import GraphIndex
 from zdsl.planner.graph_index import index_graph
@@ -245,7 +246,7 @@ def takes_share_first(machine: MachineProfile) -> bool:
     return machine.cores > 1
 
 
-def under_load(op, machine: MachineProfile, ranks: int) -> float:
+def under_load(graph: TaskGraph, op, machine: MachineProfile) -> float:
     """The share of its rate a collective keeps while its rank's cores are full, or 0 where it
     shares them like other work (``comm_under_load``; cpu machines, more than one rank).
 
@@ -254,13 +255,25 @@ def under_load(op, machine: MachineProfile, ranks: int) -> float:
     the compute. Traced here: a backward beside a reduce-scatter 15% slower than alone, the
     reduce-scatter 3-6 times. So such a collective takes no share and moves in what the others
     leave idle, at least at ``comm_under_load`` of its rate (while the cores are full).
+    A collective through shared memory (:func:`through_shared_memory`) is a worker thread's
+    copies and sums: it takes its fair share as a copy does (programs/nvme.zs traced: each
+    backward beside a 3 MB reduce-scatter or gather took its time longer, 9-10.6 ms against the
+    6.3-7.6 ms a collective of no share planned, the collectives 1-4x their rate, not 14x).
     A collective of one rank waits for no message: it is a memory copy on the rank's own thread
     (:func:`single_rank_collective_seconds`) and takes its share like the lanes' other copies (at
     2% of its rate beside compute, programs/capacity.zs's gathers were planned at 12.4 s a step
     against 4.5 s measured)."""
-    if ranks > 1 and machine.comm_under_load > 0 and machine.name == "cpu" and op.kind.startswith("comm."):
+    if (graph.ranks > 1 and machine.comm_under_load > 0 and machine.name == "cpu" and op.kind.startswith("comm.")
+            and not through_shared_memory(graph, op, machine)):
         return machine.comm_under_load
     return 0.0
+
+
+def through_shared_memory(graph: TaskGraph, op, machine: MachineProfile) -> bool:
+    """Whether the runtime runs this collective through shared memory: 2 CPU ranks (of one host,
+    as a cpu machine's are) and at least ``SHARED_MEMORY_FROM`` bytes of full tensor."""
+    return (machine.name == "cpu" and graph.ranks == 2 and op.kind.startswith("comm.")
+            and collective_payload(graph, op) >= SHARED_MEMORY_FROM)
 
 
 def wake_after(graph: TaskGraph, machine: MachineProfile) -> list[float]:
@@ -299,7 +312,7 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
         # waiting that takes no core, fitted on the reference step, it over-predicted the
         # programs whose lanes overlap most: on one core per rank their work only adds up.)
         demand = [cpu_demand(op, machine) for op in graph.ops]
-        under = [under_load(op, machine, graph.ranks) for op in graph.ops]
+        under = [under_load(graph, op, machine) for op in graph.ops]
         first = [op.kind.startswith("nvme.") and takes_share_first(machine) for op in graph.ops]
         start, end, gate = _shared_schedule(graph, fixed, rated, deps, demand, machine.cores, slots, under, first,
                                             wake)
