@@ -11,12 +11,14 @@ from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_co
 from zdsl.runtime.calibrate.measure import CalibrationError, Settings
 
 
-# Reference steps (full, quick), ~15 ms each here. The host's speed moves from one half second to
-# the next: 48 steps in one block put the reference 50% off the programs run beside it.
-RUNTIME_STEPS = {False: 240, True: 24}
-
-
+# Reference steps (full, quick), ~10 ms each here. The host's speed moves from one half second to
+# the next: 48 steps in one block put the reference 50% off the programs run beside it. A fresh
+# run's first ten steps are slower than its later ones (10.2-14.8 ms against 9.0-9.5 here), so
+# quick blocks of 6 steps after 2 put the reference 7% slow, median of eight rounds, against the
+# same schedule run beside the programs (benchmarks/prediction_error.py's drift): now 16 after 4.
+RUNTIME_STEPS = {False: 240, True: 60}
 RUNTIME_BLOCKS = 3
+WARM_UP_STEPS = 4
 
 
 # The graph the per-op overhead is fitted on: small enough that fixed costs dominate. It clips
@@ -86,7 +88,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
                 all_gather(gathered, mine)
         return records
 
-    records = trio.run(loop)[2:]              # the first steps allocate and warm up
+    records = trio.run(loop)[WARM_UP_STEPS:]    # the first steps allocate and warm up
     del state, executor
     if device.type == "cuda":
         torch.cuda.empty_cache()
