@@ -79,7 +79,8 @@ def aligned_empty(nbytes: int, *, pin: bool | None = None, whole_huge_pages: boo
     region = mmap.mmap(-1, padded, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if padded >= HUGE_PAGE and _MADV_HUGEPAGE is not None:
         # The 2 MiB-aligned stretches inside the mapping get huge pages (where THP is
-        # "always" or "madvise"); the ends stay 4 KiB pages, so resident bytes stay exact.
+        # "always" or "madvise"); the ends stay 4 KiB pages, so resident bytes stay exact
+        # (with ``whole_huge_pages`` the tensor lies in aligned stretches only).
         try:
             region.madvise(_MADV_HUGEPAGE)
         except OSError:     # a kernel built without THP: 4 KiB pages, as before

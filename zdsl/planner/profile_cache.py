@@ -33,7 +33,7 @@ QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the defaul
 # precision and width, disk rates alone and shared (zdsl.planner.rates); 3: the compute rates of one
 # rank alone with every core too (flops_alone_*, compute_ranks); 4: the collectives of 2 ranks of one
 # host through shared memory (zdsl.runtime.dist.shm: 2-3x gloo's TCP rates), and disk rates timed in
-# interleaved rounds; 5: disk rates into huge-page buffers, as the runtime's host buffers are since
+# interleaved rounds; 5: disk rates into huge-page buffers, where the runtime's transfers now land
 # (zdsl.runtime.io.aligned: 2x the rates into 4 KiB pages).
 PROFILE_FORMAT = 5
 # What a profile of each older format lacks, as the line saying it was measured again words it.

@@ -258,7 +258,8 @@ def under_load(graph: TaskGraph, op, machine: MachineProfile) -> float:
     A collective through shared memory (:func:`through_shared_memory`) is a worker thread's
     copies and sums: it takes its fair share as a copy does (programs/nvme.zs traced: each
     backward beside a 3 MB reduce-scatter or gather took its time longer, 9-10.6 ms against the
-    6.3-7.6 ms a collective of no share planned, the collectives 1-4x their rate, not 14x).
+    6.3-7.6 ms planned when the collectives took no share; they ran at 1-4x their rated time,
+    where that plan had them at up to 14x).
     A collective of one rank waits for no message: it is a memory copy on the rank's own thread
     (:func:`single_rank_collective_seconds`) and takes its share like the lanes' other copies (at
     2% of its rate beside compute, programs/capacity.zs's gathers were planned at 12.4 s a step
