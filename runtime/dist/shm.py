@@ -23,7 +23,8 @@ callbacks run on that thread, as gloo's run on its own.
 
 Nothing outlives the ranks: segments and semaphores are unlinked as soon as
 both ranks have opened them (the mappings stay valid), during the pair's
-set-up. Each rank adds ``SLOTS * SLOT_BYTES`` (8 MiB) of shared memory.
+set-up. Each rank adds ``SHARED_MEMORY_OUTBOX`` (8 MiB) of shared memory, counted in its planned
+host memory (zdsl/planner/machine_fit.py).
 
 At 2 ranks a + b == b + a, so the results are the bits gloo gives.
 """
@@ -41,8 +42,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-SLOT_BYTES = 4 << 20
+from zdsl.schedule import SHARED_MEMORY_OUTBOX
+
 SLOTS = 2
+SLOT_BYTES = SHARED_MEMORY_OUTBOX // SLOTS     # the planner counts the outbox in a rank's host memory
 POLL_S = 1.0                 # a waiting rank looks this often whether its peer process still exists
 SHM_DIR = "/dev/shm"
 _SEMAPHORE = 1               # _multiprocessing's kind for a counting semaphore

@@ -126,6 +126,22 @@ def test_the_plan_of_nvme_knows_its_swap_folder_and_bytes(tmp_path):
     assert "/tmp/zdsl_nvme" in swap and f"({2 * needs.nvme_per_rank} bytes" in swap
 
 
+@pytest.mark.parametrize("ranks,width,outbox", [(2, 256, True), (4, 256, False), (2, 64, False)])
+def test_a_rank_whose_collectives_go_through_shared_memory_needs_its_outbox(tmp_path, ranks, width, outbox):
+    # 2 CPU ranks' collectives from SHARED_MEMORY_FROM bytes go through a shared-memory outbox per
+    # rank (runtime/dist/shm.py): width 256's blocks (3 MiB) do, width 64's (0.2 MiB) and 4 ranks' do not.
+    from zdsl.driver import compile_file
+    from zdsl.schedule import SHARED_MEMORY_OUTBOX
+    src = tmp_path / "s.zs"
+    src.write_text(f'schedule s\nmodel gpt(layers=2, width={width}, heads=4, vocab=256, context=32)\n'
+                   f'data synthetic(vocab=256, context=32)\ntrain steps=1, batch=2\n'
+                   f'optimizer adamw(lr=1e-3)\nranks {ranks} on cpu\nzero 3\n')
+    compiled = compile_file(str(src), {}, simulate=True)
+    memory = compiled.sim.memory.to_json()
+    planned = memory["host"]["peak"] + memory["device"]["peak"]
+    assert needs_of(compiled.graph, memory).ram_per_rank == planned + (SHARED_MEMORY_OUTBOX if outbox else 0)
+
+
 # -- zdsl run: refused before any rank starts -------------------------------------------
 
 def run_args(*argv):

@@ -43,6 +43,7 @@ from zdsl.planner.this_machine import device_in_ram
 from zdsl.planner.this_machine import installed_torch
 from zdsl.planner.this_machine import usable_cores
 from zdsl.schedule import DIRECT_IO_ALIGN as ALIGN      # a swap file is sized in whole 4 KiB blocks
+from zdsl.schedule import SHARED_MEMORY_OUTBOX
 
 OVERSUBSCRIBE = 8      # ranks per core above which a run is refused (a warning from 1 up to this)
 
@@ -89,9 +90,13 @@ def swap_folder(config: dict) -> str | None:
 
 
 def needs_of(graph: TaskGraph, memory: dict) -> Needs:
-    """``memory``: the plan's per-tier JSON (``Simulation.memory.to_json()``)."""
+    """``memory``: the plan's per-tier JSON (``Simulation.memory.to_json()``); plus the outbox of
+    shared memory a rank writes where its collectives go through one (runtime/dist/shm.py)."""
+    from zdsl.planner.simulate import through_shared_memory
     in_ram = device_in_ram(graph.config.get("device", "auto"))
     ram = memory["host"]["peak"] + (memory["device"]["peak"] if in_ram else 0)
+    if any(through_shared_memory(graph, op, in_ram) for op in graph.ops):
+        ram += SHARED_MEMORY_OUTBOX
     nvme = sum(-(-b.bytes // ALIGN) * ALIGN for b in graph.buffers.values() if b.tier == "nvme")
     return Needs(graph.ranks, ram, nvme, swap_folder(graph.config) if nvme else None)
 

@@ -265,15 +265,16 @@ def under_load(graph: TaskGraph, op, machine: MachineProfile) -> float:
     2% of its rate beside compute, programs/capacity.zs's gathers were planned at 12.4 s a step
     against 4.5 s measured)."""
     if (graph.ranks > 1 and machine.comm_under_load > 0 and machine.name == "cpu" and op.kind.startswith("comm.")
-            and not through_shared_memory(graph, op, machine)):
+            and not through_shared_memory(graph, op, on_host=True)):
         return machine.comm_under_load
     return 0.0
 
 
-def through_shared_memory(graph: TaskGraph, op, machine: MachineProfile) -> bool:
-    """Whether the runtime runs this collective through shared memory: 2 CPU ranks (of one host,
-    as a cpu machine's are) and at least ``SHARED_MEMORY_FROM`` bytes of full tensor."""
-    return (machine.name == "cpu" and graph.ranks == 2 and op.kind.startswith("comm.")
+def through_shared_memory(graph: TaskGraph, op, on_host: bool) -> bool:
+    """Whether the runtime runs this collective through shared memory: 2 ranks whose tensors are
+    on the host (``on_host``: a cpu machine's, of one host) and at least ``SHARED_MEMORY_FROM``
+    bytes of full tensor."""
+    return (on_host and graph.ranks == 2 and op.kind.startswith("comm.")
             and collective_payload(graph, op) >= SHARED_MEMORY_FROM)
 
 
