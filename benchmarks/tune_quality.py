@@ -48,7 +48,7 @@ from zdsl.driver import memo_units_for  # noqa: E402
 from zdsl.planner import profile_cache  # noqa: E402
 from zdsl.tune import noise  # noqa: E402
 from zdsl.tune.measure import RunFailed, measure  # noqa: E402
-from zdsl.tune.rounds import DEFAULT_BUDGET_S  # noqa: E402
+from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_STEPS, DEFAULT_WARMUP  # noqa: E402
 from zdsl.tune.search import Candidate, combinations, parse_vary, predict  # noqa: E402
 
 # program -> its knobs, as --vary arguments (two meaningful knobs each; nvme has one that matters)
@@ -70,8 +70,10 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="zdsl tune runs per program (default 3)")
     ap.add_argument("--budget", type=float, default=None,
                     help=f"pass --budget to zdsl tune (default: tune's own, {DEFAULT_BUDGET_S:.0f} s)")
-    ap.add_argument("--steps", type=int, default=10, help="steps per truth run (default 10, as zdsl tune)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per truth run (default 2, as zdsl tune)")
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                    help=f"steps per truth run (default {DEFAULT_STEPS}, as zdsl tune)")
+    ap.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                    help=f"untimed steps per truth run (default {DEFAULT_WARMUP}, as zdsl tune)")
     args = ap.parse_args()
     names = [n.strip() for n in args.programs.split(",") if n.strip()]
     unknown = [n for n in names if n not in PROGRAMS]

@@ -35,7 +35,8 @@ ZERO3 = str(ROOT / "programs" / "zero3.zs")
 
 def test_tiny_tune_measures_prints_and_writes_a_schedule_that_checks(tmp_path):
     out = tmp_path / "best.zs"
-    proc = zdsl("tune", QUICK, "--vary", "prefetch=1,2", "--measure", "1", "--steps", "3", "--out", str(out))
+    proc = zdsl("tune", QUICK, "--vary", "prefetch=1,2", "--measure", "1", "--steps", "3", "--warmup", "1",
+                "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     table = proc.stdout

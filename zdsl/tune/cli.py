@@ -26,7 +26,7 @@ from pathlib import Path
 
 from zdsl.tune import noise
 from zdsl.tune.measure import measure_round
-from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, race
+from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, DEFAULT_STEPS, DEFAULT_WARMUP, race
 from zdsl.tune.search import (PRUNE_FACTOR, TuneUsageError, combinations, count_changes, parse_vary, predict,
                               prune, validate_values)
 from zdsl.tune.table import as_json, print_table
@@ -80,10 +80,11 @@ verdicts: each round runs every candidate once, back to back in one launch, the 
     p.add_argument("--rounds", type=int, default=DEFAULT_MAX_ROUNDS, metavar="N",
                    help=f"stop after N rounds when the candidates left still tie (default {DEFAULT_MAX_ROUNDS}; "
                         f"at least {noise.MIN_ROUNDS}, the rounds a verdict needs)")
-    p.add_argument("--steps", type=int, default=10, metavar="N",
-                   help="steps per measured run (default 10)")
-    p.add_argument("--warmup", type=int, default=2, metavar="W",
-                   help="first steps of each run not timed (default 2)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="N",
+                   help=f"steps per measured run (default {DEFAULT_STEPS})")
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, metavar="W",
+                   help=f"first steps of each run not timed (default {DEFAULT_WARMUP}: a fresh run's "
+                        f"first steps are slower, and not alike for every candidate)")
     p.add_argument("--prune", type=float, default=PRUNE_FACTOR, metavar="F",
                    help=f"do not measure combinations predicted slower than F x the best predicted "
                         f"(default {PRUNE_FACTOR:g}: the spread of the cost model's error across programs)")

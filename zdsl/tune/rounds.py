@@ -31,6 +31,13 @@ from zdsl.tune.search import Candidate
 
 DEFAULT_BUDGET_S = 120.0
 DEFAULT_MAX_ROUNDS = 30
+# Steps per measured run and the first ones not timed. A fresh run's first ten or twenty steps are
+# slower than its later ones, and not alike for every candidate: programs/zero3.zs, prefetch 1
+# against 2, three runs each: steps 2-9 13.4-14.4 against 14.0-14.8 ms, steps 20-149 14.2-14.7
+# against 13.2-13.9 (the order turned). A step costs ~15 ms beside a launch's ~2.5 s, so timing
+# steps 10-29 costs a round about a third more than steps 2-9 did.
+DEFAULT_STEPS = 30
+DEFAULT_WARMUP = 10
 
 
 @dataclass
