@@ -107,9 +107,9 @@ def reference_step(path: str) -> str:
 
 def reference_program(folder: str, steps: int) -> str:
     """calibrate's reference schedule as a file ``zdsl run`` can run (the control)."""
-    from zdsl.runtime.calibrate.reference import REFERENCE
+    from zdsl.runtime.calibrate.reference import reference_text
     path = os.path.join(folder, "reference.zs")
-    Path(path).write_text(REFERENCE.format(steps=steps, ranks=2, device="cpu"), encoding="utf-8")
+    Path(path).write_text(reference_text(steps, 2, "cpu"), encoding="utf-8")
     return path
 
 

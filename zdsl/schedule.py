@@ -141,6 +141,7 @@ class MachineProfile:
     memory_bandwidth: float = 1e10         # elementwise work on the device (optimizer step)
     op_overhead: float = 0.0               # seconds the runtime spends starting and finishing an op
     kernel_overhead: float = 0.0           # seconds per kernel (aten op) a compute op dispatches
+    compute_excess: float = 0.0            # the runtime's compute ops take (1 + this) x their rated time
     comm_overhead: float = -1.0            # the same for a collective; < 0: op_overhead
     scatter_overhead: float = -1.0         # the same for a reduce-scatter; < 0: comm_overhead
     cores: float = 0.0                     # CPU cores per rank that lanes share; 0: lanes independent
@@ -203,7 +204,8 @@ MACHINE_OPTIONS = (
     ("disk_read_latency", "disk_read_latency"), ("disk_write_latency", "disk_write_latency"),
     ("disk_read_cpu", "disk_read_cpu"), ("disk_write_cpu", "disk_write_cpu"),
     ("memory_bw", "memory_bandwidth"), ("host_memory_bw", "host_memory_bandwidth"),
-    ("overhead", "op_overhead"), ("kernel_overhead", "kernel_overhead"), ("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),
+    ("overhead", "op_overhead"), ("kernel_overhead", "kernel_overhead"), ("compute_excess", "compute_excess"),
+    ("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),
     ("cores", "cores"), ("comm_slots", "comm_slots"), ("comm_under_load", "comm_under_load"),
     ("wake", "wake_latency"),
     ("flops_widths", "flops_widths"), ("flops_fp32", "flops_fp32"), ("flops_bf16", "flops_bf16"),
@@ -219,7 +221,7 @@ MACHINE_TUPLES = ("flops_widths", "flops_fp32", "flops_bf16", "flops_fp16",
 # The fields that give a rate by the schedule's shape (zdsl.planner.rates); unset: rates as given.
 MACHINE_SHAPE_FIELDS = (*MACHINE_TUPLES, "compute_ranks", "disk_ranks", "disk_read_alone", "disk_write_alone")
 # Keywords that may be 0 (a fixed cost, sharing off, or "derive it"); other rates must be > 0.
-MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "comm_overhead", "scatter_overhead", "cores", "comm_under_load", "wake",
+MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "compute_excess", "comm_overhead", "scatter_overhead", "cores", "comm_under_load", "wake",
                        "scatter_link", "scatter_latency", "reduce_link", "reduce_latency", "host_memory_bw",
                        "disk_read_latency", "disk_write_latency", "disk_read_cpu", "disk_write_cpu",
                        "compute_ranks", "disk_ranks", "disk_read_alone", "disk_write_alone")

@@ -51,6 +51,15 @@ planner uses it*, under the conditions of a real run:
   prediction of that graph equal the measured median step, and
   ``scatter_overhead`` per reduce-scatter that plus what a reduce-scatter
   took beyond its rated time more than the other collectives did.
+* ``compute_excess`` (CPU): how much longer than its rated time a unit's
+  forward or backward takes in the runtime (activations gone cold between a
+  unit's forward and its backward, the executor's bookkeeping, the rank's
+  other threads on its core): the same step at ``WIDE_WIDTH``, where a
+  unit's compute outweighs its kernels' fixed costs, its units' CPU time in
+  their thread less those costs, over their rated time. The width-64 step
+  cannot tell it from a cost per kernel (its units' compute is a third of
+  their time), so without it every wider unit was planned short: forwards
+  5-12%, backwards 12-22% in thread time at widths 128-512.
   Each of these four fixed costs is clamped at 0, and 0 is a sensible,
   valid result (the language allows a fixed cost of 0: ``MACHINE_MAY_BE_ZERO``
   in ``zdsl/schedule.py``): it says the rates alone already account for
@@ -93,13 +102,13 @@ from zdsl.schedule import MACHINE_SHAPE_FIELDS
 from zdsl.schedule import MachineProfile
 
 from zdsl.lang.sizes import human_bytes
-from zdsl.planner.calibration_fit import LATENCY_FIELDS, fit_overhead, scaled_latencies
+from zdsl.planner.calibration_fit import LATENCY_FIELDS, compute_excess, fit_overhead, scaled_latencies
 from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, TABLE_CONTEXT, CalibrationError, Settings,
                                             compute_dtype, measure_collectives, measure_compute,
                                             measure_compute_table, measure_copy, measure_disk, measure_optimizer,
                                             table_batch)
-from zdsl.runtime.calibrate.reference import (RUNTIME_BLOCKS, RUNTIME_STEPS, measure_runtime, reference_graph,
-                                              reference_times)
+from zdsl.runtime.calibrate.reference import (RUNTIME_BLOCKS, RUNTIME_STEPS, WARM_UP_STEPS, WIDE_STEPS,
+                                              WIDE_WIDTH, measure_runtime, reference_graph, reference_times)
 from zdsl.runtime.dist.spawn import MASTER_ADDR
 from zdsl.runtime.dist.spawn import LocalRanks
 from zdsl.runtime.dist.spawn import RankFailed
@@ -207,6 +216,10 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
             out["collectives"] = measure_collectives(device if backend == "nccl" else torch.device("cpu"),
                                                      s, rank, world)
         barrier("collectives")
+        if device.type == "cpu":    # a GPU's kernels run beside the host's launches: no excess to see
+            out["runtime_wide"] = measure_runtime(device, s, rank, world, WARM_UP_STEPS + WIDE_STEPS[s.quick],
+                                                  slots, width=WIDE_WIDTH)
+        barrier("runtime (wide)")
         early.append(measure_runtime(device, s, rank, world, block_steps, slots))
         barrier("runtime (middle block)")
         report("disk")
@@ -323,8 +336,18 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     step_s, block_s, lane_op_s, comm_service_s, comm_loaded_s = reference_times(raw)
     profile.wake_latency = mean(lambda r: statistics.median(b.get("wake_s", 0.0) for b in r["runtime"]))
     blocks = len(block_s)
-    fit = fit_overhead(reference_graph(world, "cuda" if cuda else "cpu").graph, profile, step_s, lane_op_s,
-                       comm_service_s, comm_loaded_s)
+    graph = reference_graph(world, "cuda" if cuda else "cpu").graph
+    if "runtime_wide" in first:
+        wide = reference_graph(world, "cpu", WIDE_WIDTH).graph
+        wide_cpu = {i: mean(lambda r: r["runtime_wide"]["compute_cpu_s"][i])
+                    for i in first["runtime_wide"]["compute_cpu_s"]}
+        # the fixed costs (fitted on the small step) and the excess (on the wide one) each take a
+        # share of the other's time: fitted in turn, then the step's costs once more with the excess
+        for _ in range(2):
+            fit = fit_overhead(graph, profile, step_s, lane_op_s, comm_service_s, comm_loaded_s)
+            profile.op_overhead, profile.kernel_overhead = fit.op, fit.kernel
+            profile.compute_excess = compute_excess(wide, profile, wide_cpu)
+    fit = fit_overhead(graph, profile, step_s, lane_op_s, comm_service_s, comm_loaded_s)
     profile.op_overhead, profile.kernel_overhead, bare_s = fit.op, fit.kernel, fit.bare_s
     measured_latency = profile.link_latency
     scaled = scaled_latencies(profile, fit.latency_scale)    # the same unless they overshot the reference
@@ -394,6 +417,11 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                  f"lane ops {sum(lane_op_s.values()) * 1e3:.1f} ms; rates alone predict {bare_s * 1e3:.1f} ms")
     notes.append(f"              (the median of {blocks} blocks of {len(first['runtime'][0]['steps'])} steps, "
                  f"spread over the calibration: {', '.join(f'{b * 1e3:.1f}' for b in block_s)} ms)")
+    if "runtime_wide" in first:
+        notes.append(f"  compute_excess  {_num(profile.compute_excess)}: a forward or backward in the runtime takes "
+                     "(1 + this) x its rated time: the same step at width "
+                     f"{WIDE_WIDTH} ({len(first['runtime_wide']['steps'])} steps), its units' CPU time in their "
+                     "thread less the fixed costs above, against their rated time")
     disk = first["disk"]
     notes.append(f"  disk        the runtime's swapper ({'O_DIRECT' if disk['direct'] else 'buffered: no O_DIRECT here'}, "
                  f"{human_bytes(s.block)} requests, {s.depth} in flight) writing and reading "

@@ -6,6 +6,7 @@ import functools
 import os
 import statistics
 import tempfile
+import time
 
 from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_compute, lane_ops, wake_delays
 from zdsl.runtime.calibrate.measure import CalibrationError, Settings
@@ -29,7 +30,7 @@ WARM_UP_STEPS = 4
 # planned 16-20% slow in three quiet rounds while the reference matched). Its step count only
 # has to be valid: measure_runtime runs as many steps as each block needs.
 REFERENCE = """schedule calibrate_reference "zdsl calibrate: a tiny ZeRO-3 step, what the runtime costs per op"
-model     gpt(layers=2, width=64, heads=4, vocab=256, context=32)
+model     gpt(layers=2, width={width}, heads={heads}, vocab=256, context=32)
 data      synthetic(vocab=256, context=32)
 train     steps={steps}, batch=4, precision=fp32, seed=0
 optimizer adamw(lr=1e-3, clip=1.0)
@@ -38,15 +39,28 @@ zero      3
 """
 
 
+REFERENCE_WIDTH = 64
+# The wide step: the reference at a width where a unit's forward and backward outweigh their
+# kernels' fixed costs (2.6 and 5.5 ms against ~0.4 here), for ``compute_excess``; (full, quick)
+# steps after WARM_UP_STEPS (29 ms a step here).
+WIDE_WIDTH = 256
+WIDE_STEPS = {False: 36, True: 12}
+
+
+def reference_text(steps: int, ranks: int, device: str, width: int = REFERENCE_WIDTH) -> str:
+    """The reference schedule's source at ``width`` (a head per 16 of it, as at 64)."""
+    return REFERENCE.format(steps=steps, ranks=ranks, device=device, width=width, heads=max(1, width // 16))
+
+
 @functools.lru_cache(maxsize=None)
-def reference_graph(ranks: int, device: str):
-    """The compiled reference schedule: once per process, for the runtime blocks and the fit
-    alike (nothing that runs it changes it)."""
+def reference_graph(ranks: int, device: str, width: int = REFERENCE_WIDTH):
+    """The compiled reference schedule at ``width``: once per process, for the runtime blocks and
+    the fit alike (nothing that runs it changes it)."""
     from zdsl.driver import compile_file
     with tempfile.TemporaryDirectory(prefix="zdsl-calibrate-") as tmp:
         path = os.path.join(tmp, "reference.zs")
         with open(path, "w", encoding="utf-8") as f:
-            f.write(REFERENCE.format(steps=RUNTIME_STEPS[False], ranks=ranks, device=device))
+            f.write(reference_text(RUNTIME_STEPS[False], ranks, device, width))
         compiled = compile_file(path, {}, simulate=False)
     if not compiled.ok:
         raise CalibrationError("the reference schedule does not compile: "
@@ -54,9 +68,11 @@ def reference_graph(ranks: int, device: str):
     return compiled
 
 
-def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slots: int = 1) -> dict:
-    """Step times of ``steps`` steps of the reference schedule through the real executor (all ranks
-    at once); ``slots``: collectives the backend runs at once (for their service times)."""
+def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slots: int = 1,
+                    width: int = REFERENCE_WIDTH) -> dict:
+    """Step times of ``steps`` steps of the reference schedule at ``width`` through the real
+    executor (all ranks at once); ``slots``: collectives the backend runs at once (for their
+    service times)."""
     import torch
     import trio
 
@@ -67,10 +83,20 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     from zdsl.runtime.state.rank import RankState
     from zdsl.runtime.dist.collectives import all_gather
     from zdsl.runtime.exec.streams import lane_streams
-    compiled = reference_graph(world, device.type)
+    compiled = reference_graph(world, device.type, width)
     graph, schedule = compiled.graph, compiled.schedule
     state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device)
     executor = Executor(graph, state, rank, streams=lane_streams(graph, device))
+    # each compute op's CPU time in its thread (not its wall time: the lane's thread also waits
+    # for the core while other threads run, which the planner's sharing of the core prices)
+    compute_cpu: dict[int, list[float]] = {}
+    run_compute = state.run_compute
+
+    def timed_compute(op) -> None:
+        begin = time.thread_time()
+        run_compute(op)
+        compute_cpu.setdefault(op.id, []).append(time.thread_time() - begin)
+    state.run_compute = timed_compute
     t = schedule.train
     # on the run's device: NCCL gathers only CUDA tensors (gloo takes CPU ones)
     mine = torch.zeros(8, device=device)
@@ -101,7 +127,8 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
             "comm_loaded_s": {i: statistics.median(x[i] for x in loaded) for i in comm_ops(graph)},
             # the mean, as for the collectives: a step pays each hop's tail too
             "wake_s": statistics.fmean([w for t in records for w in wake_delays(graph, t)] or [0.0]),
-            "ops": len(graph.ops)}
+            "ops": len(graph.ops),
+            "compute_cpu_s": {i: statistics.median(ts[WARM_UP_STEPS:] or ts) for i, ts in compute_cpu.items()}}
 
 
 def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, float], dict[int, float],

@@ -46,3 +46,34 @@ def test_latencies_that_alone_overshoot_the_reference_are_scaled_until_it_matche
     fit = fit_overhead(g, inflated, step, lane_op_s)
     assert fit.latency_scale < 1.0 and fit.comm == pytest.approx(0.0, abs=1e-9)
     assert simulate(g, _fitted(inflated, fit)).step_s == pytest.approx(step, rel=0.01)
+
+
+COMPUTE = ("compute.forward", "compute.backward", "compute.recompute")
+
+
+def test_compute_excess_is_what_units_took_beyond_their_rate_and_fixed_costs():
+    """Units whose CPU time was their rated time 25% longer plus the fixed costs the profile
+    already charges them: the excess is 0.25 (the fixed costs not counted twice, the other
+    compute ops ignored); units no slower than their rate give 0, never less."""
+    from zdsl.planner.calibration_fit import compute_excess
+    from zdsl.planner.simulate import op_fixed
+    g = graph(prefetch=1)
+    units = [i for i, op in enumerate(g.ops) if op.kind in COMPUTE and op.flops]
+    assert len(units) >= 4
+    others = {i: 1.0 for i, op in enumerate(g.ops) if op.kind.startswith("compute.") and i not in units}
+    cpu = {i: 1.25 * rated_duration(g, g.ops[i], TRUTH) + op_fixed(g.ops[i], TRUTH) for i in units}
+    assert compute_excess(g, TRUTH, {**cpu, **others}) == pytest.approx(0.25, rel=1e-9)
+    # a profile that already carries an excess is measured against the bare rate all the same
+    assert compute_excess(g, dataclasses.replace(TRUTH, compute_excess=0.4), cpu) == pytest.approx(0.25, rel=1e-9)
+    at_rate = {i: rated_duration(g, g.ops[i], TRUTH) + op_fixed(g.ops[i], TRUTH) for i in units}
+    assert compute_excess(g, TRUTH, at_rate) == pytest.approx(0.0, abs=1e-12)
+    assert compute_excess(g, TRUTH, {i: 0.5 * rated_duration(g, g.ops[i], TRUTH) for i in units}) == 0.0
+
+
+def test_compute_excess_lengthens_forwards_and_backwards_only():
+    g = graph(prefetch=1)
+    slower = dataclasses.replace(TRUTH, compute_excess=0.5)
+    for op in g.ops:
+        base = rated_duration(g, op, TRUTH)
+        assert rated_duration(g, op, slower) == pytest.approx(1.5 * base if op.kind in COMPUTE else base, rel=1e-12)
+    assert simulate(g, slower).step_s > simulate(g, TRUTH).step_s

@@ -363,6 +363,16 @@ def test_machine_comm_under_load_is_a_share_of_a_rate(tmp_path):
     assert "comm_under_load" in d.message and "1.5" in d.message and d.span.column > 1
 
 
+def test_machine_compute_excess_is_a_share_that_may_be_zero(tmp_path):
+    for value in ("0", "0.15"):
+        (tmp_path / "ok.zs").write_text(HEADER + f"machine cpu(compute_excess={value})\n")
+        assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.compute_excess == float(value)
+    (tmp_path / "bad.zs").write_text(HEADER + "machine cpu(compute_excess=-0.1)\n")
+    with pytest.raises(ZsError) as exc:
+        load_schedule(str(tmp_path / "bad.zs"))
+    assert "compute_excess" in exc.value.diagnostics[0].message
+
+
 def test_machine_overhead_is_a_time_that_may_be_zero(tmp_path):
     (tmp_path / "ok.zs").write_text(HEADER + "machine cpu(flops=1e9, overhead=0.0012)\n")
     assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.op_overhead == 0.0012

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from zdsl.planner.lanes import BackendThreads
 from zdsl.planner.lanes import union_length
-from zdsl.planner.simulate import rated_duration, simulate
+from zdsl.planner.simulate import op_fixed, rated_duration, simulate
 from zdsl.schedule import MachineProfile
 
 
@@ -238,6 +238,26 @@ def lane_costs(graph, profile: MachineProfile, lane_op_s: dict[int, float]) -> t
     if intercept < 0:
         return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
     return intercept, slope
+
+
+def compute_excess(graph, profile: MachineProfile, compute_cpu_s: dict[int, float]) -> float:
+    """How much longer than its rated time a unit's forward or backward takes in the runtime, as a
+    share of it (``compute_excess``, at least 0): over the compute ops of ``graph`` (a reference
+    whose units' compute outweighs their kernels' costs), their CPU time in their thread less the
+    fixed costs the profile already charges them (``op_overhead`` and ``kernel_overhead``, fitted on
+    the small reference), against their rated time."""
+    bare = dataclasses.replace(profile, compute_excess=0.0)
+    rated = extra = 0.0
+    for i, sec in compute_cpu_s.items():
+        op = graph.ops[i]
+        if op.kind in COMPUTE_KINDS and op.flops:
+            r = rated_duration(graph, op, bare)
+            rated += r
+            extra += sec - r - op_fixed(op, bare)
+    return max(0.0, extra / rated) if rated > 0 else 0.0
+
+
+COMPUTE_KINDS = ("compute.forward", "compute.backward", "compute.recompute")
 
 
 def scatter_extra(graph, profile: MachineProfile, comm_service_s: dict[int, float]) -> float | None:
