@@ -51,15 +51,6 @@ planner uses it*, under the conditions of a real run:
   prediction of that graph equal the measured median step, and
   ``scatter_overhead`` per reduce-scatter that plus what a reduce-scatter
   took beyond its rated time more than the other collectives did.
-* ``compute_excess`` (CPU): how much longer than its rated time a unit's
-  forward or backward takes in the runtime (activations gone cold between a
-  unit's forward and its backward, the executor's bookkeeping, the rank's
-  other threads on its core): the same step at ``WIDE_WIDTH``, where a
-  unit's compute outweighs its kernels' fixed costs, its units' CPU time in
-  their thread less those costs, over their rated time. The width-64 step
-  cannot tell it from a cost per kernel (its units' compute is a third of
-  their time), so without it every wider unit was planned short: forwards
-  5-12%, backwards 12-22% in thread time at widths 128-512.
   Each of these four fixed costs is clamped at 0, and 0 is a sensible,
   valid result (the language allows a fixed cost of 0: ``MACHINE_MAY_BE_ZERO``
   in ``zdsl/schedule.py``): it says the rates alone already account for
@@ -70,6 +61,15 @@ planner uses it*, under the conditions of a real run:
   holds their reduction's cost) than the other collectives did. Rates are
   never 0 and never negative (each fit keeps them positive), so the
   statement written is always one the checker accepts.
+* ``compute_excess`` (CPU; 0 where not measured): how much longer than its rated time a unit's
+  forward or backward takes in the runtime (activations gone cold between a
+  unit's forward and its backward, the executor's bookkeeping, the rank's
+  other threads on its core): the same step at ``WIDE_WIDTH``, where a
+  unit's compute outweighs its kernels' fixed costs, its units' CPU time in
+  their thread less those costs, over their rated time. The width-64 step
+  cannot tell it from a cost per kernel (its units' compute is a third of
+  their time), so without it every wider unit was planned short: forwards
+  5-12%, backwards 12-22% in thread time at widths 128-512.
 * ``cores``: the rank's share of the host's cores (ranks are bound to it).
 * ``comm_under_load``: on CPU, the share of its rate a collective keeps
   while compute fills those cores: gloo's threads wait for a core rather

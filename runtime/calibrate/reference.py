@@ -48,8 +48,9 @@ WIDE_STEPS = {False: 36, True: 12}
 
 
 def reference_text(steps: int, ranks: int, device: str, width: int = REFERENCE_WIDTH) -> str:
-    """The reference schedule's source at ``width`` (a head per 16 of it, as at 64)."""
-    return REFERENCE.format(steps=steps, ranks=ranks, device=device, width=width, heads=max(1, width // 16))
+    """The reference schedule's source at ``width``: heads 64 wide (as the compute test's block), at
+    least the width-64 step's 4."""
+    return REFERENCE.format(steps=steps, ranks=ranks, device=device, width=width, heads=max(4, width // 64))
 
 
 @functools.lru_cache(maxsize=None)

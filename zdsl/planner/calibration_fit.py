@@ -240,6 +240,9 @@ def lane_costs(graph, profile: MachineProfile, lane_op_s: dict[int, float]) -> t
     return intercept, slope
 
 
+COMPUTE_KINDS = ("compute.forward", "compute.backward", "compute.recompute")
+
+
 def compute_excess(graph, profile: MachineProfile, compute_cpu_s: dict[int, float]) -> float:
     """How much longer than its rated time a unit's forward or backward takes in the runtime, as a
     share of it (``compute_excess``, at least 0): over the compute ops of ``graph`` (a reference
@@ -255,9 +258,6 @@ def compute_excess(graph, profile: MachineProfile, compute_cpu_s: dict[int, floa
             rated += r
             extra += sec - r - op_fixed(op, bare)
     return max(0.0, extra / rated) if rated > 0 else 0.0
-
-
-COMPUTE_KINDS = ("compute.forward", "compute.backward", "compute.recompute")
 
 
 def scatter_extra(graph, profile: MachineProfile, comm_service_s: dict[int, float]) -> float | None:
