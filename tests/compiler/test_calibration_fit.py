@@ -10,6 +10,7 @@ from test_cost_model_knobs import graph
 from zdsl.planner.calibration_fit import fit_overhead
 from zdsl.planner.calibration_fit import lane_ops
 from zdsl.planner.calibration_fit import scaled_latencies
+from zdsl.planner.simulate import UNIT_COMPUTE_KINDS
 from zdsl.planner.simulate import rated_duration
 from zdsl.planner.simulate import simulate
 
@@ -48,9 +49,6 @@ def test_latencies_that_alone_overshoot_the_reference_are_scaled_until_it_matche
     assert simulate(g, _fitted(inflated, fit)).step_s == pytest.approx(step, rel=0.01)
 
 
-COMPUTE = ("compute.forward", "compute.backward", "compute.recompute")
-
-
 def test_compute_excess_is_what_units_took_beyond_their_rate_and_fixed_costs():
     """Units whose CPU time was their rated time 25% longer plus the fixed costs the profile
     already charges them: the excess is 0.25 (the fixed costs not counted twice, the other
@@ -58,7 +56,7 @@ def test_compute_excess_is_what_units_took_beyond_their_rate_and_fixed_costs():
     from zdsl.planner.calibration_fit import compute_excess
     from zdsl.planner.simulate import op_fixed
     g = graph(prefetch=1)
-    units = [i for i, op in enumerate(g.ops) if op.kind in COMPUTE and op.flops]
+    units = [i for i, op in enumerate(g.ops) if op.kind in UNIT_COMPUTE_KINDS and op.flops]
     assert len(units) >= 4
     others = {i: 1.0 for i, op in enumerate(g.ops) if op.kind.startswith("compute.") and i not in units}
     cpu = {i: 1.25 * rated_duration(g, g.ops[i], TRUTH) + op_fixed(g.ops[i], TRUTH) for i in units}
@@ -75,5 +73,6 @@ def test_compute_excess_lengthens_forwards_and_backwards_only():
     slower = dataclasses.replace(TRUTH, compute_excess=0.5)
     for op in g.ops:
         base = rated_duration(g, op, TRUTH)
-        assert rated_duration(g, op, slower) == pytest.approx(1.5 * base if op.kind in COMPUTE else base, rel=1e-12)
+        expected = 1.5 * base if op.kind in UNIT_COMPUTE_KINDS else base
+        assert rated_duration(g, op, slower) == pytest.approx(expected, rel=1e-12)
     assert simulate(g, slower).step_s > simulate(g, TRUTH).step_s

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from zdsl.planner.lanes import BackendThreads
 from zdsl.planner.lanes import union_length
-from zdsl.planner.simulate import op_fixed, rated_duration, simulate
+from zdsl.planner.simulate import UNIT_COMPUTE_KINDS, op_fixed, rated_duration, simulate
 from zdsl.schedule import MachineProfile
 
 
@@ -240,9 +240,6 @@ def lane_costs(graph, profile: MachineProfile, lane_op_s: dict[int, float]) -> t
     return intercept, slope
 
 
-COMPUTE_KINDS = ("compute.forward", "compute.backward", "compute.recompute")
-
-
 def compute_excess(graph, profile: MachineProfile, compute_cpu_s: dict[int, float]) -> float:
     """How much longer than its rated time a unit's forward or backward takes in the runtime, as a
     share of it (``compute_excess``, at least 0): over the compute ops of ``graph`` (a reference
@@ -253,7 +250,7 @@ def compute_excess(graph, profile: MachineProfile, compute_cpu_s: dict[int, floa
     rated = extra = 0.0
     for i, sec in compute_cpu_s.items():
         op = graph.ops[i]
-        if op.kind in COMPUTE_KINDS and op.flops:
+        if op.kind in UNIT_COMPUTE_KINDS and op.flops:
             r = rated_duration(graph, op, bare)
             rated += r
             extra += sec - r - op_fixed(op, bare)

@@ -109,6 +109,10 @@ def op_fixed(op, machine: MachineProfile) -> float:
     return machine.op_overhead
 
 
+# The ops priced by their flops at their unit's rate (and lengthened by ``compute_excess``).
+UNIT_COMPUTE_KINDS = ("compute.forward", "compute.backward", "compute.recompute")
+
+
 def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: list[float] | None = None,
                    resolved: bool = False) -> float:
     """Seconds one op takes from the machine's rates alone, at the graph's shape
@@ -119,7 +123,7 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: li
     host = op.lane == "host"
     if not resolved:
         machine = for_graph(machine, graph)
-    if kind in ("compute.forward", "compute.backward", "compute.recompute"):
+    if kind in UNIT_COMPUTE_KINDS:
         # the runtime's compute runs slower than calibrate's bare block does (``compute_excess``)
         if host:
             return op.flops / machine.host_flops * (1.0 + machine.compute_excess)
