@@ -61,15 +61,16 @@ planner uses it*, under the conditions of a real run:
   holds their reduction's cost) than the other collectives did. Rates are
   never 0 and never negative (each fit keeps them positive), so the
   statement written is always one the checker accepts.
-* ``compute_excess`` (CPU; 0 where not measured): how much longer than its rated time a unit's
-  forward or backward takes in the runtime (activations gone cold between a
-  unit's forward and its backward, the executor's bookkeeping, the rank's
-  other threads on its core): the same step at ``WIDE_WIDTH``, where a
-  unit's compute outweighs its kernels' fixed costs, its units' CPU time in
-  their thread less those costs, over their rated time. The width-64 step
-  cannot tell it from a cost per kernel (its units' compute is a third of
-  their time), so without it every wider unit was planned short: forwards
-  5-12%, backwards 12-22% in thread time at widths 128-512.
+* ``compute_excess`` (CPU; 0 where not measured): how much longer than its
+  rated time a unit's forward or backward takes in the runtime (activations
+  gone cold between a unit's forward and its backward, the executor's
+  bookkeeping, the rank's other threads on its core): the same step at
+  ``WIDE_WIDTH``, where a unit's compute outweighs its kernels' fixed costs,
+  its units' CPU time in their thread less those costs, over their rated
+  time. The width-64 step cannot tell it from a cost per kernel (its units'
+  compute is a third of their time), so without it every wider unit was
+  planned short: forwards 5-12%, backwards 12-22% in thread time at widths
+  128-512.
 * ``cores``: the rank's share of the host's cores (ranks are bound to it).
 * ``comm_under_load``: on CPU, the share of its rate a collective keeps
   while compute fills those cores: gloo's threads wait for a core rather
@@ -218,7 +219,7 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         barrier("collectives")
         if device.type == "cpu":    # a GPU's kernels run beside the host's launches: no excess to see
             out["runtime_wide"] = measure_runtime(device, s, rank, world, WARM_UP_STEPS + WIDE_STEPS[s.quick],
-                                                  slots, width=WIDE_WIDTH)
+                                                  slots, width=WIDE_WIDTH, compute_cpu=True)
         barrier("runtime (wide)")
         early.append(measure_runtime(device, s, rank, world, block_steps, slots))
         barrier("runtime (middle block)")

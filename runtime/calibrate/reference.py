@@ -70,10 +70,12 @@ def reference_graph(ranks: int, device: str, width: int = REFERENCE_WIDTH):
 
 
 def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slots: int = 1,
-                    width: int = REFERENCE_WIDTH) -> dict:
+                    width: int = REFERENCE_WIDTH, compute_cpu: bool = False) -> dict:
     """Step times of ``steps`` steps of the reference schedule at ``width`` through the real
     executor (all ranks at once); ``slots``: collectives the backend runs at once (for their
-    service times)."""
+    service times). ``compute_cpu``: each compute op's CPU time in its thread too (the wide step's,
+    for ``compute_excess``; not the blocks' the overheads are fitted on, whose op times it would add
+    to)."""
     import torch
     import trio
 
@@ -90,14 +92,15 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     executor = Executor(graph, state, rank, streams=lane_streams(graph, device))
     # each compute op's CPU time in its thread (not its wall time: the lane's thread also waits
     # for the core while other threads run, which the planner's sharing of the core prices)
-    compute_cpu: dict[int, list[float]] = {}
-    run_compute = state.run_compute
+    cpu_s: dict[int, list[float]] = {}
+    if compute_cpu:
+        run_compute = state.run_compute
 
-    def timed_compute(op) -> None:
-        begin = time.thread_time()
-        run_compute(op)
-        compute_cpu.setdefault(op.id, []).append(time.thread_time() - begin)
-    state.run_compute = timed_compute
+        def timed_compute(op) -> None:
+            begin = time.thread_time()
+            run_compute(op)
+            cpu_s.setdefault(op.id, []).append(time.thread_time() - begin)
+        state.run_compute = timed_compute
     t = schedule.train
     # on the run's device: NCCL gathers only CUDA tensors (gloo takes CPU ones)
     mine = torch.zeros(8, device=device)
@@ -129,7 +132,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
             # the mean, as for the collectives: a step pays each hop's tail too
             "wake_s": statistics.fmean([w for t in records for w in wake_delays(graph, t)] or [0.0]),
             "ops": len(graph.ops),
-            "compute_cpu_s": {i: statistics.median(ts[WARM_UP_STEPS:] or ts) for i, ts in compute_cpu.items()}}
+            "compute_cpu_s": {i: statistics.median(ts[WARM_UP_STEPS:] or ts) for i, ts in cpu_s.items()}}
 
 
 def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, float], dict[int, float],
