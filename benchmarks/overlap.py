@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.host_load import OutsideLoad            # noqa: E402
 from zdsl.driver import compile_file                      # noqa: E402
 from zdsl.observe.overlap import analyze, summarize, times_from_trace, typical   # noqa: E402
 
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     programs = args.program or [str(ROOT / p) for p in DEFAULT_PROGRAMS]
     traced = max(1, min(args.traced, args.steps - 1))     # the first step warms up
     results, missed = [], 0
-    load0 = os.getloadavg()[0]
+    outside = OutsideLoad.start()
     for program in programs:
         name = Path(program).stem
         print(f"== {name}: {args.repeat} x zdsl run --set steps={args.steps} --trace --trace-steps {traced}",
@@ -217,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                         "median_step_s": res["median_step_s"],
                         "predicted_efficiency": res["predicted_efficiency"],
                         "per_rank": s["per_rank"]})
-    load1 = os.getloadavg()[0]
-    print(f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores")
+    print(outside.stop().line())
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 1 if missed else 0

@@ -58,6 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.host_load import OutsideLoad             # noqa: E402
 from zdsl.driver import compile_file                       # noqa: E402
 from zdsl.planner.simulate import machine_of, simulate   # noqa: E402
 
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="OUT.json", help="write the figures as JSON")
     args = ap.parse_args(argv)
 
-    load0 = os.getloadavg()[0]
+    outside = OutsideLoad.start()
     programs = [str(p) for p in (args.program or cpu_programs())]
     planned, skipped = [], []
     runs: dict[str, list[float]] = {p: [] for p in programs}
@@ -344,13 +345,12 @@ def main(argv: list[str] | None = None) -> int:
               f"(worst {max(corrected):.0%}); drift = the reference schedule's step run beside each program "
               f"over the profile's prediction of it")
     spreads = [max(r["runs_s"]) / min(r["runs_s"]) - 1 for r in results if len(r["runs_s"]) > 1]
-    load1 = os.getloadavg()[0]
-    print(f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores; run-to-run spread "
-          f"(max/min - 1) median {statistics.median(spreads):.0%}" if spreads else
-          f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores")
-    if max(load0, load1) > (os.cpu_count() or 1):
-        print("note: the machine is oversubscribed by other processes; step times (and the calibration) "
-              "move with their load, so errors above are partly noise: rerun on a quiet machine")
+    load = outside.stop()
+    print(load.line() + (f"; run-to-run spread (max/min - 1) median {statistics.median(spreads):.0%}"
+                         if spreads else ""))
+    if load.busy:
+        print("note: other work shared the cores; step times (and the calibration) move with it, so "
+              "errors above are partly noise: rerun on a quiet machine")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "results": results,
                                                "skipped": skipped}, indent=2))
