@@ -19,6 +19,9 @@ from zdsl.runtime.calibrate.measure import CalibrationError, Settings
 # same schedule run beside the programs (benchmarks/prediction_error.py's drift): now 16 after 4.
 RUNTIME_STEPS = {False: 240, True: 60}
 RUNTIME_BLOCKS = 3
+# The unclipped reference (its steps run in the backward, each after its unit's reduce-scatter,
+# without the norms' tail) is one block, right after this clipped one.
+UNCLIPPED_AFTER_BLOCK = 1
 WARM_UP_STEPS = 4
 
 
@@ -33,7 +36,7 @@ REFERENCE = """schedule calibrate_reference "zdsl calibrate: a tiny ZeRO-3 step,
 model     gpt(layers=2, width={width}, heads={heads}, vocab=256, context=32)
 data      synthetic(vocab=256, context=32)
 train     steps={steps}, batch=4, precision=fp32, seed=0
-optimizer adamw(lr=1e-3, clip=1.0)
+optimizer adamw(lr=1e-3{clip})
 ranks     {ranks} on {device}
 zero      3
 """
@@ -47,21 +50,22 @@ WIDE_WIDTH = 256
 WIDE_STEPS = {False: 36, True: 12}
 
 
-def reference_text(steps: int, ranks: int, device: str, width: int = REFERENCE_WIDTH) -> str:
+def reference_text(steps: int, ranks: int, device: str, width: int = REFERENCE_WIDTH, clip: bool = True) -> str:
     """The reference schedule's source at ``width``: heads 64 wide (as the compute test's block), at
-    least the width-64 step's 4."""
-    return REFERENCE.format(steps=steps, ranks=ranks, device=device, width=width, heads=max(4, width // 64))
+    least the width-64 step's 4; without gradient clipping where ``clip`` is off."""
+    return REFERENCE.format(steps=steps, ranks=ranks, device=device, width=width, heads=max(4, width // 64),
+                            clip=", clip=1.0" if clip else "")
 
 
 @functools.lru_cache(maxsize=None)
-def reference_graph(ranks: int, device: str, width: int = REFERENCE_WIDTH):
-    """The compiled reference schedule at ``width``: once per process, for the runtime blocks and
-    the fit alike (nothing that runs it changes it)."""
+def reference_graph(ranks: int, device: str, width: int = REFERENCE_WIDTH, clip: bool = True):
+    """The compiled reference schedule at ``width`` (unclipped where ``clip`` is off): once per
+    process, for the runtime blocks and the fit alike (nothing that runs it changes it)."""
     from zdsl.driver import compile_file
     with tempfile.TemporaryDirectory(prefix="zdsl-calibrate-") as tmp:
         path = os.path.join(tmp, "reference.zs")
         with open(path, "w", encoding="utf-8") as f:
-            f.write(reference_text(RUNTIME_STEPS[False], ranks, device, width))
+            f.write(reference_text(RUNTIME_STEPS[False], ranks, device, width, clip))
         compiled = compile_file(path, {}, simulate=False)
     if not compiled.ok:
         raise CalibrationError("the reference schedule does not compile: "
@@ -70,10 +74,10 @@ def reference_graph(ranks: int, device: str, width: int = REFERENCE_WIDTH):
 
 
 def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slots: int = 1,
-                    width: int = REFERENCE_WIDTH, compute_cpu: bool = False) -> dict:
-    """Step times of ``steps`` steps of the reference schedule at ``width`` through the real
-    executor (all ranks at once); ``slots``: collectives the backend runs at once (for their
-    service times). ``compute_cpu``: each compute op's CPU time in its thread too (the wide step's,
+                    width: int = REFERENCE_WIDTH, compute_cpu: bool = False, clip: bool = True) -> dict:
+    """Step times of ``steps`` steps of the reference schedule at ``width`` (unclipped where
+    ``clip`` is off) through the real executor (all ranks at once); ``slots``: collectives the
+    backend runs at once (for their service times). ``compute_cpu``: each compute op's CPU time in its thread too (the wide step's,
     for ``compute_excess``; not the blocks' the overheads are fitted on, whose op times it would add
     to)."""
     import torch
@@ -86,7 +90,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     from zdsl.runtime.state.rank import RankState
     from zdsl.runtime.dist.collectives import all_gather
     from zdsl.runtime.exec.streams import lane_streams
-    compiled = reference_graph(world, device.type, width)
+    compiled = reference_graph(world, device.type, width, clip)
     graph, schedule = compiled.graph, compiled.schedule
     state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device)
     executor = Executor(graph, state, rank, streams=lane_streams(graph, device))
@@ -155,3 +159,13 @@ def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, floa
                 for i in raw[0]["runtime"][0].get(key, {})}
     return (statistics.median(block_s), block_s, per_op("lane_op_s"), per_op("comm_service_s"),
             per_op("comm_loaded_s"))
+
+
+def unclipped_step(raw: list[dict], reference_s: float) -> float:
+    """The unclipped reference's step at the clipped one's moment: its block's step (the median of
+    the slowest rank's, as :func:`reference_times`) times ``reference_s`` over the clipped block
+    measured just before it (the middle one), so the host's speed in that minute cancels out."""
+    def block_step(blocks: list[dict]) -> float:
+        return statistics.median(max(times) for times in zip(*(b["steps"] for b in blocks)))
+    before = block_step([r["runtime"][UNCLIPPED_AFTER_BLOCK] for r in raw])
+    return block_step([r["runtime_unclipped"] for r in raw]) * reference_s / before

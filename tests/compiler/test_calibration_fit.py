@@ -49,6 +49,23 @@ def test_latencies_that_alone_overshoot_the_reference_are_scaled_until_it_matche
     assert simulate(g, _fitted(inflated, fit)).step_s == pytest.approx(step, rel=0.01)
 
 
+def test_a_second_reference_shares_the_cost_per_collective_fitted_to_both():
+    """calibrate's clipped and unclipped reference steps (``also``): where the model prices the
+    second 10% short and the first right, the cost per collective fitted to both leaves the first
+    over and the second under by ratios whose geometric mean is 1, with a larger cost than the
+    first alone asks for."""
+    first, second = graph(prefetch=1), graph(prefetch=0)
+    step, lane_op_s = _measured(first)
+    other = 1.1 * simulate(second, TRUTH).step_s
+    start = dataclasses.replace(TRUTH, comm_overhead=-1.0, scatter_overhead=-1.0)
+    alone = fit_overhead(first, start, step, lane_op_s)
+    both = fit_overhead(first, start, step, lane_op_s, also=((second, other),))
+    assert both.comm > alone.comm == pytest.approx(3e-4, rel=1e-3)
+    over = simulate(first, _fitted(start, both)).step_s / step
+    under = simulate(second, _fitted(start, both)).step_s / other
+    assert over > 1.0 > under and over * under == pytest.approx(1.0, rel=1e-3)
+
+
 def test_compute_excess_is_what_units_took_beyond_their_rate_and_fixed_costs():
     """Units whose CPU time was their rated time 25% longer plus the fixed costs the profile
     already charges them: the excess is 0.25 (the fixed costs not counted twice, the other

@@ -236,6 +236,20 @@ def test_the_reference_step_is_the_median_block_of_the_slowest_rank():
     assert comm == {} and loaded == {}              # no collectives' service times in these blocks
 
 
+def test_the_unclipped_step_is_taken_at_the_clipped_steps_moment():
+    """The unclipped block ran right after the middle clipped block, in a burst that slowed both
+    3x: scaled by the reference step over that block, it is what it would have been beside the
+    median block (0.9 of the clipped step), not 3x it."""
+    from zdsl.runtime.calibrate.reference import UNCLIPPED_AFTER_BLOCK
+    from zdsl.runtime.calibrate.reference import unclipped_step
+
+    def ranks(middle, unclipped):
+        blocks = [{"steps": [1.0, 1.0]} for _ in range(3)]
+        blocks[UNCLIPPED_AFTER_BLOCK] = {"steps": [middle, middle]}
+        return {"runtime": blocks, "runtime_unclipped": {"steps": [unclipped, unclipped]}}
+    assert unclipped_step([ranks(3.0, 2.7), ranks(3.0, 2.4)], 1.0) == pytest.approx(0.9)
+
+
 @pytest.mark.parametrize("scatter_extra", [6e-4, 0.0])
 def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took_beyond_the_others(scatter_extra):
     """Collectives whose service times exceed their rated times by a fixed cost, reduce-scatters by

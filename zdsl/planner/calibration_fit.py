@@ -8,6 +8,7 @@ while compute fills the cores. Torch-free.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -110,8 +111,15 @@ def comm_under_compute(graph, record, intervals: dict[int, tuple[float, float]])
 def fit_overhead(graph, profile: MachineProfile, measured_s: float,
                  lane_op_s: dict[int, float] | None = None,
                  comm_service_s: dict[int, float] | None = None,
-                 comm_loaded_s: dict[int, float] | None = None) -> OverheadFit:
+                 comm_loaded_s: dict[int, float] | None = None,
+                 also: tuple[tuple[object, float], ...] = ()) -> OverheadFit:
     """Fixed costs per op that make ``graph``'s (the reference step's) prediction equal ``measured_s``.
+
+    With ``also`` (more (graph, measured seconds) pairs: the same model stepped another way), the
+    cost fitted to the steps (per collective, or per op without lane times) makes the predictions'
+    geometric mean ratio to their measurements 1 instead: one reference's structure priced right
+    can leave another's wrong, and the programs a profile plans have either (benchmarks/README.md,
+    calibrate: clipped and unclipped steps).
 
     With ``lane_op_s`` (the measured seconds of each lane op of the reference, by position)
     and collectives in the graph, the cost per lane op and per kernel come from what each lane
@@ -143,7 +151,10 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
         fields = key if callable(key) else (lambda x: {**fixed, key: x})
 
         def step(x: float) -> float:
-            return simulate(graph, dataclasses.replace(profile, **fields(x))).step_s
+            """The reference's predicted step, scaled by the other steps' errors (their geometric mean)."""
+            p = dataclasses.replace(profile, **fields(x))
+            ratios = [simulate(g, p).step_s / sec for g, sec in ((graph, measured_s), *also)]
+            return measured_s * math.prod(ratios) ** (1.0 / len(ratios))
         lo, hi = 0.0, max(measured_s, 1e-6)
         if step(lo) >= measured_s:
             return 0.0
