@@ -346,9 +346,10 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     step_s, block_s, lane_op_s, comm_service_s, comm_loaded_s = reference_times(raw)
     profile.wake_latency = mean(lambda r: statistics.median(b.get("wake_s", 0.0) for b in r["runtime"]))
     blocks = len(block_s)
-    graph = reference_graph(world, "cuda" if cuda else "cpu").graph
+    device = "cuda" if cuda else "cpu"
+    graph = reference_graph(world, device).graph
     # the cost per collective fitted to both steps at once (calibration_fit.fit_overhead's ``also``)
-    also = ((reference_graph(world, "cuda" if cuda else "cpu", clip=False).graph, unclipped_step(raw, step_s)),) \
+    also = ((reference_graph(world, device, clip=False).graph, unclipped_step(raw, step_s)),) \
         if "runtime_unclipped" in first else ()
     if "runtime_wide" in first:
         wide = reference_graph(world, "cpu", WIDE_WIDTH).graph

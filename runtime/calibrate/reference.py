@@ -150,9 +150,7 @@ def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, floa
     not move it. A lane op's (or collective's) seconds: the mean over ranks of the median over
     blocks of its medians.
     """
-    blocks = len(raw[0]["runtime"])
-    block_s = [statistics.median(max(times) for times in zip(*(r["runtime"][b]["steps"] for r in raw)))
-               for b in range(blocks)]
+    block_s = [block_step([r["runtime"][b] for r in raw]) for b in range(len(raw[0]["runtime"]))]
 
     def per_op(key: str) -> dict[int, float]:
         return {i: statistics.fmean(statistics.median(blk[key][i] for blk in r["runtime"]) for r in raw)
@@ -161,11 +159,15 @@ def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, floa
             per_op("comm_loaded_s"))
 
 
+def block_step(blocks: list[dict]) -> float:
+    """One block's step from each rank's record of it: the median over its steps of the slowest
+    rank's time (a step lasts as long as its slowest rank)."""
+    return statistics.median(max(times) for times in zip(*(b["steps"] for b in blocks)))
+
+
 def unclipped_step(raw: list[dict], reference_s: float) -> float:
-    """The unclipped reference's step at the clipped one's moment: its block's step (the median of
-    the slowest rank's, as :func:`reference_times`) times ``reference_s`` over the clipped block
-    measured just before it (the middle one), so the host's speed in that minute cancels out."""
-    def block_step(blocks: list[dict]) -> float:
-        return statistics.median(max(times) for times in zip(*(b["steps"] for b in blocks)))
+    """The unclipped reference's step at the clipped one's moment: its block's step times
+    ``reference_s`` over the clipped block measured just before it (the middle one), so the host's
+    speed in that minute cancels out."""
     before = block_step([r["runtime"][UNCLIPPED_AFTER_BLOCK] for r in raw])
     return block_step([r["runtime_unclipped"] for r in raw]) * reference_s / before

@@ -124,11 +124,12 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: li
     if not resolved:
         machine = for_graph(machine, graph)
     if kind in UNIT_COMPUTE_KINDS:
-        # the runtime's compute runs slower than calibrate's bare block does (``compute_excess``)
         if host:
-            return op.flops / machine.host_flops * (1.0 + machine.compute_excess)
-        rates = unit_flops if unit_flops is not None else device_flops(graph, machine)
-        rate = rates[op.unit] if op.unit is not None and op.unit < len(rates) else machine.flops
+            rate = machine.host_flops
+        else:
+            rates = unit_flops if unit_flops is not None else device_flops(graph, machine)
+            rate = rates[op.unit] if op.unit is not None and op.unit < len(rates) else machine.flops
+        # the runtime's compute runs slower than calibrate's bare block does (``compute_excess``)
         return op.flops / rate * (1.0 + machine.compute_excess)
     if kind == "compute.norm":
         if op.flops:
