@@ -120,7 +120,7 @@ def reference_program(folder: str, steps: int) -> str:
 DRIFT_RATES = ("flops", "host_flops", "link_bandwidth", "scatter_bandwidth", "reduce_bandwidth",
                "pcie_bandwidth", "memory_bandwidth", "host_memory_bandwidth")
 DRIFT_TIMES = ("link_latency", "scatter_latency", "reduce_latency", "op_overhead", "kernel_overhead",
-               "comm_overhead", "scatter_overhead", "wake_latency")
+               "comm_overhead", "scatter_overhead", "wake_latency", "loop_overhead")
 
 
 def drifted_step(graph, drift: float) -> float:

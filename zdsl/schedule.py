@@ -148,6 +148,7 @@ class MachineProfile:
     comm_slots: int = 2                    # collectives the backend runs at once (gloo: its 2 threads; NCCL: 1)
     comm_under_load: float = 0.0           # with cores: a collective's rate while compute fills them; 0: fair share
     wake_latency: float = 0.0              # seconds an op starts after an input made on another lane ended
+    loop_overhead: float = 0.0             # the runtime's event loop's CPU seconds per op (a free's whole cost)
     # 0 below: derived from the fields above (zdsl.planner.simulate.collective_seconds, rated_duration)
     scatter_bandwidth: float = 0.0         # reduce-scatter; 0: link_bandwidth
     scatter_latency: float = 0.0           # reduce-scatter; 0: link_latency
@@ -177,10 +178,11 @@ class MachineProfile:
         return cls()
 
     def to_config(self) -> dict:
-        """Plain JSON; the shape fields (``flops_widths`` ... ``disk_write_alone``) only where set,
-        so a profile without them keeps the graph digest it had before they existed."""
+        """Plain JSON; the shape fields (``flops_widths`` ... ``disk_write_alone``) and
+        :data:`MACHINE_LATER_FIELDS` only where set, so a profile without them keeps the graph
+        digest it had before they existed."""
         raw = dataclasses.asdict(self)
-        for key in MACHINE_SHAPE_FIELDS:
+        for key in (*MACHINE_SHAPE_FIELDS, *MACHINE_LATER_FIELDS):
             if not raw[key]:
                 del raw[key]
             elif key in MACHINE_TUPLES:
@@ -207,7 +209,7 @@ MACHINE_OPTIONS = (
     ("overhead", "op_overhead"), ("kernel_overhead", "kernel_overhead"), ("compute_excess", "compute_excess"),
     ("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),
     ("cores", "cores"), ("comm_slots", "comm_slots"), ("comm_under_load", "comm_under_load"),
-    ("wake", "wake_latency"),
+    ("wake", "wake_latency"), ("loop", "loop_overhead"),
     ("flops_widths", "flops_widths"), ("flops_fp32", "flops_fp32"), ("flops_bf16", "flops_bf16"),
     ("flops_fp16", "flops_fp16"), ("compute_ranks", "compute_ranks"),
     ("flops_alone_fp32", "flops_alone_fp32"), ("flops_alone_bf16", "flops_alone_bf16"),
@@ -220,8 +222,11 @@ MACHINE_TUPLES = ("flops_widths", "flops_fp32", "flops_bf16", "flops_fp16",
                   "flops_alone_fp32", "flops_alone_bf16", "flops_alone_fp16")
 # The fields that give a rate by the schedule's shape (zdsl.planner.rates); unset: rates as given.
 MACHINE_SHAPE_FIELDS = (*MACHINE_TUPLES, "compute_ranks", "disk_ranks", "disk_read_alone", "disk_write_alone")
+# Scalar fields added after graph digests were kept: left out of the config where 0 (to_config).
+MACHINE_LATER_FIELDS = ("loop_overhead",)
 # Keywords that may be 0 (a fixed cost, sharing off, or "derive it"); other rates must be > 0.
-MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "compute_excess", "comm_overhead", "scatter_overhead", "cores", "comm_under_load", "wake",
+MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "compute_excess", "comm_overhead", "scatter_overhead", "cores",
+                       "comm_under_load", "wake", "loop",
                        "scatter_link", "scatter_latency", "reduce_link", "reduce_latency", "host_memory_bw",
                        "disk_read_latency", "disk_write_latency", "disk_read_cpu", "disk_write_cpu",
                        "compute_ranks", "disk_ranks", "disk_read_alone", "disk_write_alone")

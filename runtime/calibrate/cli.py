@@ -345,6 +345,7 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         profile.reduce_latency, profile.reduce_bandwidth = fit["all_reduce"]
     step_s, block_s, lane_op_s, comm_service_s, comm_loaded_s = reference_times(raw)
     profile.wake_latency = mean(lambda r: statistics.median(b.get("wake_s", 0.0) for b in r["runtime"]))
+    profile.loop_overhead = mean(lambda r: statistics.median(b.get("loop_s", 0.0) for b in r["runtime"]))
     blocks = len(block_s)
     device = "cuda" if cuda else "cpu"
     graph = reference_graph(world, device).graph
@@ -422,6 +423,8 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                      "the reference step slower than it ran (calls that each waited for a core under outside load)")
     notes.append(f"  wake        {_num(profile.wake_latency)} s: the mean of how long an op of the reference started "
                  "after its input from another lane ended (the runtime's hop between lanes)")
+    notes.append(f"  loop        {_num(profile.loop_overhead)} s: the event loop's CPU time per op of the reference step "
+                 "(its thread's, over the step's ops): what a free costs, on its rank's cores")
     notes.append(f"  overhead    per op run in a lane's thread and kernel_overhead per kernel a compute op dispatches "
                  "(the line through each one's time beyond its rated time against its kernels), "
                  "comm_overhead per collective (then fitted to the step) and scatter_overhead per reduce-scatter "

@@ -110,13 +110,17 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     mine = torch.zeros(8, device=device)
     gathered = torch.zeros(8 * world, device=device)
 
+    loop_cpu: list[float] = []          # the event loop's (this thread's) CPU seconds in each step's ops
+
     async def loop() -> list:
         records = []
         for step in range(steps):
             batches = [as_batch(make_batch(schedule.data, t.seed, step, m, rank, world, t.batch)).to(device)
                        for m in range(t.accumulate)]
             state.step_begin(step, batches)
+            begin = time.thread_time()
             records.append(await executor.run_step())
+            loop_cpu.append(time.thread_time() - begin)
             state.step_end()
             if world > 1:                 # `zdsl run` gathers each step's metrics: ranks start aligned
                 all_gather(gathered, mine)
@@ -135,6 +139,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
             "comm_loaded_s": {i: statistics.median(x[i] for x in loaded) for i in comm_ops(graph)},
             # the mean, as for the collectives: a step pays each hop's tail too
             "wake_s": statistics.fmean([w for t in records for w in wake_delays(graph, t)] or [0.0]),
+            "loop_s": statistics.median(loop_cpu[WARM_UP_STEPS:] or loop_cpu) / len(graph.ops),
             "ops": len(graph.ops),
             "compute_cpu_s": {i: statistics.median(ts[WARM_UP_STEPS:] or ts) for i, ts in cpu_s.items()}}
 

@@ -202,3 +202,23 @@ def test_the_collective_cost_fitted_beside_a_measured_wake_is_what_the_hops_leav
     folded = fit_overhead(g, dataclasses.replace(truth, comm_overhead=-1.0, scatter_overhead=-1.0, wake_latency=0.0),
                           simulate(g, truth).step_s, lane_op_s)
     assert folded.comm > fit.comm            # without the measured hop, the collectives carry it
+
+
+def test_the_collective_cost_fitted_beside_the_loops_cost_per_op_is_what_the_frees_leave():
+    """calibrate measures ``loop`` (the event loop's CPU per op, a free's whole cost) before it fits
+    the cost per collective, so the frees' cost is not folded into the collectives'."""
+    from zdsl.planner.calibration_fit import fit_overhead
+    from zdsl.planner.calibration_fit import lane_ops
+    from zdsl.planner.simulate import rated_duration
+    g = graph(prefetch=1)
+    assert sum(op.kind == "mem.free" for op in g.ops) > 0
+    truth = dataclasses.replace(CPU, cores=0.0, loop_overhead=1e-4, comm_overhead=4e-4, scatter_overhead=4e-4)
+    lane_op_s = {i: rated_duration(g, g.ops[i], truth) + truth.op_overhead + g.ops[i].kernels * truth.kernel_overhead
+                 for i in lane_ops(g)}
+    step_s = simulate(g, truth).step_s
+    assert step_s > simulate(g, dataclasses.replace(truth, loop_overhead=0.0)).step_s    # the frees cost time
+    fit = fit_overhead(g, dataclasses.replace(truth, comm_overhead=-1.0, scatter_overhead=-1.0), step_s, lane_op_s)
+    assert fit.comm == pytest.approx(4e-4, rel=1e-3)
+    folded = fit_overhead(g, dataclasses.replace(truth, comm_overhead=-1.0, scatter_overhead=-1.0, loop_overhead=0.0),
+                          step_s, lane_op_s)
+    assert folded.comm > fit.comm            # with frees at no cost, the collectives carry theirs

@@ -1,6 +1,7 @@
 """Planner: model-state bytes equal ZeRO's formulas, comm volume, the simulator, traces."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -120,7 +121,7 @@ def test_durations_follow_the_machine_profile():
     ]
     for op, want in cases:
         assert op_duration(g, op, m) == pytest.approx(want), op.kind
-    m.op_overhead = 0.25                 # a fixed cost per op the runtime runs; a free is bookkeeping
+    m.op_overhead = 0.25                 # a fixed cost per op the runtime runs; a free costs only the loop's
     for op, want in cases:
         assert op_duration(g, op, m) == pytest.approx(want + (op.kind != "mem.free") * 0.25), op.kind
     m.comm_overhead = 0.0                # collectives' own fixed cost, apart from the lane ops'
@@ -130,6 +131,11 @@ def test_durations_follow_the_machine_profile():
     m.scatter_overhead = 0.125           # a reduce-scatter's own, apart from the other collectives'
     for op, want in cases:
         extra = (0.0 if op.kind == "mem.free" or op.kind.startswith("comm.") else 0.25) \
+            + (0.125 if op.kind == "comm.reduce_scatter" else 0.0)
+        assert op_duration(g, op, m) == pytest.approx(want + extra), op.kind
+    m.loop_overhead = 0.0625             # the event loop's CPU per op: a free's whole cost, nothing else's
+    for op, want in cases:
+        extra = (0.0625 if op.kind == "mem.free" else 0.0 if op.kind.startswith("comm.") else 0.25) \
             + (0.125 if op.kind == "comm.reduce_scatter" else 0.0)
         assert op_duration(g, op, m) == pytest.approx(want + extra), op.kind
     m.kernel_overhead = 0.001            # and a compute op one per kernel it dispatches
@@ -275,16 +281,29 @@ def test_lanes_share_the_ranks_cores(name, cores, want_end):
     (0.25, 0.0, [4.25, 3, 7.25]),  # the gather moves at 1/4 while forward 0 fills the core (3 s: 0.75
                                    # of its 2 s), the rest alone; forward 0 is not slowed
     (1.0, 0.0, [2, 3, 6]),        # unaffected by the load: independent lanes
-    (0.25, 1.0, [6, 4, 10]),      # its 1 s fixed cost moves at 1/4 too (1 of its 3 s by 4, when
-                                  # forward 0's dispatch and work end), and takes no share either
+    (0.25, 1.0, [6.25, 5, 10.25]),  # its 1 s fixed cost (the host's work of issuing it) shares the core
+                                    # with forward 0's: both end at 2; then its transfer moves at 1/4
+                                    # beside forward 0's 3 s of work (0.75 of 2 by 5), the rest alone
 ])
-def test_a_collective_under_load_takes_no_share_and_moves_at_its_own_rate(under, overhead, want_end):
+def test_a_collectives_transfer_under_load_takes_no_share_and_moves_at_its_own_rate(under, overhead, want_end):
     m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, comm_under_load=under,
                        op_overhead=overhead)
     sim = simulate(_two_lane_ops(), m)
     assert sim.end == pytest.approx(want_end)
     m.name = "cuda"               # cpu machines only: on cuda the host work (fixed costs) is shared as before
     assert simulate(_two_lane_ops(), m).end == pytest.approx([4, 5, 9] if overhead else [2, 3, 6])
+
+
+def test_a_free_costs_the_loops_cpu_per_op_and_takes_its_share_of_the_core():
+    """A free is the event loop's work alone (``loop_overhead``): on one core it slows the forward
+    running beside it; with lanes independent it only takes its own time."""
+    bufs = [Buffer("param_full[0]", "param_full", 0, "device", 10), Buffer("act[0]", "act", 0, "device", 10)]
+    ops = [Op(0, "compute.forward", "compute", 0, reads=[], writes=["act[0]"], flops=3),
+           Op(1, "mem.free", "comm", 0, writes=["param_full[0]"])]
+    m = MachineProfile(flops=1.0, cores=1, loop_overhead=1.0)
+    assert simulate(tiny_graph(ops, bufs), m).end == pytest.approx([4, 2])   # both at 1/2 until the free ends
+    assert simulate(tiny_graph(ops, bufs), dataclasses.replace(m, cores=0)).end == pytest.approx([3, 1])
+    assert simulate(tiny_graph(ops, bufs), dataclasses.replace(m, loop_overhead=0.0)).end == pytest.approx([3, 0])
 
 
 def _beside_a_transfer(kind: str, other: str):

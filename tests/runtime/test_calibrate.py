@@ -87,6 +87,9 @@ def test_quick_profile_parses(tmp_path, capsys, monkeypatch):
     # the default block (fp32, width 64) is the table's first entry: programs of that size keep their rate
     flops = re.search(r"[(, ]flops=([^,]+),", statement).group(1)
     assert f"flops_fp32=({flops}, " in statement
+    # the event loop's CPU per op of the reference step: some, and less than a whole step's worth
+    loop = float(re.search(r"[(, ]loop=([^,]+),", statement).group(1))
+    assert 0 < loop < 0.05 / 53
     if cores is not None:     # rank 0 measured in this process, bound to its share: the cores are back
         assert os.sched_getaffinity(0) == cores
     assert not list(tmp_path.glob(".zdsl-calibrate-*"))          # test files removed

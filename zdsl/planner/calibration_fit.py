@@ -126,8 +126,9 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
     op took beyond its rated time (:func:`lane_costs`), and the cost per collective is then the
     one that makes the step match. Without it,
     one cost for every op makes the step match. Each prediction grows with its cost: bisection.
-    The profile's ``wake_latency`` (measured by calibrate: :func:`wake_delays`) is in every
-    prediction made here, so the cost per collective is what the hops between lanes leave.
+    The profile's ``wake_latency`` (measured by calibrate: :func:`wake_delays`) and
+    ``loop_overhead`` (what a free costs) are in every prediction made here, so the cost per
+    collective is what the hops between lanes and the frees leave.
 
     With ``comm_service_s`` (each collective's measured service time, :func:`comm_intervals`) a
     reduce-scatter costs what it took beyond its rated time more than the other collectives did
@@ -143,7 +144,7 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
     own reference 30% slow would put every program that far off.
     """
     bare = simulate(graph, dataclasses.replace(profile, op_overhead=0.0, comm_overhead=-1.0,
-                                               kernel_overhead=0.0, wake_latency=0.0)).step_s
+                                               kernel_overhead=0.0, wake_latency=0.0, loop_overhead=0.0)).step_s
     has_comm = any(op.kind.startswith("comm.") for op in graph.ops)
 
     def bisect(key, fixed: dict | None = None) -> float:

@@ -35,14 +35,16 @@ QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the defaul
 # host through shared memory (zdsl.runtime.dist.shm: 2-3x gloo's TCP rates), and disk rates timed in
 # interleaved rounds; 5: disk rates into huge-page buffers, where the runtime's transfers now land
 # (zdsl.runtime.io.aligned: 2x the rates into 4 KiB pages); 6: the runtime's compute against the
-# compute test's (compute_excess, from a wider reference step).
-PROFILE_FORMAT = 6
+# compute test's (compute_excess, from a wider reference step); 7: the event loop's CPU per op (loop),
+# which the other fixed costs are fitted beside.
+PROFILE_FORMAT = 7
 # What a profile of each older format lacks, as the line saying it was measured again words it.
 LACKING = {1: "without rates by precision, width and ranks",
            2: "without the compute rates of one rank with every core",
            3: "with the collective rates of gloo's TCP, before shared memory",
            4: "with disk rates into 4 KiB pages, before huge-page buffers",
-           5: "without the runtime's compute rate (compute_excess)"}
+           5: "without the runtime's compute rate (compute_excess)",
+           6: "without the event loop's cost per op (loop)"}
 
 
 @dataclass(frozen=True)

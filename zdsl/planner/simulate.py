@@ -94,12 +94,16 @@ def op_fixed(op, machine: MachineProfile) -> float:
     backward it overlaps, its own (``scatter_overhead``, else ``comm_overhead``).
     A compute op also pays ``kernel_overhead`` for each kernel it dispatches
     (``op.kernels``): eager PyTorch's cost per aten op, which makes a unit of
-    many small ops slower than its flops say. 0 for a ``mem.free``
-    (bookkeeping) and unless the profile sets them (``zdsl calibrate``
-    measures them).
+    many small ops slower than its flops say. A ``mem.free`` costs the
+    runtime's event loop its CPU per op (``loop``): the loop wakes each op's
+    task and keeps its books, a free's as any other's, and a free is nothing
+    more (at 0 such frees left nearly half of a ZeRO step's ops free of cost,
+    and the programs with more frees and fewer collectives than calibrate's
+    reference planned 10-17% short). 0 unless the profile sets them (``zdsl
+    calibrate`` measures them).
     """
     if op.kind == "mem.free":
-        return 0.0
+        return machine.loop_overhead
     if op.kernels:
         return machine.op_overhead + op.kernels * machine.kernel_overhead
     if op.kind == "comm.reduce_scatter" and machine.scatter_overhead >= 0:
@@ -260,8 +264,9 @@ def under_load(graph: TaskGraph, op, machine: MachineProfile) -> float:
     Fair shares fit the compute lane and the host step, not gloo's threads: they wake for each
     message and, with compute filling the cores, wait for one, while taking next to nothing from
     the compute. Traced here: a backward beside a reduce-scatter 15% slower than alone, the
-    reduce-scatter 3-6 times. So such a collective takes no share and moves in what the others
-    leave idle, at least at ``comm_under_load`` of its rate (while the cores are full).
+    reduce-scatter 3-6 times. So such a collective's transfer takes no share and moves in what the
+    others leave idle, at least at ``comm_under_load`` of its rate (while the cores are full); its
+    fixed part, the runtime issuing it and taking its completion, takes its share as any op's.
     A collective through shared memory (:func:`through_shared_memory`) is a worker thread's
     copies and sums: it takes its fair share as a copy does (programs/nvme.zs traced: each
     backward beside a 3 MB reduce-scatter or gather took its time longer, 9-10.6 ms against the
@@ -409,7 +414,8 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
     first spends its ``fixed`` seconds (one thread of host work), then its ``work`` seconds
     (``demand`` cores); each takes that long alone and is slowed by the share while the
     running ops' demand exceeds ``cores``. An op with ``under[i] > 0`` (:func:`under_load`)
-    takes no share and moves at ``under[i]`` of its rate while the others fill the cores;
+    takes no share for its work (its fixed part takes one) and moves at ``under[i]`` of its
+    rate while the others fill the cores;
     one with ``first[i]`` (a disk transfer, :func:`takes_share_first`) takes its share before the others
     divide what is left. A lane runs one op at a time, or ``slots[lane]``, started in lane order; an
     op starts no sooner than ``wake[i]`` after an input made on another lane ended (waiting, no
@@ -456,7 +462,8 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
                 t = woken
                 continue
             raise CyclicGraphError(next(i for i in range(n) if waiting[i] > 0))
-        need = {i: 0.0 if under[i] else (demand[i] if fixed_left[i] == 0.0 else fixed_demand) for i in running}
+        # a fixed part is the host's own work (a collective's issue and completion too): it takes its share
+        need = {i: (0.0 if under[i] else demand[i]) if fixed_left[i] == 0.0 else fixed_demand for i in running}
         load = sum(need.values())
         # disk transfers past their fixed part take their share first; the others share the rest
         claiming = {i for i in running if first[i] and fixed_left[i] == 0.0}
