@@ -46,7 +46,8 @@ planner uses it*, under the conditions of a real run:
   over the calibration (first, middle, last; their median): ``overhead``
   per lane op and ``kernel_overhead`` per kernel a compute op dispatches
   are the line through each op's time beyond its rated time against its
-  kernels,
+  kernels, ``loop`` the event loop's thread's CPU time in each step's ops
+  over the step's ops (what a free costs; the loop works for every op),
   ``comm_overhead`` per collective the cost that then makes the planner's
   predictions of that graph and of the same step unclipped (one block
   after the middle one, taken at the clipped step's moment: its steps run

@@ -97,10 +97,8 @@ def op_fixed(op, machine: MachineProfile) -> float:
     many small ops slower than its flops say. A ``mem.free`` costs the
     runtime's event loop its CPU per op (``loop``): the loop wakes each op's
     task and keeps its books, a free's as any other's, and a free is nothing
-    more (at 0 such frees left nearly half of a ZeRO step's ops free of cost,
-    and the programs with more frees and fewer collectives than calibrate's
-    reference planned 10-17% short). 0 unless the profile sets them (``zdsl
-    calibrate`` measures them).
+    more (benchmarks/README.md, stop 36). 0 unless the profile sets them
+    (``zdsl calibrate`` measures them).
     """
     if op.kind == "mem.free":
         return machine.loop_overhead
