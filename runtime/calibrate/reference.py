@@ -139,7 +139,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
             "comm_loaded_s": {i: statistics.median(x[i] for x in loaded) for i in comm_ops(graph)},
             # the mean, as for the collectives: a step pays each hop's tail too
             "wake_s": statistics.fmean([w for t in records for w in wake_delays(graph, t)] or [0.0]),
-            "loop_s": statistics.median(loop_cpu[WARM_UP_STEPS:] or loop_cpu) / len(graph.ops),
+            "loop_s": statistics.median(loop_cpu[WARM_UP_STEPS:]) / len(graph.ops),   # the steps records keeps
             "ops": len(graph.ops),
             "compute_cpu_s": {i: statistics.median(ts[WARM_UP_STEPS:] or ts) for i, ts in cpu_s.items()}}
 
