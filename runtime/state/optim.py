@@ -48,18 +48,30 @@ def state_names(kind: str, momentum: float = 0.0) -> tuple[str, ...]:
     raise ValueError(f"unknown optimizer {kind!r} (expected adamw, adam or sgd)")
 
 
+# torch wraps these Optimizer methods in torch._disable_dynamo, whose first call imports
+# torch._dynamo (about 2 s of a rank's start on a slow core, a third of a small run's) only so
+# that torch.compile does not trace them. zdsl calls its optimizers outside any compiled code:
+# its classes call the methods unwrapped (functools' ``__wrapped__``). ``step`` still imports
+# torch._dynamo where torch's own update runs (SGD, foreach, fused); the host AdamW does not.
+_UNWRAPPED = {name: getattr(torch.optim.Optimizer, name).__wrapped__
+              for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
+              if hasattr(getattr(torch.optim.Optimizer, name), "__wrapped__")}
+_CLASSES = {kind: type(cls.__name__, (cls,), {**_UNWRAPPED, "__module__": cls.__module__})
+            for kind, cls in (("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam), ("sgd", torch.optim.SGD))}
+
+
 def make_torch_optimizer(params, config: dict) -> torch.optim.Optimizer:
-    """The torch optimizer a schedule's ``optimizer`` statement names (also used by the DDP reference)."""
+    """The torch optimizer a schedule's ``optimizer`` statement names (also used by the DDP
+    reference): an instance of torch's class (a subclass of it without the import above)."""
     kind = config.get("kind", "adamw")
     common = {k: config[k] for k in ("foreach", "fused") if config.get(k) is not None}
     lr = config.get("lr", 1e-3)
     wd = config.get("weight_decay", 0.0)
     if kind in ("adamw", "adam"):
-        cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
-        return cls(params, lr=lr, betas=tuple(config.get("betas", (0.9, 0.999))), eps=config.get("eps", 1e-8),
-                   weight_decay=wd, **common)
+        return _CLASSES[kind](params, lr=lr, betas=tuple(config.get("betas", (0.9, 0.999))),
+                              eps=config.get("eps", 1e-8), weight_decay=wd, **common)
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=config.get("momentum", 0.0), weight_decay=wd, **common)
+        return _CLASSES[kind](params, lr=lr, momentum=config.get("momentum", 0.0), weight_decay=wd, **common)
     raise ValueError(f"unknown optimizer {kind!r} (expected adamw, adam or sgd)")
 
 
