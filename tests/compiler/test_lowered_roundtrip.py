@@ -2,18 +2,19 @@
 
 For every program: compile it; print its lowered pipelines; compile that text;
 the graphs must be equal op for op, buffer for buffer (source positions and
-the file name aside: the printed file is another file).
+the file name aside: the printed file is another file). ``zdsl plan --lowered`` runs in this
+process (a fresh one would import transformers again for each HF program; test_cli runs the command).
 """
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from zdsl.cli import main
 from zdsl.driver import compile_file
+from zdsl.driver import memo_units_for
 
 PROGRAMS = sorted((Path(__file__).parents[2] / "programs").glob("*.zs"))
 
@@ -28,16 +29,18 @@ def comparable(graph) -> dict:
 
 
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.stem)
-def test_lowered_output_compiles_to_the_same_graph(program):
-    original = compile_file(str(program), {}, simulate=False)
+def test_lowered_output_compiles_to_the_same_graph(program, capsys):
+    units_for = memo_units_for()
+    original = compile_file(str(program), {}, units_for, simulate=False)
     assert original.ok, original.diagnostics
-    out = subprocess.run([sys.executable, "-m", "zdsl.cli", "plan", str(program), "--lowered"],
-                         capture_output=True, text=True, check=True).stdout
+    capsys.readouterr()
+    assert main(["plan", str(program), "--lowered"]) == 0
+    out = capsys.readouterr().out
     assert "forward unit" in out and "backward unit" in out
     lowered = program.parent / f".lowered-{program.name}"   # beside it: relative paths still resolve
     try:
         lowered.write_text(out)
-        again = compile_file(str(lowered), {}, simulate=False)
+        again = compile_file(str(lowered), {}, units_for, simulate=False)
     finally:
         lowered.unlink(missing_ok=True)
     assert again.ok, again.diagnostics

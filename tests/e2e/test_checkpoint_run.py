@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,18 @@ def uninterrupted(tmp_path_factory):
     return load_file(str(out))
 
 
+@pytest.fixture(scope="module")
+def saved_at_2(tmp_path_factory) -> Path:
+    """The checkpoints of quickstart's first 2 steps (saved every 2), made once: copy before writing."""
+    ck = tmp_path_factory.mktemp("two") / "ck"
+    run("--set", "steps=2", "--checkpoint-every", "2", "--checkpoint-dir", str(ck))
+    return ck
+
+
+def copy_of(ck: Path, into: Path) -> Path:
+    return Path(shutil.copytree(ck, into / "ck"))
+
+
 def test_interrupted_and_resumed_is_bitwise_equal(tmp_path, uninterrupted):
     ck, out = tmp_path / "ck", tmp_path / "resumed.safetensors"
     # rank 0 dies in step 5, while the save after step 4 may still be writing: whichever checkpoint
@@ -58,10 +71,9 @@ def test_interrupted_and_resumed_is_bitwise_equal(tmp_path, uninterrupted):
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
 
 
-def test_resume_at_4_then_1_ranks(tmp_path, uninterrupted):
+def test_resume_at_4_then_1_ranks(tmp_path, uninterrupted, saved_at_2):
     # the global batch stays 8 sequences, so the runs see the same data
-    ck, out = tmp_path / "ck", tmp_path / "r.safetensors"
-    run("--set", "steps=2", "--checkpoint-every", "2", "--checkpoint-dir", str(ck))
+    ck, out = copy_of(saved_at_2, tmp_path), tmp_path / "r.safetensors"
     run("--set", "steps=4", "--set", "ranks=4", "--set", "batch=2", "--resume", str(ck),
         "--checkpoint-every", "2", "--checkpoint-dir", str(ck))
     proc = run("--set", "steps=6", "--set", "ranks=1", "--set", "batch=8", "--resume", str(ck), "--export", str(out))
@@ -90,9 +102,8 @@ def test_damaged_newest_falls_back_and_retention_keeps_the_last(tmp_path):
     assert "resumed at step 4" in proc.stdout
 
 
-def test_export_and_inspect_commands(tmp_path):
-    ck, out = tmp_path / "ck", tmp_path / "model.safetensors"
-    run("--set", "steps=2", "--checkpoint-every", "2", "--checkpoint-dir", str(ck))
+def test_export_and_inspect_commands(tmp_path, saved_at_2):
+    ck, out = saved_at_2, tmp_path / "model.safetensors"
     inspect = subprocess.run([sys.executable, "-m", "zdsl.cli", "inspect", str(ck)], capture_output=True,
                              text=True, timeout=120)
     assert inspect.returncode == 0 and "step" in inspect.stdout, inspect.stderr
@@ -221,10 +232,10 @@ def test_the_samples_before_and_after_a_resume_at_another_split_are_the_uninterr
     assert len(set(before + after)) == len(before + after) == 32      # no sample twice, none skipped
 
 
-def test_resumed_on_one_rank_accumulating_two_continues_the_two_rank_run(tmp_path):
-    ck, full, resumed, other = (tmp_path / n for n in ("ck", "full.st", "resumed.st", "other.st"))
+def test_resumed_on_one_rank_accumulating_two_continues_the_two_rank_run(tmp_path, saved_at_2):
+    ck = copy_of(saved_at_2, tmp_path)
+    full, resumed, other = (tmp_path / n for n in ("full.st", "resumed.st", "other.st"))
     run("--set", "steps=4", "--export", str(full))
-    run("--set", "steps=2", "--checkpoint-every", "2", "--checkpoint-dir", str(ck))
     index = json.loads(next(ck.glob("step-*/index.json")).read_text())
     assert index["data_position"]["next_step"] == 2 and index["data_position"]["samples_per_step"] == 8
     proc = run("--set", "steps=4", "--set", "ranks=1", "--set", "accumulate=2", "--resume", str(ck),
@@ -237,9 +248,8 @@ def test_resumed_on_one_rank_accumulating_two_continues_the_two_rank_run(tmp_pat
     assert update_rel(load_file(str(other)), load_file(str(full))) > 1e-3
 
 
-def test_a_fresh_run_onto_its_own_checkpoints_is_refused_before_it_trains(tmp_path):
-    ck = tmp_path / "ck"
-    run("--set", "steps=2", "--checkpoint-every", "2", "--checkpoint-dir", str(ck))
+def test_a_fresh_run_onto_its_own_checkpoints_is_refused_before_it_trains(tmp_path, saved_at_2):
+    ck = copy_of(saved_at_2, tmp_path)
     again = run("--set", "steps=4", "--checkpoint-every", "2", "--checkpoint-dir", str(ck), ok=False)
     assert again.returncode == 2 and "Traceback" not in again.stderr
     assert f"{ck} already holds a complete checkpoint at step 2" in again.stderr

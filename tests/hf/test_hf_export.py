@@ -48,6 +48,13 @@ def zdsl(*args, cwd, ok=True):
     return proc
 
 
+def export_here(work: Path, source: str, out: str, *options) -> None:
+    """``zdsl export`` of ``work / source`` into ``work / out``, in this process (a fresh one would
+    import torch and transformers again: most of a small export's time)."""
+    from zdsl.cli import main
+    assert main(["export", str(work / source), "-o", str(work / out), *map(str, options)]) == 0
+
+
 def schedule_text(family: str) -> str:
     args, _ = FAMILIES[family]
     return (f'schedule {family}_export "export test"\n'
@@ -87,7 +94,7 @@ def trained(request, tmp_path_factory):
     (work / "run.zs").write_text(schedule_text(family))
     zdsl("run", "run.zs", "--quiet", "--checkpoint-every", 2, "--checkpoint-dir", "ck", "--export", "run_hf",
          "--format", "hf", cwd=work)
-    zdsl("export", "ck", "-o", "ck_hf", "--format", "hf", cwd=work)
+    export_here(work, "ck", "ck_hf", "--format", "hf")
     return family, work
 
 
@@ -161,7 +168,7 @@ def test_tied_weights_written_once_untied_both(trained):
 @pytest.mark.slow
 def test_bf16_export_loads_as_bf16(trained):
     family, work = trained
-    zdsl("export", "ck", "-o", "bf16", "--format", "hf", "--dtype", "bf16", cwd=work)
+    export_here(work, "ck", "bf16", "--format", "hf", "--dtype", "bf16")
     model, info = load_hf(work / "bf16")
     assert clean(info), info
     assert model.dtype == torch.bfloat16
@@ -173,7 +180,7 @@ def test_bf16_export_loads_as_bf16(trained):
 @pytest.mark.slow
 def test_sharded_export_has_an_index_and_loads(trained):
     family, work = trained
-    zdsl("export", "ck", "-o", "sharded", "--format", "hf", "--max-shard-size", "100KB", cwd=work)
+    export_here(work, "ck", "sharded", "--format", "hf", "--max-shard-size", "100KB")
     index = json.loads((work / "sharded" / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in (work / "sharded").glob("*.safetensors"))
     assert len(shards) > 1 and "model.safetensors" not in shards
@@ -185,7 +192,7 @@ def test_sharded_export_has_an_index_and_loads(trained):
     assert clean(info), info
     assert all(torch.equal(model.state_dict()[k], t) for k, t in whole.items())
     # exported again unsharded into the same folder: the old shards and index go
-    zdsl("export", "ck", "-o", "sharded", "--format", "hf", cwd=work)
+    export_here(work, "ck", "sharded", "--format", "hf")
     assert sorted(p.name for p in (work / "sharded").glob("model*")) == ["model.safetensors"]
 
 
