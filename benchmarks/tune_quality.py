@@ -48,7 +48,7 @@ from zdsl.driver import memo_units_for  # noqa: E402
 from zdsl.planner import profile_cache  # noqa: E402
 from zdsl.tune import noise  # noqa: E402
 from zdsl.tune.measure import RunFailed, measure  # noqa: E402
-from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_STEPS, DEFAULT_WARMUP  # noqa: E402
+from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP  # noqa: E402
 from zdsl.tune.search import Candidate, combinations, parse_vary, predict  # noqa: E402
 
 # program -> its knobs, as --vary arguments (two meaningful knobs each; nvme has one that matters)
@@ -69,7 +69,8 @@ def main() -> int:
     ap.add_argument("--truth-rounds", type=int, default=5, help="rounds of the exhaustive truth (default 5)")
     ap.add_argument("--runs", type=int, default=3, help="zdsl tune runs per program (default 3)")
     ap.add_argument("--budget", type=float, default=None,
-                    help=f"pass --budget to zdsl tune (default: tune's own, {DEFAULT_BUDGET_S:.0f} s)")
+                    help=f"pass --budget to zdsl tune (default: tune's own, {DEFAULT_BUDGET_S:.0f} s, grown "
+                         f"up to {DEFAULT_STRETCH_S:.0f} s where a verdict's rounds need it)")
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                     help=f"steps per truth run (default {DEFAULT_STEPS}, as zdsl tune)")
     ap.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
@@ -85,7 +86,7 @@ def main() -> int:
     truths = {n: predict(str(ROOT / "programs" / f"{n}.zs"), {}, combinations(parse_vary(PROGRAMS[n])), units_for)
               for n in names}
     runs = sum(len(c) for c in truths.values()) * args.truth_rounds
-    budget = args.budget or DEFAULT_BUDGET_S
+    budget = args.budget or DEFAULT_STRETCH_S
     print(f"tune_quality: {runs} truth runs (~{runs * 5 / 60:.1f} min at ~5 s a run) and {len(names) * args.runs} "
           f"zdsl tune runs (at most ~{len(names) * args.runs * budget / 60:.1f} min: their budget, and the "
           f"first round always runs)", flush=True)

@@ -100,6 +100,26 @@ def test_rounds_start_only_when_they_fit_the_budget_and_the_first_always_runs():
     assert result.rounds == 1 and c.rounds and d.rounds
 
 
+def test_the_default_budget_grows_to_hold_the_rounds_a_verdict_needs_where_it_can():
+    """30 s a round against 120 s: the default budget holds 4 rounds, so it grows to the 7 a verdict
+    needs (210 s, within the 360 s it may reach) and says so once; a user's own budget never grows,
+    nor one that could not reach round 7 within the stretch (60 s a round: 420 s)."""
+    times = {"name=a": [10, 11, 10, 12, 11, 10, 11, 10, 10], "name=b": [11, 10, 12, 10, 10, 11, 10, 11, 11]}
+    for run_s, stretch_s, rounds in ((15.0, 360.0, noise.MIN_ROUNDS), (15.0, 0.0, 4), (30.0, 360.0, 2)):
+        clock, said = Clock(), []
+        a, b = cand("a"), cand("b")
+        result = race([a, b], Fake(times, clock=clock, run_s=run_s), budget_s=120, max_rounds=30, clock=clock,
+                      say=said.append, stretch_s=stretch_s)
+        assert result.rounds == rounds, (run_s, stretch_s, result)
+        grew = [line for line in said if "default budget" in line]
+        if rounds == noise.MIN_ROUNDS:
+            assert grew == ["zdsl tune: the default budget (120 s) ends before round 7, the fewest a verdict "
+                            "needs; measuring on to it (~210 s; --budget sets the time)"]
+            assert "the budget (210 s) would end during round 8" in result.stopped
+        else:
+            assert grew == [] and "the budget (120 s) would end" in result.stopped
+
+
 def test_a_failed_run_marks_its_candidate_and_the_others_go_on():
     a, b = cand("a"), cand("b")
     race([a, b], Fake({"name=a": [None], "name=b": [10] * 6}), budget_s=1e9, say=quiet)

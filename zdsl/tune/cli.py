@@ -26,7 +26,7 @@ from pathlib import Path
 
 from zdsl.tune import noise
 from zdsl.tune.measure import measure_round
-from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, DEFAULT_STEPS, DEFAULT_WARMUP, race
+from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP, race
 from zdsl.tune.search import (PRUNE_FACTOR, TuneUsageError, combinations, count_changes, parse_vary, predict,
                               prune, validate_values)
 from zdsl.tune.table import as_json, print_table
@@ -74,9 +74,10 @@ verdicts: each round runs every candidate once, back to back in one launch, the 
     p.add_argument("--measure", type=int, default=4, metavar="K",
                    help="measure the K best predicted combinations left after pruning (default 4; "
                         "0: planner only)")
-    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help=f"seconds of measuring at most: no round starts that would end after it; "
-                        f"the first round always runs (default {DEFAULT_BUDGET_S:.0f})")
+                        f"the first round always runs (default {DEFAULT_BUDGET_S:.0f}, grown up to "
+                        f"{DEFAULT_STRETCH_S:.0f} where the machine needs it for {noise.MIN_ROUNDS} rounds)")
     p.add_argument("--rounds", type=int, default=DEFAULT_MAX_ROUNDS, metavar="N",
                    help=f"stop after N rounds when the candidates left still tie (default {DEFAULT_MAX_ROUNDS}; "
                         f"at least {noise.MIN_ROUNDS}, the rounds a verdict needs)")
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < args.warmup + 1:
         parser.error(f"--steps must exceed --warmup ({args.warmup}): the first {args.warmup} step(s) "
                      f"of a run are not timed")
-    if not args.budget > 0:
+    if args.budget is not None and not args.budget > 0:
         parser.error("--budget must be a positive number of seconds, e.g. --budget 120")
     if args.rounds < noise.MIN_ROUNDS:
         parser.error(f"--rounds must be at least {noise.MIN_ROUNDS}: a verdict needs that many rounds")
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     if to_measure:
         result = race(to_measure,
                       lambda cs: measure_round(args.file, cs, args.steps, args.warmup, args.timeout),
-                      args.budget, args.rounds)
+                      args.budget or DEFAULT_BUDGET_S, args.rounds,
+                      stretch_s=DEFAULT_STRETCH_S if args.budget is None else 0.0)
         print(f"zdsl tune: stopped after {result.rounds} round(s), {result.seconds:.0f} s: {result.stopped}",
               file=sys.stderr)
     if to_measure and not any(c.rounds for c in to_measure):

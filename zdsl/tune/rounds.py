@@ -15,7 +15,10 @@ round :data:`MIN_ROUNDS` on, a candidate clearly slower than the fastest median
   separate a real difference of 3-5% only after 10-30 of them on a shared
   host, ``zdsl.tune.noise``; the budget may end the race first);
 * the budget: a round is started only if it is expected to end within it (the
-  last round's time per run times the runs left); the first round always runs;
+  last round's time per run times the runs left); the first round always runs.
+  Where the budget is tune's default (``stretch_s``), one too short for the
+  :data:`MIN_ROUNDS` rounds a verdict needs on this machine grows to hold them,
+  if they are expected to end within ``stretch_s``, and says so;
 * every run failed.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ from zdsl.tune.noise import MIN_ROUNDS, clearly_slower, leader
 from zdsl.tune.search import Candidate
 
 DEFAULT_BUDGET_S = 120.0
+DEFAULT_STRETCH_S = 360.0   # the default budget's most, grown to hold a verdict's rounds
 DEFAULT_MAX_ROUNDS = 30
 # Steps per measured run and the first ones not timed. A fresh run's first ten or twenty steps are
 # slower than its later ones, and not alike for every candidate: programs/zero3.zs, prefetch 1
@@ -53,14 +57,22 @@ MeasureRound = Callable[[list[Candidate]], dict[str, Run | RunFailed]]
 
 def race(cands: list[Candidate], measure_round: MeasureRound, budget_s: float = DEFAULT_BUDGET_S,
          max_rounds: int = DEFAULT_MAX_ROUNDS, clock: Callable[[], float] = time.monotonic,
-         say: Callable[[str], None] | None = None) -> Race:
+         say: Callable[[str], None] | None = None, stretch_s: float = 0.0) -> Race:
     """Measure ``cands`` in interleaved rounds; fills each one's ``rounds``, ``measured_peak``,
     ``failed`` and ``dropped``. ``measure_round`` runs the candidates it is given once each, in that
-    order, and returns each one's Run or RunFailed by label."""
+    order, and returns each one's Run or RunFailed by label. ``stretch_s``: how far a budget too
+    short for :data:`MIN_ROUNDS` rounds may grow to hold them (0: not at all, a budget the user gave)."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-    start, active, r, per_run = clock(), list(cands), 0, 0.0
+    start, active, r, per_run, given = clock(), list(cands), 0, 0.0, budget_s
     while True:
         spent = clock() - start
+        if r and r < MIN_ROUNDS and len(active) > 1 and spent + per_run * len(active) > budget_s:
+            needed = spent + per_run * len(active) * (MIN_ROUNDS - r)
+            if needed <= stretch_s:
+                if budget_s == given:
+                    say(f"zdsl tune: the default budget ({given:.0f} s) ends before round {MIN_ROUNDS}, the "
+                        f"fewest a verdict needs; measuring on to it (~{needed:.0f} s; --budget sets the time)")
+                budget_s = needed
         if r and spent + per_run * len(active) > budget_s:
             stopped = (f"the budget ({budget_s:.0f} s) would end during round {r + 1} "
                        f"(~{per_run * len(active):.0f} s a round)")
