@@ -26,7 +26,8 @@ from pathlib import Path
 
 from zdsl.tune import noise
 from zdsl.tune.measure import measure_round
-from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP, race
+from zdsl.tune.rounds import (DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP,
+                              race)
 from zdsl.tune.search import (PRUNE_FACTOR, TuneUsageError, combinations, count_changes, parse_vary, predict,
                               prune, validate_values)
 from zdsl.tune.table import as_json, print_table
