@@ -3,18 +3,24 @@ its launcher.
 
 :func:`guard_rank` stops the rank cleanly on SIGTERM or SIGHUP (the zdsl launcher's stop;
 torchrun's agent forwards them) and when its launcher is gone, even by SIGKILL: whatever the
-rank's main thread is doing, it is gone ``RANK_DEADLINE_S`` later. Every rank guards itself so:
+rank's main thread is doing, it is gone ``RANK_DEADLINE_S`` later. Inside a trio run entered through
+:func:`run_stoppable` a stop cancels the run, which then raises :class:`Stopped`: raised at an
+arbitrary point of trio's own loop, it would break the run, and its worker threads' results
+could no longer be delivered (trio prints each as an error). Every rank guards itself so:
 ``zdsl run``'s (``runtime/run/launch.py``), torchrun's, and the local ranks of calibrate and the
 tests (``runtime/dist/spawn.py``).
 """
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+
+import trio
 
 from zdsl import env
 from zdsl.runtime.run.board import LAUNCHER
@@ -79,8 +85,31 @@ def _lifeline() -> None:
         os._exit(128 + stopped.signum)
 
 
+_cancel: list = []               # while run_stoppable runs: how a stop reaches its trio run
+
+
 def _raise_stopped(signum, frame):
-    raise _stop[0] if _stop else Stopped(signum, f"stopped by {signal.Signals(signum).name}")
+    stopped = _stop[0] if _stop else Stopped(signum, f"stopped by {signal.Signals(signum).name}")
+    if _cancel:
+        if not _stop:
+            _stop.append(stopped)
+        with contextlib.suppress(trio.RunFinishedError):
+            _cancel[0]()                     # the run stops at its next checkpoint and raises it
+            return
+    raise stopped
+
+
+async def run_stoppable(fn, *args):
+    """``await fn(*args)``, cancelled by a stop (which it then raises as :class:`Stopped`) rather
+    than interrupted wherever the main thread happens to be. For ``trio.run``."""
+    token = trio.lowlevel.current_trio_token()
+    with trio.CancelScope() as scope:
+        _cancel.append(lambda: token.run_sync_soon(scope.cancel))
+        try:
+            return await fn(*args)
+        finally:
+            _cancel.clear()
+    raise _stop[0]                      # only a stop cancels the scope
 
 
 def launcher_gone() -> Stopped | None:

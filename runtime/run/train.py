@@ -31,6 +31,7 @@ from zdsl.runtime.exec.executor import StepRecord
 from zdsl.runtime.run.board import STEP
 from zdsl.runtime.run.board import STEP_DONE
 from zdsl.runtime.run.board import rank_board
+from zdsl.runtime.run.guard import run_stoppable
 from zdsl.runtime.exec.hb_check import run_streams
 from zdsl.runtime.offload.host_adam import limit_host_threads
 from zdsl.runtime.models.batch import as_batch
@@ -147,8 +148,8 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
             from zdsl.runtime.run.evaluate import Evaluator
             evaluator = Evaluator(eval_graph, schedule.eval, state, seed=cfg["train"]["seed"], rank=rank,
                                   world=world, batch=cfg["train"]["batch"], device=device, make_batch=make_batch)
-        return trio.run(_loop, graph, schedule, units, state, executor, rank, world, device, options,
-                        reporter, make_batch, scalars, evaluator)
+        return trio.run(run_stoppable, _loop, graph, schedule, units, state, executor, rank, world, device,
+                        options, reporter, make_batch, scalars, evaluator)
 
 
 async def _loop(graph, schedule, units, state, executor, rank, world, device, options, reporter, make_batch,
