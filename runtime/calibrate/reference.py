@@ -90,6 +90,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     from zdsl.runtime.state.rank import RankState
     from zdsl.runtime.dist.collectives import all_gather
     from zdsl.runtime.exec.streams import lane_streams
+    from zdsl.runtime.run.guard import run_stoppable
     compiled = reference_graph(world, device.type, width, clip)
     graph, schedule = compiled.graph, compiled.schedule
     state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device)
@@ -126,7 +127,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
                 all_gather(gathered, mine)
         return records
 
-    records = trio.run(loop)[WARM_UP_STEPS:]    # the first steps allocate and warm up
+    records = trio.run(run_stoppable, loop)[WARM_UP_STEPS:]    # the first steps allocate and warm up
     del state, executor
     if device.type == "cuda":
         torch.cuda.empty_cache()

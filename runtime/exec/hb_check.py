@@ -509,6 +509,7 @@ def check_steps(graph: TaskGraph, schedule, rank: int = 0, world: int = 1, steps
     from zdsl.runtime.models.batch import as_batch
     from zdsl.runtime.models.protocol import build_model
     from zdsl.runtime.state.rank import RankState
+    from zdsl.runtime.run.guard import run_stoppable
     train = graph.config["train"]
     torch.manual_seed(train["seed"])
     model = build_model(schedule.model, seed=train["seed"], lazy=True)
@@ -520,7 +521,7 @@ def check_steps(graph: TaskGraph, schedule, rank: int = 0, world: int = 1, steps
                 batches = [as_batch(make_batch(schedule.data, train["seed"], step, m, rank, world, train["batch"]))
                            for m in range(train["accumulate"])]
                 state.step_begin(step, batches)
-                trio.run(executor.run_step)
+                trio.run(run_stoppable, executor.run_step)
                 state.step_end()
     finally:
         state.close_swap()

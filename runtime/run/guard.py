@@ -4,7 +4,8 @@ its launcher.
 :func:`guard_rank` stops the rank cleanly on SIGTERM or SIGHUP (the zdsl launcher's stop;
 torchrun's agent forwards them) and when its launcher is gone, even by SIGKILL: whatever the
 rank's main thread is doing, it is gone ``RANK_DEADLINE_S`` later. Inside a trio run entered through
-:func:`run_stoppable` a stop cancels the run, which then raises :class:`Stopped`: raised at an
+:func:`run_stoppable` (a rank's training, calibrate's reference steps, the race checker's steps) a
+stop cancels the run, which then raises :class:`Stopped`: raised at an
 arbitrary point of trio's own loop, it would break the run, and its worker threads' results
 could no longer be delivered (trio prints each as an error). Every rank guards itself so:
 ``zdsl run``'s (``runtime/run/launch.py``), torchrun's, and the local ranks of calibrate and the
