@@ -65,17 +65,16 @@ def race(cands: list[Candidate], measure_round: MeasureRound, budget_s: float = 
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     start, active, r, per_run, given = clock(), list(cands), 0, 0.0, budget_s
     while True:
-        spent = clock() - start
-        if r and r < MIN_ROUNDS and len(active) > 1 and spent + per_run * len(active) > budget_s:
-            needed = spent + per_run * len(active) * (MIN_ROUNDS - r)
+        spent, per_round = clock() - start, per_run * len(active)
+        if r and r < MIN_ROUNDS and len(active) > 1 and spent + per_round > budget_s:
+            needed = spent + per_round * (MIN_ROUNDS - r)
             if needed <= stretch_s:
                 if budget_s == given:
                     say(f"zdsl tune: the default budget ({given:.0f} s) ends before round {MIN_ROUNDS}, the "
                         f"fewest a verdict needs; measuring on to it (~{needed:.0f} s; --budget sets the time)")
                 budget_s = needed
-        if r and spent + per_run * len(active) > budget_s:
-            stopped = (f"the budget ({budget_s:.0f} s) would end during round {r + 1} "
-                       f"(~{per_run * len(active):.0f} s a round)")
+        if r and spent + per_round > budget_s:
+            stopped = f"the budget ({budget_s:.0f} s) would end during round {r + 1} (~{per_round:.0f} s a round)"
             break
         r += 1
         t0 = clock()
