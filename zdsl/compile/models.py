@@ -7,6 +7,10 @@ on built-in models never load torch.
 """
 from __future__ import annotations
 
+import sys
+import warnings
+
+from zdsl.compile import sizing_cache
 from zdsl.schedule import ModelSpec
 
 from zdsl.schedule import Schedule
@@ -56,10 +60,22 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
             units[0].extras_elems_per_seq += gpt_mask_elems(context or args["context"])
         return units
     if spec.kind in ("user", "hf"):
+        key = sizing_cache.sizing_key(spec, context, data)     # an HF folder sized before: no torch
+        units = sizing_cache.load(key) if key else None
+        if units is not None:
+            return units
         try:   # torch (and transformers for hf): only for models built to be sized
             from zdsl.runtime.models.sizing import units_for_user_model
         except ImportError as exc:
             raise ModelSizingError(
                 f"sizing this model needs the runtime (zdsl.runtime.models.sizing): {exc}") from exc
-        return units_for_user_model(spec, context, data=data)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            units = units_for_user_model(spec, context, data=data)
+        for w in said:                    # said again as they came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        sizing = sys.modules[units_for_user_model.__module__].__file__
+        if key and not any(w.filename == sizing for w in said):    # its estimates are said every time
+            sizing_cache.store(key, units)
+        return units
     raise ModelSizingError(f"unknown model kind {spec.kind!r}; expected gpt, hf or a user factory")
