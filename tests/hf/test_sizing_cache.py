@@ -61,17 +61,16 @@ def test_an_unreadable_cache_entry_is_a_miss(tmp_path, cache):
 
 
 def test_zdsl_check_of_a_sized_folder_imports_neither_torch_nor_transformers(tmp_path, cache):
+    from zdsl.driver import compile_file
     save_tiny("gpt2", tmp_path / "model")
     (tmp_path / "s.zs").write_text('schedule s\nmodel hf("model")\ndata synthetic(vocab=200, context=16)\n'
                                    "train steps=1, batch=2\nranks 2 on cpu\nzero 3\n")
+    assert compile_file(str(tmp_path / "s.zs"), {}).ok           # sized here, as zdsl check sizes it
     probe = ("import sys; from zdsl.cli import main; code = main(['check', 's.zs']); "
              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(code)")
-    runs = [subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=300) for _ in range(2)]
-    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
-    assert runs[0].stdout.splitlines()[-1] == "['torch', 'transformers']"     # sized: built on meta
-    assert runs[1].stdout.splitlines()[-1] == "[]"
-    assert runs[0].stdout.splitlines()[0] == runs[1].stdout.splitlines()[0]  # the same report
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "s.zs: ok (4 units" in run.stdout and run.stdout.splitlines()[-1] == "[]"
 
 
 def test_a_sizing_that_fell_back_to_estimates_is_not_kept(tmp_path, cache, monkeypatch):
