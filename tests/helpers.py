@@ -15,6 +15,14 @@ def zdsl(*args, env=None, cwd=None, timeout=300) -> subprocess.CompletedProcess:
                           env=full, cwd=cwd, timeout=timeout)
 
 
+def sized(zs) -> None:
+    """Compile ``zs`` here, as a ``zdsl check`` before its run would: an HF model's units go to zdsl's
+    sizing cache, so the run's launcher takes them from there instead of importing torch and
+    transformers (seconds on a small machine, and not what the test is about); this process has both."""
+    from zdsl.driver import compile_file
+    compiled = compile_file(str(zs), {})
+    assert compiled.ok, [d.message for d in compiled.diagnostics]
+
 # A tiny ZeRO-3 schedule for the command-line tests (compiles in milliseconds, no files).
 SMALL = """\
 schedule small "a tiny ZeRO-3 schedule"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import sized
 from helpers import zdsl
 
 pytestmark = pytest.mark.slow     # spawns ranks
@@ -29,6 +30,7 @@ def test_pretrain_then_finetune_from_its_export(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    sized(PROGRAMS / "pretrain.zs")
     run("pretrain.zs", "--set", "steps=4", "--set", "warmup=1", "--metrics", str(tmp_path / "pre.jsonl"),
         "--export", "pre", "--format", "hf", cwd=tmp_path)
     rows = metrics(tmp_path / "pre.jsonl")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hf_tiny import CONTEXT
 from hf_tiny import save_tiny
 from hf_tiny import transformers_model
+from helpers import sized
 from helpers import zdsl
 
 pytestmark = pytest.mark.slow     # spawns ranks
@@ -39,6 +40,7 @@ def test_eval_mode_and_training_bits_with_dropout(tmp_path):
 
     save_tiny("gpt2", tmp_path / "model", resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
     (tmp_path / "s.zs").write_text(SCHEDULE)
+    sized(tmp_path / "s.zs")
     without = run(tmp_path)
     with_eval = run(tmp_path, "--set", f"eval=every 1 steps on {EVAL_SOURCE} batches=2",
                     "--export", "out", "--format", "hf")

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_tiny import CONTEXT, VOCAB, save_tiny
+from helpers import sized
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -92,6 +93,7 @@ def trained(request, tmp_path_factory):
                        **({"tie_word_embeddings": False} if family == "llama" else {}))
     (source / "tokenizer_config.json").write_text(json.dumps(TOKENIZER))
     (work / "run.zs").write_text(schedule_text(family))
+    sized(work / "run.zs")
     zdsl("run", "run.zs", "--quiet", "--checkpoint-every", 2, "--checkpoint-dir", "ck", "--export", "run_hf",
          "--format", "hf", cwd=work)
     export_here(work, "ck", "ck_hf", "--format", "hf")

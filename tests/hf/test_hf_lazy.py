@@ -14,6 +14,7 @@ import pytest
 import torch
 from ddp_reference import run_steps, spawn
 from hf_tiny import CONTEXT, VOCAB, save_tiny
+from helpers import sized
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zdsl.driver import compile_schedule
@@ -169,6 +170,7 @@ def test_zdsl_run_lazily_gives_the_eager_bits(source, tmp_path):
     folder = save_tiny(family, tmp_path / family, weights=weights, seed=5)
     path = tmp_path / "lazy.zs"
     path.write_text(PROGRAM.format(folder=folder, vocab=VOCAB, context=CONTEXT))
+    sized(path)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     proc = subprocess.run([sys.executable, "-m", "zdsl.cli", "run", str(path), "--quiet", "--export", "out.safetensors"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
