@@ -43,12 +43,13 @@ def sizing_key(spec, context: int | None, data) -> str | None:
         config = (folder / "config.json").read_bytes()
         files = sorted((p.name, st.st_size, st.st_mtime_ns) for p in folder.iterdir()
                        if p.name != "config.json" and p.is_file() and (st := p.stat()))
-    except OSError:
+        code = _code_digest()
+    except OSError:          # a file gone while listed: no key, sized afresh
         return None
     facts = {"format": FORMAT, "folder": str(folder.resolve()), "config": hashlib.sha256(config).hexdigest(),
              "files": files, "args": sorted((k, repr(v)) for k, v in spec.args.items()), "context": context,
              "masked": data is not None and data.kind == "jsonl", "python": sys.version,
-             "torch": _version("torch"), "transformers": _version("transformers"), "code": _code_digest()}
+             "torch": _version("torch"), "transformers": _version("transformers"), "code": code}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
