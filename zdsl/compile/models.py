@@ -69,13 +69,15 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
         except ImportError as exc:
             raise ModelSizingError(
                 f"sizing this model needs the runtime (zdsl.runtime.models.sizing): {exc}") from exc
+        if key is None:                   # not kept: sized as it always was, warnings untouched
+            return units_for_user_model(spec, context, data=data)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             units = units_for_user_model(spec, context, data=data)
         for w in said:                    # said again as they came
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         sizing = sys.modules[units_for_user_model.__module__].__file__
-        if key and not any(w.filename == sizing for w in said):    # its estimates are said every time
+        if not any(w.filename == sizing for w in said):    # its estimates are said every time
             sizing_cache.store(key, units)
         return units
     raise ModelSizingError(f"unknown model kind {spec.kind!r}; expected gpt, hf or a user factory")
