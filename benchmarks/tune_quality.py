@@ -17,9 +17,9 @@ them to ``--vary``):
    to change the budget), each read back through ``--json``;
 3. per run: tune's pick, its true median against the true best's (within 5%?;
    for a miss, whether the truth's own rounds put the best ahead by tune's rule
-   or leave the two inside the truth's noise), and every verdict that claims a difference ("X slower than Y") checked
-   against the truth, by the rule tune itself uses (``zdsl.tune.noise``) on
-   the truth's rounds: **contradicted** when the truth has X faster than Y
+   or leave the two inside the truth's noise), and every verdict that claims a
+   difference ("X slower than Y") checked against the truth, by the rule tune
+   itself uses (``zdsl.tune.noise``) on the truth's rounds: **contradicted** when the truth has X faster than Y
    beyond its noise (it shows the opposite); **not borne out** when the
    truth's medians put X no slower than Y but within its noise (the truth
    cannot order them: it neither confirms nor contradicts); unconfirmed when
@@ -27,8 +27,9 @@ them to ``--vary``):
    planner pruned that the truth puts within 5% of the best.
 
 The last line: ``pick within 5% of best in K/M runs (X of the misses ...); contradicted
-verdicts: J`` and how many were not borne out (issue 23's target: K/M >= 80%, J = 0). About 15 minutes with the defaults on
-a 2-core machine where a run takes ~5 s; it prints its estimate first.
+verdicts: J`` and how many were not borne out (issue 23's target: K/M >= 80%, J = 0).
+About 15 minutes with the defaults on a 2-core machine where a run takes ~5 s; it prints
+its estimate first.
 """
 from __future__ import annotations
 
@@ -179,9 +180,10 @@ def judge(name: str, i: int, res: dict | None, cands: list[Candidate]) -> tuple[
     off = pick.measured_s / best.measured_s - 1
     ok = off <= WITHIN
     notes = []
-    separated = not ok and noise.clearly_slower(pick, best)
+    separated = False
     if not ok:      # a truth of a few rounds in a noisy phase may not order the two itself
         cmp = noise.compare(pick, best)
+        separated = cmp.faster
         notes.append(f"the truth's own rounds: the pick over the best {noise.ratio_text(cmp)}, the best faster "
                      f"in {cmp.b_wins}/{cmp.shared}: " + ("beyond the truth's noise" if separated else
                                                          "within the truth's noise (it does not order the two)"))

@@ -23,6 +23,7 @@ def sized(zs) -> None:
     compiled = compile_file(str(zs), {})
     assert compiled.ok, [d.message for d in compiled.diagnostics]
 
+
 # A tiny ZeRO-3 schedule for the command-line tests (compiles in milliseconds, no files).
 SMALL = """\
 schedule small "a tiny ZeRO-3 schedule"
