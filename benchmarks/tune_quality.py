@@ -9,19 +9,24 @@ them to ``--vary``):
 
 1. **the truth**: every combination measured exhaustively, in interleaved
    rounds (every combination once per round, a ``zdsl run`` of ``--steps``
-   steps, the first ``--warmup`` not timed: what ``zdsl tune`` measures); half
-   the rounds before the tune runs and half after, so that a drift of the
-   machine during the benchmark falls on both. A combination's true figure is
-   the median of its round figures;
+   steps, the first ``--warmup`` not timed, as a user runs a schedule; the
+   order rotating each round as tune's does); half the rounds before the tune
+   runs and half after, so that a drift of the machine during the benchmark
+   falls on both. The true best has the lowest median of its figures each
+   divided by its round's geometric mean, and a combination is "x% behind the
+   best" by the median of its rounds' ratios to the best's: on this host a
+   round's runs share its spell of speed, which the ratios cancel and the
+   medians of the raw figures (interquartile ranges of +-20% within minutes)
+   do not;
 2. ``--runs`` runs of ``zdsl tune FILE --vary ...`` with its defaults (``--budget``
    to change the budget), each read back through ``--json``;
-3. per run: tune's pick, its true median against the true best's (within 5%?;
+3. per run: tune's pick against the true best, round by round (within 5%?;
    for a miss, whether the truth's own rounds put the best ahead by tune's rule
    or leave the two inside the truth's noise), and every verdict that claims a
    difference ("X slower than Y") checked against the truth, by the rule tune
    itself uses (``zdsl.tune.noise``) on the truth's rounds: **contradicted** when the truth has X faster than Y
    beyond its noise (it shows the opposite); **not borne out** when the
-   truth's medians put X no slower than Y but within its noise (the truth
+   truth's rounds put X no slower than Y but within its noise (the truth
    cannot order them: it neither confirms nor contradicts); unconfirmed when
    the truth has X slower but not beyond its noise. Also any combination the
    planner pruned that the truth puts within 5% of the best.
@@ -37,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,9 +123,12 @@ def main() -> int:
 
 
 def measure_truth(file: str, cands: list[Candidate], rounds, args) -> None:
+    """One ``zdsl run`` per candidate per round; the order rotates each round, as tune's does, so that
+    no candidate always runs first or after the same one."""
     for r in rounds:
         t0 = time.monotonic()
-        for cand in cands:
+        k = (r - 1) % len(cands) if cands else 0
+        for cand in cands[k:] + cands[:k]:
             try:
                 run = measure(file, cand, args.steps, args.warmup, 600.0)
             except RunFailed as exc:
@@ -151,15 +160,40 @@ def tune_once(file: str, name: str, vary: list[str], budget: float | None, i: in
         return res
 
 
+def true_best(cands: list[Candidate]) -> Candidate:
+    """The truth's fastest: the lowest median of a candidate's figures each divided by its round's
+    geometric mean, so that a round run in a slow spell of the host weighs no more than another."""
+    measured = [c for c in cands if c.rounds]
+    means = {}
+    for r in {r for c in measured for r in c.rounds}:
+        xs = [c.rounds[r] for c in measured if r in c.rounds]
+        means[r] = math.exp(sum(math.log(x) for x in xs) / len(xs))
+    return min(measured, key=lambda c: statistics.median(v / means[r] for r, v in c.rounds.items()))
+
+
+def paired(a: Candidate, b: Candidate) -> tuple[float, float, float]:
+    """``a``'s figure over ``b``'s in the rounds both ran: the median ratio and a ~90% confidence interval
+    of it (order statistics of the ratios, so no assumption about the noise's shape)."""
+    ratios = sorted(a.rounds[r] / b.rounds[r] for r in set(a.rounds) & set(b.rounds))
+    n = len(ratios)
+    if not n:
+        return math.nan, math.nan, math.nan
+    # the largest j whose [x_j, x_(n+1-j)] covers the median with probability >= 90%
+    j = max([k for k in range(1, n // 2 + 1) if 1 - 2 * noise.sign_chance(n - k + 1, n) >= 0.90] or [1])
+    return statistics.median(ratios), ratios[j - 1], ratios[n - j]
+
+
 def print_truth(name: str, cands: list[Candidate]) -> None:
     measured = [c for c in cands if c.rounds]
-    best = min(measured, key=lambda c: c.measured_s)
-    print(f"\n{name}: the truth ({len(best.rounds)} rounds each; spread = interquartile range of the rounds)")
-    print(f"  {'combination':40} {'predicted':>10} {'true median':>12} {'spread ms':>14} {'vs best':>8}")
-    for c in sorted(measured, key=lambda c: c.measured_s):
+    best = true_best(cands)
+    print(f"\n{name}: the truth ({len(best.rounds)} rounds each; spread = interquartile range of the rounds; "
+          f"vs best = the median of the rounds' ratios to the best's, with its ~90% interval)")
+    print(f"  {'combination':40} {'predicted':>10} {'true median':>12} {'spread ms':>14} {'vs best':>24}")
+    for c in sorted(measured, key=lambda c: paired(c, best)[0]):
         lo, hi = noise.spread(list(c.rounds.values()))
+        mid, clo, chi = paired(c, best)
         print(f"  {c.label:40} {c.predicted_s * 1e3:8.2f}ms {c.measured_s * 1e3:10.2f}ms "
-              f"{lo * 1e3:6.2f}..{hi * 1e3:6.2f} {c.measured_s / best.measured_s - 1:+8.1%}")
+              f"{lo * 1e3:6.2f}..{hi * 1e3:6.2f} {mid - 1:+7.1%} ({clo - 1:+.1%}..{chi - 1:+.1%})")
     for c in cands:
         if c.failed:
             print(f"  {c.label:40} failed: {c.failed}")
@@ -172,21 +206,23 @@ def judge(name: str, i: int, res: dict | None, cands: list[Candidate]) -> tuple[
         print(f"{name} run {i}: no pick")
         return False, True, 0, 0, 0
     truth = {c.label: c for c in cands if c.rounds}
-    best = min(truth.values(), key=lambda c: c.measured_s)
+    best = true_best(cands)
     pick = truth.get(res["winner"])
     if pick is None:
         print(f"{name} run {i}: picked {res['winner']}, which the truth has no figure for")
         return False, True, 0, 0, 0
-    off = pick.measured_s / best.measured_s - 1
+    # round by round: a spell of the host's slowness falls on both in a round and cancels
+    off, off_lo, off_hi = (x - 1 for x in paired(pick, best))
     ok = off <= WITHIN
     notes = []
     separated = False
     if not ok:      # a truth of a few rounds in a noisy phase may not order the two itself
         cmp = noise.compare(pick, best)
         separated = cmp.faster
-        notes.append(f"the truth's own rounds: the pick over the best {noise.ratio_text(cmp)}, the best faster "
-                     f"in {cmp.b_wins}/{cmp.shared}: " + ("beyond the truth's noise" if separated else
-                                                         "within the truth's noise (it does not order the two)"))
+        notes.append(f"the truth's own rounds: the best faster in {cmp.b_wins}/{cmp.shared}, the pick "
+                     f"{off_lo:+.1%}..{off_hi:+.1%} (~90%) behind it: "
+                     + ("beyond the truth's noise by tune's rule" if separated else
+                        "within the truth's noise by tune's rule (it does not order the two)"))
     claims = contradicted = flipped = 0
     for row in res["candidates"]:
         if not row["slower_than"]:
@@ -201,19 +237,19 @@ def judge(name: str, i: int, res: dict | None, cands: list[Candidate]) -> tuple[
             contradicted += 1
             notes.append(f"CONTRADICTED: {said}, round by round {noise.ratio_text(noise.compare(fast, slow))}: "
                          f"the truth has it faster beyond its noise)")
-        elif slow.measured_s <= fast.measured_s:
+        elif paired(slow, fast)[0] <= 1.0:
             flipped += 1
             notes.append(f"not borne out: {said}, round by round {noise.ratio_text(noise.compare(slow, fast))}: "
-                         f"the truth's medians the other way, within its noise)")
+                         f"the truth's rounds the other way, within its noise)")
         elif not noise.clearly_slower(slow, fast):
             notes.append(f"unconfirmed: {said}, within the truth's noise)")
     for row in res["candidates"]:
         c = truth.get(row["label"])
-        if row["pruned"] and c is not None and c.measured_s <= best.measured_s * (1 + WITHIN):
-            notes.append(f"pruned {c.label}, which the truth puts {c.measured_s / best.measured_s - 1:+.1%} "
-                         f"from the best")
+        if row["pruned"] and c is not None and paired(c, best)[0] <= 1 + WITHIN:
+            notes.append(f"pruned {c.label}, which the truth puts {paired(c, best)[0] - 1:+.1%} from the best")
     print(f"{name} run {i}: pick {pick.label} true {pick.measured_s * 1e3:.2f} ms vs best {best.label} "
-          f"{best.measured_s * 1e3:.2f} ms ({off:+.1%}: {'within' if ok else 'NOT within'} {WITHIN:.0%}); "
+          f"{best.measured_s * 1e3:.2f} ms (round by round {off:+.1%}: {'within' if ok else 'NOT within'} "
+          f"{WITHIN:.0%}; medians {pick.measured_s / best.measured_s - 1:+.1%}); "
           f"{claims} claimed difference(s), {contradicted} contradicted, {flipped} not borne out; "
           f"tune took {res['took_s']:.0f} s, {res['rounds']} round(s)")
     for note in notes:

@@ -44,10 +44,10 @@ def test_a_confirmed_claim_counts_nothing_against_it():
 def test_the_truth_showing_the_opposite_contradicts():
     bench = load_bench()
     a = truth("1", [10.0, 10.1, 9.9, 10.2, 10.0, 10.0, 10.1, 9.9])
-    b = truth("2", [10.5, 10.6, 10.4, 10.7, 10.5, 10.6, 10.5, 10.4])
+    b = truth("2", [10.6, 10.7, 10.5, 10.8, 10.6, 10.7, 10.6, 10.5])
     ok, apart, claims, contradicted, flipped = bench.judge("zero3", 1, tune_result("prefetch=2", "1", "2"), [a, b])
     assert (claims, contradicted, flipped) == (1, 1, 0)
-    assert not ok and apart       # the pick is 5% off the truth's best, which is faster in every round
+    assert not ok and apart       # the pick is 6% off the truth's best, which is faster in every round
 
 
 def test_medians_flipped_within_the_truths_noise_are_not_borne_out():
@@ -68,4 +68,18 @@ def test_a_miss_the_truths_own_rounds_do_not_order_is_told_apart(capsys):
     assert b.measured_s > a.measured_s * 1.05
     ok, apart, *_ = bench.judge("zero3", 1, tune_result("prefetch=2", "1", "2"), [a, b])
     assert (ok, apart) == (False, False)
-    assert "within the truth's noise (it does not order the two)" in capsys.readouterr().out
+    assert "within the truth's noise by tune's rule (it does not order the two)" in capsys.readouterr().out
+
+
+def test_a_pick_the_round_ratios_put_near_the_best_is_within_though_its_median_is_not():
+    bench = load_bench()
+    # the host's speed moves by a third between rounds; prefetch=2 is 2% behind in every round, yet
+    # its raw median lands 10% behind because its middle figures fell in slower rounds
+    speed = [1.0, 1.3, 1.0, 1.3, 1.0, 1.3, 1.15, 1.15]
+    a = truth("1", [10.0 * s for s in speed])
+    b = truth("2", [10.2 * s for s in speed])
+    a.rounds[7], a.rounds[8] = 10.0e-3, 10.0e-3      # a's middle rounds in the fast spell
+    assert b.measured_s > a.measured_s * 1.05
+    ok, apart, *_ = bench.judge("zero3", 1, tune_result("prefetch=2", "1", "2"), [a, b])
+    assert ok
+    assert bench.paired(b, a)[0] < 1.05
