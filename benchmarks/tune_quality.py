@@ -3,14 +3,16 @@
     python benchmarks/tune_quality.py                         # zero3 and zero2, 5 truth rounds, 3 tune runs
     python benchmarks/tune_quality.py --programs zero3,zero2,nvme --truth-rounds 8 --runs 5
     python benchmarks/tune_quality.py --programs zero3 --truth-rounds 3 --runs 1 --budget 40   # a quick look
+    python benchmarks/tune_quality.py --truth-launch round --truth-rounds 20   # a truth paired as tune's rounds
 
 For each program and its knobs (:data:`PROGRAMS`, each as a user would pass
 them to ``--vary``):
 
 1. **the truth**: every combination measured exhaustively, in interleaved
    rounds (every combination once per round, a ``zdsl run`` of ``--steps``
-   steps, the first ``--warmup`` not timed, as a user runs a schedule; the
-   order rotating each round as tune's does); half the rounds before the tune
+   steps, the first ``--warmup`` not timed, as a user runs a schedule, or with
+   ``--truth-launch round`` a round's runs in one launch as tune measures them;
+   the order rotating each round as tune's does); half the rounds before the tune
    runs and half after, so that a drift of the machine during the benchmark
    falls on both. The true best has the lowest median of its figures each
    divided by its round's geometric mean, and a combination is "x% behind the
@@ -55,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 from zdsl.driver import memo_units_for  # noqa: E402
 from zdsl.planner import profile_cache  # noqa: E402
 from zdsl.tune import noise  # noqa: E402
-from zdsl.tune.measure import RunFailed, measure  # noqa: E402
+from zdsl.tune.measure import RunFailed, measure, measure_round  # noqa: E402
 from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP  # noqa: E402
 from zdsl.tune.search import Candidate, combinations, parse_vary, predict  # noqa: E402
 
@@ -75,6 +77,8 @@ def main() -> int:
     ap.add_argument("--programs", default="zero3,zero2",
                     help=f"comma-separated, from {', '.join(PROGRAMS)} (default zero3,zero2)")
     ap.add_argument("--truth-rounds", type=int, default=5, help="rounds of the exhaustive truth (default 5)")
+    ap.add_argument("--truth-launch", choices=("run", "round"), default="run",
+                    help="the truth's runs: a zdsl run each (run, the default) or a round's in one launch (round)")
     ap.add_argument("--runs", type=int, default=3, help="zdsl tune runs per program (default 3)")
     ap.add_argument("--budget", type=float, default=None,
                     help=f"pass --budget to zdsl tune (default: tune's own, {DEFAULT_BUDGET_S:.0f} s, grown "
@@ -118,21 +122,32 @@ def main() -> int:
     print(f"pick within {WITHIN:.0%} of best in {len(picks) - misses}/{len(picks)} runs "
           f"({misses_apart} of the {misses} misses slower than the best beyond the truth's own noise); "
           f"contradicted verdicts: {contradicted_total} (of {claims_total} claimed differences; "
-          f"{flipped_total} not borne out: the truth's medians the other way within its noise)")
+          f"{flipped_total} not borne out: the truth's rounds the other way within its noise)")
     return 0
 
 
 def measure_truth(file: str, cands: list[Candidate], rounds, args) -> None:
-    """One ``zdsl run`` per candidate per round; the order rotates each round, as tune's does, so that
-    no candidate always runs first or after the same one."""
+    """Every candidate once per round, the order rotating each round as tune's does, so that no
+    candidate always runs first or after the same one. ``--truth-launch run``: one ``zdsl run`` each, as
+    a user runs a schedule; ``round``: the round's candidates in one launch (``--variants``), as tune
+    measures them, seconds apart rather than a launch apart (a tighter pairing, many more rounds)."""
     for r in rounds:
         t0 = time.monotonic()
         k = (r - 1) % len(cands) if cands else 0
-        for cand in cands[k:] + cands[:k]:
-            try:
-                run = measure(file, cand, args.steps, args.warmup, 600.0)
-            except RunFailed as exc:
-                cand.failed = str(exc)
+        order = cands[k:] + cands[:k]
+        if args.truth_launch == "round":
+            results = measure_round(file, order, args.steps, args.warmup, 600.0)
+        else:
+            results = {}
+            for cand in order:
+                try:
+                    results[cand.label] = measure(file, cand, args.steps, args.warmup, 600.0)
+                except RunFailed as exc:
+                    results[cand.label] = exc
+        for cand in order:
+            run = results.get(cand.label, RunFailed("no figure"))
+            if isinstance(run, RunFailed):
+                cand.failed = str(run)
                 continue
             cand.rounds[r] = run.median_s
         print(f"  truth {Path(file).stem} round {r}: {len(cands)} runs in {time.monotonic() - t0:.0f} s",
