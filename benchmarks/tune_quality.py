@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 from zdsl.driver import memo_units_for  # noqa: E402
 from zdsl.planner import profile_cache  # noqa: E402
 from zdsl.tune import noise  # noqa: E402
-from zdsl.tune.measure import RunFailed, measure, measure_round  # noqa: E402
+from zdsl.tune.measure import RunFailed, measure_each, measure_round  # noqa: E402
 from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP  # noqa: E402
 from zdsl.tune.search import Candidate, combinations, parse_vary, predict  # noqa: E402
 
@@ -135,15 +135,8 @@ def measure_truth(file: str, cands: list[Candidate], rounds, args) -> None:
         t0 = time.monotonic()
         k = (r - 1) % len(cands) if cands else 0
         order = cands[k:] + cands[:k]
-        if args.truth_launch == "round":
-            results = measure_round(file, order, args.steps, args.warmup, 600.0)
-        else:
-            results = {}
-            for cand in order:
-                try:
-                    results[cand.label] = measure(file, cand, args.steps, args.warmup, 600.0)
-                except RunFailed as exc:
-                    results[cand.label] = exc
+        each = measure_round if args.truth_launch == "round" else measure_each
+        results = each(file, order, args.steps, args.warmup, 600.0)
         for cand in order:
             run = results.get(cand.label, RunFailed("no figure"))
             if isinstance(run, RunFailed):
@@ -204,9 +197,10 @@ def print_truth(name: str, cands: list[Candidate]) -> None:
     print(f"\n{name}: the truth ({len(best.rounds)} rounds each; spread = interquartile range of the rounds; "
           f"vs best = the median of the rounds' ratios to the best's, with its ~90% interval)")
     print(f"  {'combination':40} {'predicted':>10} {'true median':>12} {'spread ms':>14} {'vs best':>24}")
-    for c in sorted(measured, key=lambda c: paired(c, best)[0]):
+    lags = {c.label: paired(c, best) for c in measured}
+    for c in sorted(measured, key=lambda c: lags[c.label][0]):
         lo, hi = noise.spread(list(c.rounds.values()))
-        mid, clo, chi = paired(c, best)
+        mid, clo, chi = lags[c.label]
         print(f"  {c.label:40} {c.predicted_s * 1e3:8.2f}ms {c.measured_s * 1e3:10.2f}ms "
               f"{lo * 1e3:6.2f}..{hi * 1e3:6.2f} {mid - 1:+7.1%} ({clo - 1:+.1%}..{chi - 1:+.1%})")
     for c in cands:
@@ -260,8 +254,9 @@ def judge(name: str, i: int, res: dict | None, cands: list[Candidate]) -> tuple[
             notes.append(f"unconfirmed: {said}, within the truth's noise)")
     for row in res["candidates"]:
         c = truth.get(row["label"])
-        if row["pruned"] and c is not None and paired(c, best)[0] <= 1 + WITHIN:
-            notes.append(f"pruned {c.label}, which the truth puts {paired(c, best)[0] - 1:+.1%} from the best")
+        lag = paired(c, best)[0] if row["pruned"] and c is not None else math.inf
+        if lag <= 1 + WITHIN:
+            notes.append(f"pruned {c.label}, which the truth puts {lag - 1:+.1%} from the best")
     print(f"{name} run {i}: pick {pick.label} true {pick.measured_s * 1e3:.2f} ms vs best {best.label} "
           f"{best.measured_s * 1e3:.2f} ms (round by round {off:+.1%}: {'within' if ok else 'NOT within'} "
           f"{WITHIN:.0%}; medians {pick.measured_s / best.measured_s - 1:+.1%}); "

@@ -57,6 +57,13 @@ def measure_round(path: str, cands: list[Candidate], steps: int, warmup: int,
                     return {c.label: run_of(rows, warmup) for c, rows in zip(cands, every)}
             except RunFailed:
                 pass                               # named per candidate below
+    return measure_each(path, cands, steps, warmup, timeout_s)
+
+
+def measure_each(path: str, cands: list[Candidate], steps: int, warmup: int,
+                 timeout_s: float) -> dict[str, Run | RunFailed]:
+    """Each of ``cands`` in its own ``zdsl run`` (:func:`measure`), in the order given; by label, its
+    Run or why it failed."""
     out: dict[str, Run | RunFailed] = {}
     for cand in cands:
         try:
