@@ -142,7 +142,7 @@ def measure_truth(file: str, cands: list[Candidate], rounds, args) -> None:
             if isinstance(run, RunFailed):
                 cand.failed = str(run)
                 continue
-            cand.rounds[r] = run.median_s
+            cand.rounds[r] = run.step_s
         print(f"  truth {Path(file).stem} round {r}: {len(cands)} runs in {time.monotonic() - t0:.0f} s",
               flush=True)
 

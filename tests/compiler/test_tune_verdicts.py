@@ -12,7 +12,7 @@ import pytest
 
 from zdsl.cli import main
 from zdsl.tune import noise, ranges
-from zdsl.tune.measure import Run, RunFailed
+from zdsl.tune.measure import Run, RunFailed, run_of
 from zdsl.tune.rounds import race
 from zdsl.tune.search import Candidate, TuneUsageError, combinations, parse_vary, predict, prune
 
@@ -159,6 +159,17 @@ def test_the_spread_is_the_interquartile_range_of_the_round_figures():
     assert noise.spread([1.0]) == (1.0, 1.0)
     assert noise.spread([3.0, 1.0]) == (1.0, 3.0)
     assert noise.spread([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
+
+
+def test_a_runs_figure_is_its_fast_tenth_past_the_warm_up_so_a_slow_spell_does_not_move_it():
+    def rows(times_ms, peak=0):
+        return [{"step_s": t / 1e3, "peak_bytes": {"0": {"device": peak}}} for t in times_ms]
+    quiet = [500, 400] + [30.0 + (i % 5) * 0.5 for i in range(50)]          # 30.0..32.0 ms
+    spelled = quiet[:2] + quiet[2:22] + [45.0] * 20 + quiet[42:]            # 20 steps in a row 50% slower
+    assert run_of(rows(quiet), 2).step_s == run_of(rows(spelled), 2).step_s == pytest.approx(0.030)
+    assert run_of(rows([10.0] * 3 + [99.0]), 3).step_s == pytest.approx(0.099)   # the warm-up never timed
+    assert run_of(rows([40, 20, 30, 10, 50]), 9).step_s == pytest.approx(0.014)  # all, when warm-up leaves none
+    assert run_of(rows([30] * 4, peak=7), 1).peak == {"device": 7}
 
 
 def test_ties_go_to_lower_memory_then_the_simpler_schedule():

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from zdsl.tune import noise
-from zdsl.tune.measure import measure_round
+from zdsl.tune.measure import RUN_QUANTILE, measure_round
 from zdsl.tune.rounds import (DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP,
                               race)
 from zdsl.tune.search import (PRUNE_FACTOR, TuneUsageError, combinations, count_changes, parse_vary, predict,
@@ -57,7 +57,7 @@ values with top-level commas (overlap pairs): separate alternatives with '|',
   e.g. --vary 'overlap=all|gather/forward,scatter/backward'
 verdicts: each round runs every candidate once, back to back in one launch, the order
   rotated each round (A B C, B C A, C A B, ...); a round's figure is a candidate's run's
-  median step after the warm-up. "measured" is the median of those figures,
+  {quantile:.0f}th-percentile step after the warm-up (the steps no slow spell of the host fell on). "measured" is the median of those figures,
   "spread" their interquartile range. Two candidates are compared round by round (the
   ratio of their figures in each round, which cancels a load both met): one is faster
   only when, over at least {min_rounds} shared rounds, the ratios' interquartile range lies past 1,
@@ -67,7 +67,7 @@ verdicts: each round runs every candidate once, back to back in one launch, the 
   schedule (fewer values changed from the file, then smaller values), then the faster
   median. Measuring stops when one candidate beats all others, when the ones left
   still tie after --rounds rounds, or before a round that would overrun --budget.""".format(
-                    min_rounds=noise.MIN_ROUNDS, level=noise.SIGN_LEVEL, min_ratio=1 + noise.MIN_DIFFERENCE,
+                    quantile=RUN_QUANTILE * 100, min_rounds=noise.MIN_ROUNDS, level=noise.SIGN_LEVEL, min_ratio=1 + noise.MIN_DIFFERENCE,
                     examples=", ".join(f"{noise.wins_needed(n)} of {n}" for n in (noise.MIN_ROUNDS, 11, 20, 30))))
     p.add_argument("file", metavar="FILE", nargs="?", help="the .zs schedule")
     p.add_argument("--vary", nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
@@ -219,7 +219,8 @@ def title(args, cands, result) -> str:
     if result is None:
         return head + ", planner only"
     return (f"{head}; measured in {result.rounds} interleaved round(s) of {args.steps} steps (first "
-            f"{args.warmup} not timed); measured = median of the rounds' median steps, spread = their "
+            f"{args.warmup} not timed); measured = median of the rounds' "
+            f"{RUN_QUANTILE * 100:.0f}th-percentile steps, spread = their "
             f"interquartile range")
 
 

@@ -1,7 +1,8 @@
 """``zdsl tune``'s verdicts: which measured candidate is faster, and only beyond the noise.
 
 Every candidate is measured once per round (``zdsl.tune.rounds``); a round's
-figure for it is the median step time of its run, warm-up excluded. Over the
+figure for it is a low quantile of its run's step times, warm-up excluded
+(``zdsl.tune.measure.run_of``: the steps no spell of the host slowed). Over the
 rounds a candidate has a **median** (of its round figures) and a **spread**:
 the interquartile range of its round figures (the middle half; with two
 rounds, both figures). The spread describes this machine's run-to-run noise,

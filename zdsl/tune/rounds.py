@@ -38,9 +38,10 @@ DEFAULT_MAX_ROUNDS = 30
 # Steps per measured run and the first ones not timed. A fresh run's first ten or twenty steps are
 # slower than its later ones, and not alike for every candidate: programs/zero3.zs, prefetch 1
 # against 2, three runs each: steps 2-9 13.4-14.4 against 14.0-14.8 ms, steps 20-149 14.2-14.7
-# against 13.2-13.9 (the order turned). A step costs ~15 ms beside a launch's ~2.5 s, so timing
-# steps 10-29 costs a round about a third more than steps 2-9 did.
-DEFAULT_STEPS = 30
+# against 13.2-13.9 (the order turned). Fifty timed steps outlast a spell of the host's (1-1.5 s,
+# ``zdsl.tune.measure.RUN_QUANTILE``); at 30 ms a step they cost a round of three ~3 s more than 20
+# did, beside a launch's ~6 s, and halve the width of the round ratios' spread.
+DEFAULT_STEPS = 60
 DEFAULT_WARMUP = 10
 
 
@@ -85,7 +86,7 @@ def race(cands: list[Candidate], measure_round: MeasureRound, budget_s: float = 
             if isinstance(run, RunFailed):
                 cand.failed = str(run)
                 continue
-            cand.rounds[r] = run.median_s
+            cand.rounds[r] = run.step_s
             for tier, b in run.peak.items():
                 cand.measured_peak[tier] = max(cand.measured_peak.get(tier, 0), b)
         per_run = (clock() - t0) / max(ran, 1)

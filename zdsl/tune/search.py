@@ -136,7 +136,7 @@ class Candidate:
     rejected: str | None = None                   # the verifier's (or checker's) reason
     warnings: list[str] = field(default_factory=list)
     pruned: str | None = None                     # why the planner ruled it out before any run
-    rounds: dict[int, float] = field(default_factory=dict)   # round -> its run's median step, warm-up excluded
+    rounds: dict[int, float] = field(default_factory=dict)   # round -> its run's figure (zdsl.tune.measure.run_of)
     dropped: int | None = None                    # the round after which it was clearly slower and not run again
     measured_peak: dict[str, int] = field(default_factory=dict)   # tier -> max over ranks, steps and rounds
     failed: str | None = None                     # a measured run that did not finish
