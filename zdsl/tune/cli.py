@@ -57,9 +57,10 @@ values with top-level commas (overlap pairs): separate alternatives with '|',
   e.g. --vary 'overlap=all|gather/forward,scatter/backward'
 verdicts: each round runs every candidate once, back to back in one launch, the order
   rotated each round (A B C, B C A, C A B, ...); a round's figure is a candidate's run's
-  {quantile:.0f}th-percentile step after the warm-up (the steps no slow spell of the host fell on). "measured" is the median of those figures,
-  "spread" their interquartile range. Two candidates are compared round by round (the
-  ratio of their figures in each round, which cancels a load both met): one is faster
+  {quantile:.0f}th-percentile step after the warm-up (the steps no slow spell of the host
+  fell on). "measured" is the median of those figures, "spread" their interquartile range.
+  Two candidates are compared round by round (the ratio of their figures in each round,
+  which cancels a load both met): one is faster
   only when, over at least {min_rounds} shared rounds, the ratios' interquartile range lies past 1,
   it was faster in so many rounds that an even coin would be so lucky under {level:.0%} of the
   time ({examples}), and the median ratio is at least {min_ratio:g};
@@ -67,7 +68,8 @@ verdicts: each round runs every candidate once, back to back in one launch, the 
   schedule (fewer values changed from the file, then smaller values), then the faster
   median. Measuring stops when one candidate beats all others, when the ones left
   still tie after --rounds rounds, or before a round that would overrun --budget.""".format(
-                    quantile=RUN_QUANTILE * 100, min_rounds=noise.MIN_ROUNDS, level=noise.SIGN_LEVEL, min_ratio=1 + noise.MIN_DIFFERENCE,
+                    quantile=RUN_QUANTILE * 100, min_rounds=noise.MIN_ROUNDS, level=noise.SIGN_LEVEL,
+                    min_ratio=1 + noise.MIN_DIFFERENCE,
                     examples=", ".join(f"{noise.wins_needed(n)} of {n}" for n in (noise.MIN_ROUNDS, 11, 20, 30))))
     p.add_argument("file", metavar="FILE", nargs="?", help="the .zs schedule")
     p.add_argument("--vary", nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
