@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zdsl.tune.measure import quantile, read_metrics  # noqa: E402
+from zdsl.tune.measure import RunFailed, quantile, read_metrics, run_zdsl, set_options, write_variants  # noqa: E402
 from zdsl.tune.noise import spread  # noqa: E402
+from zdsl.tune.rounds import rotated  # noqa: E402
+from zdsl.tune.search import Candidate  # noqa: E402
 
 FIGURES = {
     "median": statistics.median,
@@ -40,32 +40,26 @@ FIGURES = {
     "min": min,
 }
 WINDOWS = [(10, 30), (10, 60), (20, 100)]
+RUN_TIMEOUT_S = 600.0     # a run's, as tune_quality's truth gives it
 
 
-def zdsl_run(program: str, options: list[str], steps: int) -> None:
-    cmd = [sys.executable, "-m", "zdsl.cli", "run", program, *options, "--set", f"steps={steps}", "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"tune_figure: zdsl run failed: {(proc.stderr or '').strip().splitlines()[-1:]}")
-
-
-def collect(program: str, cands: list[str], rounds: int, steps: int, launch: str) -> list[dict]:
-    """Per run: its round, candidate and step times."""
+def collect(program: str, cands: list[Candidate], rounds: int, steps: int, launch: str) -> list[dict]:
+    """Per run: its round, candidate (label) and step times."""
     out = []
     for r in range(rounds):
-        order = cands[r % len(cands):] + cands[:r % len(cands)]
+        order = rotated(cands, r)
         with tempfile.TemporaryDirectory(prefix="zdsl-figure-") as tmp:
-            files = [os.path.join(tmp, f"m{i}.jsonl") for i in range(len(order))]
-            if launch == "round":
-                spec = os.path.join(tmp, "variants.json")
-                Path(spec).write_text(json.dumps([{"overrides": c.split(), "metrics": m}
-                                                  for c, m in zip(order, files)]), encoding="utf-8")
-                zdsl_run(program, ["--variants", spec], steps)
-            else:
-                for c, m in zip(order, files):
-                    zdsl_run(program, [x for o in c.split() for x in ("--set", o)] + ["--metrics", m], steps)
+            variants, files = write_variants(tmp, order)
+            try:
+                if launch == "round":
+                    run_zdsl(program, ["--set", f"steps={steps}", "--variants", variants], RUN_TIMEOUT_S * len(order))
+                else:
+                    for c, m in zip(order, files):
+                        run_zdsl(program, set_options(c) + ["--set", f"steps={steps}", "--metrics", m], RUN_TIMEOUT_S)
+            except RunFailed as exc:
+                sys.exit(f"tune_figure: zdsl run failed: {exc}")
             for c, m in zip(order, files):
-                out.append({"round": r, "cand": c, "steps": [row["step_s"] for row in read_metrics(m)]})
+                out.append({"round": r, "cand": c.label, "steps": [row["step_s"] for row in read_metrics(m)]})
         print(f"  round {r + 1}/{rounds} {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
     return out
 
@@ -103,13 +97,16 @@ def main() -> int:
     ap.add_argument("--launch", choices=("round", "run"), default="round")
     ap.add_argument("--json", help="write the step times here")
     args = ap.parse_args()
-    cands = args.cands or [f"prefetch={p} bucket=256KiB" for p in (0, 1, 2)]
-    if len(cands) < 2:
+    given = args.cands or [f"prefetch={p} bucket=256KiB" for p in (0, 1, 2)]
+    if len(given) < 2:
         ap.error("give at least two --set candidates")
+    if any("=" not in o for c in given for o in c.split()):
+        ap.error("a --set candidate is KEY=VALUE pairs separated by spaces")
+    cands = [Candidate(combo, combo) for combo in (dict(o.split("=", 1) for o in c.split()) for c in given)]
     runs = collect(args.program, cands, args.rounds, args.steps, args.launch)
     if args.json:
         Path(args.json).write_text(json.dumps(runs), encoding="utf-8")
-    report(runs, cands)
+    report(runs, [c.label for c in cands])
     return 0
 
 

@@ -58,7 +58,8 @@ from zdsl.driver import memo_units_for  # noqa: E402
 from zdsl.planner import profile_cache  # noqa: E402
 from zdsl.tune import noise  # noqa: E402
 from zdsl.tune.measure import RunFailed, measure_each, measure_round  # noqa: E402
-from zdsl.tune.rounds import DEFAULT_BUDGET_S, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP  # noqa: E402
+from zdsl.tune.rounds import (DEFAULT_BUDGET_S, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP,  # noqa: E402
+                              rotated)
 from zdsl.tune.search import Candidate, combinations, parse_vary, predict  # noqa: E402
 
 # program -> its knobs, as --vary arguments (two meaningful knobs each; nvme has one that matters)
@@ -133,8 +134,7 @@ def measure_truth(file: str, cands: list[Candidate], rounds, args) -> None:
     measures them, seconds apart rather than a launch apart (a tighter pairing, many more rounds)."""
     for r in rounds:
         t0 = time.monotonic()
-        k = (r - 1) % len(cands) if cands else 0
-        order = cands[k:] + cands[:k]
+        order = rotated(cands, r - 1)
         each = measure_round if args.truth_launch == "round" else measure_each
         results = each(file, order, args.steps, args.warmup, 600.0)
         for cand in order:

@@ -52,11 +52,7 @@ def measure_round(path: str, cands: list[Candidate], steps: int, warmup: int,
     ``warmup`` are not timed; by label, its Run or why it failed. ``timeout_s`` is per candidate."""
     if len(cands) > 1:
         with tempfile.TemporaryDirectory(prefix="zdsl-tune-") as tmp:
-            files = [os.path.join(tmp, f"metrics{i}.jsonl") for i in range(len(cands))]
-            variants = os.path.join(tmp, "variants.json")
-            with open(variants, "w", encoding="utf-8") as f:
-                json.dump([{"overrides": [f"{k}={v}" for k, v in c.overrides.items()], "metrics": m}
-                           for c, m in zip(cands, files)], f)
+            variants, files = write_variants(tmp, cands)
             try:
                 run_zdsl(path, ["--set", f"steps={steps}", "--variants", variants], timeout_s * len(cands))
                 every = [read_metrics(m) for m in files]
@@ -65,6 +61,17 @@ def measure_round(path: str, cands: list[Candidate], steps: int, warmup: int,
             except RunFailed:
                 pass                               # named per candidate below
     return measure_each(path, cands, steps, warmup, timeout_s)
+
+
+def write_variants(folder: str, cands: list[Candidate]) -> tuple[str, list[str]]:
+    """``cands`` as a ``--variants`` file in ``folder``, in the order given: its path, and each one's
+    metrics file beside it."""
+    files = [os.path.join(folder, f"metrics{i}.jsonl") for i in range(len(cands))]
+    variants = os.path.join(folder, "variants.json")
+    with open(variants, "w", encoding="utf-8") as f:
+        json.dump([{"overrides": [f"{k}={v}" for k, v in c.overrides.items()], "metrics": m}
+                   for c, m in zip(cands, files)], f)
+    return variants, files
 
 
 def measure_each(path: str, cands: list[Candidate], steps: int, warmup: int,
@@ -84,14 +91,16 @@ def measure(path: str, cand: Candidate, steps: int, warmup: int, timeout_s: floa
     """One short real run of ``steps`` steps; the first ``warmup`` are not timed. Raises RunFailed."""
     with tempfile.TemporaryDirectory(prefix="zdsl-tune-") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        sets = []
-        for k, v in cand.overrides.items():
-            sets += ["--set", f"{k}={v}"]
-        run_zdsl(path, sets + ["--set", f"steps={steps}", "--metrics", metrics], timeout_s)
+        run_zdsl(path, set_options(cand) + ["--set", f"steps={steps}", "--metrics", metrics], timeout_s)
         rows = read_metrics(metrics)
         if not rows:
             raise RunFailed("the run wrote no step")
     return run_of(rows, warmup)
+
+
+def set_options(cand: Candidate) -> list[str]:
+    """``cand``'s overrides as ``zdsl run`` options: ``--set key=value`` each."""
+    return [x for k, v in cand.overrides.items() for x in ("--set", f"{k}={v}")]
 
 
 def run_zdsl(path: str, options: list[str], timeout_s: float) -> None:
