@@ -192,6 +192,30 @@ def test_ties_go_to_lower_memory_then_the_simpler_schedule():
     assert noise.choose_winner([b1, b2], {"bucket": ["1MiB", "256KiB"]})[0] is b2   # sizes by value
 
 
+def test_a_tie_trailing_by_2_percent_or_more_is_not_traded_for_memory():
+    # p0 trails p2 by 4% at the median round but in only 5 of 8 rounds: a tie (unconfirmed), yet
+    # not an equal speed; p1 is within 1% of p2: of equal speed, and it has the lower memory
+    host = [10, 10.4, 10.2, 10.1, 10.3, 10.5, 10.25, 10.35]
+    p2 = with_rounds(cand("p2", peak=3000, prefetch="2"), host)
+    p0 = with_rounds(cand("p0", peak=1000, prefetch="0"),
+                     [x * f for x, f in zip(host, [1.04, 0.97, 1.06, 1.05, 0.98, 1.04, 0.99, 1.08])])
+    p1 = with_rounds(cand("p1", peak=2000, prefetch="1"), [x * 1.008 for x in host])
+    order = {"prefetch": ["0", "1", "2"]}
+    assert not noise.compare(p0, p2).faster and noise.compare(p0, p2).ratios[1] >= 1.02
+    winner, why = noise.choose_winner([p0, p1, p2], order)
+    assert winner is p1
+    assert why == ("3 tie (1 trailing another by 2% or more round by round, unconfirmed); "
+                   "it has the lowest peak device memory")
+    assert noise.verdict(p0, winner, [p0, p1, p2]).startswith("tie with best")
+    winner, why = noise.choose_winner([p0, p2], order)
+    assert winner is p2 and why.endswith("; the fastest round by round")
+    # medians of ratios need not be transitive: where each trails another, the one trailing least
+    a, b, c = (with_rounds(cand(n), ms) for n, ms in
+               (("a", [10, 11, 12] * 3), ("b", [11, 12, 10] * 3), ("c", [12, 10, 11] * 3)))
+    assert all(noise.compare(x, y).ratios[1] > 1.02 for x, y in ((a, c), (c, b), (b, a)))
+    assert len(noise.equal_speed([a, b, c])) == 1
+
+
 def test_a_clear_winner_wins_over_less_memory_and_with_few_rounds_nothing_is_decided():
     fast = with_rounds(cand("fast", peak=5000), [10, 10.5, 10.2, 10.1, 10.3, 10.4, 10.25])
     small = with_rounds(cand("small", peak=1000), [12, 12.5, 12.2, 12.1, 12.3, 12.4, 12.25])

@@ -64,10 +64,12 @@ verdicts: each round runs every candidate once, back to back in one launch, the 
   only when, over at least {min_rounds} shared rounds, the ratios' interquartile range lies past 1,
   it was faster in so many rounds that an even coin would be so lucky under {level:.0%} of the
   time ({examples}), and the median ratio is at least {min_ratio:g};
-  otherwise they tie, and a tie goes to the lower peak device memory, then the simpler
-  schedule (fewer values changed from the file, then smaller values), then the faster
-  median. Measuring stops when one candidate beats all others, when the ones left
-  still tie after --rounds rounds, or before a round that would overrun --budget.""".format(
+  otherwise they tie. Ties of equal speed (none {min_ratio:g}x or more slower than another
+  at the median ratio) go to the lower peak device memory, then the simpler schedule
+  (fewer values changed from the file, then smaller values), then the faster median; a
+  tie trailing by more than that is an unconfirmed difference, not traded for memory.
+  Measuring stops when one candidate beats all others, when the ones left still tie
+  after --rounds rounds, or before a round that would overrun --budget.""".format(
                     quantile=RUN_QUANTILE * 100, min_rounds=noise.MIN_ROUNDS, level=noise.SIGN_LEVEL,
                     min_ratio=1 + noise.MIN_DIFFERENCE,
                     examples=", ".join(f"{noise.wins_needed(n)} of {n}" for n in (noise.MIN_ROUNDS, 11, 20, 30))))

@@ -36,8 +36,14 @@ of 5% differences: more rounds at a stricter level buy both. Hence up to
 :data:`zdsl.tune.rounds.DEFAULT_MAX_ROUNDS` rounds, which a round in one
 launch (``zdsl.tune.measure.measure_round``) makes affordable.)
 
-Otherwise the verdict is a **tie**, and
-among the candidates tied with the fastest median the winner is the one with
+Otherwise the verdict is a **tie**. Among the candidates tied with the fastest
+median, those of **equal speed** are the ones no other tied one beats by
+:data:`MIN_DIFFERENCE` or more at the median round ratio: a tie that fails only
+(1) or (2) is a difference the rounds have not confirmed, not an equal speed,
+and it is not traded for memory. (Less prefetch is both less memory and slower:
+on programs/zero3.zs prefetch 0 trailed prefetch 2 by 2-6% unconfirmed, and
+the lower memory picked it, 6% behind the best, in every run.) Among those of
+equal speed the winner is the one with
 the lower peak device memory (peaks within 1% are equal), then the
 **simpler** schedule: fewer varied values that differ from the file's own,
 then the smaller value of each varied key in ``--vary`` order (a shallower
@@ -151,14 +157,32 @@ def choose_winner(cands: list[Candidate], order: dict[str, list[str]]) -> tuple[
     tied = undominated(cands) or [best]
     if len(tied) == 1:
         return tied[0], "faster than every other measured one beyond the spread"
-    low = min(peak_key(c) for c in tied)
-    by_memory = [c for c in tied if peak_key(c) <= low * (1 + MEMORY_TOLERANCE)]
+    even = equal_speed(tied)
+    head = f"{len(tied)} tie"
+    if len(even) < len(tied):
+        head += (f" ({len(tied) - len(even)} trailing another by {MIN_DIFFERENCE:.0%} or more round by round, "
+                 f"unconfirmed)")
+    if len(even) == 1:
+        return even[0], f"{head}; the fastest round by round"
+    low = min(peak_key(c) for c in even)
+    by_memory = [c for c in even if peak_key(c) <= low * (1 + MEMORY_TOLERANCE)]
     if len(by_memory) == 1:
-        return by_memory[0], f"{len(tied)} tie; it has the lowest peak device memory"
+        return by_memory[0], f"{head}; it has the lowest peak device memory"
     pick = min(by_memory, key=lambda c: simplicity(c, order) + (c.measured_s,))
     simplest = [c for c in by_memory if simplicity(c, order) == simplicity(pick, order)]
     why = "the simplest" if len(simplest) == 1 else "the fastest median of the simplest"
-    return pick, f"{len(tied)} tie; {why} with equal peak memory (fewest changes from the file, then smaller values)"
+    return pick, f"{head}; {why} with equal peak memory (fewest changes from the file, then smaller values)"
+
+
+def equal_speed(tied: list[Candidate]) -> list[Candidate]:
+    """The ones of ``tied`` no other of them beats by :data:`MIN_DIFFERENCE` or more at the median
+    round ratio; where every one trails another (medians of ratios need not be transitive), the
+    one trailing least."""
+    def lag(c: Candidate, o: Candidate) -> float:      # c's figures over o's, the median round
+        return compare(c, o).ratios[1] if c is not o else 1.0
+    worst = {id(c): max(lag(c, o) for o in tied) for c in tied}
+    even = [c for c in tied if worst[id(c)] < 1.0 + MIN_DIFFERENCE]
+    return even or [min(tied, key=lambda c: worst[id(c)])]
 
 
 def simplicity(cand: Candidate, order: dict[str, list[str]]) -> tuple:
