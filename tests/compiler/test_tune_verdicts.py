@@ -167,6 +167,7 @@ def test_a_runs_figure_is_its_fast_tenth_past_the_warm_up_so_a_slow_spell_does_n
     quiet = [500, 400] + [30.0 + (i % 5) * 0.5 for i in range(50)]          # 30.0..32.0 ms
     spelled = quiet[:2] + quiet[2:22] + [45.0] * 20 + quiet[42:]            # 20 steps in a row 50% slower
     assert run_of(rows(quiet), 2).step_s == run_of(rows(spelled), 2).step_s == pytest.approx(0.030)
+    assert run_of(rows(quiet), 2).typical_s == pytest.approx(0.031)      # the median, for step/pred
     assert run_of(rows([10.0] * 3 + [99.0]), 3).step_s == pytest.approx(0.099)   # the warm-up never timed
     assert run_of(rows([40, 20, 30, 10, 50]), 9).step_s == pytest.approx(0.014)  # all, when warm-up leaves none
     assert run_of(rows([30] * 4, peak=7), 1).peak == {"device": 7}

@@ -62,13 +62,15 @@ def test_tune_in_rounds_prints_median_spread_rounds_and_verdicts(tmp_path):
     assert "stopped after 1 round(s)" in proc.stderr and "the budget (1 s) would end during round 2" in proc.stderr
     table = proc.stdout
     assert "1 interleaved round(s) of 3 steps (first 1 not timed)" in " ".join(table.split())
-    for column in ("combination", "predicted", "measured", "spread ms", "rounds", "peak device", "verdict"):
+    for column in ("combination", "predicted", "measured", "spread ms", "rounds", "step/pred", "peak device",
+                   "verdict"):
         assert column in table, table
     rows = [ln for ln in table.splitlines() if ln.startswith("\u2502") and "prefetch=" in ln]
     assert len(rows) == 2, table
     for row in rows:
         cells = [c.strip() for c in row.split("\u2502") if c.strip()]
         assert cells[3].endswith(" ms") and ".." in cells[4] and cells[5] == "1", cells   # median, spread, rounds
+        assert float(cells[6]) > 0, cells                                  # the median step over the prediction
     assert "best (measured)" in table and "undecided" in table
     assert out.is_file() and zdsl("check", str(out)).returncode == 0
 

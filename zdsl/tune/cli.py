@@ -58,7 +58,8 @@ values with top-level commas (overlap pairs): separate alternatives with '|',
 verdicts: each round runs every candidate once, back to back in one launch, the order
   rotated each round (A B C, B C A, C A B, ...); a round's figure is a candidate's run's
   {quantile:.0f}th-percentile step after the warm-up (the steps no slow spell of the host
-  fell on). "measured" is the median of those figures, "spread" their interquartile range.
+  fell on). "measured" is the median of those figures, "spread" their interquartile range;
+  "step/pred" the runs' median step over the prediction (the planner predicts a typical step).
   Two candidates are compared round by round (the ratio of their figures in each round,
   which cancels a load both met): one is faster
   only when, over at least {min_rounds} shared rounds, the ratios' interquartile range lies past 1,

@@ -41,9 +41,11 @@ RUN_QUANTILE = 0.10
 
 @dataclass
 class Run:
-    """What one measured run gave: its figure (:func:`run_of`), and peak bytes per tier."""
+    """What one measured run gave: its figure (:func:`run_of`), peak bytes per tier, and its median
+    timed step (what the planner predicts: a typical step, not a fast one)."""
     step_s: float
     peak: dict[str, int]
+    typical_s: float | None = None
 
 
 def measure_round(path: str, cands: list[Candidate], steps: int, warmup: int,
@@ -140,7 +142,7 @@ def read_metrics(path: str) -> list[dict]:
 
 def run_of(rows: list[dict], warmup: int) -> Run:
     """The :data:`RUN_QUANTILE` quantile of the step times without the first ``warmup`` steps (all, if
-    that leaves none), and peak bytes per tier."""
+    that leaves none), peak bytes per tier, and the median of those step times."""
     times = [float(r["step_s"]) for r in rows]
     timed = sorted(times[warmup:] or times)
     peak: dict[str, int] = {}
@@ -148,7 +150,7 @@ def run_of(rows: list[dict], warmup: int) -> Run:
         for per_tier in (r.get("peak_bytes") or {}).values():
             for tier, b in (per_tier or {}).items():
                 peak[tier] = max(peak.get(tier, 0), int(b))
-    return Run(quantile(timed, RUN_QUANTILE), {t: b for t, b in peak.items() if b})
+    return Run(quantile(timed, RUN_QUANTILE), {t: b for t, b in peak.items() if b}, quantile(timed, 0.5))
 
 
 def quantile(xs: list[float], q: float) -> float:

@@ -87,6 +87,8 @@ def race(cands: list[Candidate], measure_round: MeasureRound, budget_s: float = 
                 cand.failed = str(run)
                 continue
             cand.rounds[r] = run.step_s
+            if run.typical_s is not None:
+                cand.typical[r] = run.typical_s
             for tier, b in run.peak.items():
                 cand.measured_peak[tier] = max(cand.measured_peak.get(tier, 0), b)
         per_run = (clock() - t0) / max(ran, 1)

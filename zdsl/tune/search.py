@@ -137,6 +137,7 @@ class Candidate:
     warnings: list[str] = field(default_factory=list)
     pruned: str | None = None                     # why the planner ruled it out before any run
     rounds: dict[int, float] = field(default_factory=dict)   # round -> its run's figure (zdsl.tune.measure.run_of)
+    typical: dict[int, float] = field(default_factory=dict)  # round -> its run's median step
     dropped: int | None = None                    # the round after which it was clearly slower and not run again
     measured_peak: dict[str, int] = field(default_factory=dict)   # tier -> max over ranks, steps and rounds
     failed: str | None = None                     # a measured run that did not finish
@@ -151,6 +152,11 @@ class Candidate:
     def measured_s(self) -> float | None:
         """The median of the round figures."""
         return statistics.median(self.rounds.values()) if self.rounds else None
+
+    @property
+    def typical_s(self) -> float | None:
+        """The median of the runs' median steps: the step the planner's prediction is of."""
+        return statistics.median(self.typical.values()) if self.typical else None
 
 
 def validate_values(path: str, base: dict[str, str], vary: list[tuple[str, list[str]]], units_for) -> None:

@@ -55,14 +55,14 @@ def print_table(cands: list[Candidate], winner: Candidate | None, why: str, args
     table.add_column("measured", justify="right")
     table.add_column("spread ms", justify="right")
     table.add_column("rounds", justify="right")
-    table.add_column("meas/pred", justify="right")
+    table.add_column("step/pred", justify="right")
     for t in tiers:
         table.add_column(f"peak {t}", justify="right")
     table.add_column("verdict", overflow="fold")
     for cand in sorted(cands, key=lambda c: (order.get(id(c), 10 ** 9), cands.index(c))):
         rank = order.get(id(cand))
-        ratio = f"{cand.measured_s / cand.predicted_s:.2f}" \
-            if cand.measured_s is not None and cand.predicted_s else "-"
+        ratio = f"{cand.typical_s / cand.predicted_s:.2f}" \
+            if cand.typical_s is not None and cand.predicted_s else "-"
         peaks = []
         for t in tiers:
             if cand.measured_peak.get(t):
@@ -90,6 +90,7 @@ def as_json(cands: list[Candidate], winner: Candidate | None, why: str, args, ra
             "combination": cand.combo, "label": cand.label, "predicted_rank": rank,
             "predicted_s": cand.predicted_s, "predicted_peak": cand.predicted_peak,
             "rounds": {str(r): v for r, v in sorted(cand.rounds.items())}, "measured_s": cand.measured_s,
+            "typical_s": cand.typical_s,
             "spread_s": list(noise.spread(list(cand.rounds.values()))) if cand.rounds else None,
             "measured_peak": cand.measured_peak, "rejected": cand.rejected, "pruned": cand.pruned,
             "failed": cand.failed, "dropped_after_round": cand.dropped,
