@@ -168,6 +168,18 @@ def tune_once(file: str, name: str, vary: list[str], budget: float | None, i: in
         return res
 
 
+def tune_saw(res: dict, pick: str, best: str) -> str:
+    """How the true best compared with the pick in the tune run's own rounds (its ``--json``)."""
+    rows = {row["label"]: row["rounds"] for row in res["candidates"]}
+    a, b = rows.get(best) or {}, rows.get(pick) or {}
+    ratios = sorted(a[r] / b[r] for r in set(a) & set(b))
+    if not ratios:
+        return f"{best} not measured beside the pick"
+    slower = sum(x > 1 for x in ratios)
+    return (f"{best} over the pick {statistics.median(ratios):.3f}x at the median of {len(ratios)} shared "
+            f"round(s), slower in {slower}")
+
+
 def true_best(cands: list[Candidate]) -> Candidate:
     """The truth's fastest: the lowest median of a candidate's figures each divided by its round's
     geometric mean, so that a round run in a slow spell of the host weighs no more than another."""
@@ -232,6 +244,7 @@ def judge(name: str, i: int, res: dict | None, cands: list[Candidate]) -> tuple[
                      f"{off_lo:+.1%}..{off_hi:+.1%} (~90%) behind it: "
                      + ("beyond the truth's noise by tune's rule" if separated else
                         "within the truth's noise by tune's rule (it does not order the two)"))
+        notes.append(f"tune's own rounds: {tune_saw(res, pick.label, best.label)}; its reason: {res['why']}")
     claims = contradicted = flipped = 0
     for row in res["candidates"]:
         if not row["slower_than"]:

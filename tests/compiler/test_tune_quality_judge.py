@@ -28,9 +28,11 @@ def truth(label: str, ms: list[float]) -> Candidate:
 
 
 def tune_result(winner: str, slow: str, fast: str) -> dict:
-    return {"winner": winner, "rounds": 6, "took_s": 60.0,
-            "candidates": [{"label": f"prefetch={slow}", "slower_than": f"prefetch={fast}", "pruned": None},
-                           {"label": f"prefetch={fast}", "slower_than": None, "pruned": None}]}
+    return {"winner": winner, "rounds": 6, "took_s": 60.0, "why": "faster than every other",
+            "candidates": [{"label": f"prefetch={slow}", "slower_than": f"prefetch={fast}", "pruned": None,
+                            "rounds": {"1": 0.0105, "2": 0.0106}},
+                           {"label": f"prefetch={fast}", "slower_than": None, "pruned": None,
+                            "rounds": {"1": 0.0100, "2": 0.0101}}]}
 
 
 def test_a_confirmed_claim_counts_nothing_against_it():
@@ -68,7 +70,11 @@ def test_a_miss_the_truths_own_rounds_do_not_order_is_told_apart(capsys):
     assert b.measured_s > a.measured_s * 1.05
     ok, apart, *_ = bench.judge("zero3", 1, tune_result("prefetch=2", "1", "2"), [a, b])
     assert (ok, apart) == (False, False)
-    assert "within the truth's noise by tune's rule (it does not order the two)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "within the truth's noise by tune's rule (it does not order the two)" in out
+    # what tune itself saw of the two, for a miss to be read
+    assert ("tune's own rounds: prefetch=1 over the pick 1.050x at the median of 2 shared round(s), slower in 2; "
+            "its reason: faster than every other") in out
 
 
 def test_a_pick_the_round_ratios_put_near_the_best_is_within_though_its_median_is_not():
