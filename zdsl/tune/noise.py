@@ -40,11 +40,10 @@ Otherwise the verdict is a **tie**. Among the candidates tied with the fastest
 median, those of **equal speed** are the ones no other tied one beats by
 :data:`MIN_DIFFERENCE` or more at the median round ratio: a tie that fails only
 (1) or (2) is a difference the rounds have not confirmed, not an equal speed,
-and it is not traded for memory. (Less prefetch is both less memory and slower:
-on programs/zero3.zs prefetch 0 trailed prefetch 2 by 2-6% unconfirmed, and
-the lower memory picked it, 6% behind the best, in every run.) Among those of
-equal speed the winner is the one with
-the lower peak device memory (peaks within 1% are equal), then the
+and it is not traded for memory (less prefetch is both less memory and slower:
+a lag the rounds cannot yet confirm would otherwise hand the pick to the slow
+end; benchmarks/README, stop 41). Among those of equal speed the winner is the
+one with the lower peak device memory (peaks within 1% are equal), then the
 **simpler** schedule: fewer varied values that differ from the file's own,
 then the smaller value of each varied key in ``--vary`` order (a shallower
 prefetch, a smaller bucket; values that are not numbers by their place in
