@@ -169,15 +169,17 @@ def tune_once(file: str, name: str, vary: list[str], budget: float | None, i: in
 
 
 def tune_saw(res: dict, pick: str, best: str) -> str:
-    """How the true best compared with the pick in the tune run's own rounds (its ``--json``)."""
-    rows = {row["label"]: row["rounds"] for row in res["candidates"]}
-    a, b = rows.get(best) or {}, rows.get(pick) or {}
-    ratios = sorted(a[r] / b[r] for r in set(a) & set(b))
-    if not ratios:
+    """How the true best compared with the pick in the tune run's own rounds (its ``--json``), by
+    tune's own comparison."""
+    seen = {}
+    for row in res["candidates"]:
+        seen[row["label"]] = cand = Candidate({}, {})
+        cand.rounds = {int(r): v for r, v in (row.get("rounds") or {}).items()}
+    cmp = noise.compare(seen[best], seen[pick]) if best in seen and pick in seen else None
+    if cmp is None or not cmp.shared:
         return f"{best} not measured beside the pick"
-    slower = sum(x > 1 for x in ratios)
-    return (f"{best} over the pick {statistics.median(ratios):.3f}x at the median of {len(ratios)} shared "
-            f"round(s), slower in {slower}")
+    return (f"{best} over the pick round by round {noise.ratio_text(cmp)}, slower in "
+            f"{cmp.b_wins}/{cmp.shared} round(s)")
 
 
 def true_best(cands: list[Candidate]) -> Candidate:

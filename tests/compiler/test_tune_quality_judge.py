@@ -73,8 +73,8 @@ def test_a_miss_the_truths_own_rounds_do_not_order_is_told_apart(capsys):
     out = capsys.readouterr().out
     assert "within the truth's noise by tune's rule (it does not order the two)" in out
     # what tune itself saw of the two, for a miss to be read
-    assert ("tune's own rounds: prefetch=1 over the pick 1.050x at the median of 2 shared round(s), slower in 2; "
-            "its reason: faster than every other") in out
+    assert ("tune's own rounds: prefetch=1 over the pick round by round 1.050x (spread 1.050..1.050), slower in "
+            "2/2 round(s); its reason: faster than every other") in out
 
 
 def test_a_pick_the_round_ratios_put_near_the_best_is_within_though_its_median_is_not():
