@@ -35,6 +35,7 @@ class Settings:
     block: int = Placement.block_bytes   # NVMe I/O size and requests in flight: the schedule's defaults
     depth: int = Placement.queue_depth
     timeout_s: float = 60.0
+    usual_reference_s: float | None = None   # this machine's usual reference step (its cached calibrations')
 
     def budget(self, full: float, quick: float) -> float:
         return quick if self.quick else full

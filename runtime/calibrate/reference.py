@@ -23,6 +23,14 @@ RUNTIME_BLOCKS = 3
 # without the norms' tail) is one block, right after this clipped one.
 UNCLIPPED_AFTER_BLOCK = 1
 WARM_UP_STEPS = 4
+# A reference step this much slower than the machine's usual one (its cached calibrations' median)
+# is taken in a slow spell of the host: measured again after a pause, up to REMEASURES times, and
+# the fastest set kept. Such a spell (22-25 ms against 18-19 here, every block, the programs beside
+# at 18-19) put every prediction of the profile 20-29% high until the next calibration; a host's
+# speed from one day to the next moved 10% here (benchmarks/README, stop 41).
+SLOW_SPELL = 0.12
+REMEASURES = 2
+REMEASURE_PAUSE_S = 5.0
 
 
 # The graph the per-op overhead is fitted on: small enough that fixed costs dominate. It clips
@@ -169,6 +177,18 @@ def block_step(blocks: list[dict]) -> float:
     """One block's step from each rank's record of it: the median over its steps of the slowest
     rank's time (a step lasts as long as its slowest rank)."""
     return statistics.median(max(times) for times in zip(*(b["steps"] for b in blocks)))
+
+
+def is_slow_spell(step_s: float, usual_s: float | None) -> bool:
+    """Whether a reference step of ``step_s`` is slower than the machine's usual ``usual_s`` by
+    more than :data:`SLOW_SPELL` (never, with no usual step to compare with)."""
+    return usual_s is not None and step_s > usual_s * (1 + SLOW_SPELL)
+
+
+def set_step(steps: list[list[list[float]]]) -> float:
+    """The reference step of one set of blocks from every rank's step times
+    (``steps[rank][block]``), as :func:`reference_times` takes it: the median block's."""
+    return statistics.median(block_step([{"steps": rank[b]} for rank in steps]) for b in range(len(steps[0])))
 
 
 def unclipped_step(raw: list[dict], reference_s: float) -> float:

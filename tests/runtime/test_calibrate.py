@@ -457,3 +457,37 @@ def test_one_rank_calibrates(tmp_path):
     assert "disk_ranks=1" in statement and f"disk_read_alone={read}," in statement
     # its compute tables are one rank's with every core already: none measured again
     assert "compute_ranks=1" in statement and "flops_alone_" not in statement
+
+
+@pytest.mark.parametrize("usual, firsts, kept, tries", [
+    (None, [0.030], 0.030, 1),                   # no history: nothing to compare with
+    (0.020, [0.0215], 0.0215, 1),                # 7.5% slower: the host's day-to-day drift, kept
+    (0.020, [0.025, 0.021], 0.021, 2),           # a slow spell that passed: the set measured again kept
+    (0.020, [0.025, 0.026, 0.024], 0.024, 3),    # one that lasts: the fastest of the tries kept
+])
+def test_a_reference_step_in_a_slow_spell_is_measured_again_and_the_fastest_kept(monkeypatch, usual, firsts,
+                                                                               kept, tries):
+    from zdsl.runtime.calibrate import cli
+    from zdsl.runtime.calibrate.measure import Settings
+    from zdsl.runtime.calibrate.reference import REMEASURES, RUNTIME_BLOCKS
+    assert REMEASURES == 2
+    sets = iter(firsts[1:])
+    current = [None]
+    sleeps = []
+    monkeypatch.setattr(cli.time, "sleep", sleeps.append)
+    out = {"runtime": [{"steps": [firsts[0]] * 4} for _ in range(RUNTIME_BLOCKS)], "runtime_unclipped": "first"}
+
+    def remeasured(device, s, rank, world, steps, slots, clip=True):
+        """A set (its blocks and the unclipped one) at the next of ``firsts``."""
+        if not remeasured.blocks:
+            current[0] = next(sets)
+        remeasured.blocks = (remeasured.blocks + 1) % (RUNTIME_BLOCKS + 1)
+        return {"steps": [current[0]] * steps, "clip": clip}
+    remeasured.blocks = 0
+    monkeypatch.setattr(cli, "measure_runtime", remeasured)
+    got = cli._unless_slow_spell(out, None, Settings(usual_reference_s=usual), 0, 1, 4, 1)
+    assert got == firsts and len(sleeps) == tries - 1
+    assert cli.set_step([[b["steps"] for b in out["runtime"]]]) == kept
+    assert len(out["runtime"]) == RUNTIME_BLOCKS and all(b.get("clip", True) for b in out["runtime"])
+    assert (out["runtime_unclipped"] == "first") == (kept == firsts[0])
+    assert out["runtime_unclipped"] == "first" or out["runtime_unclipped"]["clip"] is False

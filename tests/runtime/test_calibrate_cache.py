@@ -61,3 +61,26 @@ def test_a_cached_profile_without_the_alone_tables_is_measured_again_once_and_th
         assert profile_cache.read_profile(path)[0].flops_alone_fp32 == (6e10,)
     finally:
         profile_cache.enable(False)
+
+
+def test_the_cache_keeps_the_latest_reference_steps_and_their_median_is_the_usual_one(tmp_path, monkeypatch):
+    """Each calibration's reference step joins the machine's history (the latest HISTORY, at any
+    profile format); the usual step is the median of those at the same ranks."""
+    monkeypatch.setenv("ZDSL_CALIBRATE", "1")
+    monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
+    assert profile_cache.usual_reference(2) is None
+    steps = [0.019, 0.018, 0.030, 0.019, 0.020, 0.021, 0.018, 0.019, 0.024, 0.017]
+    for step in steps:
+        cache_profile(Calibration(MachineProfile(), {"reference": (2, step)}))
+    cache_profile(Calibration(MachineProfile(), {"reference": (4, 0.05)}))
+    history = profile_cache.reference_history(profile_cache.profile_path())
+    assert len(history) == profile_cache.HISTORY and history[-1]["ranks"] == 4
+    assert [r["step_s"] for r in history[:-1]] == steps[-profile_cache.HISTORY + 1:]
+    assert profile_cache.usual_reference(2) == (0.019, profile_cache.HISTORY - 1)
+    assert profile_cache.usual_reference(4) == (0.05, 1)
+    assert profile_cache.usual_reference(1) is None
+    # a profile without a reference (a test's, an older one's) keeps the history; garbage is none
+    cache_profile(Calibration(MachineProfile()))
+    assert len(profile_cache.reference_history(profile_cache.profile_path())) == profile_cache.HISTORY
+    profile_cache.profile_path().write_text('{"references": [{"ranks": 2, "step_s": "fast"}, 3]}')
+    assert profile_cache.usual_reference(2) is None

@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ LACKING = {1: "without rates by precision, width and ranks",
            4: "with disk rates into 4 KiB pages, before huge-page buffers",
            5: "without the runtime's compute rate (compute_excess)",
            6: "without the event loop's cost per op (loop)"}
+# The reference steps of this many of the machine's latest calibrations are kept beside its profile:
+# what the host usually does, against which a calibration taken in one of its slow spells shows.
+HISTORY = 8
 
 
 @dataclass(frozen=True)
@@ -80,16 +84,40 @@ def profile_path(device: str | None = None) -> Path:
     return cache_dir() / f"machine-{profile_key(device or machine_device())}.json"
 
 
-def write_profile(fields: dict, statement: str, path: Path | None = None) -> Path:
-    """Cache a measured profile (called by the runtime's ``zdsl calibrate``)."""
+def write_profile(fields: dict, statement: str, path: Path | None = None,
+                  reference: tuple[int, float] | None = None) -> Path:
+    """Cache a measured profile (called by the runtime's ``zdsl calibrate``); ``reference``: the
+    ranks and reference step it was measured with, added to the machine's history
+    (:func:`usual_reference`)."""
     path = path or profile_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    history = reference_history(path)
+    if reference is not None:
+        history.append({"when": when, "ranks": reference[0], "step_s": reference[1]})
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": PROFILE_FORMAT, "profile": fields, "statement": statement, "when": when},
-                              indent=1))
+    tmp.write_text(json.dumps({"format": PROFILE_FORMAT, "profile": fields, "statement": statement, "when": when,
+                               "references": history[-HISTORY:]}, indent=1))
     tmp.replace(path)
     return path
+
+
+def reference_history(path: Path) -> list[dict]:
+    """The reference steps of the latest calibrations cached at ``path`` (of any format: the
+    reference schedule is the same): ``{"when", "ranks", "step_s"}`` each, oldest first."""
+    try:
+        found = json.loads(path.read_text()).get("references", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [r for r in found if isinstance(r, dict) and isinstance(r.get("ranks"), int)
+            and isinstance(r.get("step_s"), (int, float)) and r["step_s"] > 0] if isinstance(found, list) else []
+
+
+def usual_reference(ranks: int, path: Path | None = None) -> tuple[float, int] | None:
+    """(the median reference step of this machine's latest calibrations at ``ranks`` ranks, how
+    many there were); None where none is cached."""
+    steps = [r["step_s"] for r in reference_history(path or profile_path()) if r["ranks"] == ranks]
+    return (statistics.median(steps), len(steps)) if steps else None
 
 
 def read_profile(path: Path) -> tuple[MachineProfile, str] | None:
