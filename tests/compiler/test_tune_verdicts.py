@@ -254,6 +254,33 @@ def test_the_cost_model_gap_line_names_pairs_predicted_equal_but_measured_apart(
     assert lines[1].startswith("the cost model does not see the difference between prefetch=3 and prefetch=1 ")
 
 
+@pytest.mark.parametrize("typical_ms, says", [
+    ({"a": 8.2, "b": 8.4}, "every candidate ran 16-18% faster than planned (step/pred 0.82-0.84)"),
+    ({"a": 12.0, "b": 11.8}, "every candidate ran 18-20% slower than planned (step/pred 1.18-1.20)"),
+    ({"a": 8.2, "b": 9.0}, None),           # one within 15%: the profile may hold, one schedule not
+    ({"a": 8.2, "b": 12.0}, None),          # off both ways: not the machine's speed
+])
+def test_every_candidate_far_off_its_prediction_the_same_way_says_the_profile_is_off(typical_ms, says):
+    cands = []
+    for label, ms in typical_ms.items():
+        c = with_rounds(cand(label, predicted_ms=10.0), [ms] * 3)
+        c.typical = {r: ms / 1e3 for r in c.rounds}
+        cands.append(c)
+    line = noise.profile_off(cands)
+    assert (line is None) if says is None else line.startswith(says + ": the machine's speed has moved")
+
+
+def test_the_profile_line_says_which_profile_and_how_to_measure_again():
+    from zdsl.tune.cli import profile_advice
+    cached = "rates: calibrated on this machine (cached 2026-11-27 07:30 UTC, /c/machine.json)"
+    assert profile_advice(cached) == ("planned with calibrated on this machine (cached 2026-11-27 07:30 UTC, "
+                                      "/c/machine.json); `zdsl calibrate` measures this machine again")
+    default = "rates: zdsl's uncalibrated default 'cpu' profile; calibrate: zdsl calibrate"
+    assert profile_advice(default) == ("planned with zdsl's uncalibrated default 'cpu' profile; "
+                                       "`zdsl calibrate` measures this machine again")
+    assert "schedule's own machine statement; `zdsl calibrate --out FILE`" in profile_advice(None)
+
+
 # -- ranges and pruning ---------------------------------------------------------------------------------
 
 def test_ranges_expand_integers_by_one_and_sizes_by_doubling():

@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(cands, winner, why, args, title(args, cands, result))
     for line in noise.model_gaps(cands):
         print(line)
+    off = noise.profile_off(to_measure)
+    if off is not None:
+        print(f"{off}; {profile_advice(profile_cache.rates_line())}")
     if args.json:
         try:
             Path(args.json).write_text(json.dumps(as_json(cands, winner, why, args, result), indent=1) + "\n",
@@ -217,6 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"winner: {winner.label} ({how_measured}); wrote {out}"
           f"{' (checked schedule printed: comments not kept)' if how == 'printed' else ''}")
     return EXIT_OK
+
+
+def profile_advice(rates: str | None) -> str:
+    """Which profile the plans used (``rates``: ``zdsl plan``'s rates line, None where the schedule
+    has its own ``machine`` statement) and how to measure this machine again."""
+    if rates is None:
+        return "planned with the schedule's own machine statement; `zdsl calibrate --out FILE` measures this machine"
+    used = rates.removeprefix("rates: ").split("; calibrate:")[0]
+    return f"planned with {used}; `zdsl calibrate` measures this machine again"
 
 
 def title(args, cands, result) -> str:

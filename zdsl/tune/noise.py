@@ -262,3 +262,24 @@ def model_gaps(cands: list[Candidate]) -> list[str]:
                          f"{fast.measured_s * 1e3:.2f} vs {slow.measured_s * 1e3:.2f} ms, spreads "
                          f"{_iqr(fast)} and {_iqr(slow)})")
     return lines
+
+
+# Every candidate's typical step this far off its prediction, the same way, is the profile's
+# error more than any one schedule's: issue 23's target for a plan is within 15%.
+PROFILE_OFF = 0.15
+
+
+def profile_off(cands: list[Candidate]) -> str | None:
+    """Where every measured candidate's typical step is off its prediction by more than
+    :data:`PROFILE_OFF` the same way, what that says (the rates' own words follow it); else None."""
+    ratios = sorted(c.typical_s / c.predicted_s for c in cands
+                    if c.rounds and not c.failed and c.predicted_s and c.typical_s is not None)
+    if not ratios or not (ratios[-1] < 1 - PROFILE_OFF or ratios[0] > 1 + PROFILE_OFF):
+        return None
+    way = "faster" if ratios[-1] < 1 else "slower"
+    offs = sorted(round(abs(1 - r) * 100) for r in ratios)
+    span = f"{offs[0]}%" if offs[0] == offs[-1] else f"{offs[0]}-{offs[-1]}%"
+    return (f"every candidate ran {span} {way} than planned (step/pred {ratios[0]:.2f}-{ratios[-1]:.2f}): "
+            "the machine's speed has moved since its profile was measured, or the cost model misses "
+            "something of this schedule")
+
