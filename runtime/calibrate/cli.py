@@ -44,7 +44,8 @@ planner uses it*, under the conditions of a real run:
   which dominates small models. Measured by training a tiny ZeRO-3 GPT
   (``REFERENCE``) through the real executor, in three blocks of steps spread
   over the calibration (first, middle, last; their median; measured again
-  after a pause, up to twice, the fastest set kept, where their step is more
+  in fresh ranks after a pause, up to twice, the fastest set kept
+  (``slow_spell.py``), where their step is more
   than 12% slower than this machine's usual one, the median of its latest
   cached calibrations: a slow spell of the host): ``overhead``
   per lane op and ``kernel_overhead`` per kernel a compute op dispatches
@@ -117,11 +118,12 @@ from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, TABLE_CONTE
                                             compute_dtype, measure_collectives, measure_compute,
                                             measure_compute_table, measure_copy, measure_disk, measure_optimizer,
                                             table_batch)
+from zdsl.runtime.calibrate.ranks import joined, restore_cores
 from zdsl.runtime.calibrate.reference import (REMEASURE_PAUSE_S, REMEASURES, RUNTIME_BLOCKS, RUNTIME_STEPS,
                                               UNCLIPPED_AFTER_BLOCK, WARM_UP_STEPS, WIDE_STEPS, WIDE_WIDTH,
                                               is_slow_spell, measure_runtime, reference_graph, reference_times,
-                                              set_step, unclipped_step)
-from zdsl.runtime.dist.spawn import MASTER_ADDR
+                                              unclipped_step)
+from zdsl.runtime.calibrate.slow_spell import remeasure
 from zdsl.runtime.dist.spawn import LocalRanks
 from zdsl.runtime.dist.spawn import RankFailed
 from zdsl.runtime.dist.spawn import free_port
@@ -166,35 +168,13 @@ def _value(v) -> str:
 STEPS = ("compute", "optimizer", "copy", "collectives", "disk", "disk alone", "compute alone", "runtime")
 
 
-def _device_for(rank: int, backend: str):
-    import torch
-    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
-    return torch.device("cpu")
-
-
 def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, report) -> dict:
     """Every measurement on one rank, in lock step with the others; returns this rank's numbers."""
     import torch
     import torch.distributed as dist
 
-    device = _device_for(rank, s.backend)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    unbound = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    if device.type == "cpu":              # bound to its cores, with their threads: as `zdsl run` does
-        from zdsl.runtime.dist.affinity import set_cpu_threads
-        threads = set_cpu_threads(rank, world)
-    else:
-        threads = max(1, (os.cpu_count() or 1) // world)
-        torch.set_num_threads(threads)
-    # joined as a run's rank joins (gloo's loop threads calmed); at one rank too, since the
-    # reference step's collectives run on the group as a one-rank run's do
-    from zdsl.runtime.dist.group import init_group
-    init_group(rank, world, device, s.timeout_s, backend=backend, init_method=f"tcp://{MASTER_ADDR}:{port}")
-    try:
-        from zdsl.runtime.dist.collectives import comm_slots
-        slots = comm_slots()
+    with joined(rank, world, port, s, backend) as me:
+        device, threads, unbound, slots = me.device, me.threads, me.unbound, me.slots
         out: dict = {"threads": threads, "device": str(device), "seconds": {}, "comm_slots": slots}
         clock = [time.perf_counter()]
 
@@ -255,47 +235,11 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         report("runtime")
         out["runtime"] = [*early, measure_runtime(device, s, rank, world, block_steps, slots)]
         barrier("runtime")
-        out["reference_tries"] = _unless_slow_spell(out, device, s, rank, world, block_steps, slots)
-        if len(out["reference_tries"]) > 1:
-            barrier("runtime (again: a slow spell)")
         if world > 1:
             every: list = [None] * world
             dist.all_gather_object(every, out)
             return {"ranks": every}
         return {"ranks": [out]}
-    finally:
-        from zdsl.runtime.dist.group import leave_group
-        leave_group()
-
-
-def _unless_slow_spell(out: dict, device, s: Settings, rank: int, world: int, block_steps: int,
-                       slots: int) -> list[float]:
-    """The reference set's step (every rank's blocks, ``reference.set_step``), measured again after
-    a pause while it is a slow spell against the machine's usual step (``reference.is_slow_spell``),
-    the fastest set kept in ``out``; returns each set's step, first to last. Every rank takes the
-    same steps from the same gathered figures, so all decide alike."""
-    import torch.distributed as dist
-
-    def step_of(blocks: list[dict]) -> float:
-        every = [[b["steps"] for b in blocks]]
-        if world > 1:
-            every = [None] * world
-            dist.all_gather_object(every, [b["steps"] for b in blocks])
-        return set_step(every)
-    tries = [step_of(out["runtime"])]
-    while len(tries) <= REMEASURES and is_slow_spell(min(tries), s.usual_reference_s):
-        time.sleep(REMEASURE_PAUSE_S)
-        if world > 1:
-            dist.barrier()
-        blocks = [measure_runtime(device, s, rank, world, block_steps, slots)
-                  for _ in range(UNCLIPPED_AFTER_BLOCK + 1)]
-        unclipped = measure_runtime(device, s, rank, world, block_steps, slots, clip=False)
-        blocks += [measure_runtime(device, s, rank, world, block_steps, slots)
-                   for _ in range(RUNTIME_BLOCKS - UNCLIPPED_AFTER_BLOCK - 1)]
-        tries.append(step_of(blocks))
-        if tries[-1] < min(tries[:-1]):
-            out["runtime"], out["runtime_unclipped"] = blocks, unclipped
-    return tries
 
 
 def _child(rank: int, world: int, port: int, s: Settings) -> None:
@@ -473,12 +417,12 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     tries, usual = first.get("reference_tries", []), s.usual_reference_s
     again = len(tries) > 1 and min(tries[1:]) < tries[0]          # a set measured again was kept
     notes.append(f"              (the median of {blocks} blocks of {len(first['runtime'][0]['steps'])} steps, "
-                 f"{'in a row after a pause' if again else 'spread over the calibration'}: "
+                 f"{'in a row in fresh ranks' if again else 'spread over the calibration'}: "
                  f"{', '.join(f'{b * 1e3:.1f}' for b in block_s)} ms)")
     if len(tries) > 1:
         notes.append(f"              the first set ran {tries[0] * 1e3:.1f} ms a step, {tries[0] / usual - 1:.0%} slower "
                      f"than this machine's usual {usual * 1e3:.1f} ms (its latest calibrations' median): a slow "
-                     f"spell of the host; measured again after {REMEASURE_PAUSE_S:.0f} s pauses: "
+                     f"spell of the host; measured again in fresh ranks after {REMEASURE_PAUSE_S:.0f} s pauses: "
                      f"{', '.join(f'{t * 1e3:.1f}' for t in tries[1:])} ms; the fastest set kept")
     elif usual is not None:
         notes.append(f"              (this machine's usual reference step: {usual * 1e3:.1f} ms, its latest "
@@ -528,7 +472,7 @@ def _every_core(unbound: set[int] | None, device, rank: int, world: int):
     thread count back after."""
     import torch
     threads = torch.get_num_threads()
-    _restore_cores(unbound)
+    restore_cores(unbound)
     if env.raw("OMP_NUM_THREADS") is None:
         torch.set_num_threads(len(unbound) if unbound else os.cpu_count() or 1)
     try:
@@ -538,19 +482,6 @@ def _every_core(unbound: set[int] | None, device, rank: int, world: int):
         if device.type == "cpu":
             from zdsl.runtime.dist.affinity import bind_rank
             bind_rank(rank, world)
-
-
-def _restore_cores(cores: set[int] | None) -> None:
-    """Give every thread of this process back the cores it had: rank 0 measures in the caller's
-    process and binds it to its share, which left a caller (a test session) on one core."""
-    if cores is None:
-        return
-    from zdsl.runtime.dist.affinity import _thread_ids
-    for tid in _thread_ids():
-        try:
-            os.sched_setaffinity(tid, cores)
-        except OSError:
-            pass                 # a thread that has just ended
 
 
 def _cores_per_rank(world: int) -> float:
@@ -590,8 +521,8 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
     port = free_port()
     children = LocalRanks(_child, ranks, (port, s), first=1, port=port)      # rank 0 measures here
     try:
-        with children:
-            with bar:
+        with bar:
+            with children:
                 task = bar.add_task("starting ranks", total=len(STEPS) + 1)
                 import torch             # after the ranks started, so they import torch meanwhile
                 threads_before = torch.get_num_threads()
@@ -612,15 +543,18 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
                         raise
                     raise CalibrationError(f"rank 0: {type(e).__name__}: {e}"
                                            + (f"\n{cause}" if cause else "")) from None
-                bar.update(task, description="done", advance=1)
-            try:
-                children.join(timeout_s=s.timeout_s)
-            except RankFailed as failed:
-                raise CalibrationError(f"a rank failed after measuring:\n{_in_words([failed])}") from None
+                try:
+                    children.join(timeout_s=s.timeout_s)
+                except RankFailed as failed:
+                    raise CalibrationError(f"a rank failed after measuring:\n{_in_words([failed])}") from None
+            result["ranks"][0]["reference_tries"] = remeasure(
+                result["ranks"], s, chosen,
+                lambda: bar.update(task, description="runtime again: slower than usual (a pause, then fresh ranks)"))
+            bar.update(task, description="done", advance=1)
     finally:
         if threads_before is not None:
             torch.set_num_threads(threads_before)
-        _restore_cores(cores_before)
+        restore_cores(cores_before)
     return _summarise(result["ranks"], s, chosen, ranks)
 
 

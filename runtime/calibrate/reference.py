@@ -24,10 +24,9 @@ RUNTIME_BLOCKS = 3
 UNCLIPPED_AFTER_BLOCK = 1
 WARM_UP_STEPS = 4
 # A reference step this much slower than the machine's usual one (its cached calibrations' median)
-# is taken in a slow spell of the host: measured again after a pause, up to REMEASURES times, and
-# the fastest set kept. Such a spell (22-25 ms against 18-19 here, every block, the programs beside
-# at 18-19) put every prediction of the profile 20-29% high until the next calibration; a host's
-# speed from one day to the next moved 10% here (benchmarks/README, stop 41).
+# is taken in a slow spell: measured again in fresh ranks after a pause, up to REMEASURES times,
+# and the fastest set kept (slow_spell.py). 12%: this host's usual speed moved 10% from one day to
+# the next; the spells put the reference 15-30% slow.
 SLOW_SPELL = 0.12
 REMEASURES = 2
 REMEASURE_PAUSE_S = 5.0
@@ -151,6 +150,17 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
             "loop_s": statistics.median(loop_cpu[WARM_UP_STEPS:]) / len(graph.ops),   # the steps records keeps
             "ops": len(graph.ops),
             "compute_cpu_s": {i: statistics.median(ts[WARM_UP_STEPS:] or ts) for i, ts in cpu_s.items()}}
+
+
+def measure_set(device, s: Settings, rank: int, world: int, slots: int = 1) -> tuple[list[dict], dict]:
+    """(the clipped blocks, the unclipped block after block :data:`UNCLIPPED_AFTER_BLOCK`) of the
+    reference step, one after another: a set as calibrate spreads it over its run."""
+    steps = RUNTIME_STEPS[s.quick] // RUNTIME_BLOCKS
+    blocks = [measure_runtime(device, s, rank, world, steps, slots) for _ in range(UNCLIPPED_AFTER_BLOCK + 1)]
+    unclipped = measure_runtime(device, s, rank, world, steps, slots, clip=False)
+    blocks += [measure_runtime(device, s, rank, world, steps, slots)
+               for _ in range(RUNTIME_BLOCKS - UNCLIPPED_AFTER_BLOCK - 1)]
+    return blocks, unclipped
 
 
 def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, float], dict[int, float],
