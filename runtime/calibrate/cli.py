@@ -44,10 +44,10 @@ planner uses it*, under the conditions of a real run:
   which dominates small models. Measured by training a tiny ZeRO-3 GPT
   (``REFERENCE``) through the real executor, in three blocks of steps spread
   over the calibration (first, middle, last; their median; measured again
-  in fresh ranks after a pause, up to twice, the fastest set kept
-  (``slow_spell.py``), where their step is more
-  than 12% slower than this machine's usual one, the median of its latest
-  cached calibrations: a slow spell of the host): ``overhead``
+  in fresh ranks after a pause, up to twice, the fastest set kept, where
+  their step is more than 12% slower than this machine's usual one, the
+  median of its latest cached calibrations, and once where there is none:
+  ``slow_spell.py``): ``overhead``
   per lane op and ``kernel_overhead`` per kernel a compute op dispatches
   are the line through each op's time beyond its rated time against its
   kernels, ``loop`` the event loop's thread's CPU time in each step's ops
@@ -419,7 +419,11 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     notes.append(f"              (the median of {blocks} blocks of {len(first['runtime'][0]['steps'])} steps, "
                  f"{'in a row in fresh ranks' if again else 'spread over the calibration'}: "
                  f"{', '.join(f'{b * 1e3:.1f}' for b in block_s)} ms)")
-    if len(tries) > 1:
+    if len(tries) > 1 and usual is None:
+        notes.append(f"              (no earlier calibration of this machine to compare with: the set measured "
+                     f"twice, in fresh ranks the second time, {tries[0] * 1e3:.1f} and {tries[1] * 1e3:.1f} ms; "
+                     "the faster kept)")
+    elif len(tries) > 1:
         notes.append(f"              the first set ran {tries[0] * 1e3:.1f} ms a step, {tries[0] / usual - 1:.0%} slower "
                      f"than this machine's usual {usual * 1e3:.1f} ms (its latest calibrations' median): a slow "
                      f"spell of the host; measured again in fresh ranks after {REMEASURE_PAUSE_S:.0f} s pauses: "
@@ -621,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zdsl calibrate",
                                  description="Measure this machine and write a `machine` profile for schedules.")
     ap.add_argument("--out", help="file to write (default: print the profile)")
-    ap.add_argument("--quick", action="store_true", help="shorter, noisier measurements (< 15 s)")
+    ap.add_argument("--quick", action="store_true", help="shorter, noisier measurements (about 30 s on 2 cores)")
     ap.add_argument("--ranks", type=int, default=None,
                     help="processes measuring at once (default: the schedule's ranks, else 2)")
     ap.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))

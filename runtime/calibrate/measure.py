@@ -20,7 +20,7 @@ class CalibrationError(RuntimeError):
 
 @dataclass
 class Settings:
-    """What to measure and how long; ``quick`` trades precision for < 15 s."""
+    """What to measure and how long; ``quick`` trades precision for time (about 30 s on 2 cores)."""
     ranks: int = 2
     backend: str = "auto"            # auto | gloo | nccl
     disk_folder: str | None = None   # where the NVMe test files go (default: the temp folder)

@@ -13,7 +13,9 @@ cached calibrations, ``zdsl.planner.profile_cache.usual_reference``) by more tha
 ``reference.SLOW_SPELL``, :func:`remeasure` measures the reference set again in new rank
 processes after a pause, up to ``reference.REMEASURES`` times, and keeps the fastest set. A
 machine that has become slower for good costs a few seconds per calibration until its history
-moves; one with no cached calibration is never compared.
+moves. A machine with no cached calibration (the first one, which ``zdsl plan`` then caches) has
+nothing to compare with: its set is measured once more in new ranks, without a pause, and the
+faster kept, so that only two slow pairs of processes in a row give it a slow profile.
 """
 from __future__ import annotations
 
@@ -27,12 +29,15 @@ from zdsl.runtime.dist.spawn import LocalRanks, RankFailed, free_port
 
 def remeasure(raw: list[dict], s: Settings, backend: str, report=lambda: None) -> list[float]:
     """Measure the ranks' reference set (``raw[rank]["runtime"]`` and ``["runtime_unclipped"]``)
-    again while it is a slow spell, replacing it by a faster set; returns each set's step, the
-    first measured first. ``report`` is called before each new set."""
+    again while it is a slow spell (once, with no usual step to compare with), replacing it by a
+    faster set; returns each set's step, the first measured first. ``report`` is called before
+    each new set."""
     tries = [set_step([[b["steps"] for b in r["runtime"]] for r in raw])]
-    while len(tries) <= REMEASURES and is_slow_spell(min(tries), s.usual_reference_s):
+    unknown = s.usual_reference_s is None
+    while len(tries) <= REMEASURES and (is_slow_spell(min(tries), s.usual_reference_s) or unknown and len(tries) < 2):
         report()
-        time.sleep(REMEASURE_PAUSE_S)
+        if not unknown:
+            time.sleep(REMEASURE_PAUSE_S)
         again = _in_fresh_ranks(s, backend)
         tries.append(set_step([[b["steps"] for b in r["runtime"]] for r in again]))
         if tries[-1] < min(tries[:-1]):

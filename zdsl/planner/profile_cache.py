@@ -3,7 +3,7 @@
 ``zdsl plan``, ``zdsl tune`` and ``zdsl run --trace`` call :func:`enable`; then the first schedule they
 load that has no ``machine`` statement (or include of one) gets the profile cached in zdsl's cache folder
 for this host, core count, torch version and device. Where none is cached, the runtime measures one now
-(``zdsl calibrate --quick`` in a subprocess, a few seconds, once per machine) and caches it; a failure to
+(``zdsl calibrate --quick`` in a subprocess, about 30 s on 2 cores, once per machine) and caches it; a failure to
 measure leaves zdsl's default profile and says why. Either way one line on stderr says what happened, once
 per process. ``zdsl calibrate`` refreshes the cached profile. ``ZDSL_CALIBRATE=0`` (or ``--no-calibrate``)
 plans with the default profile and neither measures nor reads the cache.
