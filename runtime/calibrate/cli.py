@@ -425,8 +425,8 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                      "the faster kept)")
     elif len(tries) > 1:
         notes.append(f"              the first set ran {tries[0] * 1e3:.1f} ms a step, {tries[0] / usual - 1:.0%} slower "
-                     f"than this machine's usual {usual * 1e3:.1f} ms (its latest calibrations' median): a slow "
-                     f"spell of the host; measured again in fresh ranks after {REMEASURE_PAUSE_S:.0f} s pauses: "
+                     f"than this machine's usual {usual * 1e3:.1f} ms (its latest calibrations' median): slow rank "
+                     f"processes or a slow spell of the host; measured again in fresh ranks after {REMEASURE_PAUSE_S:.0f} s pauses: "
                      f"{', '.join(f'{t * 1e3:.1f}' for t in tries[1:])} ms; the fastest set kept")
     elif usual is not None:
         notes.append(f"              (this machine's usual reference step: {usual * 1e3:.1f} ms, its latest "
@@ -658,11 +658,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = cal.to_zs()
     if cal.details.get("slow_spell"):
-        world, step_s = cal.details["reference"]
+        _, step_s = cal.details["reference"]
         usual = cal.details["usual_reference_s"]
         print(f"warning: the reference step ran {step_s * 1e3:.1f} ms, {step_s / usual - 1:.0%} slower than this "
-              f"machine's usual {usual * 1e3:.1f} ms, after {REMEASURES} more tries: if the host is in a slow spell, "
-              "plans made with this profile predict steps that much slower; `zdsl calibrate` again once it passes",
+              f"machine's usual {usual * 1e3:.1f} ms, after {REMEASURES} more tries in fresh ranks: if the host is slow "
+              "for a while, plans made with this profile predict steps that much slower; `zdsl calibrate` again "
+              "once it passes",
               file=sys.stderr)
     cached = cache_profile(cal)
     if a.out:

@@ -1,21 +1,20 @@
-"""A reference step taken in a slow spell: measured again, in fresh ranks, after a pause.
+"""A reference step measured slow: measured again, in fresh ranks.
 
-The fixed costs a profile holds (``overhead``, ``wake``, ``loop``, ``comm_overhead``: what
-small models' steps are made of) are fitted to the reference step calibrate measures. Now and
-then a whole calibration measures it 15-30% slower than the calibrations before and after it,
-while ``zdsl run``s of the same schedule a few seconds later run at the usual speed (stop 41's two
-bad prediction rounds; stop 42's, whose two re-measurements in the same processes were as slow):
-whatever slows it lasts the calibration's processes, and a profile fitted to it plans every
-step of every program that much slow until the next calibration.
+The fixed costs a profile holds (``overhead``, ``wake``, ``loop``, ``comm_overhead``: what small
+models' steps are made of) are fitted to the reference step calibrate measures. Now and then a
+pair of rank processes runs it 15-30% slower for its whole life, while new processes a few seconds
+later run it at the usual speed (benchmarks/README, stop 42); a profile fitted to such a pair
+plans every step of every program that much slow until the next calibration.
 
 So where the reference step is slower than this machine's usual one (the median of its latest
 cached calibrations, ``zdsl.planner.profile_cache.usual_reference``) by more than
 ``reference.SLOW_SPELL``, :func:`remeasure` measures the reference set again in new rank
-processes after a pause, up to ``reference.REMEASURES`` times, and keeps the fastest set. A
-machine that has become slower for good costs a few seconds per calibration until its history
-moves. A machine with no cached calibration (the first one, which ``zdsl plan`` then caches) has
-nothing to compare with: its set is measured once more in new ranks, without a pause, and the
-faster kept, so that only two slow pairs of processes in a row give it a slow profile.
+processes after a pause (in case the host itself is slow for a while), up to
+``reference.REMEASURES`` times, and keeps the fastest set. A machine that has become slower for
+good costs a few seconds per calibration until its history moves. A machine with no cached
+calibration (the first one, which ``zdsl plan`` then caches) has nothing to compare with: its set
+is measured once more in new ranks, without a pause, and the faster kept, so that only two slow
+pairs in a row give it a slow profile.
 """
 from __future__ import annotations
 
