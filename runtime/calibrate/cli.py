@@ -610,14 +610,22 @@ def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:
 
 def cache_profile(cal: Calibration) -> str:
     """Cache the profile where ``zdsl plan`` finds it (zdsl.planner.profile_cache); says where, or why not."""
-    from zdsl.planner.profile_cache import write_profile
+    from zdsl.planner.profile_cache import profile_path, read_profile, write_profile
     if env.get("ZDSL_CALIBRATE") == "0":
         return "not cached for zdsl plan: ZDSL_CALIBRATE=0"
+    reference = cal.details.get("reference")
     try:
-        path = write_profile(cal.fields(), cal.machine_statement(), reference=cal.details.get("reference"))
+        # measured slow against the machine's usual: a cached profile of its usual speed is kept,
+        # and the reference joins the history (after more as slow, the usual moves and one is cached)
+        kept = read_profile(profile_path()) if cal.details.get("slow_spell") else None
+        if kept is not None:
+            write_profile(None, None, reference=reference)
+            return (f"not cached: the profile cached {kept[1]} (in {profile_path()}) is kept for zdsl plan, tune "
+                    "and run --trace, as this one was measured slower than the machine's usual")
+        path = write_profile(cal.fields(), cal.machine_statement(), reference=reference)
         return f"cached for zdsl plan, tune and run --trace in {path}"
-    except OSError as e:
-        return f"not cached: {e.strerror or e}"
+    except (OSError, ValueError) as e:
+        return f"not cached: {getattr(e, 'strerror', None) or e}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -661,9 +669,9 @@ def main(argv: list[str] | None = None) -> int:
         _, step_s = cal.details["reference"]
         usual = cal.details["usual_reference_s"]
         print(f"warning: the reference step ran {step_s * 1e3:.1f} ms, {step_s / usual - 1:.0%} slower than this "
-              f"machine's usual {usual * 1e3:.1f} ms, after {REMEASURES} more tries in fresh ranks: if the host is slow "
-              "for a while, plans made with this profile predict steps that much slower; `zdsl calibrate` again "
-              "once it passes",
+              f"machine's usual {usual * 1e3:.1f} ms, after {REMEASURES} more tries in fresh ranks: plans made with this "
+              "profile would predict steps that much slower than the machine's usual speed; `zdsl calibrate` again "
+              "once the host is quieter",
               file=sys.stderr)
     cached = cache_profile(cal)
     if a.out:

@@ -10,8 +10,9 @@ So where the reference step is slower than this machine's usual one (the median 
 cached calibrations, ``zdsl.planner.profile_cache.usual_reference``) by more than
 ``reference.SLOW_SPELL``, :func:`remeasure` measures the reference set again in new rank
 processes after a pause (in case the host itself is slow for a while), up to
-``reference.REMEASURES`` times, and keeps the fastest set. A machine that has become slower for
-good costs a few seconds per calibration until its history moves. A machine with no cached
+``reference.REMEASURES`` times, and keeps the fastest set (still slow, calibrate warns and keeps
+the cached profile: ``cli.cache_profile``). A machine that has become slower for good costs a few
+seconds per calibration until its history moves. A machine with no cached
 calibration (the first one, which ``zdsl plan`` then caches) has nothing to compare with: its set
 is measured once more in new ranks, without a pause, and the faster kept, so that only two slow
 pairs in a row give it a slow profile.

@@ -84,3 +84,20 @@ def test_the_cache_keeps_the_latest_reference_steps_and_their_median_is_the_usua
     assert len(profile_cache.reference_history(profile_cache.profile_path())) == profile_cache.HISTORY
     profile_cache.profile_path().write_text('{"references": [{"ranks": 2, "step_s": "fast"}, 3]}')
     assert profile_cache.usual_reference(2) is None
+
+
+def test_a_profile_measured_slower_than_usual_does_not_replace_the_cached_one(tmp_path, monkeypatch):
+    """Still slow after its tries: the cached profile (of the machine's usual speed) is kept and
+    said so; the reference joins the history, so that after more calibrations as slow the usual
+    moves. With nothing cached the slow one is cached (better than the default rates)."""
+    monkeypatch.setenv("ZDSL_CALIBRATE", "1")
+    monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
+    slow = Calibration(dataclasses.replace(MachineProfile(), flops=1e9), {"reference": (2, 0.030), "slow_spell": True})
+    assert cache_profile(slow).startswith("cached for zdsl plan")            # nothing cached yet
+    usual = dataclasses.replace(MachineProfile(), flops=3e10)
+    assert cache_profile(Calibration(usual, {"reference": (2, 0.019)})).startswith("cached for zdsl plan")
+    said = cache_profile(slow)
+    path = profile_cache.profile_path()
+    assert said.startswith("not cached: the profile cached ") and "is kept" in said and str(path) in said
+    assert profile_cache.read_profile(path)[0] == usual
+    assert [r["step_s"] for r in profile_cache.reference_history(path)] == [0.030, 0.019, 0.030]

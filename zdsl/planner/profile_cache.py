@@ -84,20 +84,24 @@ def profile_path(device: str | None = None) -> Path:
     return cache_dir() / f"machine-{profile_key(device or machine_device())}.json"
 
 
-def write_profile(fields: dict, statement: str, path: Path | None = None,
+def write_profile(fields: dict | None, statement: str | None, path: Path | None = None,
                   reference: tuple[int, float] | None = None) -> Path:
     """Cache a measured profile (called by the runtime's ``zdsl calibrate``); ``reference``: the
     ranks and reference step it was measured with, added to the machine's history
-    (:func:`usual_reference`)."""
+    (:func:`usual_reference`). ``fields`` None adds the reference alone and keeps the cached
+    profile (one measured in a slow spell: ``zdsl calibrate`` keeps a better one)."""
     path = path or profile_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     history = reference_history(path)
     if reference is not None:
         history.append({"when": when, "ranks": reference[0], "step_s": reference[1]})
+    if fields is None:
+        cached = json.loads(path.read_text())
+    else:
+        cached = {"format": PROFILE_FORMAT, "profile": fields, "statement": statement, "when": when}
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": PROFILE_FORMAT, "profile": fields, "statement": statement, "when": when,
-                               "references": history[-HISTORY:]}, indent=1))
+    tmp.write_text(json.dumps({**cached, "references": history[-HISTORY:]}, indent=1))
     tmp.replace(path)
     return path
 
