@@ -610,7 +610,7 @@ def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:
 
 def cache_profile(cal: Calibration) -> str:
     """Cache the profile where ``zdsl plan`` finds it (zdsl.planner.profile_cache); says where, or why not."""
-    from zdsl.planner.profile_cache import profile_path, read_profile, write_profile
+    from zdsl.planner.profile_cache import add_reference, profile_path, read_profile, write_profile
     if env.get("ZDSL_CALIBRATE") == "0":
         return "not cached for zdsl plan: ZDSL_CALIBRATE=0"
     reference = cal.details.get("reference")
@@ -619,7 +619,7 @@ def cache_profile(cal: Calibration) -> str:
         # and the reference joins the history (after more as slow, the usual moves and one is cached)
         kept = read_profile(profile_path()) if cal.details.get("slow_spell") else None
         if kept is not None:
-            write_profile(None, None, reference=reference)
+            add_reference(reference)
             return (f"not cached: the profile cached {kept[1]} (in {profile_path()}) is kept for zdsl plan, tune "
                     "and run --trace, as this one was measured slower than the machine's usual")
         path = write_profile(cal.fields(), cal.machine_statement(), reference=reference)

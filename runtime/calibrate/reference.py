@@ -174,7 +174,7 @@ def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, floa
     not move it. A lane op's (or collective's) seconds: the mean over ranks of the median over
     blocks of its medians.
     """
-    block_s = [block_step([r["runtime"][b] for r in raw]) for b in range(len(raw[0]["runtime"]))]
+    block_s = block_steps(raw)
 
     def per_op(key: str) -> dict[int, float]:
         return {i: statistics.fmean(statistics.median(blk[key][i] for blk in r["runtime"]) for r in raw)
@@ -195,10 +195,15 @@ def is_slow_spell(step_s: float, usual_s: float | None) -> bool:
     return usual_s is not None and step_s > usual_s * (1 + SLOW_SPELL)
 
 
-def set_step(steps: list[list[list[float]]]) -> float:
-    """The reference step of one set of blocks from every rank's step times
-    (``steps[rank][block]``), as :func:`reference_times` takes it: the median block's."""
-    return statistics.median(block_step([{"steps": rank[b]} for rank in steps]) for b in range(len(steps[0])))
+def block_steps(raw: list[dict]) -> list[float]:
+    """Each block's step (:func:`block_step`) from the ranks' blocks (``raw[rank]["runtime"]``)."""
+    return [block_step([r["runtime"][b] for r in raw]) for b in range(len(raw[0]["runtime"]))]
+
+
+def set_step(raw: list[dict]) -> float:
+    """The reference step of the ranks' set of blocks, as :func:`reference_times` takes it: the
+    median block's."""
+    return statistics.median(block_steps(raw))
 
 
 def unclipped_step(raw: list[dict], reference_s: float) -> float:

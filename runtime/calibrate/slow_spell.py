@@ -32,14 +32,14 @@ def remeasure(raw: list[dict], s: Settings, backend: str, report=lambda: None) -
     again while it is a slow spell (once, with no usual step to compare with), replacing it by a
     faster set; returns each set's step, the first measured first. ``report`` is called before
     each new set."""
-    tries = [set_step([[b["steps"] for b in r["runtime"]] for r in raw])]
+    tries = [set_step(raw)]
     unknown = s.usual_reference_s is None
     while len(tries) <= REMEASURES and (is_slow_spell(min(tries), s.usual_reference_s) or unknown and len(tries) < 2):
         report()
         if not unknown:
             time.sleep(REMEASURE_PAUSE_S)
         again = _in_fresh_ranks(s, backend)
-        tries.append(set_step([[b["steps"] for b in r["runtime"]] for r in again]))
+        tries.append(set_step(again))
         if tries[-1] < min(tries[:-1]):
             for mine, new in zip(raw, again):
                 mine["runtime"], mine["runtime_unclipped"] = new["runtime"], new["runtime_unclipped"]

@@ -84,22 +84,34 @@ def profile_path(device: str | None = None) -> Path:
     return cache_dir() / f"machine-{profile_key(device or machine_device())}.json"
 
 
-def write_profile(fields: dict | None, statement: str | None, path: Path | None = None,
+def write_profile(fields: dict, statement: str, path: Path | None = None,
                   reference: tuple[int, float] | None = None) -> Path:
     """Cache a measured profile (called by the runtime's ``zdsl calibrate``); ``reference``: the
     ranks and reference step it was measured with, added to the machine's history
-    (:func:`usual_reference`). ``fields`` None adds the reference alone and keeps the cached
-    profile (one measured in a slow spell: ``zdsl calibrate`` keeps a better one)."""
+    (:func:`usual_reference`)."""
+    path, when = path or profile_path(), _now()
+    return _write(path, {"format": PROFILE_FORMAT, "profile": fields, "statement": statement, "when": when},
+                  reference, when)
+
+
+def add_reference(reference: tuple[int, float], path: Path | None = None) -> Path:
+    """Add a calibration's (ranks, reference step) to the machine's history and keep the cached
+    profile (one measured slower than the machine's usual does not replace it)."""
     path = path or profile_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return _write(path, json.loads(path.read_text()), reference, _now())
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _write(path: Path, cached: dict, reference: tuple[int, float] | None, when: str) -> Path:
+    """``cached`` with the history of reference steps, ``reference`` (measured ``when``) added,
+    written atomically."""
     history = reference_history(path)
     if reference is not None:
         history.append({"when": when, "ranks": reference[0], "step_s": reference[1]})
-    if fields is None:
-        cached = json.loads(path.read_text())
-    else:
-        cached = {"format": PROFILE_FORMAT, "profile": fields, "statement": statement, "when": when}
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**cached, "references": history[-HISTORY:]}, indent=1))
     tmp.replace(path)
