@@ -54,7 +54,8 @@ POLL_S = 0.05
 
 # What a rank reports when it failed only because another one did (gloo's wording; the last, zdsl's).
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
-             "Timed out", "timed out", "Connection refused", "pair closure", "left or stopped answering")
+             "Timed out", "timed out", "Connection refused", "pair closure", "left or stopped answering",
+             "through shared memory: peer rank")      # runtime/dist/shm.py: gone, or silent past the timeout
 GLOO_SOURCE = re.compile(r"\[[^\]]*gloo[^\]]*\]\s*")
 
 

@@ -267,6 +267,24 @@ def test_gloo_words_for_a_lost_peer_become_zdsls():
         "rank 0: rank 1 left or stopped answering (RuntimeError: Connection reset by peer)")
     own = "rank 1: op #7 comm.all_gather (forward) failed: RuntimeError: injected fault"
     assert peer_lost_text(own, "rank 0") == own
+    # 2 cpu ranks' collectives go through shared memory (runtime/dist/shm.py): its words too
+    shm = ("rank 0: op #7 comm.all_gather (forward, unit 3, micro-batch 0) failed: SharedMemoryError: "
+           "all_gather through shared memory: peer rank 1 (pid 3266) is gone")
+    assert peer_lost_text(shm, "rank 1") == (
+        "rank 0: op #7 comm.all_gather (forward, unit 3, micro-batch 0) failed: "
+        "the collective failed because rank 1 left or stopped answering")
+
+
+def test_a_rank_that_saw_its_shared_memory_peer_go_is_not_blamed(tmp_path, capsys):
+    # rank 1 raised in op #7; rank 0, in the same all-gather, saw its process gone
+    (tmp_path / "rank0.err").write_text("rank 0: op #7 comm.all_gather (forward) failed: SharedMemoryError: "
+                                        "all_gather through shared memory: peer rank 1 (pid 9) is gone")
+    (tmp_path / "rank1.err").write_text("rank 1: op #7 comm.all_gather (forward) failed: RuntimeError: injected fault")
+    w = watch_of(board(), board())
+    w.first_failure = (0.0, 0)                      # rank 0's exit reached the launcher first
+    report_failure(tmp_path, [1, 1], w)
+    assert capsys.readouterr().err.startswith("zdsl: error: rank 1: op #7 comm.all_gather (forward) failed: "
+                                              "RuntimeError: injected fault\n")
 
 
 def test_a_failed_run_prints_no_summary_and_quiet_one_line(capsys):
