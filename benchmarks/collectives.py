@@ -39,7 +39,7 @@ def _rank(rank: int, world: int, sizes: list[int], repeat: int) -> list | None:
 
     from zdsl.runtime.dist import collectives
     torch.set_num_threads(1)
-    collectives.GLOO_NATIVE_BELOW = 0        # every algorithm at every size (the runtime uses native below 1 MiB)
+    collectives.GLOO_NATIVE_BELOW = 0        # every algorithm at every size (where shm cannot serve, the runtime uses native below 1 MiB)
     dist.init_process_group("gloo", rank=rank, world_size=world)      # rendezvous: the spawner's MASTER_*
     try:
         rows = []
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         rs = med[f"reduce_scatter {ours['RS']}"] / med["reduce_scatter native"]
         ar = med[f"all_reduce {ours['AR']}"] / med["all_reduce native"]
         print(line + f"{ag:15.2f}{rs:15.2f}{ar:15.2f}")
-    print(f"ours = the defaults from 1 MiB up (all-gather: {ours['AG']}, reduce-scatter: {ours['RS']}, "
-          f"all-reduce: {ours['AR']}; below 1 MiB the runtime uses gloo's own); < 1 means faster")
+    print(f"ours = the defaults (all-gather: {ours['AG']}, reduce-scatter: {ours['RS']}, all-reduce: {ours['AR']}; "
+          f"shm serves 2 ranks of one host at any size; elsewhere, below 1 MiB, gloo's own); < 1 means faster")
     return 0
 
 

@@ -104,11 +104,10 @@ OPTIONAL_OPTIMIZER_KEYS = ("warmup", "decay", "min_lr", "decay_steps", "no_decay
 # O_DIRECT moves whole 4 KiB blocks: an nvme block size, a swap file's size, a checkpoint's offsets.
 DIRECT_IO_ALIGN = 4096
 
-# Bytes of its full tensor from which a CPU collective of 2 ranks of one host goes through shared
-# memory (runtime/dist/shm.py) instead of gloo's TCP: what the runtime does and the planner prices.
-SHARED_MEMORY_FROM = 1 << 20
-# Bytes of shared memory each such rank writes its collectives' pieces into (its outbox), mapped by
-# both ranks from the first collective through it on: part of a rank's host memory.
+# Every CPU collective of 2 ranks of one host goes through shared memory (runtime/dist/shm.py)
+# instead of gloo's TCP, at any size. SHARED_MEMORY_OUTBOX: the bytes each such rank writes its
+# collectives' pieces into (its outbox), mapped by both ranks from the first collective through it
+# on: part of a rank's host memory.
 SHARED_MEMORY_OUTBOX = 8 << 20
 
 

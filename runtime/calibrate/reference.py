@@ -9,6 +9,8 @@ import tempfile
 import time
 
 from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_compute, lane_ops, wake_delays
+from zdsl.planner.lanes import slots_of
+from zdsl.schedule import MachineProfile
 from zdsl.runtime.calibrate.measure import CalibrationError, Settings
 
 
@@ -84,7 +86,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
                     width: int = REFERENCE_WIDTH, compute_cpu: bool = False, clip: bool = True) -> dict:
     """Step times of ``steps`` steps of the reference schedule at ``width`` (unclipped where
     ``clip`` is off) through the real executor (all ranks at once); ``slots``: collectives the
-    backend runs at once (for their service times). ``compute_cpu``: each compute op's CPU time
+    backend runs at once (for their service times; 2 cpu ranks run one: ``slots_of``). ``compute_cpu``: each compute op's CPU time
     in its thread too (the wide step's, for ``compute_excess``; not the blocks' the overheads are
     fitted on, whose op times it would add to)."""
     import torch
@@ -138,6 +140,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     del state, executor
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    slots = slots_of(graph, MachineProfile(name=device.type, comm_slots=slots))
     intervals = [comm_intervals(graph, t, slots) for t in records]       # once a step, for both below
     loaded = [comm_under_compute(graph, t, iv) for t, iv in zip(records, intervals)]
     return {"step_s": statistics.median(t.seconds for t in records), "steps": [t.seconds for t in records],

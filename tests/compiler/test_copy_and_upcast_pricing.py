@@ -21,7 +21,6 @@ from zdsl.planner.simulate import simulate
 from zdsl.planner.simulate import under_load
 from zdsl.schedule import MachineProfile
 from zdsl.schedule import OptimizerSpec
-from zdsl.schedule import SHARED_MEMORY_FROM
 from zdsl.schedule import Schedule
 from zdsl.schedule import TrainSpec
 
@@ -58,22 +57,19 @@ def test_a_one_rank_collective_shares_the_cores_as_a_copy():
     assert comm_busy(four, CPU) != pytest.approx(comm_busy(four, fair))
 
 
-def gathers(g, shared: bool | None = None):
-    """The graph's all-gathers; with ``shared``, those at least (True) or under (False) the size
-    from which 2 ranks' collectives go through shared memory."""
-    return [op for op in g.ops if op.kind == "comm.all_gather"
-            and (shared is None or (collective_payload(g, op) >= SHARED_MEMORY_FROM) == shared)]
+def gathers(g):
+    return [op for op in g.ops if op.kind == "comm.all_gather"]
 
 
 def test_two_ranks_collectives_through_shared_memory_share_the_cores_as_a_copy():
-    """At 2 ranks a collective of at least SHARED_MEMORY_FROM bytes is a shared-memory worker's
-    copies and sums (runtime/dist/shm.py): a fair share, not gloo's waiting; a smaller one still
-    goes through gloo's TCP and keeps ``comm_under_load``."""
-    two = graph(ranks=2)
-    big, small = gathers(two, shared=True), gathers(two, shared=False)
-    assert big and small
-    assert {under_load(two, op, CPU) for op in big} == {0.0}
-    assert {under_load(two, op, CPU) for op in small} == {CPU.comm_under_load}
+    """At 2 ranks every collective, of any size, is a shared-memory worker's copies and sums
+    (runtime/dist/shm.py): a fair share, not gloo's waiting; at 4 ranks they go through gloo's
+    TCP and keep ``comm_under_load``."""
+    two, four = graph(ranks=2), graph(ranks=4)
+    sizes = {collective_payload(two, op) for op in gathers(two)}
+    assert min(sizes) < 1 << 20 <= max(sizes)        # small and large alike
+    assert {under_load(two, op, CPU) for op in gathers(two)} == {0.0}
+    assert {under_load(four, op, CPU) for op in gathers(four)} == {CPU.comm_under_load}
 
 
 def rated(g, op, machine):

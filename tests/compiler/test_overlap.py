@@ -13,8 +13,9 @@ from zdsl.observe.overlap import times_from_trace
 from zdsl.observe.overlap import typical
 
 
-def graph_of(ops):
-    return TaskGraph(schedule="t", ranks=2, stage=3, precision="fp32", accumulate=1,
+def graph_of(ops, ranks=2):
+    """Ranks: 2 (cpu: collectives through shared memory, one at a time), or more (gloo's threads)."""
+    return TaskGraph(schedule="t", ranks=ranks, stage=3, precision="fp32", accumulate=1,
                      units=[], buffers={}, ops=ops)
 
 
@@ -66,7 +67,7 @@ def test_a_collective_queued_behind_another_runs_at_once_where_the_backend_has_t
         slots, own_second, queued):
     # two gathers issued together at 0 (ends 2 and 3), a forward that needs the second
     g = graph_of([op(0, "comm.all_gather", "comm", 0), op(1, "comm.all_gather", "comm", 1),
-                  op(2, "compute.forward", "compute", 1, deps=[1])])
+                  op(2, "compute.forward", "compute", 1, deps=[1])], ranks=4)
     g.config = {"machine": {"comm_slots": slots}}
     r = analyze(g, {0: (0.0, 2.0), 1: (0.0, 3.0), 2: (3.0, 4.0)})
     # one thread: the second's own time starts when the first ends; two: it ran from its issue
@@ -179,7 +180,7 @@ def simulate(n_ops: int, slots: int, seed: int):
             start = max(ready, lane_free[lane])
             times[i] = (start, start + length)
             lane_free[lane] = start + length
-    g = graph_of(ops)
+    g = graph_of(ops, ranks=4)
     g.config = {"machine": {"comm_slots": slots}}
     return g, times
 
@@ -199,7 +200,7 @@ def test_a_lower_bound_never_exceeds_the_critical_path_nor_the_step(slots):
 
 def test_a_lane_of_two_threads_bounds_nothing_by_its_busy_time():
     # two gathers run side by side on gloo's two threads for 3 s: busy 3 s, but either alone is 2 s
-    g = graph_of([op(0, "comm.all_gather", "comm", 0), op(1, "comm.all_gather", "comm", 1)])
+    g = graph_of([op(0, "comm.all_gather", "comm", 0), op(1, "comm.all_gather", "comm", 1)], ranks=4)
     g.config = {"machine": {"comm_slots": 2}}
     r = analyze(g, {0: (0.0, 2.0), 1: (1.0, 3.0)})
     assert r.lane_busy["comm"] == pytest.approx(3.0)
@@ -208,3 +209,13 @@ def test_a_lane_of_two_threads_bounds_nothing_by_its_busy_time():
     g.config = {"machine": {"comm_slots": 1}}              # one at a time: the second's own 1 s follows
     r = analyze(g, {0: (0.0, 2.0), 1: (1.0, 3.0)})
     assert r.lower_bound == pytest.approx(3.0) and r.bound_by == "lane comm"
+
+
+@pytest.mark.parametrize("ranks, name, want", [(2, "cpu", 1), (4, "cpu", 2), (2, "cuda", 2)])
+def test_two_cpu_ranks_run_their_collectives_one_at_a_time(ranks, name, want):
+    """2 cpu ranks' collectives go through their pair's shared memory, one worker thread, whatever
+    gloo's thread count (``comm_slots``); more ranks, or another device, keep the profile's."""
+    from zdsl.planner.lanes import comm_slots
+    g = graph_of([op(0, "comm.all_gather", "comm", 0)], ranks=ranks)
+    g.config = {"machine": {"comm_slots": 2, "name": name}}
+    assert comm_slots(g) == want

@@ -209,17 +209,25 @@ def test_list_scheduling_overlaps_lanes_and_honours_deps():
     assert dev.working_peak == 30 and dev.model_states == 10
 
 
+def gloo_bytes(seconds: float) -> float:
+    """Full-tensor bytes a collective of 3 ranks moves in ``seconds`` at 1 B/s (2/3 of them). The
+    hand graphs of gloo's threads are of 3 ranks: 2 cpu ranks' collectives go through shared
+    memory, one at a time (zdsl.planner.lanes.slots_of)."""
+    return seconds * 3 / 2
+
+
 def _gathers(first_s: float, wait_for_compute: float = 0.0):
-    """Three all-gathers on the comm lane (the first ``first_s`` long, the others 2 s) and, with
-    ``wait_for_compute``, a forward of that many seconds the second gather must wait for."""
+    """Three all-gathers on the comm lane of 3 ranks (the first ``first_s`` long, the others 2 s)
+    and, with ``wait_for_compute``, a forward of that many seconds the second gather must wait for."""
     B = lambda n, k="param_full": Buffer(n, k, 0, "device", 10)  # noqa: E731
     bufs = [B("param_shard[0]", "param_shard"), *(B(f"param_full[{u}]") for u in range(3)), B("act[0]", "act")]
     bufs[0].persistent = True
     gather = lambda i, u, nbytes, deps=(): Op(i, "comm.all_gather", "comm", u, reads=["param_shard[0]"],  # noqa: E731
                                               writes=[f"param_full[{u}]"], bytes=nbytes, deps=list(deps))
     ops = [Op(0, "compute.forward", "compute", 0, writes=["act[0]"], flops=wait_for_compute),
-           gather(1, 0, 2 * first_s), gather(2, 1, 4, deps=[0] if wait_for_compute else []), gather(3, 2, 4)]
-    return tiny_graph(ops, bufs)
+           gather(1, 0, gloo_bytes(first_s)), gather(2, 1, gloo_bytes(2), deps=[0] if wait_for_compute else []),
+           gather(3, 2, gloo_bytes(2))]
+    return tiny_graph(ops, bufs, ranks=3)
 
 
 @pytest.mark.parametrize("slots, cores, want_start, want_end", [
@@ -249,17 +257,18 @@ def test_collectives_start_in_issue_order_and_a_short_one_frees_its_thread_first
 
 
 def _two_lane_ops():
-    """A 2 s gather beside a 3 s forward that does not need it, then a forward that does."""
+    """A 2 s gather of 3 ranks (gloo's) beside a 3 s forward that does not need it, then a forward that does."""
     B = lambda n, k="param_full": Buffer(n, k, 0, "device", 10)  # noqa: E731
     bufs = [B("param_shard[0]", "param_shard"), B("param_full[0]"), B("act[0]", "act"), B("act[1]", "act")]
     bufs[0].persistent = True
     ops = [
-        Op(0, "comm.all_gather", "comm", 0, reads=["param_shard[0]"], writes=["param_full[0]"], bytes=4),
+        Op(0, "comm.all_gather", "comm", 0, reads=["param_shard[0]"], writes=["param_full[0]"],
+           bytes=gloo_bytes(2)),
         Op(1, "compute.forward", "compute", 0, reads=[], writes=["act[0]"], flops=3),
         Op(2, "compute.forward", "compute", 1, reads=["param_full[0]", "act[0]"], writes=["act[1]"], flops=3,
            deps=[0, 1]),
     ]
-    return tiny_graph(ops, bufs)
+    return tiny_graph(ops, bufs, ranks=3)
 
 
 @pytest.mark.parametrize("name,cores,want_end", [
@@ -315,8 +324,9 @@ def _beside_a_transfer(kind: str, other: str):
     bufs[0].persistent = True
     ops = [Op(0, kind, "nvme", 0, reads=["optim[0]"], writes=["optim_host[0]"], bytes=1),
            Op(1, "compute.forward", "compute", 0, writes=["act[0]"], flops=1) if other == "forward" else
-           Op(1, "comm.all_gather", "comm", 0, reads=["param_shard[0]"], writes=["param_full[0]"], bytes=2)]
-    return tiny_graph(ops, bufs)
+           Op(1, "comm.all_gather", "comm", 0, reads=["param_shard[0]"], writes=["param_full[0]"],
+              bytes=gloo_bytes(1))]
+    return tiny_graph(ops, bufs, ranks=3)
 
 
 @pytest.mark.parametrize("kind", ["nvme.read", "nvme.write"])
@@ -340,7 +350,7 @@ def test_a_disk_transfer_shares_one_core_and_takes_its_share_of_more_first(kind)
 
 def test_a_collective_under_load_moves_in_what_the_others_leave():
     """Beside a write holding 0.75 of the core (calibrate's share 3/7: compute beside it took
-    1.75x), a gather (2 wire bytes on 2 ranks: 1 s) moves at 0.25 for 1 s and alone after it:
+    1.75x), a gather of 3 ranks (gloo's: 1 s) moves at 0.25 for 1 s and alone after it:
     ends at 1.75; beside a write that holds all of it, at its ``comm_under_load`` share 0.1
     (1 s: 0.1 done, 0.9 alone)."""
     m = MachineProfile(disk_write=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, comm_under_load=0.1,

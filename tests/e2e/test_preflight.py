@@ -126,10 +126,10 @@ def test_the_plan_of_nvme_knows_its_swap_folder_and_bytes(tmp_path):
     assert "/tmp/zdsl_nvme" in swap and f"({2 * needs.nvme_per_rank} bytes" in swap
 
 
-@pytest.mark.parametrize("ranks,width,outbox", [(2, 256, True), (4, 256, False), (2, 64, False)])
+@pytest.mark.parametrize("ranks,width,outbox", [(2, 256, True), (4, 256, False), (2, 64, True)])
 def test_a_rank_whose_collectives_go_through_shared_memory_needs_its_outbox(tmp_path, ranks, width, outbox):
-    # 2 CPU ranks' collectives from SHARED_MEMORY_FROM bytes go through a shared-memory outbox per
-    # rank (runtime/dist/shm.py): width 256's blocks (3 MiB) do, width 64's (0.2 MiB) and 4 ranks' do not.
+    # 2 CPU ranks' collectives go through a shared-memory outbox per rank (runtime/dist/shm.py),
+    # width 256's blocks (3 MiB) and width 64's (0.2 MiB) alike; 4 ranks' do not.
     from zdsl.driver import compile_file
     from zdsl.schedule import SHARED_MEMORY_OUTBOX
     src = tmp_path / "s.zs"

@@ -64,8 +64,8 @@ def test_a_cached_profile_without_the_alone_tables_is_measured_again_once_and_th
 
 
 def test_the_cache_keeps_the_latest_reference_steps_and_their_median_is_the_usual_one(tmp_path, monkeypatch):
-    """Each calibration's reference step joins the machine's history (the latest HISTORY, at any
-    profile format); the usual step is the median of those at the same ranks."""
+    """Each calibration's reference step joins the machine's history (the latest HISTORY, of this
+    profile format's runtime); the usual step is the median of those at the same ranks."""
     monkeypatch.setenv("ZDSL_CALIBRATE", "1")
     monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
     assert profile_cache.usual_reference(2) is None
@@ -83,6 +83,10 @@ def test_the_cache_keeps_the_latest_reference_steps_and_their_median_is_the_usua
     cache_profile(Calibration(MachineProfile()))
     assert len(profile_cache.reference_history(profile_cache.profile_path())) == profile_cache.HISTORY
     profile_cache.profile_path().write_text('{"references": [{"ranks": 2, "step_s": "fast"}, 3]}')
+    assert profile_cache.usual_reference(2) is None
+    # an older runtime's references (its collectives ran another way) are not this one's usual
+    old = {"ranks": 2, "step_s": 0.02, "format": profile_cache.PROFILE_FORMAT - 1}
+    profile_cache.profile_path().write_text(json.dumps({"references": [old, {"ranks": 2, "step_s": 0.02}]}))
     assert profile_cache.usual_reference(2) is None
 
 

@@ -13,19 +13,28 @@ from zdsl.ir import TaskGraph
 from zdsl.schedule import MachineProfile
 
 
-def lane_slots(machine: MachineProfile) -> dict[str, int]:
-    """Ops a lane runs at once, where more than one: the collectives lane runs ``comm_slots``
-    (gloo works off a queue with two threads, so a collective issued behind another starts
-    when either is free; NCCL's one stream runs them one at a time)."""
-    n = int(machine.comm_slots)
+def lane_slots(machine: MachineProfile, graph: TaskGraph) -> dict[str, int]:
+    """Ops a lane runs at once, where more than one: the collectives lane runs
+    :func:`slots_of` (gloo works off a queue with two threads, so a collective issued behind
+    another starts when either is free; NCCL's one stream runs them one at a time)."""
+    n = slots_of(graph, machine)
     return {"comm": n} if n > 1 else {}
 
 
+def slots_of(graph: TaskGraph, machine: MachineProfile) -> int:
+    """Collectives ``graph``'s ranks run at once on ``machine``: its ``comm_slots``, except 2 cpu
+    ranks, whose collectives all go through their pair's shared memory (runtime/dist/shm.py),
+    one at a time on its worker thread."""
+    if machine.name == "cpu" and graph.ranks == 2:
+        return 1
+    return max(1, int(machine.comm_slots))
+
+
 def comm_slots(graph: TaskGraph) -> int:
-    """Collectives the graph's machine runs at once (``machine ...(comm_slots=)``; where the
-    graph carries no machine, the default profile's, as the planner reads it)."""
+    """:func:`slots_of` the graph's machine (where the graph carries no machine, the default
+    profile, as the planner reads it)."""
     try:
-        return max(1, int(MachineProfile.of_config(graph.config).comm_slots))
+        return slots_of(graph, MachineProfile.of_config(graph.config))
     except (TypeError, ValueError):      # a graph file written by hand
         return MachineProfile.comm_slots
 

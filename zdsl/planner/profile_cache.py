@@ -37,15 +37,17 @@ QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the defaul
 # interleaved rounds; 5: disk rates into huge-page buffers, where the runtime's transfers now land
 # (zdsl.runtime.io.aligned: 2x the rates into 4 KiB pages); 6: the runtime's compute against the
 # compute test's (compute_excess, from a wider reference step); 7: the event loop's CPU per op (loop),
-# which the other fixed costs are fitted beside.
-PROFILE_FORMAT = 7
+# which the other fixed costs are fitted beside; 8: 2 ranks' collectives through shared memory at every
+# size (not only from 1 MiB), one at a time.
+PROFILE_FORMAT = 8
 # What a profile of each older format lacks, as the line saying it was measured again words it.
 LACKING = {1: "without rates by precision, width and ranks",
            2: "without the compute rates of one rank with every core",
            3: "with the collective rates of gloo's TCP, before shared memory",
            4: "with disk rates into 4 KiB pages, before huge-page buffers",
            5: "without the runtime's compute rate (compute_excess)",
-           6: "without the event loop's cost per op (loop)"}
+           6: "without the event loop's cost per op (loop)",
+           7: "with small collectives through gloo's TCP, before shared memory at every size"}
 # The reference steps of this many of the machine's latest calibrations are kept beside its profile:
 # what the host usually does, against which a calibration taken in one of its slow spells shows.
 HISTORY = 8
@@ -110,7 +112,7 @@ def _write(path: Path, cached: dict, reference: tuple[int, float] | None, when: 
     written atomically."""
     history = reference_history(path)
     if reference is not None:
-        history.append({"when": when, "ranks": reference[0], "step_s": reference[1]})
+        history.append({"when": when, "ranks": reference[0], "step_s": reference[1], "format": PROFILE_FORMAT})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**cached, "references": history[-HISTORY:]}, indent=1))
@@ -119,14 +121,16 @@ def _write(path: Path, cached: dict, reference: tuple[int, float] | None, when: 
 
 
 def reference_history(path: Path) -> list[dict]:
-    """The reference steps of the latest calibrations cached at ``path`` (of any format: the
-    reference schedule is the same): ``{"when", "ranks", "step_s"}`` each, oldest first."""
+    """The reference steps of the latest calibrations cached at ``path`` by a runtime of this
+    profile format (an older one ran the same reference another way, e.g. format 8's collectives):
+    ``{"when", "ranks", "step_s", "format"}`` each, oldest first."""
     try:
         found = json.loads(path.read_text()).get("references", [])
     except (OSError, ValueError, AttributeError):
         return []
     return [r for r in found if isinstance(r, dict) and isinstance(r.get("ranks"), int)
-            and isinstance(r.get("step_s"), (int, float)) and r["step_s"] > 0] if isinstance(found, list) else []
+            and isinstance(r.get("step_s"), (int, float)) and r["step_s"] > 0
+            and r.get("format") == PROFILE_FORMAT] if isinstance(found, list) else []
 
 
 def usual_reference(ranks: int, path: Path | None = None) -> tuple[float, int] | None:

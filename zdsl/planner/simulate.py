@@ -22,7 +22,6 @@ from zdsl.ir import LANES
 from zdsl.ir import DTYPE_BYTES
 from zdsl.ir import TaskGraph
 from zdsl.schedule import MachineProfile
-from zdsl.schedule import SHARED_MEMORY_FROM
 from zdsl.planner.graph_index import CyclicGraphError
 from zdsl.planner.graph_index import GraphIndex
 from zdsl.planner.graph_index import index_graph
@@ -282,10 +281,8 @@ def under_load(graph: TaskGraph, op, machine: MachineProfile) -> float:
 
 def through_shared_memory(graph: TaskGraph, op, on_host: bool) -> bool:
     """Whether the runtime runs this collective through shared memory: 2 ranks whose tensors are
-    on the host (``on_host``: a cpu machine's, of one host) and at least ``SHARED_MEMORY_FROM``
-    bytes of full tensor."""
-    return (on_host and graph.ranks == 2 and op.kind.startswith("comm.")
-            and collective_payload(graph, op) >= SHARED_MEMORY_FROM)
+    on the host (``on_host``: a cpu machine's, of one host), at any size."""
+    return on_host and graph.ranks == 2 and op.kind.startswith("comm.")
 
 
 def wake_after(graph: TaskGraph, machine: MachineProfile) -> list[float]:
@@ -316,7 +313,7 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     deps, lane_prev, order = index.deps, index.lane_prev, index.order
     if isinstance(order, int):
         raise CyclicGraphError(order)
-    slots = lane_slots(machine)
+    slots = lane_slots(machine, graph)
     wake = wake_after(graph, machine)
     if machine.cores > 0:
         # The fixed cost per op is the host's work of running it (Python dispatch, a thread's
