@@ -21,11 +21,16 @@ def lane_slots(machine: MachineProfile, graph: TaskGraph) -> dict[str, int]:
     return {"comm": n} if n > 1 else {}
 
 
+def shared_memory_pair(graph: TaskGraph, on_host: bool) -> bool:
+    """Whether ``graph``'s ranks run every collective through shared memory (runtime/dist/shm.py):
+    2 ranks whose tensors are on the host (``on_host``: a cpu machine's, of one host), at any size."""
+    return on_host and graph.ranks == 2
+
+
 def slots_of(graph: TaskGraph, machine: MachineProfile) -> int:
-    """Collectives ``graph``'s ranks run at once on ``machine``: its ``comm_slots``, except 2 cpu
-    ranks, whose collectives all go through their pair's shared memory (runtime/dist/shm.py),
-    one at a time on its worker thread."""
-    if machine.name == "cpu" and graph.ranks == 2:
+    """Collectives ``graph``'s ranks run at once on ``machine``: its ``comm_slots``, except a
+    :func:`shared_memory_pair`'s, one at a time on the pair's worker thread."""
+    if shared_memory_pair(graph, machine.name == "cpu"):
         return 1
     return max(1, int(machine.comm_slots))
 

@@ -26,6 +26,7 @@ from zdsl.planner.graph_index import CyclicGraphError
 from zdsl.planner.graph_index import GraphIndex
 from zdsl.planner.graph_index import index_graph
 from zdsl.planner.lanes import lane_slots
+from zdsl.planner.lanes import shared_memory_pair
 from zdsl.planner.lanes import union_length
 from zdsl.planner.memory import MemoryTimeline
 from zdsl.planner.memory import memory_timeline
@@ -280,9 +281,8 @@ def under_load(graph: TaskGraph, op, machine: MachineProfile) -> float:
 
 
 def through_shared_memory(graph: TaskGraph, op, on_host: bool) -> bool:
-    """Whether the runtime runs this collective through shared memory: 2 ranks whose tensors are
-    on the host (``on_host``: a cpu machine's, of one host), at any size."""
-    return on_host and graph.ranks == 2 and op.kind.startswith("comm.")
+    """Whether the runtime runs this collective through shared memory (:func:`shared_memory_pair`)."""
+    return op.kind.startswith("comm.") and shared_memory_pair(graph, on_host)
 
 
 def wake_after(graph: TaskGraph, machine: MachineProfile) -> list[float]:
