@@ -39,7 +39,8 @@ def _rank(rank: int, world: int, sizes: list[int], repeat: int) -> list | None:
 
     from zdsl.runtime.dist import collectives
     torch.set_num_threads(1)
-    collectives.GLOO_NATIVE_BELOW = 0        # every algorithm at every size (where shm cannot serve, the runtime uses native below 1 MiB)
+    # every algorithm at every size (where shm cannot serve, the runtime uses gloo's own below 1 MiB)
+    collectives.GLOO_NATIVE_BELOW = 0
     dist.init_process_group("gloo", rank=rank, world_size=world)      # rendezvous: the spawner's MASTER_*
     try:
         rows = []

@@ -87,8 +87,8 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     """Step times of ``steps`` steps of the reference schedule at ``width`` (unclipped where
     ``clip`` is off) through the real executor (all ranks at once); ``slots``: collectives the
     backend runs at once (for their service times; a shared-memory pair runs one: ``slots_of``).
-    ``compute_cpu``: each compute op's CPU time in its thread too (the wide step's, for ``compute_excess``; not the blocks' the overheads are
-    fitted on, whose op times it would add to)."""
+    ``compute_cpu``: each compute op's CPU time in its thread too (the wide step's, for
+    ``compute_excess``; not the blocks' the overheads are fitted on, whose op times it would add to)."""
     import torch
     import trio
 

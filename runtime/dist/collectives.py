@@ -143,12 +143,11 @@ def _backend(group) -> str:
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Gather every rank's ``inp`` into ``out`` (rank-major, one flat tensor)."""
-    gloo = _backend(group) == "gloo"
-    if gloo and GLOO_ALL_GATHER == "shm" and _shm_fits(out, inp):
-        pair = shm.pair_of(group)
-        if pair is not None:
-            return _finish(Pending(pair.all_gather(out, inp)), async_op)
-    if not gloo or GLOO_ALL_GATHER == "native" or _small(out):
+    backend = _backend(group)
+    pair = _shm_pair(group, backend, GLOO_ALL_GATHER, out, inp)
+    if pair is not None:
+        return _finish(Pending(pair.all_gather(out, inp)), async_op)
+    if backend != "gloo" or GLOO_ALL_GATHER == "native" or _small(out):
         return _all_gather(out, inp, group=group, async_op=async_op)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = out.view(world, -1)
@@ -161,11 +160,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``inp`` over ranks and leave this rank's slice in ``out``. ``inp`` may be overwritten."""
     backend = _backend(group)
-    if (backend == "gloo" and GLOO_REDUCE_SCATTER == "shm" and _shm_fits(out, inp)
-            and dist.get_world_size(group) == 2):
-        pair = shm.pair_of(group)
-        if pair is not None:
-            return _finish(Pending(pair.reduce_scatter(out, inp)), async_op)
+    pair = _shm_pair(group, backend, GLOO_REDUCE_SCATTER, out, inp)
+    if pair is not None:
+        return _finish(Pending(pair.reduce_scatter(out, inp)), async_op)
     if backend == "gloo" and GLOO_REDUCE_SCATTER != "native" and not _small(inp):
         return _reduce_scatter_by(GLOO_REDUCE_SCATTER, out, inp, group, async_op)
     if backend not in _no_native_reduce_scatter:
@@ -212,6 +209,14 @@ def _shm_fits(out: torch.Tensor, inp: torch.Tensor) -> bool:
             and out.is_contiguous() and inp.is_contiguous() and _get_dispatch_mode() is None)
 
 
+def _shm_pair(group, backend: str, algorithm: str, out: torch.Tensor, inp: torch.Tensor) -> "shm.Pair | None":
+    """The group's shared-memory pair where ``algorithm`` is ``"shm"`` and it can serve (gloo, CPU
+    tensors; :func:`shm.pair_of`: 2 ranks of one host), at any size; else None."""
+    if algorithm != "shm" or backend != "gloo" or not _shm_fits(out, inp):
+        return None
+    return shm.pair_of(group)
+
+
 def _small(full: torch.Tensor) -> bool:
     return full.numel() * full.element_size() < GLOO_NATIVE_BELOW
 
@@ -224,11 +229,9 @@ def _global_rank(group, group_rank: int) -> int:
 
 def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``tensor`` over ranks in place."""
-    if (GLOO_ALL_REDUCE == "shm" and _shm_fits(tensor, tensor)
-            and _backend(group) == "gloo" and dist.get_world_size(group) == 2):
-        pair = shm.pair_of(group)
-        if pair is not None:
-            return _finish(Pending(pair.all_reduce(tensor)), async_op)
+    pair = _shm_pair(group, _backend(group), GLOO_ALL_REDUCE, tensor, tensor)
+    if pair is not None:
+        return _finish(Pending(pair.all_reduce(tensor)), async_op)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 

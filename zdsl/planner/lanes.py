@@ -13,7 +13,7 @@ from zdsl.ir import TaskGraph
 from zdsl.schedule import MachineProfile
 
 
-def lane_slots(machine: MachineProfile, graph: TaskGraph) -> dict[str, int]:
+def lane_slots(graph: TaskGraph, machine: MachineProfile) -> dict[str, int]:
     """Ops a lane runs at once, where more than one: the collectives lane runs
     :func:`slots_of` (gloo works off a queue with two threads, so a collective issued behind
     another starts when either is free; NCCL's one stream runs them one at a time)."""

@@ -313,7 +313,7 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     deps, lane_prev, order = index.deps, index.lane_prev, index.order
     if isinstance(order, int):
         raise CyclicGraphError(order)
-    slots = lane_slots(machine, graph)
+    slots = lane_slots(graph, machine)
     wake = wake_after(graph, machine)
     if machine.cores > 0:
         # The fixed cost per op is the host's work of running it (Python dispatch, a thread's
