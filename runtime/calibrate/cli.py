@@ -53,11 +53,11 @@ planner uses it*, under the conditions of a real run:
   kernels, ``loop`` the event loop's thread's CPU time in each step's ops
   over the step's ops (what a free costs; the loop works for every op),
   ``comm_overhead`` per collective the cost that then makes the planner's
-  predictions of that graph and of the same step unclipped (one block
-  after the middle one, taken at the clipped step's moment: its steps run
-  in the backward, with no norms' tail) match their measured steps, their
-  geometric mean error 0 (fitted to the clipped step alone, the programs
-  that do not clip were planned 4-10 points shorter than clipping ones), and
+  predictions of that graph and of the same model stepped other ways
+  (``reference.VARIANTS``: unclipped, ZeRO-1; measured after the middle
+  block, in turn step by step with the reference, each taken as its ratio
+  to the reference's step beside it) match their measured steps, their
+  geometric mean error 0, and
   ``scatter_overhead`` per reduce-scatter that plus what a reduce-scatter
   took beyond its rated time more than the other collectives did.
   Each of these four fixed costs is clamped at 0, and 0 is a sensible,
@@ -119,10 +119,10 @@ from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, TABLE_CONTE
                                             measure_compute_table, measure_copy, measure_disk, measure_optimizer,
                                             table_batch)
 from zdsl.runtime.calibrate.ranks import joined, restore_cores
-from zdsl.runtime.calibrate.reference import (REMEASURE_PAUSE_S, REMEASURES, RUNTIME_BLOCKS, RUNTIME_STEPS,
-                                              UNCLIPPED_AFTER_BLOCK, WARM_UP_STEPS, WIDE_STEPS, WIDE_WIDTH,
-                                              is_slow_spell, measure_runtime, reference_graph, reference_times,
-                                              unclipped_step)
+from zdsl.runtime.calibrate.reference import (REFERENCE_WIDTH, REMEASURE_PAUSE_S, REMEASURES, RUNTIME_BLOCKS,
+                                              RUNTIME_STEPS, VARIANTS, VARIANTS_AFTER_BLOCK, WARM_UP_STEPS,
+                                              WIDE_STEPS, WIDE_WIDTH, is_slow_spell, measure_runtime,
+                                              measure_variants, reference_graph, reference_times, variant_steps)
 from zdsl.runtime.calibrate.slow_spell import remeasure
 from zdsl.runtime.dist.spawn import LocalRanks
 from zdsl.runtime.dist.spawn import RankFailed
@@ -214,9 +214,9 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         barrier("runtime (wide)")
         early.append(measure_runtime(device, s, rank, world, block_steps, slots))
         barrier("runtime (middle block)")
-        assert len(early) == UNCLIPPED_AFTER_BLOCK + 1
-        out["runtime_unclipped"] = measure_runtime(device, s, rank, world, block_steps, slots, clip=False)
-        barrier("runtime (unclipped)")
+        assert len(early) == VARIANTS_AFTER_BLOCK + 1
+        out["runtime_variants"] = measure_variants(device, s, rank, world, block_steps)
+        barrier("runtime (variants)")
         report("disk")
         out["disk"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank,
                                    dist.barrier if world > 1 else (lambda: None))
@@ -331,9 +331,10 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     blocks = len(block_s)
     device = "cuda" if cuda else "cpu"
     graph = reference_graph(world, device).graph
-    # the cost per collective fitted to both steps at once (calibration_fit.fit_overhead's ``also``)
-    also = ((reference_graph(world, device, clip=False).graph, unclipped_step(raw, step_s)),) \
-        if "runtime_unclipped" in first else ()
+    # the cost per collective fitted to the reference and its variants at once (fit_overhead's ``also``)
+    variants = variant_steps(raw, step_s) if "runtime_variants" in first else {}
+    also = tuple((reference_graph(world, device, REFERENCE_WIDTH, clip, stage).graph, variants[name])
+                 for name, clip, stage in VARIANTS if name in variants)
     if "runtime_wide" in first:
         wide = reference_graph(world, "cpu", WIDE_WIDTH).graph
         wide_cpu = {i: mean(lambda r: r["runtime_wide"]["compute_cpu_s"][i])
@@ -432,9 +433,10 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         notes.append(f"              (this machine's usual reference step: {usual * 1e3:.1f} ms, its latest "
                      "calibrations' median)")
     if also:
-        both = [simulate(g, profile).step_s / sec for g, sec in ((graph, step_s), *also)]
-        notes.append(f"              comm_overhead fitted to it and to the same step unclipped ({also[0][1] * 1e3:.1f} ms "
-                     f"at its moment): predicted {both[0] - 1:+.0%} and {both[1] - 1:+.0%}")
+        errors = [simulate(g, profile).step_s / sec - 1 for g, sec in ((graph, step_s), *also)]
+        notes.append("              comm_overhead fitted to it and to the same model stepped "
+                     + " and ".join(f"{name} ({sec * 1e3:.1f} ms)" for (name, _, _), (_, sec) in zip(VARIANTS, also))
+                     + f", taken in turn step by step with it: predicted {', '.join(f'{e:+.0%}' for e in errors)}")
     if "runtime_wide" in first:
         notes.append(f"  compute_excess  {_num(profile.compute_excess)}: a forward or backward in the runtime takes "
                      "(1 + this) x its rated time: the same step at width "

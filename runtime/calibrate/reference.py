@@ -21,9 +21,8 @@ from zdsl.runtime.calibrate.measure import CalibrationError, Settings
 # same schedule run beside the programs (benchmarks/prediction_error.py's drift): now 16 after 4.
 RUNTIME_STEPS = {False: 240, True: 60}
 RUNTIME_BLOCKS = 3
-# The unclipped reference (its steps run in the backward, each after its unit's reduce-scatter,
-# without the norms' tail) is one block, right after this clipped one.
-UNCLIPPED_AFTER_BLOCK = 1
+# The variants (``VARIANTS``) are measured beside the reference in one block, right after this one.
+VARIANTS_AFTER_BLOCK = 1
 WARM_UP_STEPS = 4
 # A reference step this much slower than the machine's usual one (its cached calibrations' median)
 # is taken in a slow spell: measured again in fresh ranks after a pause, up to REMEASURES times,
@@ -47,8 +46,16 @@ data      synthetic(vocab=256, context=32)
 train     steps={steps}, batch=4, precision=fp32, seed=0
 optimizer adamw(lr=1e-3{clip})
 ranks     {ranks} on {device}
-zero      3
+zero      {stage}
 """
+
+# The same model stepped other ways, whose steps the cost per collective is fitted to beside the
+# reference's (calibration_fit.fit_overhead's ``also``): (name, clip, ZeRO stage). Unclipped, a
+# unit's step runs in the backward right after its reduce-scatter, with no norms' tail; ZeRO-1
+# all-reduces gradients and gathers the stepped shards once a step. Fitted on the clipped ZeRO-3
+# step alone, programs that do not clip were planned 4-10 points short, and after small
+# collectives went through shared memory ZeRO-1's 5-18% short (benchmarks/README, stops 38, 43).
+VARIANTS = (("unclipped", False, 3), ("zero1", False, 1))
 
 
 REFERENCE_WIDTH = 64
@@ -59,22 +66,24 @@ WIDE_WIDTH = 256
 WIDE_STEPS = {False: 36, True: 12}
 
 
-def reference_text(steps: int, ranks: int, device: str, width: int = REFERENCE_WIDTH, clip: bool = True) -> str:
+def reference_text(steps: int, ranks: int, device: str, width: int = REFERENCE_WIDTH, clip: bool = True,
+                   stage: int = 3) -> str:
     """The reference schedule's source at ``width``: heads 64 wide (as the compute test's block), at
-    least the width-64 step's 4; without gradient clipping where ``clip`` is off."""
+    least the width-64 step's 4; without gradient clipping where ``clip`` is off; ZeRO ``stage``."""
     return REFERENCE.format(steps=steps, ranks=ranks, device=device, width=width, heads=max(4, width // 64),
-                            clip=", clip=1.0" if clip else "")
+                            clip=", clip=1.0" if clip else "", stage=stage)
 
 
 @functools.lru_cache(maxsize=None)
-def reference_graph(ranks: int, device: str, width: int = REFERENCE_WIDTH, clip: bool = True):
-    """The compiled reference schedule at ``width`` (unclipped where ``clip`` is off): once per
-    process, for the runtime blocks and the fit alike (nothing that runs it changes it)."""
+def reference_graph(ranks: int, device: str, width: int = REFERENCE_WIDTH, clip: bool = True, stage: int = 3):
+    """The compiled reference schedule at ``width`` (unclipped where ``clip`` is off, at ZeRO
+    ``stage``): once per process, for the runtime blocks and the fit alike (nothing that runs it
+    changes it)."""
     from zdsl.driver import compile_file
     with tempfile.TemporaryDirectory(prefix="zdsl-calibrate-") as tmp:
         path = os.path.join(tmp, "reference.zs")
         with open(path, "w", encoding="utf-8") as f:
-            f.write(reference_text(RUNTIME_STEPS[False], ranks, device, width, clip))
+            f.write(reference_text(RUNTIME_STEPS[False], ranks, device, width, clip, stage))
         compiled = compile_file(path, {}, simulate=False)
     if not compiled.ok:
         raise CalibrationError("the reference schedule does not compile: "
@@ -82,28 +91,56 @@ def reference_graph(ranks: int, device: str, width: int = REFERENCE_WIDTH, clip:
     return compiled
 
 
-def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slots: int = 1,
-                    width: int = REFERENCE_WIDTH, compute_cpu: bool = False, clip: bool = True) -> dict:
-    """Step times of ``steps`` steps of the reference schedule at ``width`` (unclipped where
-    ``clip`` is off) through the real executor (all ranks at once); ``slots``: collectives the
-    backend runs at once (for their service times; a shared-memory pair runs one: ``slots_of``).
-    ``compute_cpu``: each compute op's CPU time in its thread too (the wide step's, for
-    ``compute_excess``; not the blocks' the overheads are fitted on, whose op times it would add to)."""
-    import torch
-    import trio
-
+def _stepper(compiled, device, rank: int, world: int):
+    """(the rank's state, an async function running step ``n`` of ``compiled`` through the
+    executor and returning (its record, the event loop's CPU seconds in its ops))."""
     from zdsl.runtime.data import make_batch
     from zdsl.runtime.exec.executor import Executor
+    from zdsl.runtime.exec.streams import lane_streams
     from zdsl.runtime.models.batch import as_batch
     from zdsl.runtime.models.protocol import build_model
     from zdsl.runtime.state.rank import RankState
-    from zdsl.runtime.dist.collectives import all_gather
-    from zdsl.runtime.exec.streams import lane_streams
-    from zdsl.runtime.run.guard import run_stoppable
-    compiled = reference_graph(world, device.type, width, clip)
     graph, schedule = compiled.graph, compiled.schedule
     state = RankState(graph, build_model(schedule.model, seed=0), rank=rank, world=world, device=device)
     executor = Executor(graph, state, rank, streams=lane_streams(graph, device))
+    t = schedule.train
+
+    async def step(n: int):
+        batches = [as_batch(make_batch(schedule.data, t.seed, n, m, rank, world, t.batch)).to(device)
+                   for m in range(t.accumulate)]
+        state.step_begin(n, batches)
+        begin = time.thread_time()
+        record = await executor.run_step()
+        loop_cpu = time.thread_time() - begin
+        state.step_end()
+        return record, loop_cpu
+    return state, step
+
+
+def _aligner(device, world: int):
+    """What `zdsl run` does after each step, gathering its metrics: the ranks start the next aligned."""
+    import torch
+
+    from zdsl.runtime.dist.collectives import all_gather
+    # on the run's device: NCCL gathers only CUDA tensors (gloo takes CPU ones)
+    mine, gathered = torch.zeros(8, device=device), torch.zeros(8 * world, device=device)
+    return (lambda: all_gather(gathered, mine)) if world > 1 else (lambda: None)
+
+
+def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slots: int = 1,
+                    width: int = REFERENCE_WIDTH, compute_cpu: bool = False) -> dict:
+    """Step times of ``steps`` steps of the reference schedule at ``width`` through the real
+    executor (all ranks at once); ``slots``: collectives the backend runs at once (for their
+    service times; a shared-memory pair runs one: ``slots_of``). ``compute_cpu``: each compute
+    op's CPU time in its thread too (the wide step's, for ``compute_excess``; not the blocks' the
+    overheads are fitted on, whose op times it would add to)."""
+    import torch
+    import trio
+
+    from zdsl.runtime.run.guard import run_stoppable
+    compiled = reference_graph(world, device.type, width, True, 3)
+    graph = compiled.graph
+    state, step = _stepper(compiled, device, rank, world)
     # each compute op's CPU time in its thread (not its wall time: the lane's thread also waits
     # for the core while other threads run, which the planner's sharing of the core prices)
     cpu_s: dict[int, list[float]] = {}
@@ -115,29 +152,19 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
             run_compute(op)
             cpu_s.setdefault(op.id, []).append(time.thread_time() - begin)
         state.run_compute = timed_compute
-    t = schedule.train
-    # on the run's device: NCCL gathers only CUDA tensors (gloo takes CPU ones)
-    mine = torch.zeros(8, device=device)
-    gathered = torch.zeros(8 * world, device=device)
-
-    loop_cpu: list[float] = []          # the event loop's (this thread's) CPU seconds in each step's ops
+    align = _aligner(device, world)
 
     async def loop() -> list:
-        records = []
-        for step in range(steps):
-            batches = [as_batch(make_batch(schedule.data, t.seed, step, m, rank, world, t.batch)).to(device)
-                       for m in range(t.accumulate)]
-            state.step_begin(step, batches)
-            begin = time.thread_time()
-            records.append(await executor.run_step())
-            loop_cpu.append(time.thread_time() - begin)
-            state.step_end()
-            if world > 1:                 # `zdsl run` gathers each step's metrics: ranks start aligned
-                all_gather(gathered, mine)
-        return records
+        out = []
+        for n in range(steps):
+            out.append(await step(n))
+            align()
+        return out
 
-    records = trio.run(run_stoppable, loop)[WARM_UP_STEPS:]    # the first steps allocate and warm up
-    del state, executor
+    done = trio.run(run_stoppable, loop)
+    records = [r for r, _ in done][WARM_UP_STEPS:]      # the first steps allocate and warm up
+    loop_cpu = [c for _, c in done][WARM_UP_STEPS:]
+    del state, step
     if device.type == "cuda":
         torch.cuda.empty_cache()
     slots = slots_of(graph, MachineProfile(name=device.type, comm_slots=slots))
@@ -150,20 +177,45 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
             "comm_loaded_s": {i: statistics.median(x[i] for x in loaded) for i in comm_ops(graph)},
             # the mean, as for the collectives: a step pays each hop's tail too
             "wake_s": statistics.fmean([w for t in records for w in wake_delays(graph, t)] or [0.0]),
-            "loop_s": statistics.median(loop_cpu[WARM_UP_STEPS:]) / len(graph.ops),   # the steps records keeps
+            "loop_s": statistics.median(loop_cpu) / len(graph.ops),
             "ops": len(graph.ops),
             "compute_cpu_s": {i: statistics.median(ts[WARM_UP_STEPS:] or ts) for i, ts in cpu_s.items()}}
 
 
+def measure_variants(device, s: Settings, rank: int, world: int, steps: int) -> dict:
+    """Step times of the reference and of each of its :data:`VARIANTS`, ``steps`` each after
+    warm-up, taken in turn step by step (reference, unclipped, zero1, reference, ...), so that
+    the host's speed, which moves from one second to the next (30-60% here), is the same for
+    each's steps; by name (the reference's: ``"reference"``)."""
+    import trio
+
+    from zdsl.runtime.run.guard import run_stoppable
+    kinds = (("reference", True, 3), *VARIANTS)
+    steppers = {name: _stepper(reference_graph(world, device.type, REFERENCE_WIDTH, clip, stage), device, rank,
+                              world)[1]
+                for name, clip, stage in kinds}
+    align = _aligner(device, world)
+
+    async def loop() -> dict:
+        times: dict[str, list[float]] = {name: [] for name in steppers}
+        for n in range(WARM_UP_STEPS + steps):
+            for name, step in steppers.items():
+                record, _ = await step(n)
+                times[name].append(record.seconds)
+                align()
+        return {name: ts[WARM_UP_STEPS:] for name, ts in times.items()}
+    return {"steps": trio.run(run_stoppable, loop)}
+
+
 def measure_set(device, s: Settings, rank: int, world: int, slots: int = 1) -> tuple[list[dict], dict]:
-    """(the clipped blocks, the unclipped block after block :data:`UNCLIPPED_AFTER_BLOCK`) of the
-    reference step, one after another: a set as calibrate spreads it over its run."""
+    """(the reference's blocks, the variants measured after block :data:`VARIANTS_AFTER_BLOCK`)
+    one after another: a set as calibrate spreads it over its run."""
     steps = RUNTIME_STEPS[s.quick] // RUNTIME_BLOCKS
-    blocks = [measure_runtime(device, s, rank, world, steps, slots) for _ in range(UNCLIPPED_AFTER_BLOCK + 1)]
-    unclipped = measure_runtime(device, s, rank, world, steps, slots, clip=False)
+    blocks = [measure_runtime(device, s, rank, world, steps, slots) for _ in range(VARIANTS_AFTER_BLOCK + 1)]
+    variants = measure_variants(device, s, rank, world, steps)
     blocks += [measure_runtime(device, s, rank, world, steps, slots)
-               for _ in range(RUNTIME_BLOCKS - UNCLIPPED_AFTER_BLOCK - 1)]
-    return blocks, unclipped
+               for _ in range(RUNTIME_BLOCKS - VARIANTS_AFTER_BLOCK - 1)]
+    return blocks, variants
 
 
 def reference_times(raw: list[dict]) -> tuple[float, list[float], dict[int, float], dict[int, float],
@@ -209,9 +261,12 @@ def set_step(raw: list[dict]) -> float:
     return statistics.median(block_steps(raw))
 
 
-def unclipped_step(raw: list[dict], reference_s: float) -> float:
-    """The unclipped reference's step at the clipped one's moment: its block's step times
-    ``reference_s`` over the clipped block measured just before it (the middle one), so the host's
-    speed in that minute cancels out."""
-    before = block_step([r["runtime"][UNCLIPPED_AFTER_BLOCK] for r in raw])
-    return block_step([r["runtime_unclipped"] for r in raw]) * reference_s / before
+def variant_steps(raw: list[dict], reference_s: float) -> dict[str, float]:
+    """Each variant's step (``raw[rank]["runtime_variants"]``) at the reference step's moment: the
+    median over rounds of its step over the reference's step of the same round (each the slowest
+    rank's), times ``reference_s``; by name."""
+    every = [r["runtime_variants"]["steps"] for r in raw]
+    slowest = {name: [max(times) for times in zip(*(e[name] for e in every))] for name in every[0]}
+    reference = slowest.pop("reference")
+    return {name: statistics.median(v / r for v, r in zip(steps, reference)) * reference_s
+            for name, steps in slowest.items()}

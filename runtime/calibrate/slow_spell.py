@@ -28,7 +28,7 @@ from zdsl.runtime.dist.spawn import LocalRanks, RankFailed, free_port
 
 
 def remeasure(raw: list[dict], s: Settings, backend: str, report=lambda: None) -> list[float]:
-    """Measure the ranks' reference set (``raw[rank]["runtime"]`` and ``["runtime_unclipped"]``)
+    """Measure the ranks' reference set (``raw[rank]["runtime"]`` and ``["runtime_variants"]``)
     again while it is a slow spell (once, with no usual step to compare with), replacing it by a
     faster set; returns each set's step, the first measured first. ``report`` is called before
     each new set."""
@@ -42,7 +42,7 @@ def remeasure(raw: list[dict], s: Settings, backend: str, report=lambda: None) -
         tries.append(set_step(again))
         if tries[-1] < min(tries[:-1]):
             for mine, new in zip(raw, again):
-                mine["runtime"], mine["runtime_unclipped"] = new["runtime"], new["runtime_unclipped"]
+                mine["runtime"], mine["runtime_variants"] = new["runtime"], new["runtime_variants"]
     return tries
 
 
@@ -66,8 +66,8 @@ def _in_fresh_ranks(s: Settings, backend: str) -> list[dict]:
 def _measure(rank: int, world: int, port: int, s: Settings, backend: str) -> list[dict]:
     import torch.distributed as dist
     with joined(rank, world, port, s, backend) as me:
-        blocks, unclipped = measure_set(me.device, s, rank, world, me.slots)
-        mine = {"runtime": blocks, "runtime_unclipped": unclipped}
+        blocks, variants = measure_set(me.device, s, rank, world, me.slots)
+        mine = {"runtime": blocks, "runtime_variants": variants}
         if world == 1:
             return [mine]
         every: list = [None] * world

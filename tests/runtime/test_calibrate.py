@@ -239,18 +239,45 @@ def test_the_reference_step_is_the_median_block_of_the_slowest_rank():
     assert comm == {} and loaded == {}              # no collectives' service times in these blocks
 
 
-def test_the_unclipped_step_is_taken_at_the_clipped_steps_moment():
-    """The unclipped block ran right after the middle clipped block, in a burst that slowed both
-    3x: scaled by the reference step over that block, it is what it would have been beside the
-    median block (0.9 of the clipped step), not 3x it."""
-    from zdsl.runtime.calibrate.reference import UNCLIPPED_AFTER_BLOCK
-    from zdsl.runtime.calibrate.reference import unclipped_step
+def test_a_variants_step_is_its_ratio_to_the_reference_step_beside_it():
+    """The variants ran in turn with the reference step by step, through a burst that slowed the
+    middle round 3x: each is its median ratio to the reference's step of the same round (the
+    slowest rank's each), times the reference step, so the burst moves nothing."""
+    from zdsl.runtime.calibrate.reference import variant_steps
 
-    def ranks(middle, unclipped):
-        blocks = [{"steps": [1.0, 1.0]} for _ in range(3)]
-        blocks[UNCLIPPED_AFTER_BLOCK] = {"steps": [middle, middle]}
-        return {"runtime": blocks, "runtime_unclipped": {"steps": [unclipped, unclipped]}}
-    assert unclipped_step([ranks(3.0, 2.7), ranks(3.0, 2.4)], 1.0) == pytest.approx(0.9)
+    def rank(f):
+        return {"runtime_variants": {"steps": {"reference": [1.0 * f, 3.0 * f, 1.0 * f],
+                                               "unclipped": [0.9 * f, 2.7 * f, 0.9 * f],
+                                               "zero1": [0.8, 2.4, 0.7]}}}
+    steps = variant_steps([rank(1.0), rank(0.5)], 2.0)
+    assert steps == {"unclipped": pytest.approx(1.8), "zero1": pytest.approx(1.6)}
+
+
+def test_the_variants_run_in_turn_with_the_reference(monkeypatch):
+    """Each round runs the reference, then each variant (unclipped ZeRO-3, ZeRO-1), one step each,
+    after the same warm-up: the pairs a ratio is taken of are neighbours in time."""
+    import torch
+
+    from zdsl.runtime.calibrate import reference
+    from zdsl.runtime.calibrate.measure import Settings
+    ran = []
+
+    class Record:
+        seconds = 1.0
+
+    def stepper(compiled, device, rank, world):
+        s = compiled.schedule
+
+        async def step(n):
+            ran.append((s.optimizer.clip, s.stage, n))
+            return Record(), 0.0
+        return None, step
+    monkeypatch.setattr(reference, "_stepper", stepper)
+    out = reference.measure_variants(torch.device("cpu"), Settings(), 0, 1, 2)
+    assert set(out["steps"]) == {"reference", "unclipped", "zero1"}
+    assert all(len(ts) == 2 for ts in out["steps"].values())
+    assert ran[:6] == [(1.0, 3, 0), (None, 3, 0), (None, 1, 0), (1.0, 3, 1), (None, 3, 1), (None, 1, 1)]
+    assert len(ran) == 3 * (reference.WARM_UP_STEPS + 2)
 
 
 @pytest.mark.parametrize("scatter_extra", [6e-4, 0.0])
@@ -476,7 +503,7 @@ def test_a_reference_step_in_a_slow_spell_is_measured_again_in_fresh_ranks_and_t
     def ranks_at(step: float, rank_one: float = 1.0) -> list[dict]:
         """Two ranks' reference sets whose step is ``step`` (the slowest rank's), tagged by it."""
         return [{"runtime": [{"steps": [step * f] * 4} for _ in range(RUNTIME_BLOCKS)],
-                 "runtime_unclipped": {"at": step}} for f in (rank_one, 0.9)]
+                 "runtime_variants": {"at": step}} for f in (rank_one, 0.9)]
     sets = iter(firsts[1:])
     sleeps, fresh = [], []
     monkeypatch.setattr(slow_spell.time, "sleep", sleeps.append)
@@ -489,7 +516,7 @@ def test_a_reference_step_in_a_slow_spell_is_measured_again_in_fresh_ranks_and_t
     assert slow_spell.remeasure(raw, Settings(usual_reference_s=usual), "gloo") == firsts
     assert len(fresh) == len(firsts) - 1 and len(sleeps) == (0 if usual is None else len(fresh))
     assert set_step(raw) == pytest.approx(kept)
-    assert [r["runtime_unclipped"]["at"] for r in raw] == [kept, kept]     # each rank's whole set kept
+    assert [r["runtime_variants"]["at"] for r in raw] == [kept, kept]     # each rank's whole set kept
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
