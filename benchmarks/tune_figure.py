@@ -5,7 +5,7 @@
     python benchmarks/tune_figure.py --program programs/zero2.zs --set overlap=none --set overlap=scatter/backward
 
 Every candidate (one ``--set`` each, default prefetch 0, 1 and 2 at bucket 256KiB) runs
-``--steps`` steps once per round, in rotating order, a round's runs in one launch as tune's
+``--steps`` steps once per round, in tune's order for the round, a round's runs in one launch as tune's
 (``--launch round``, ``zdsl run --variants``) or each in its own ``zdsl run`` (``--launch run``);
 every step's time is kept. Then, for each window of timed steps and each figure of a window
 (median, mean, 25th and 10th percentile, minimum), the ratio of each candidate's figure to the last
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from zdsl.tune.measure import RunFailed, quantile, read_metrics, run_zdsl, set_options, write_variants  # noqa: E402
 from zdsl.tune.noise import spread  # noqa: E402
-from zdsl.tune.rounds import rotated  # noqa: E402
+from zdsl.tune.rounds import round_order  # noqa: E402
 from zdsl.tune.search import Candidate  # noqa: E402
 
 FIGURES = {
@@ -47,7 +47,7 @@ def collect(program: str, cands: list[Candidate], rounds: int, steps: int, launc
     """Per run: its round, candidate (label) and step times."""
     out = []
     for r in range(rounds):
-        order = rotated(cands, r)
+        order = round_order(cands, r)
         with tempfile.TemporaryDirectory(prefix="zdsl-figure-") as tmp:
             variants, files = write_variants(tmp, order)
             try:

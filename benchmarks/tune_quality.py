@@ -12,7 +12,7 @@ them to ``--vary``):
    rounds (every combination once per round, a ``zdsl run`` of ``--steps``
    steps, the first ``--warmup`` not timed, as a user runs a schedule, or with
    ``--truth-launch round`` a round's runs in one launch as tune measures them;
-   the order rotating each round as tune's does); half the rounds before the tune
+   in tune's order for each round); half the rounds before the tune
    runs and half after, so that a drift of the machine during the benchmark
    falls on both. The true best has the lowest median of its figures each
    divided by its round's geometric mean, and a combination is "x% behind the
@@ -59,7 +59,7 @@ from zdsl.planner import profile_cache  # noqa: E402
 from zdsl.tune import noise  # noqa: E402
 from zdsl.tune.measure import RunFailed, measure_each, measure_round  # noqa: E402
 from zdsl.tune.rounds import (DEFAULT_BUDGET_S, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP,  # noqa: E402
-                              rotated)
+                              round_order)
 from zdsl.tune.search import Candidate, combinations, parse_vary, predict  # noqa: E402
 
 # program -> its knobs, as --vary arguments (two meaningful knobs each; nvme has one that matters)
@@ -128,13 +128,13 @@ def main() -> int:
 
 
 def measure_truth(file: str, cands: list[Candidate], rounds, args) -> None:
-    """Every candidate once per round, the order rotating each round as tune's does, so that no
+    """Every candidate once per round, in tune's order for the round (``round_order``), so that no
     candidate always runs first or after the same one. ``--truth-launch run``: one ``zdsl run`` each, as
     a user runs a schedule; ``round``: the round's candidates in one launch (``--variants``), as tune
     measures them, seconds apart rather than a launch apart (a tighter pairing, many more rounds)."""
     for r in rounds:
         t0 = time.monotonic()
-        order = rotated(cands, r - 1)
+        order = round_order(cands, r - 1)
         each = measure_round if args.truth_launch == "round" else measure_each
         results = each(file, order, args.steps, args.warmup, 600.0)
         for cand in order:

@@ -55,8 +55,9 @@ ranges: prefetch=0..4 is every integer from 0 to 4 (step 1); bucket=256KiB..16Mi
   end is always included). Ranges and values mix: bucket=0,256KiB..4MiB.
 values with top-level commas (overlap pairs): separate alternatives with '|',
   e.g. --vary 'overlap=all|gather/forward,scatter/backward'
-verdicts: each round runs every candidate once, back to back in one launch, the order
-  rotated each round (A B C, B C A, C A B, ...); a round's figure is a candidate's run's
+verdicts: each round runs every candidate once, back to back in one launch, in an order
+  that changes each round so that none always runs first or after the same one (A B C,
+  A C B, C A B, C B A, B C A, B A C); a round's figure is a candidate's run's
   {quantile:.0f}th-percentile step after the warm-up (the steps no slow spell of the host
   fell on). "measured" is the median of those figures, "spread" their interquartile range;
   "step/pred" the runs' median step over the prediction (the planner predicts a typical step).

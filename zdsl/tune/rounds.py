@@ -3,9 +3,10 @@
 A round runs every candidate still in the race once, all in one launch
 (``zdsl.tune.measure.measure_round``), so they share its processes' conditions
 and a spell of load from elsewhere falls on neighbouring runs of different
-candidates rather than on all runs of one. The order rotates each round (A B
-C, B C A, C A B, ...): no candidate always runs first, after the start-up, or
-always after the same one (whose warm heap or caches it would inherit). From
+candidates rather than on all runs of one. The order changes each round
+(:func:`round_order`, a Williams design): no candidate always runs first, after
+the start-up, or always after the same one (whose warm heap or caches it would
+inherit; a rotation, A B C, B C A, C A B, keeps each behind the same one). From
 round :data:`MIN_ROUNDS` on, a candidate clearly slower than the fastest median
 (``zdsl.tune.noise``) is not run again. The race stops at the first of:
 
@@ -80,7 +81,7 @@ def race(cands: list[Candidate], measure_round: MeasureRound, budget_s: float = 
         r += 1
         t0 = clock()
         ran = len(active)
-        results = measure_round(rotated(active, r - 1))
+        results = measure_round(round_order(active, r - 1))
         for cand in active:
             run = results.get(cand.label, RunFailed("the round gave no figure for it"))
             if isinstance(run, RunFailed):
@@ -116,10 +117,23 @@ def race(cands: list[Candidate], measure_round: MeasureRound, budget_s: float = 
     return Race(r, clock() - start, stopped)
 
 
-def rotated(cands: list[Candidate], by: int) -> list[Candidate]:
-    """``cands`` starting at index ``by`` (modulo their number), wrapping round."""
-    k = by % len(cands) if cands else 0
-    return cands[k:] + cands[:k]
+def round_order(cands: list, r: int) -> list:
+    """``cands`` in the order of round ``r`` (from 0): row ``r`` of a Williams design, the sequence
+    0, 1, n-1, 2, n-2, ... shifted by ``r``, every other row reversed where ``n`` is odd. Over ``n``
+    rounds (``2n`` where odd) each candidate runs once in each place and right after each other
+    one equally often."""
+    n = len(cands)
+    base, lo, hi = [0], 1, n - 1
+    while lo <= hi:
+        base.append(lo)
+        lo += 1
+        if lo <= hi:
+            base.append(hi)
+            hi -= 1
+    row = [(b + r) % n for b in base] if n else []
+    if n % 2 and r % 2:
+        row.reverse()
+    return [cands[i] for i in row]
 
 
 def progress(r: int, spent: float, budget_s: float, lead: Candidate | None, active: list[Candidate],
