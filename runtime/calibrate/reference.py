@@ -185,8 +185,8 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
 def measure_variants(device, s: Settings, rank: int, world: int, steps: int) -> dict:
     """Step times of the reference and of each of its :data:`VARIANTS`, ``steps`` each after
     warm-up, taken in turn step by step (reference, unclipped, zero1, reference, ...), so that
-    the host's speed, which moves from one second to the next (30-60% here), is the same for
-    each's steps; by name (the reference's: ``"reference"``)."""
+    the host's speed, which moves from one second to the next, is the same for each's steps; by
+    name (the reference's: ``"reference"``)."""
     import trio
 
     from zdsl.runtime.run.guard import run_stoppable
