@@ -334,7 +334,7 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     # the cost per collective fitted to the reference and its variants at once (fit_overhead's ``also``)
     variants = variant_steps(raw, step_s) if "runtime_variants" in first else {}
     also = tuple((reference_graph(world, device, REFERENCE_WIDTH, clip, stage).graph, variants[name])
-                 for name, clip, stage in VARIANTS if name in variants)
+                 for name, clip, stage in VARIANTS) if variants else ()
     if "runtime_wide" in first:
         wide = reference_graph(world, "cpu", WIDE_WIDTH).graph
         wide_cpu = {i: mean(lambda r: r["runtime_wide"]["compute_cpu_s"][i])

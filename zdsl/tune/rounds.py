@@ -123,6 +123,8 @@ def round_order(cands: list, r: int) -> list:
     rounds (``2n`` where odd) each candidate runs once in each place and right after each other
     one equally often."""
     n = len(cands)
+    if n < 2:
+        return list(cands)
     base, lo, hi = [0], 1, n - 1
     while lo <= hi:
         base.append(lo)
@@ -130,7 +132,7 @@ def round_order(cands: list, r: int) -> list:
         if lo <= hi:
             base.append(hi)
             hi -= 1
-    row = [(b + r) % n for b in base] if n else []
+    row = [(b + r) % n for b in base]
     if n % 2 and r % 2:
         row.reverse()
     return [cands[i] for i in row]
