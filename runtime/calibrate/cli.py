@@ -79,7 +79,9 @@ planner uses it*, under the conditions of a real run:
   time. The width-64 step cannot tell it from a cost per kernel (its units'
   compute is a third of their time), so without it every wider unit was
   planned short: forwards 5-12%, backwards 12-22% in thread time at widths
-  128-512.
+  128-512. That CPU time is taken at the host's speed of the compute table:
+  the table's block at ``WIDE_PROBE_WIDTH`` runs again after each wide step,
+  and the units' time is scaled by its time then over its time in the table.
 * ``cores``: the rank's share of the host's cores (ranks are bound to it).
 * ``comm_under_load``: on CPU, the share of its rate a collective keeps
   while compute fills those cores: gloo's threads wait for a core rather
@@ -117,12 +119,13 @@ from zdsl.planner.simulate import simulate
 from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, TABLE_CONTEXT, CalibrationError, Settings,
                                             compute_dtype, measure_collectives, measure_compute,
                                             measure_compute_table, measure_copy, measure_disk, measure_optimizer,
-                                            table_batch)
+                                            table_batch, table_block)
 from zdsl.runtime.calibrate.ranks import joined, restore_cores
 from zdsl.runtime.calibrate.reference import (REFERENCE_WIDTH, REMEASURE_PAUSE_S, REMEASURES, RUNTIME_BLOCKS,
                                               RUNTIME_STEPS, VARIANTS, VARIANTS_AFTER_BLOCK, WARM_UP_STEPS,
-                                              WIDE_STEPS, WIDE_WIDTH, is_slow_spell, measure_runtime,
-                                              measure_variants, reference_graph, reference_times, variant_steps)
+                                              WIDE_PROBE_WIDTH, WIDE_STEPS, WIDE_WIDTH, is_slow_spell, measure_runtime,
+                                              measure_variants, reference_graph, reference_times, variant_steps,
+                                              wide_speed)
 from zdsl.runtime.calibrate.slow_spell import remeasure
 from zdsl.runtime.dist.spawn import LocalRanks
 from zdsl.runtime.dist.spawn import RankFailed
@@ -210,7 +213,8 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         barrier("collectives")
         if device.type == "cpu":    # a GPU's kernels run beside the host's launches: no excess to see
             out["runtime_wide"] = measure_runtime(device, s, rank, world, WARM_UP_STEPS + WIDE_STEPS[s.quick],
-                                                  slots, width=WIDE_WIDTH, compute_cpu=True)
+                                                  slots, width=WIDE_WIDTH, compute_cpu=True,
+                                                  probe=table_block(device, WIDE_PROBE_WIDTH)[0])
         barrier("runtime (wide)")
         early.append(measure_runtime(device, s, rank, world, block_steps, slots))
         barrier("runtime (middle block)")
@@ -337,7 +341,8 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                  for name, clip, stage in VARIANTS) if variants else ()
     if "runtime_wide" in first:
         wide = reference_graph(world, "cpu", WIDE_WIDTH).graph
-        wide_cpu = {i: mean(lambda r: r["runtime_wide"]["compute_cpu_s"][i])
+        # at the compute table's speed of the host (a spell between the two is not an excess)
+        wide_cpu = {i: mean(lambda r: r["runtime_wide"]["compute_cpu_s"][i] * wide_speed(r))
                     for i in first["runtime_wide"]["compute_cpu_s"]}
         # the fixed costs (fitted on the small step) and the excess (on the wide one) each take a
         # share of the other's time: fitted in turn, then the step's costs once more with the excess
@@ -441,7 +446,11 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         notes.append(f"  compute_excess  {_num(profile.compute_excess)}: a forward or backward in the runtime takes "
                      "(1 + this) x its rated time: the same step at width "
                      f"{WIDE_WIDTH} ({len(first['runtime_wide']['steps'])} steps), its units' CPU time in their "
-                     "thread less the fixed costs above, against their rated time")
+                     "thread less the fixed costs above, against their rated time"
+                     + (f"; taken at the compute table's speed of the host: its width-{WIDE_PROBE_WIDTH} block, run "
+                        "after each wide step, took "
+                        + ", ".join(f"{1 / wide_speed(r):.2f}x" for r in raw) + " its time in the table (by rank)"
+                        if "probe_s" in first["runtime_wide"] else ""))
     disk = first["disk"]
     notes.append(f"  disk        the runtime's swapper ({'O_DIRECT' if disk['direct'] else 'buffered: no O_DIRECT here'}, "
                  f"{human_bytes(s.block)} requests, {s.depth} in flight) writing and reading "

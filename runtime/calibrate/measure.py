@@ -181,34 +181,44 @@ def measure_compute_table(device, s: Settings, fixed_s: float = 0.0, known: dict
     ``kernel_overhead``; at most half the time). Not the slope over batch sizes that gives
     ``flops``: at width 2048 a matrix product of 64 rows runs far below one of 128 (bf16 slope 447
     against 129 GFLOP/s at the batch here), so the slope prices large units far too fast.
-    ``known``: rates already measured at this shape, by (precision, width)."""
-    import torch
-    from zdsl.compile.units import gpt_units
-    from zdsl.runtime.models.gpt import Block
-    from zdsl.runtime.state.precision import DTYPES
+    ``known``: rates already measured at this shape, by (precision, width); ``seconds``: each
+    entry's median time (None where known)."""
     kind = "cpu" if device.type == "cpu" else "cuda"
     widths, context = TABLE_WIDTHS[kind], TABLE_CONTEXT[kind]
     sync = _sync_for(device)
     budget = s.budget(0.5, 0.15)
     out: dict = {"widths": list(widths), "context": context,
-                 "batches": [table_batch(kind, w) for w in widths], "fixed_s": fixed_s}
+                 "batches": [table_batch(kind, w) for w in widths], "fixed_s": fixed_s, "seconds": {}}
     for precision in TABLE_PRECISIONS[kind]:
-        dtype = DTYPES[precision]
-        rates = []
+        rates, seconds = [], []
         for width in widths:
             if known and (precision, width) in known:
                 rates.append(known[(precision, width)])
+                seconds.append(None)
                 continue
-            torch.manual_seed(0)
-            heads = max(1, width // 64)
-            block = Block(width, heads).to(device=device, dtype=dtype)
-            b = table_batch(kind, width)
-            flops = 3.0 * gpt_units(1, width, heads, 256, context)[1].fwd_flops_per_seq * b
-            t = _median_time(_block_fwd_bwd(block, b, context, width), sync, budget)
+            fwd_bwd, flops = table_block(device, width, precision)
+            t = _median_time(fwd_bwd, sync, budget)
             rates.append(flops / max(t - fixed_s, t / 2))
-            del block
+            seconds.append(t)
+            del fwd_bwd
         out[precision] = rates
+        out["seconds"][precision] = seconds     # each entry's own time, for the wide step's pairing
     return out
+
+
+def table_block(device, width: int, precision: str = "fp32"):
+    """(a closure running the compute table's GPT block at ``width`` forward and backward once,
+    its flops): the table's entry, to be measured again later (the wide reference step's probe)."""
+    import torch
+    from zdsl.compile.units import gpt_units
+    from zdsl.runtime.models.gpt import Block
+    from zdsl.runtime.state.precision import DTYPES
+    kind = "cpu" if device.type == "cpu" else "cuda"
+    context, b, heads = TABLE_CONTEXT[kind], table_batch(kind, width), max(1, width // 64)
+    torch.manual_seed(0)
+    block = Block(width, heads).to(device=device, dtype=DTYPES[precision])
+    flops = 3.0 * gpt_units(1, width, heads, 256, context)[1].fwd_flops_per_seq * b
+    return _block_fwd_bwd(block, b, context, width), flops
 
 
 def measure_optimizer(device, s: Settings) -> dict:

@@ -93,6 +93,8 @@ def test_quick_profile_parses(tmp_path, capsys, monkeypatch):
     if cores is not None:     # rank 0 measured in this process, bound to its share: the cores are back
         assert os.sched_getaffinity(0) == cores
     assert not list(tmp_path.glob(".zdsl-calibrate-*"))          # test files removed
+    # the wide step's excess is taken at the host's speed of the compute table, and says so
+    assert "its width-512 block, run after each wide step, took" in out.read_text()
 
 
 def _written(tmp_path, profile: MachineProfile, edit=lambda text: text):
@@ -278,6 +280,43 @@ def test_the_variants_run_in_turn_with_the_reference(monkeypatch):
     assert all(len(ts) == 2 for ts in out["steps"].values())
     assert ran[:6] == [(1.0, 3, 0), (None, 3, 0), (None, 1, 0), (1.0, 3, 1), (None, 3, 1), (None, 1, 1)]
     assert len(ran) == 3 * (reference.WARM_UP_STEPS + 2)
+
+
+def test_the_wide_step_is_taken_at_the_compute_tables_speed_of_the_host():
+    """The table's width-512 block took 40 ms when the table was measured and 50 ms run after
+    each wide step: the host ran at 0.8 of the table's speed then. Without either time, 1."""
+    from zdsl.runtime.calibrate.reference import WIDE_PROBE_WIDTH, wide_speed
+    assert WIDE_PROBE_WIDTH == 512
+    table = {"widths": [64, 512, 2048], "seconds": {"fp32": [None, 0.04, 0.2]}}
+    assert wide_speed({"compute_table": table, "runtime_wide": {"probe_s": 0.05}}) == pytest.approx(0.8)
+    assert wide_speed({"compute_table": table, "runtime_wide": {}}) == 1.0
+    assert wide_speed({"compute_table": {"widths": [64, 512, 2048]}, "runtime_wide": {"probe_s": 0.05}}) == 1.0
+
+
+def test_the_probe_runs_after_each_step_of_the_wide_reference(monkeypatch, one_rank_group):
+    """The probe is timed once after every step, warm-up included, and its median after warm-up
+    reported: in turn with the steps, not in a block of its own."""
+    import torch
+
+    from zdsl.runtime.calibrate import reference
+    from zdsl.runtime.calibrate.measure import Settings
+    ran = []
+    stepper = reference._stepper
+
+    def logged(*args):
+        state, step = stepper(*args)
+
+        async def step_logged(n):
+            ran.append(("step", n))
+            return await step(n)
+        return state, step_logged
+    monkeypatch.setattr(reference, "_stepper", logged)
+    steps = reference.WARM_UP_STEPS + 2
+    out = reference.measure_runtime(torch.device("cpu"), Settings(), 0, 1, steps,
+                                    probe=lambda: ran.append(("probe", None)))
+    assert ran == [e for n in range(steps) for e in (("step", n), ("probe", None))]
+    assert out["probe_s"] > 0
+    assert "probe_s" not in reference.measure_runtime(torch.device("cpu"), Settings(), 0, 1, steps)
 
 
 @pytest.mark.parametrize("scatter_extra", [6e-4, 0.0])
