@@ -52,10 +52,10 @@ def _median_time(fn, sync, budget_s: float, min_reps: int = 3, max_reps: int = 1
     """Median seconds of ``fn`` after one warm-up, repeated for about ``budget_s``."""
     fn()
     sync()
-    return statistics.median(_times(fn, budget_s, min_reps, max_reps, sync))
+    return statistics.median(call_times(fn, budget_s, min_reps, max_reps, sync))
 
 
-def _times(fn, seconds: float, min_reps: int = 1, max_reps: int | None = None, sync=lambda: None) -> list[float]:
+def call_times(fn, seconds: float, min_reps: int = 1, max_reps: int | None = None, sync=lambda: None) -> list[float]:
     """Seconds of each call of ``fn`` (and ``sync`` after it), called back to back for about ``seconds``:
     at least ``min_reps`` calls, at most ``max_reps``."""
     times: list[float] = []
@@ -402,9 +402,9 @@ def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None, besi
                 for size, (data, out) in buffers.items():
                     name = f"transfer-{size}"
                     barrier()
-                    times["write"][size] += _times(lambda: swapper.write_sync(name, data), slice_s)
+                    times["write"][size] += call_times(lambda: swapper.write_sync(name, data), slice_s)
                     barrier()
-                    times["read"][size] += _times(lambda: swapper.read_sync(name, out), slice_s)
+                    times["read"][size] += call_times(lambda: swapper.read_sync(name, out), slice_s)
             for size, (data, out) in buffers.items():
                 if not torch.equal(out, data):
                     raise CalibrationError(f"disk test in {folder}: a read returned other bytes than were written")
@@ -461,7 +461,7 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
         thread = threading.Thread(target=loop, name="zdsl-calibrate-disk", daemon=True)
         thread.start()
         try:
-            return statistics.median(_times(fwd_bwd, slice_s, min_reps=2))
+            return statistics.median(call_times(fwd_bwd, slice_s, min_reps=2))
         finally:
             stop.set()
             thread.join()
@@ -469,12 +469,12 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
                 raise failed[0]
 
     fwd_bwd()                                          # warm-up
-    alone = [statistics.median(_times(fwd_bwd, slice_s, min_reps=2))]
+    alone = [statistics.median(call_times(fwd_bwd, slice_s, min_reps=2))]
     beside: dict[str, list[float]] = {way: [] for way in transfers}
     for _ in range(rounds):
         for way, transfer in transfers.items():
             beside[way].append(beside_transfer(transfer))
-        alone.append(statistics.median(_times(fwd_bwd, slice_s, min_reps=2)))
+        alone.append(statistics.median(call_times(fwd_bwd, slice_s, min_reps=2)))
     swapper.discard("beside")
     shares = {way: statistics.median(1.0 - (a0 + a1) / 2 / t for a0, a1, t in zip(alone, alone[1:], ts))
               for way, ts in beside.items()}

@@ -11,7 +11,7 @@ import time
 from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_compute, lane_ops, wake_delays
 from zdsl.planner.lanes import slots_of
 from zdsl.schedule import MachineProfile
-from zdsl.runtime.calibrate.measure import TABLE_WIDTHS, CalibrationError, Settings
+from zdsl.runtime.calibrate.measure import CalibrationError, Settings
 
 
 # Reference steps (full, quick), ~10 ms each here. The host's speed moves from one half second to
@@ -64,11 +64,6 @@ REFERENCE_WIDTH = 64
 # steps after WARM_UP_STEPS (29 ms a step here).
 WIDE_WIDTH = 256
 WIDE_STEPS = {False: 36, True: 12}
-# The compute table's block at this width is run again after each wide step (its probe): the wide
-# units' CPU time is taken at the host's speed of when the table was measured. Measured minutes
-# apart, a spell of the host between the two put compute_excess anywhere from 0.1 to 0.7
-# (benchmarks/README, stop 44). The table's width above WIDE_WIDTH: compute outweighs kernels.
-WIDE_PROBE_WIDTH = min(w for w in TABLE_WIDTHS["cpu"] if w >= WIDE_WIDTH)
 
 
 def reference_text(steps: int, ranks: int, device: str, width: int = REFERENCE_WIDTH, clip: bool = True,
@@ -139,8 +134,8 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     service times; a shared-memory pair runs one: ``slots_of``). ``compute_cpu``: each compute
     op's CPU time in its thread too (the wide step's, for ``compute_excess``; not the blocks' the
     overheads are fitted on, whose op times it would add to). ``probe``: a function timed once
-    after each step (``probe_s``, the median after warm-up), so that what it measures is taken
-    in turn with the steps, at the same speed of the host."""
+    after each step (``probe_s``, its times after warm-up), so that what it measures is taken
+    in turn with the steps, at the same speed of the host (host_speed.py)."""
     import torch
     import trio
 
@@ -192,7 +187,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
             "loop_s": statistics.median(loop_cpu) / len(graph.ops),
             "ops": len(graph.ops),
             "compute_cpu_s": {i: statistics.median(ts[WARM_UP_STEPS:] or ts) for i, ts in cpu_s.items()},
-            **({"probe_s": statistics.median(probe_s[WARM_UP_STEPS:] or probe_s)} if probe_s else {})}
+            **({"probe_s": probe_s[WARM_UP_STEPS:] or probe_s} if probe_s else {})}
 
 
 def measure_variants(device, s: Settings, rank: int, world: int, steps: int) -> dict:
@@ -283,15 +278,3 @@ def variant_steps(raw: list[dict], reference_s: float) -> dict[str, float]:
     reference = slowest.pop("reference")
     return {name: statistics.median(v / r for v, r in zip(steps, reference)) * reference_s
             for name, steps in slowest.items()}
-
-
-def wide_speed(rank_raw: dict) -> float:
-    """One rank's host speed during its wide step against when its compute table was measured: the
-    table's fp32 block at :data:`WIDE_PROBE_WIDTH`, its time in the table over its time run after
-    each wide step (``probe_s``); 1 where either was not measured."""
-    table, probe = rank_raw["compute_table"], rank_raw["runtime_wide"].get("probe_s")
-    seconds = table.get("seconds", {}).get("fp32")
-    if not probe or not seconds or WIDE_PROBE_WIDTH not in table["widths"]:
-        return 1.0
-    then = seconds[table["widths"].index(WIDE_PROBE_WIDTH)]
-    return then / probe if then else 1.0
