@@ -79,8 +79,7 @@ planner uses it*, under the conditions of a real run:
   time. The width-64 step cannot tell it from a cost per kernel (its units'
   compute is a third of their time), so without it every wider unit was
   planned short: forwards 5-12%, backwards 12-22% in thread time at widths
-  128-512. That CPU time and the compute tables are taken at the host's
-  speed over the whole calibration (``host_speed.py``).
+  128-512.
 * ``cores``: the rank's share of the host's cores (ranks are bound to it).
 * ``comm_under_load``: on CPU, the share of its rate a collective keeps
   while compute fills those cores: gloo's threads wait for a core rather
@@ -116,15 +115,14 @@ from zdsl.lang.sizes import human_bytes
 from zdsl.planner.calibration_fit import LATENCY_FIELDS, compute_excess, fit_overhead, scaled_latencies
 from zdsl.planner.simulate import simulate
 from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, TABLE_CONTEXT, CalibrationError, Settings,
-                                            call_times, compute_dtype, measure_collectives, measure_compute,
+                                            compute_dtype, measure_collectives, measure_compute,
                                             measure_compute_table, measure_copy, measure_disk, measure_optimizer,
-                                            table_batch, table_block)
+                                            table_batch)
 from zdsl.runtime.calibrate.ranks import joined, restore_cores
 from zdsl.runtime.calibrate.reference import (REFERENCE_WIDTH, REMEASURE_PAUSE_S, REMEASURES, RUNTIME_BLOCKS,
                                               RUNTIME_STEPS, VARIANTS, VARIANTS_AFTER_BLOCK, WARM_UP_STEPS,
                                               WIDE_STEPS, WIDE_WIDTH, is_slow_spell, measure_runtime,
                                               measure_variants, reference_graph, reference_times, variant_steps)
-from zdsl.runtime.calibrate.host_speed import PROBE_WIDTH, at_level
 from zdsl.runtime.calibrate.slow_spell import remeasure
 from zdsl.runtime.dist.spawn import LocalRanks
 from zdsl.runtime.dist.spawn import RankFailed
@@ -190,17 +188,7 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         # The reference step in blocks spread over the calibration (first, middle, last), so that a
         # burst of outside load during one of them moves the median less
         block_steps = RUNTIME_STEPS[s.quick] // RUNTIME_BLOCKS
-        # the compute table's probe block, timed at points spread over the run (host_speed.py)
-        probe = table_block(device, PROBE_WIDTH)[0] if device.type == "cpu" else None
-        out["probe_s"] = []
-
-        def sample_host() -> None:
-            if probe is not None:
-                out["probe_s"].extend(call_times(probe, s.budget(0.3, 0.1), min_reps=3))
-        if probe is not None:
-            probe()         # its first call allocates
         early = [measure_runtime(device, s, rank, world, block_steps, slots)]
-        sample_host()
         barrier("runtime (first block)")
         report("compute")
         out["compute"] = measure_compute(device, s, compute_dtype(device, s.precision))
@@ -222,15 +210,12 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
         barrier("collectives")
         if device.type == "cpu":    # a GPU's kernels run beside the host's launches: no excess to see
             out["runtime_wide"] = measure_runtime(device, s, rank, world, WARM_UP_STEPS + WIDE_STEPS[s.quick],
-                                                  slots, width=WIDE_WIDTH, compute_cpu=True,
-                                                  probe=probe)
+                                                  slots, width=WIDE_WIDTH, compute_cpu=True)
         barrier("runtime (wide)")
         early.append(measure_runtime(device, s, rank, world, block_steps, slots))
-        sample_host()
         barrier("runtime (middle block)")
         assert len(early) == VARIANTS_AFTER_BLOCK + 1
         out["runtime_variants"] = measure_variants(device, s, rank, world, block_steps)
-        sample_host()
         barrier("runtime (variants)")
         report("disk")
         out["disk"] = measure_disk(s.disk_folder or tempfile.gettempdir(), s, rank,
@@ -249,7 +234,6 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
             barrier("disk alone")
         report("runtime")
         out["runtime"] = [*early, measure_runtime(device, s, rank, world, block_steps, slots)]
-        sample_host()
         barrier("runtime")
         if world > 1:
             every: list = [None] * world
@@ -300,7 +284,6 @@ def _known_table_rates(compute: dict) -> tuple[float, dict]:
 def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibration:
     # The ranks' medians, averaged: on a shared machine one rank's window can catch a burst
     # of outside load, and taking the slowest rank then overstates every op of a step.
-    raw = [at_level(r) for r in raw]        # compute rates at the host's speed over the run
     mean = lambda get: statistics.fmean(get(r) for r in raw)  # noqa: E731
     first = raw[0]
     cuda = first["device"].startswith("cuda")
@@ -391,10 +374,6 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         f"{', '.join(p for p in ('fp32', 'bf16', 'fp16') if p in table)}: one batch's flops over its time less the "
         f"block's kernels' fixed {table['fixed_s'] * 1e3:.2f} ms; zdsl plan prices a unit at its precision's rate at "
         "its width (log-log between them)",
-        *([f"  host speed  the width-{PROBE_WIDTH} fp32 block run again {len(first['probe_s'])} times spread over the "
-           f"calibration and after each wide step: the rates above are taken at its median (measured at "
-           + ", ".join(f"{r['host_speed']['table']:.2f}x" for r in raw) + " that speed, by rank)"]
-          if first.get("probe_s") else []),
         *([f"  flops_alone_*  the same by rank 0 alone with every core ({first['compute_alone']['cores']} "
             f"cores, {first['compute_alone']['threads']} threads) after the others measured (flops_*: each of "
             f"compute_ranks={world} ranks on its share): zdsl plan prices a schedule of fewer ranks, more cores "
@@ -462,10 +441,7 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         notes.append(f"  compute_excess  {_num(profile.compute_excess)}: a forward or backward in the runtime takes "
                      "(1 + this) x its rated time: the same step at width "
                      f"{WIDE_WIDTH} ({len(first['runtime_wide']['steps'])} steps), its units' CPU time in their "
-                     "thread less the fixed costs above, against their rated time"
-                     + (f"; taken at the host's speed above (its steps ran at "
-                        + ", ".join(f"{r['host_speed']['wide']:.2f}x" for r in raw) + " that speed, by rank)"
-                        if "probe_s" in first["runtime_wide"] else ""))
+                     "thread less the fixed costs above, against their rated time")
     disk = first["disk"]
     notes.append(f"  disk        the runtime's swapper ({'O_DIRECT' if disk['direct'] else 'buffered: no O_DIRECT here'}, "
                  f"{human_bytes(s.block)} requests, {s.depth} in flight) writing and reading "

@@ -52,10 +52,10 @@ def _median_time(fn, sync, budget_s: float, min_reps: int = 3, max_reps: int = 1
     """Median seconds of ``fn`` after one warm-up, repeated for about ``budget_s``."""
     fn()
     sync()
-    return statistics.median(call_times(fn, budget_s, min_reps, max_reps, sync))
+    return statistics.median(_times(fn, budget_s, min_reps, max_reps, sync))
 
 
-def call_times(fn, seconds: float, min_reps: int = 1, max_reps: int | None = None, sync=lambda: None) -> list[float]:
+def _times(fn, seconds: float, min_reps: int = 1, max_reps: int | None = None, sync=lambda: None) -> list[float]:
     """Seconds of each call of ``fn`` (and ``sync`` after it), called back to back for about ``seconds``:
     at least ``min_reps`` calls, at most ``max_reps``."""
     times: list[float] = []
@@ -181,44 +181,34 @@ def measure_compute_table(device, s: Settings, fixed_s: float = 0.0, known: dict
     ``kernel_overhead``; at most half the time). Not the slope over batch sizes that gives
     ``flops``: at width 2048 a matrix product of 64 rows runs far below one of 128 (bf16 slope 447
     against 129 GFLOP/s at the batch here), so the slope prices large units far too fast.
-    ``known``: rates already measured at this shape, by (precision, width); ``seconds``: each
-    entry's median time (None where known)."""
-    kind = "cpu" if device.type == "cpu" else "cuda"
-    widths, context = TABLE_WIDTHS[kind], TABLE_CONTEXT[kind]
-    sync = _sync_for(device)
-    budget = s.budget(0.5, 0.15)
-    out: dict = {"widths": list(widths), "context": context,
-                 "batches": [table_batch(kind, w) for w in widths], "fixed_s": fixed_s, "seconds": {}}
-    for precision in TABLE_PRECISIONS[kind]:
-        rates, seconds = [], []
-        for width in widths:
-            if known and (precision, width) in known:
-                rates.append(known[(precision, width)])
-                seconds.append(None)
-                continue
-            fwd_bwd, flops = table_block(device, width, precision)
-            t = _median_time(fwd_bwd, sync, budget)
-            rates.append(flops / max(t - fixed_s, t / 2))
-            seconds.append(t)
-            del fwd_bwd
-        out[precision] = rates
-        out["seconds"][precision] = seconds     # each entry's own time, for the wide step's pairing
-    return out
-
-
-def table_block(device, width: int, precision: str = "fp32"):
-    """(a closure running the compute table's GPT block at ``width`` forward and backward once,
-    its flops): the table's entry, to be measured again later (the wide reference step's probe)."""
+    ``known``: rates already measured at this shape, by (precision, width)."""
     import torch
     from zdsl.compile.units import gpt_units
     from zdsl.runtime.models.gpt import Block
     from zdsl.runtime.state.precision import DTYPES
     kind = "cpu" if device.type == "cpu" else "cuda"
-    context, b, heads = TABLE_CONTEXT[kind], table_batch(kind, width), max(1, width // 64)
-    torch.manual_seed(0)
-    block = Block(width, heads).to(device=device, dtype=DTYPES[precision])
-    flops = 3.0 * gpt_units(1, width, heads, 256, context)[1].fwd_flops_per_seq * b
-    return _block_fwd_bwd(block, b, context, width), flops
+    widths, context = TABLE_WIDTHS[kind], TABLE_CONTEXT[kind]
+    sync = _sync_for(device)
+    budget = s.budget(0.5, 0.15)
+    out: dict = {"widths": list(widths), "context": context,
+                 "batches": [table_batch(kind, w) for w in widths], "fixed_s": fixed_s}
+    for precision in TABLE_PRECISIONS[kind]:
+        dtype = DTYPES[precision]
+        rates = []
+        for width in widths:
+            if known and (precision, width) in known:
+                rates.append(known[(precision, width)])
+                continue
+            torch.manual_seed(0)
+            heads = max(1, width // 64)
+            block = Block(width, heads).to(device=device, dtype=dtype)
+            b = table_batch(kind, width)
+            flops = 3.0 * gpt_units(1, width, heads, 256, context)[1].fwd_flops_per_seq * b
+            t = _median_time(_block_fwd_bwd(block, b, context, width), sync, budget)
+            rates.append(flops / max(t - fixed_s, t / 2))
+            del block
+        out[precision] = rates
+    return out
 
 
 def measure_optimizer(device, s: Settings) -> dict:
@@ -402,9 +392,9 @@ def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None, besi
                 for size, (data, out) in buffers.items():
                     name = f"transfer-{size}"
                     barrier()
-                    times["write"][size] += call_times(lambda: swapper.write_sync(name, data), slice_s)
+                    times["write"][size] += _times(lambda: swapper.write_sync(name, data), slice_s)
                     barrier()
-                    times["read"][size] += call_times(lambda: swapper.read_sync(name, out), slice_s)
+                    times["read"][size] += _times(lambda: swapper.read_sync(name, out), slice_s)
             for size, (data, out) in buffers.items():
                 if not torch.equal(out, data):
                     raise CalibrationError(f"disk test in {folder}: a read returned other bytes than were written")
@@ -461,7 +451,7 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
         thread = threading.Thread(target=loop, name="zdsl-calibrate-disk", daemon=True)
         thread.start()
         try:
-            return statistics.median(call_times(fwd_bwd, slice_s, min_reps=2))
+            return statistics.median(_times(fwd_bwd, slice_s, min_reps=2))
         finally:
             stop.set()
             thread.join()
@@ -469,12 +459,12 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
                 raise failed[0]
 
     fwd_bwd()                                          # warm-up
-    alone = [statistics.median(call_times(fwd_bwd, slice_s, min_reps=2))]
+    alone = [statistics.median(_times(fwd_bwd, slice_s, min_reps=2))]
     beside: dict[str, list[float]] = {way: [] for way in transfers}
     for _ in range(rounds):
         for way, transfer in transfers.items():
             beside[way].append(beside_transfer(transfer))
-        alone.append(statistics.median(call_times(fwd_bwd, slice_s, min_reps=2)))
+        alone.append(statistics.median(_times(fwd_bwd, slice_s, min_reps=2)))
     swapper.discard("beside")
     shares = {way: statistics.median(1.0 - (a0 + a1) / 2 / t for a0, a1, t in zip(alone, alone[1:], ts))
               for way, ts in beside.items()}

@@ -128,14 +128,12 @@ def _aligner(device, world: int):
 
 
 def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slots: int = 1,
-                    width: int = REFERENCE_WIDTH, compute_cpu: bool = False, probe=None) -> dict:
+                    width: int = REFERENCE_WIDTH, compute_cpu: bool = False) -> dict:
     """Step times of ``steps`` steps of the reference schedule at ``width`` through the real
     executor (all ranks at once); ``slots``: collectives the backend runs at once (for their
     service times; a shared-memory pair runs one: ``slots_of``). ``compute_cpu``: each compute
     op's CPU time in its thread too (the wide step's, for ``compute_excess``; not the blocks' the
-    overheads are fitted on, whose op times it would add to). ``probe``: a function timed once
-    after each step (``probe_s``, its times after warm-up), so that what it measures is taken
-    in turn with the steps, at the same speed of the host (host_speed.py)."""
+    overheads are fitted on, whose op times it would add to)."""
     import torch
     import trio
 
@@ -155,16 +153,11 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
             cpu_s.setdefault(op.id, []).append(time.thread_time() - begin)
         state.run_compute = timed_compute
     align = _aligner(device, world)
-    probe_s: list[float] = []
 
     async def loop() -> list:
         out = []
         for n in range(steps):
             out.append(await step(n))
-            if probe is not None:
-                begin = time.perf_counter()
-                probe()
-                probe_s.append(time.perf_counter() - begin)
             align()
         return out
 
@@ -186,8 +179,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
             "wake_s": statistics.fmean([w for t in records for w in wake_delays(graph, t)] or [0.0]),
             "loop_s": statistics.median(loop_cpu) / len(graph.ops),
             "ops": len(graph.ops),
-            "compute_cpu_s": {i: statistics.median(ts[WARM_UP_STEPS:] or ts) for i, ts in cpu_s.items()},
-            **({"probe_s": probe_s[WARM_UP_STEPS:] or probe_s} if probe_s else {})}
+            "compute_cpu_s": {i: statistics.median(ts[WARM_UP_STEPS:] or ts) for i, ts in cpu_s.items()}}
 
 
 def measure_variants(device, s: Settings, rank: int, world: int, steps: int) -> dict:

@@ -93,10 +93,6 @@ def test_quick_profile_parses(tmp_path, capsys, monkeypatch):
     if cores is not None:     # rank 0 measured in this process, bound to its share: the cores are back
         assert os.sched_getaffinity(0) == cores
     assert not list(tmp_path.glob(".zdsl-calibrate-*"))          # test files removed
-    # the wide step's excess is taken at the host's speed of the compute table, and says so
-    text = out.read_text()
-    assert re.search(r"host speed  the width-512 fp32 block run again \d+ times", text)
-    assert "taken at the host's speed above (its steps ran at" in text
 
 
 def _written(tmp_path, profile: MachineProfile, edit=lambda text: text):
@@ -282,56 +278,6 @@ def test_the_variants_run_in_turn_with_the_reference(monkeypatch):
     assert all(len(ts) == 2 for ts in out["steps"].values())
     assert ran[:6] == [(1.0, 3, 0), (None, 3, 0), (None, 1, 0), (1.0, 3, 1), (None, 3, 1), (None, 1, 1)]
     assert len(ran) == 3 * (reference.WARM_UP_STEPS + 2)
-
-
-def test_compute_rates_are_taken_at_the_hosts_speed_over_the_calibration():
-    """The table's width-512 block took 40 ms in the table; run again over the calibration it took
-    50 ms at the median (the wide step's probes among them, which took 60): the table caught a
-    fast spell (1.25x), so its rates are divided by 1.25, and the wide units' CPU time, taken at
-    0.83x, is scaled down to the level. A record without probes is unchanged."""
-    from zdsl.runtime.calibrate.host_speed import PROBE_WIDTH, at_level
-    assert PROBE_WIDTH == 512
-    rank = {"compute": {"block_flops": 5e10, "mm_flops": 6e10, "shape": {}},
-            "compute_table": {"widths": [64, 512, 2048], "fp32": [5e10, 1e11, 8e10], "bf16": [2e10, 2e11, 1e11],
-                              "seconds": {"fp32": [None, 0.04, 0.2], "bf16": [0.1, 0.02, 0.3]}},
-            "probe_s": [0.05, 0.05, 0.045, 0.05],
-            "runtime_wide": {"probe_s": [0.06, 0.06, 0.06], "compute_cpu_s": {3: 0.012, 7: 0.024}}}
-    leveled = at_level(rank)
-    assert leveled["host_speed"] == {"table": pytest.approx(1.25), "wide": pytest.approx(0.05 / 0.06)}
-    assert leveled["compute"]["block_flops"] == pytest.approx(4e10)
-    assert leveled["compute_table"]["fp32"] == pytest.approx([4e10, 8e10, 6.4e10])
-    assert leveled["compute_table"]["bf16"] == pytest.approx([1.6e10, 1.6e11, 8e10])
-    assert leveled["runtime_wide"]["compute_cpu_s"] == pytest.approx({3: 0.01, 7: 0.02})
-    assert rank["compute_table"]["fp32"] == [5e10, 1e11, 8e10]          # the record itself untouched
-    bare = {key: rank[key] for key in ("compute", "compute_table")}
-    assert at_level(bare)["compute_table"]["fp32"] == [5e10, 1e11, 8e10]
-    assert at_level(bare)["host_speed"] == {"table": 1.0, "wide": 1.0}
-
-
-def test_the_probe_runs_after_each_step_of_the_wide_reference(monkeypatch, one_rank_group):
-    """The probe is timed once after every step, warm-up included, and its times after warm-up
-    reported: in turn with the steps, not in a block of its own."""
-    import torch
-
-    from zdsl.runtime.calibrate import reference
-    from zdsl.runtime.calibrate.measure import Settings
-    ran = []
-    stepper = reference._stepper
-
-    def logged(*args):
-        state, step = stepper(*args)
-
-        async def step_logged(n):
-            ran.append(("step", n))
-            return await step(n)
-        return state, step_logged
-    monkeypatch.setattr(reference, "_stepper", logged)
-    steps = reference.WARM_UP_STEPS + 2
-    out = reference.measure_runtime(torch.device("cpu"), Settings(), 0, 1, steps,
-                                    probe=lambda: ran.append(("probe", None)))
-    assert ran == [e for n in range(steps) for e in (("step", n), ("probe", None))]
-    assert len(out["probe_s"]) == 2 and min(out["probe_s"]) > 0         # after warm-up
-    assert "probe_s" not in reference.measure_runtime(torch.device("cpu"), Settings(), 0, 1, steps)
 
 
 @pytest.mark.parametrize("scatter_extra", [6e-4, 0.0])
