@@ -38,7 +38,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("ZDSL_GLOO_LOOP_POLICY", KNOB, "user", "scheduling policy of gloo's event-loop threads: batch "
              "(never preempt the thread they wake), normal or idle", "batch"),
     Variable("ZDSL_CACHE", KNOB, "user", "where built C kernels, the measured torch memory floor, "
-             "this machine's calibrated profile and Hugging Face models' sizings are kept", "~/.cache/zdsl"),
+             "this machine's calibrated profile and Hugging Face and users' models' sizings are kept", "~/.cache/zdsl"),
     Variable("ZDSL_CALIBRATE", KNOB, "user", "0: plan, tune and run --trace use zdsl's default machine "
              "profile, neither calibrating this machine nor reading its cached profile (as --no-calibrate)", "1"),
     Variable("ZDSL_DEBUG", DIAGNOSTIC, "user", "1 prints the traceback of an internal error and of a "

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from hf_tiny import save_tiny
+from zdsl.compile import sizing_cache
 from zdsl.compile.models import units_for
 from zdsl.schedule import ModelSpec
 
@@ -57,7 +58,7 @@ def test_an_unreadable_cache_entry_is_a_miss(tmp_path, cache):
     [entry] = cache.iterdir()
     entry.write_text("{not json")
     assert units_for(spec(folder), 16) == first
-    assert json.loads(entry.read_text())["format"] == 1       # written again whole
+    assert json.loads(entry.read_text())["format"] == sizing_cache.FORMAT     # written again whole
 
 
 def test_zdsl_check_of_a_sized_folder_imports_neither_torch_nor_transformers(tmp_path, cache):

@@ -60,7 +60,7 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
             units[0].extras_elems_per_seq += gpt_mask_elems(context or args["context"])
         return units
     if spec.kind in ("user", "hf"):
-        key = sizing_cache.sizing_key(spec, context, data)     # an HF folder sized before: no torch
+        key = sizing_cache.sizing_key(spec, context, data)     # a model sized before: no torch
         units = sizing_cache.load(key) if key else None
         if units is not None:
             return units
@@ -78,6 +78,6 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         sizing = sys.modules[units_for_user_model.__module__].__file__
         if not any(w.filename == sizing for w in said):    # its estimates are said every time
-            sizing_cache.store(key, units)
+            sizing_cache.store(key, units, sizing_cache.user_sources() if spec.kind == "user" else ())
         return units
     raise ModelSizingError(f"unknown model kind {spec.kind!r}; expected gpt, hf or a user factory")

@@ -1,20 +1,24 @@
-"""A Hugging Face model's sizing, kept in zdsl's cache folder so the next command on the same folder
-skips it.
+"""A Hugging Face or a user's model's sizing, kept in zdsl's cache folder so the next command on the
+same model skips it.
 
-Sizing a ``model hf(...)`` builds it on torch's meta device, which needs torch and transformers: on a
-2-core machine their import is ~6 s of every ``zdsl check``, ``plan`` or ``run`` launcher, before any
-rank starts, against ~0.1 s for the sizing itself. The units of a model are a pure function of what
-the key holds, so a hit is the same list a fresh sizing gives:
+Sizing a ``model hf(...)`` or ``model "file.py:build"(...)`` builds it on torch's meta device, which
+needs torch (and transformers): on a 2-core machine their import is ~4-6 s of every ``zdsl check``,
+``plan`` or ``run`` launcher, before any rank starts, against ~0.1 s for the sizing itself. The units
+of a model are a pure function of what the key holds, so a hit is the same list a fresh sizing gives:
 
-- the folder, its ``config.json``'s bytes and every other file's name, size and mtime (weights whose
-  headers the sizing checks on meta);
-- the model's overrides, the sequence length and whether rows come padded or packed;
+- hf: the folder, its ``config.json``'s bytes and every other file's name, size and mtime (weights
+  whose headers the sizing checks on meta);
+- a user's factory: its file's bytes, and (checked on load, as they are known only once the factory
+  ran) the name, size and mtime of every Python file of the user's loaded in the process that sized
+  it, outside the standard library, site-packages and zdsl: the helpers it imports, wherever they are;
+- the model's overrides or arguments, the sequence length and whether rows come padded or packed;
 - the installed torch and transformers, the Python, and every source file of zdsl's compiler and
   runtime (name, size, mtime): an edit or an upgrade sizes afresh.
 
 Only a sizing that warned about nothing is kept (an estimate is said every time), and nothing for
-``data python(...)``, whose sample row comes from the user's function. A cache that cannot be read or
-written is a miss, never an error. Torch-free.
+``data python(...)``, whose sample row comes from the user's function, or for a factory named as
+``package.module:build`` (where its code lies is known only by importing it). A cache that cannot be
+read or written is a miss, never an error. Torch-free.
 """
 from __future__ import annotations
 
@@ -23,31 +27,40 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import site
 import sys
+import sysconfig
 from dataclasses import asdict
 from pathlib import Path
 
 from zdsl.cache import cache_dir
 from zdsl.compile.units import UnitSpec
 
-FORMAT = 1          # of the files written; an older or newer one is a miss
+FORMAT = 2          # of the files written; an older or newer one is a miss (2: a user's sources)
 _code: str | None = None
 
 
 def sizing_key(spec, context: int | None, data) -> str | None:
-    """The key of ``spec``'s sizing (a ``ModelSpec`` of kind "hf"), or None where it is not kept."""
-    if spec.kind != "hf" or (data is not None and data.kind == "python"):
+    """The key of ``spec``'s sizing (a ``ModelSpec`` of kind "hf", or "user" with a file factory), or
+    None where it is not kept."""
+    if data is not None and data.kind == "python":
         return None
-    folder = Path(spec.path)
     try:
-        config = (folder / "config.json").read_bytes()
-        files = sorted((p.name, st.st_size, st.st_mtime_ns) for p in folder.iterdir()
-                       if p.name != "config.json" and p.is_file() and (st := p.stat()))
+        if spec.kind == "hf":
+            folder = Path(spec.path)
+            config = (folder / "config.json").read_bytes()
+            files = sorted((p.name, st.st_size, st.st_mtime_ns) for p in folder.iterdir()
+                           if p.name != "config.json" and p.is_file() and (st := p.stat()))
+            model = {"folder": str(folder.resolve()), "config": hashlib.sha256(config).hexdigest(), "files": files}
+        elif spec.kind == "user" and spec.factory and spec.factory.rpartition(":")[0].endswith(".py"):
+            source = Path(spec.factory.rpartition(":")[0])      # absolute: the checker resolved it
+            model = {"factory": spec.factory, "source": hashlib.sha256(source.read_bytes()).hexdigest()}
+        else:
+            return None
         code = _code_digest()
     except OSError:          # a file gone while listed: no key, sized afresh
         return None
-    facts = {"format": FORMAT, "folder": str(folder.resolve()), "config": hashlib.sha256(config).hexdigest(),
-             "files": files, "args": sorted((k, repr(v)) for k, v in spec.args.items()), "context": context,
+    facts = {"format": FORMAT, **model, "args": sorted((k, repr(v)) for k, v in spec.args.items()), "context": context,
              "masked": data is not None and data.kind == "jsonl", "python": sys.version,
              "torch": _version("torch"), "transformers": _version("transformers"), "code": code}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
@@ -56,7 +69,7 @@ def sizing_key(spec, context: int | None, data) -> str | None:
 def load(key: str) -> list[UnitSpec] | None:
     try:
         held = json.loads(_path(key).read_text())
-        if held.get("format") != FORMAT:
+        if held.get("format") != FORMAT or not all(_stamp(path) == stamp for path, *stamp in held["sources"]):
             return None
         return [UnitSpec(**{**u, "params": [(n, tuple(shape)) for n, shape in u["params"]]})
                 for u in held["units"]]
@@ -64,15 +77,36 @@ def load(key: str) -> list[UnitSpec] | None:
         return None
 
 
-def store(key: str, units: list[UnitSpec]) -> None:
+def store(key: str, units: list[UnitSpec], sources: list[str] = ()) -> None:
+    """Keep ``units`` under ``key``; ``sources``: files whose change makes it a miss (checked on load)."""
     path = _path(key)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
+        stamps = [[src, *stamp] for src in sources if (stamp := _stamp(src)) is not None]
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"format": FORMAT, "units": [asdict(u) for u in units]}))
+        tmp.write_text(json.dumps({"format": FORMAT, "units": [asdict(u) for u in units], "sources": stamps}))
         os.replace(tmp, path)        # whole or absent: ranks of one launch may write the same key
     except OSError:
         tmp.unlink(missing_ok=True)
+
+
+def user_sources() -> list[str]:
+    """The Python files of every module loaded in this process that is the user's: outside the
+    standard library, site-packages and zdsl's own folders (whose files the key holds already)."""
+    libraries = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    libraries |= {*site.getsitepackages(), site.getusersitepackages(), *_code_roots()}
+    roots = tuple(os.path.join(os.path.realpath(p), "") for p in libraries if p)
+    files = {os.path.realpath(f) for m in list(sys.modules.values())
+             if isinstance(f := getattr(m, "__file__", None), str) and f.endswith(".py")}
+    return sorted(f for f in files if not f.startswith(roots))
+
+
+def _stamp(path: str) -> list[int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
 
 
 def _path(key: str) -> Path:
@@ -86,16 +120,21 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _code_roots() -> list[Path]:
+    """The folders of zdsl's compiler and runtime."""
+    roots = [Path(__file__).resolve().parents[1]]
+    runtime = importlib.util.find_spec("zdsl.runtime")     # its folder only: nothing is imported
+    if runtime is not None and runtime.submodule_search_locations:
+        roots += [Path(p) for p in runtime.submodule_search_locations]
+    return roots
+
+
 def _code_digest() -> str:
     """Every source file of the compiler and the runtime, by name, size and mtime: once per process."""
     global _code
     if _code is None:
-        roots = [Path(__file__).resolve().parents[1]]
-        runtime = importlib.util.find_spec("zdsl.runtime")     # its folder only: nothing is imported
-        if runtime is not None and runtime.submodule_search_locations:
-            roots += [Path(p) for p in runtime.submodule_search_locations]
         stamp = hashlib.sha256()
-        for root in roots:
+        for root in _code_roots():
             for path in sorted(root.rglob("*.py")):
                 st = path.stat()
                 stamp.update(f"{path.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}\n".encode())

@@ -1,0 +1,87 @@
+"""A user's model (``model "file.py:build"``) is sized once and kept in the cache folder
+(zdsl/compile/sizing_cache.py), like an HF folder: the next command gets the same units without
+torch, and an edit to the factory's file or to any file of the user's it loaded sizes it afresh."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from zdsl.compile import sizing_cache
+from zdsl.compile.models import units_for
+from zdsl.schedule import ModelSpec
+
+MODEL = '''from helper import layers
+from user_models import build as small_lm
+
+
+def build(hidden: int = 8, context: int = 16):
+    return small_lm(hidden=hidden, context=context, layers=layers())
+'''
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZDSL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "sizing"
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch):
+    """A factory file importing a helper beside it; each test imports the helper afresh."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.py").write_text(MODEL)
+    (tmp_path / "m" / "helper.py").write_text("def layers():\n    return 2\n")
+    monkeypatch.delitem(sys.modules, "helper", raising=False)
+    return tmp_path / "m"
+
+
+def spec(folder, factory: str = "build", **args) -> ModelSpec:
+    return ModelSpec("user", {"hidden": 8, **args}, factory=f"{folder / 'model.py'}:{factory}")
+
+
+def no_runtime_sizing(monkeypatch):
+    """Sizing through the runtime fails from here on: what comes back came from the cache."""
+    monkeypatch.setitem(sys.modules, "zdsl.runtime.models.sizing", None)
+
+
+def test_a_second_sizing_of_the_same_factory_is_the_first_ones_units(model, cache, monkeypatch):
+    first = units_for(spec(model), 16)
+    assert len(first) == 4 and len(list(cache.iterdir())) == 1
+    held = sizing_cache.load(sizing_cache.sizing_key(spec(model), 16, None))
+    assert held == first
+    no_runtime_sizing(monkeypatch)
+    assert units_for(spec(model), 16) == first
+    with pytest.raises(Exception):           # other arguments are another sizing
+        units_for(spec(model, hidden=16), 16)
+
+
+def test_an_edited_helper_or_factory_file_sizes_afresh(model, cache, monkeypatch):
+    first = units_for(spec(model), 16)
+    (model / "helper.py").write_text("def layers():\n    return 3    # one more\n")
+    monkeypatch.delitem(sys.modules, "helper")       # a new command: a new process imports it afresh
+    assert len(units_for(spec(model), 16)) == len(first) + 1
+    (model / "model.py").write_text(MODEL.replace("layers=layers()", "layers=1"))
+    assert len(units_for(spec(model), 16)) == len(first) - 1
+    key = sizing_cache.sizing_key(spec(model), 16, None)
+    assert sizing_cache.load(key) is not None
+    (model / "helper.py").unlink()                   # a source gone: a miss, never an error
+    assert sizing_cache.load(key) is None
+
+
+def test_a_factory_named_by_module_is_not_kept(cache):
+    assert sizing_cache.sizing_key(ModelSpec("user", {}, factory="user_models:build"), 16, None) is None
+
+
+def test_zdsl_check_of_a_sized_user_model_does_not_import_torch(model, cache):
+    (model / "s.zs").write_text('schedule s\nmodel "model.py:build"(hidden=8, context=16)\ndata synthetic(vocab=64, context=16)\n'
+                                "train steps=1, batch=2\nranks 2 on cpu\nzero 3\n")
+    probe = ("import sys; sys.path.insert(0, {tests!r}); from zdsl.cli import main; code = main(['check', 's.zs']); "
+             "print('torch' in sys.modules); sys.exit(code)")
+    tests = str(sizing_cache.Path(__file__).resolve().parents[1])
+    runs = [subprocess.run([sys.executable, "-c", probe.format(tests=tests)], cwd=model, capture_output=True,
+                           text=True, timeout=300) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr
+    assert "s.zs: ok (4 units" in runs[1].stdout and "estimates" not in runs[0].stderr
+    assert [r.stdout.splitlines()[-1] for r in runs] == ["True", "False"]
