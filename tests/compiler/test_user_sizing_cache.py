@@ -1,6 +1,7 @@
 """A user's model (``model "file.py:build"``) is sized once and kept in the cache folder
 (zdsl/compile/sizing_cache.py), like an HF folder: the next command gets the same units without
-torch, and an edit to the factory's file or to any file of the user's it loaded sizes it afresh."""
+torch, and an edit to the factory's file, a file beside it or any file of the user's it loaded
+sizes it afresh."""
 from __future__ import annotations
 
 import subprocess
@@ -58,6 +59,7 @@ def test_a_second_sizing_of_the_same_factory_is_the_first_ones_units(model, cach
 
 
 def test_an_edited_helper_or_factory_file_sizes_afresh(model, cache, monkeypatch):
+    (model / "settings.json").write_text("{}")
     first = units_for(spec(model), 16)
     (model / "helper.py").write_text("def layers():\n    return 3    # one more\n")
     monkeypatch.delitem(sys.modules, "helper")       # a new command: a new process imports it afresh
@@ -66,6 +68,9 @@ def test_an_edited_helper_or_factory_file_sizes_afresh(model, cache, monkeypatch
     assert len(units_for(spec(model), 16)) == len(first) - 1
     key = sizing_cache.sizing_key(spec(model), 16, None)
     assert sizing_cache.load(key) is not None
+    (model / "settings.json").write_text('{"layers": 3}')     # a file beside the factory's: it may read it
+    assert sizing_cache.load(key) is None
+    units_for(spec(model), 16)
     (model / "helper.py").unlink()                   # a source gone: a miss, never an error
     assert sizing_cache.load(key) is None
 

@@ -9,8 +9,9 @@ of a model are a pure function of what the key holds, so a hit is the same list 
 - hf: the folder, its ``config.json``'s bytes and every other file's name, size and mtime (weights
   whose headers the sizing checks on meta);
 - a user's factory: its file's bytes, and (checked on load, as they are known only once the factory
-  ran) the name, size and mtime of every Python file of the user's loaded in the process that sized
-  it, outside the standard library, site-packages and zdsl: the helpers it imports, wherever they are;
+  ran) the size and mtime of every file beside it (a config it reads) and of every Python file of the
+  user's loaded in the process that sized it, outside the standard library, site-packages and zdsl
+  (the helpers it imports, wherever they are). A file it reads from elsewhere is not seen;
 - the model's overrides or arguments, the sequence length and whether rows come padded or packed;
 - the installed torch and transformers, the Python, and every source file of zdsl's compiler and
   runtime (name, size, mtime): an edit or an upgrade sizes afresh.
@@ -60,8 +61,8 @@ def sizing_key(spec, context: int | None, data) -> str | None:
         code = _code_digest()
     except OSError:          # a file gone while listed: no key, sized afresh
         return None
-    facts = {"format": FORMAT, **model, "args": sorted((k, repr(v)) for k, v in spec.args.items()), "context": context,
-             "masked": data is not None and data.kind == "jsonl", "python": sys.version,
+    facts = {"format": FORMAT, **model, "args": sorted((k, repr(v)) for k, v in spec.args.items()),
+             "context": context, "masked": data is not None and data.kind == "jsonl", "python": sys.version,
              "torch": _version("torch"), "transformers": _version("transformers"), "code": code}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
@@ -90,15 +91,21 @@ def store(key: str, units: list[UnitSpec], sources: list[str] = ()) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def user_sources() -> list[str]:
-    """The Python files of every module loaded in this process that is the user's: outside the
-    standard library, site-packages and zdsl's own folders (whose files the key holds already)."""
+def user_sources(spec) -> list[str]:
+    """What a user's factory (``spec``) may have read: the files beside its file (a config it
+    loads), and the Python files of every module loaded in this process that is the user's:
+    outside the standard library, site-packages and zdsl's own folders (the key holds those)."""
+    folder = Path(spec.factory.rpartition(":")[0]).parent
+    try:
+        beside = {os.path.realpath(p) for p in folder.iterdir() if p.is_file()}
+    except OSError:
+        beside = set()
     libraries = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     libraries |= {*site.getsitepackages(), site.getusersitepackages(), *_code_roots()}
     roots = tuple(os.path.join(os.path.realpath(p), "") for p in libraries if p)
     files = {os.path.realpath(f) for m in list(sys.modules.values())
              if isinstance(f := getattr(m, "__file__", None), str) and f.endswith(".py")}
-    return sorted(f for f in files if not f.startswith(roots))
+    return sorted(beside | {f for f in files if not f.startswith(roots)})
 
 
 def _stamp(path: str) -> list[int] | None:
