@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,11 +81,11 @@ def test_a_factory_named_by_module_is_not_kept(cache):
 
 
 def test_zdsl_check_of_a_sized_user_model_does_not_import_torch(model, cache):
-    (model / "s.zs").write_text('schedule s\nmodel "model.py:build"(hidden=8, context=16)\ndata synthetic(vocab=64, context=16)\n'
-                                "train steps=1, batch=2\nranks 2 on cpu\nzero 3\n")
+    (model / "s.zs").write_text('schedule s\nmodel "model.py:build"(hidden=8, context=16)\n'
+                                "data synthetic(vocab=64, context=16)\ntrain steps=1, batch=2\nranks 2 on cpu\nzero 3\n")
     probe = ("import sys; sys.path.insert(0, {tests!r}); from zdsl.cli import main; code = main(['check', 's.zs']); "
              "print('torch' in sys.modules); sys.exit(code)")
-    tests = str(sizing_cache.Path(__file__).resolve().parents[1])
+    tests = str(Path(__file__).resolve().parents[1])
     runs = [subprocess.run([sys.executable, "-c", probe.format(tests=tests)], cwd=model, capture_output=True,
                            text=True, timeout=300) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr

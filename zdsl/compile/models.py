@@ -78,6 +78,6 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         sizing = sys.modules[units_for_user_model.__module__].__file__
         if not any(w.filename == sizing for w in said):    # its estimates are said every time
-            sizing_cache.store(key, units, sizing_cache.user_sources(spec) if spec.kind == "user" else ())
+            sizing_cache.store(key, units, sizing_cache.sources(spec))
         return units
     raise ModelSizingError(f"unknown model kind {spec.kind!r}; expected gpt, hf or a user factory")

@@ -53,8 +53,7 @@ def sizing_key(spec, context: int | None, data) -> str | None:
             files = sorted((p.name, st.st_size, st.st_mtime_ns) for p in folder.iterdir()
                            if p.name != "config.json" and p.is_file() and (st := p.stat()))
             model = {"folder": str(folder.resolve()), "config": hashlib.sha256(config).hexdigest(), "files": files}
-        elif spec.kind == "user" and spec.factory and spec.factory.rpartition(":")[0].endswith(".py"):
-            source = Path(spec.factory.rpartition(":")[0])      # absolute: the checker resolved it
+        elif (source := _factory_file(spec)) is not None:
             model = {"factory": spec.factory, "source": hashlib.sha256(source.read_bytes()).hexdigest()}
         else:
             return None
@@ -91,11 +90,16 @@ def store(key: str, units: list[UnitSpec], sources: list[str] = ()) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def user_sources(spec) -> list[str]:
-    """What a user's factory (``spec``) may have read: the files beside its file (a config it
-    loads), and the Python files of every module loaded in this process that is the user's:
-    outside the standard library, site-packages and zdsl's own folders (the key holds those)."""
-    folder = Path(spec.factory.rpartition(":")[0]).parent
+def sources(spec) -> list[str]:
+    """The files whose change makes ``spec``'s kept sizing a miss, beyond its key: for a user's
+    factory, what it may have read: the files beside its file (a config it loads), and the Python
+    files of every module loaded in this process that is the user's, outside the standard library,
+    site-packages and zdsl's own folders (the key holds those). None for an HF folder (its key
+    holds its files)."""
+    factory = _factory_file(spec)
+    if factory is None:
+        return []
+    folder = factory.parent
     try:
         beside = {os.path.realpath(p) for p in folder.iterdir() if p.is_file()}
     except OSError:
@@ -106,6 +110,14 @@ def user_sources(spec) -> list[str]:
     files = {os.path.realpath(f) for m in list(sys.modules.values())
              if isinstance(f := getattr(m, "__file__", None), str) and f.endswith(".py")}
     return sorted(beside | {f for f in files if not f.startswith(roots)})
+
+
+def _factory_file(spec) -> Path | None:
+    """The file of a user's factory named by its file (absolute: the checker resolved it), or None."""
+    if spec.kind != "user" or not spec.factory:
+        return None
+    file = spec.factory.rpartition(":")[0]
+    return Path(file) if file.endswith(".py") else None
 
 
 def _stamp(path: str) -> list[int] | None:
