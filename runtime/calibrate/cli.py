@@ -43,11 +43,11 @@ planner uses it*, under the conditions of a real run:
   hand-off, completion, a collective's wake-up), which rates cannot see and
   which dominates small models. Measured by training a tiny ZeRO-3 GPT
   (``REFERENCE``) through the real executor, in three blocks of steps spread
-  over the calibration (first, middle, last; their median; measured again
-  in fresh ranks after a pause, up to twice, the fastest set kept, where
-  their step is more than 12% slower than this machine's usual one, the
-  median of its latest cached calibrations, and once where there is none:
-  ``slow_spell.py``): ``overhead``
+  over the calibration (first, middle, last; their median; measured twice
+  more in fresh ranks, after pauses, the median try's set kept, where their
+  step is more than 12% slower than this machine's usual one, the median of
+  its latest cached calibrations, or where there is none: ``slow_spell.py``):
+  ``overhead``
   per lane op and ``kernel_overhead`` per kernel a compute op dispatches
   are the line through each op's time beyond its rated time against its
   kernels, ``loop`` the event loop's thread's CPU time in each step's ops
@@ -123,7 +123,7 @@ from zdsl.runtime.calibrate.reference import (REFERENCE_WIDTH, REMEASURE_PAUSE_S
                                               RUNTIME_STEPS, VARIANTS, VARIANTS_AFTER_BLOCK, WARM_UP_STEPS,
                                               WIDE_STEPS, WIDE_WIDTH, is_slow_spell, measure_runtime,
                                               measure_variants, reference_graph, reference_times, variant_steps)
-from zdsl.runtime.calibrate.slow_spell import remeasure
+from zdsl.runtime.calibrate.slow_spell import kept_try, remeasure
 from zdsl.runtime.dist.spawn import LocalRanks
 from zdsl.runtime.dist.spawn import RankFailed
 from zdsl.runtime.dist.spawn import free_port
@@ -416,19 +416,19 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     notes.append(f"              run by the executor: measured {step_s * 1e3:.1f} ms a step, of which its "
                  f"lane ops {sum(lane_op_s.values()) * 1e3:.1f} ms; rates alone predict {bare_s * 1e3:.1f} ms")
     tries, usual = first.get("reference_tries", []), s.usual_reference_s
-    again = len(tries) > 1 and min(tries[1:]) < tries[0]          # a set measured again was kept
+    again = len(tries) > 1 and kept_try(tries) > 0          # a set measured again was kept
     notes.append(f"              (the median of {blocks} blocks of {len(first['runtime'][0]['steps'])} steps, "
                  f"{'in a row in fresh ranks' if again else 'spread over the calibration'}: "
                  f"{', '.join(f'{b * 1e3:.1f}' for b in block_s)} ms)")
     if len(tries) > 1 and usual is None:
         notes.append(f"              (no earlier calibration of this machine to compare with: the set measured "
-                     f"twice, in fresh ranks the second time, {tries[0] * 1e3:.1f} and {tries[1] * 1e3:.1f} ms; "
-                     "the faster kept)")
+                     f"{len(tries)} times, in fresh ranks after the first, "
+                     f"{', '.join(f'{t * 1e3:.1f}' for t in tries)} ms; the median kept)")
     elif len(tries) > 1:
         notes.append(f"              the first set ran {tries[0] * 1e3:.1f} ms a step, {tries[0] / usual - 1:.0%} slower "
                      f"than this machine's usual {usual * 1e3:.1f} ms (its latest calibrations' median): slow rank "
                      f"processes or a slow spell of the host; measured again in fresh ranks after {REMEASURE_PAUSE_S:.0f} s pauses: "
-                     f"{', '.join(f'{t * 1e3:.1f}' for t in tries[1:])} ms; the fastest set kept")
+                     f"{', '.join(f'{t * 1e3:.1f}' for t in tries[1:])} ms; the median set kept")
     elif usual is not None:
         notes.append(f"              (this machine's usual reference step: {usual * 1e3:.1f} ms, its latest "
                      "calibrations' median)")

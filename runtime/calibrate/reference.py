@@ -25,8 +25,8 @@ RUNTIME_BLOCKS = 3
 VARIANTS_AFTER_BLOCK = 1
 WARM_UP_STEPS = 4
 # A reference step this much slower than the machine's usual one (its cached calibrations' median)
-# is taken in a slow spell: measured again in fresh ranks after a pause, up to REMEASURES times,
-# and the fastest set kept (slow_spell.py). 12%: this host's usual speed moved 10% from one day to
+# is taken in a slow spell: measured REMEASURES times more in fresh ranks after pauses, and the
+# median try's set kept (slow_spell.py). 12%: this host's usual speed moved 10% from one day to
 # the next; the spells put the reference 15-30% slow.
 SLOW_SPELL = 0.12
 REMEASURES = 2

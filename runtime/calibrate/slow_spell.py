@@ -8,14 +8,16 @@ plans every step of every program that much slow until the next calibration.
 
 So where the reference step is slower than this machine's usual one (the median of its latest
 cached calibrations, ``zdsl.planner.profile_cache.usual_reference``) by more than
-``reference.SLOW_SPELL``, :func:`remeasure` measures the reference set again in new rank
-processes after a pause (in case the host itself is slow for a while), up to
-``reference.REMEASURES`` times, and keeps the fastest set (still slow, calibrate warns and keeps
-the cached profile: ``cli.cache_profile``). A machine that has become slower for good costs a few
-seconds per calibration until its history moves. A machine with no cached
-calibration (the first one, which ``zdsl plan`` then caches) has nothing to compare with: its set
-is measured once more in new ranks, without a pause, and the faster kept, so that only two slow
-pairs in a row give it a slow profile.
+``reference.SLOW_SPELL``, :func:`remeasure` measures the reference set ``reference.REMEASURES``
+more times in new rank processes, each after a pause (in case the host itself is slow for a
+while), and keeps the set of the median try (still slow, calibrate warns and keeps the cached
+profile: ``cli.cache_profile``). The median, not the fastest: the host also has fast moments, and
+a profile fitted to the fastest of three tries planned every program 30-40% short of the runs
+minutes later (benchmarks/README, stop 46). One slow pair among three is outvoted either way. A
+machine that has become slower for good costs a few seconds per calibration until its history
+moves. A machine with no cached calibration (the first one, which ``zdsl plan`` then caches) has
+nothing to compare with: its set is measured the same, without the pauses, so that only two slow
+pairs of three give it a slow profile.
 """
 from __future__ import annotations
 
@@ -26,24 +28,34 @@ from zdsl.runtime.calibrate.ranks import joined
 from zdsl.runtime.calibrate.reference import REMEASURE_PAUSE_S, REMEASURES, is_slow_spell, measure_set, set_step
 from zdsl.runtime.dist.spawn import LocalRanks, RankFailed, free_port
 
+KEPT = ("runtime", "runtime_variants")      # a rank's reference set: what a new set replaces
+
 
 def remeasure(raw: list[dict], s: Settings, backend: str, report=lambda: None) -> list[float]:
     """Measure the ranks' reference set (``raw[rank]["runtime"]`` and ``["runtime_variants"]``)
-    again while it is a slow spell (once, with no usual step to compare with), replacing it by a
-    faster set; returns each set's step, the first measured first. ``report`` is called before
-    each new set."""
-    tries = [set_step(raw)]
+    :data:`REMEASURES` times more, in fresh ranks, where it is a slow spell (or there is no usual
+    step to compare with), and put the set of the median try in its place (:func:`kept_try`);
+    returns each set's step, the first measured first. ``report`` is called before each new set."""
+    tries, sets = [set_step(raw)], [[{k: r[k] for k in KEPT} for r in raw]]
     unknown = s.usual_reference_s is None
-    while len(tries) <= REMEASURES and (is_slow_spell(min(tries), s.usual_reference_s) or unknown and len(tries) < 2):
+    if not (unknown or is_slow_spell(tries[0], s.usual_reference_s)):
+        return tries
+    while len(tries) <= REMEASURES:
         report()
         if not unknown:
             time.sleep(REMEASURE_PAUSE_S)
         again = _in_fresh_ranks(s, backend)
         tries.append(set_step(again))
-        if tries[-1] < min(tries[:-1]):
-            for mine, new in zip(raw, again):
-                mine["runtime"], mine["runtime_variants"] = new["runtime"], new["runtime_variants"]
+        sets.append(again)
+    for mine, new in zip(raw, sets[kept_try(tries)]):
+        mine.update({k: new[k] for k in KEPT})
     return tries
+
+
+def kept_try(tries: list[float]) -> int:
+    """Which of the sets measured (their steps ``tries``, first measured first) the profile is
+    fitted to: the median's (of an even number, the faster middle one)."""
+    return sorted(range(len(tries)), key=tries.__getitem__)[(len(tries) - 1) // 2]
 
 
 def _in_fresh_ranks(s: Settings, backend: str) -> list[dict]:
