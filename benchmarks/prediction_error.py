@@ -31,6 +31,14 @@ measured (:func:`drifted_step`; for a program without disk I/O, the step
 times the drift). A user has no reference run beside their job, so the
 target is judged on the raw error; the corrected one, printed after it,
 says how much of the raw error is the host's drift.
+A quiet round. The target is for a quiet machine, and 0% steal and no other
+process do not make one: here the reference's step moved 20-40% within minutes
+with neither. So each round also says whether the host held its speed: every
+run of the reference beside the programs within ``QUIET`` (10%) of the step the
+round's calibration measured for it (the profile's comment). A round that is
+not quiet compares two states of the host as much as the model with the
+machine. (Not judged without the control, or with ``--machine``.)
+
 ``--no-control`` leaves the reference runs out (and then calibrates before
 each program's run, ``--calibrate-each program``; with the control, one
 calibration a round). The error per program is the median over rounds.
@@ -63,6 +71,10 @@ from zdsl.driver import compile_file                       # noqa: E402
 from zdsl.planner.simulate import machine_of, simulate   # noqa: E402
 
 TARGET = 0.15
+# A quiet round: every run of the reference beside the programs within this of the step calibrate
+# measured for it. The host here moves 20-40% within minutes with no steal or other process to see
+# (benchmarks/README, stops 41-46); in such a round the raw error measures the host, not the model.
+QUIET = 0.10
 CHILD_ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -104,6 +116,28 @@ def reference_step(path: str) -> str:
         if "measured " in line and " a step" in line:
             return line.split("measured ", 1)[1].split(" a step", 1)[0]
     return ""
+
+
+def reference_seconds(path: str) -> float | None:
+    """The reference step a profile's comment reports, in seconds; None where it reports none."""
+    text = reference_step(path)
+    try:
+        return float(text.removesuffix(" ms")) / 1e3 if text.endswith(" ms") else None
+    except ValueError:
+        return None
+
+
+def steadiness(calibrated: list[float], beside: list[float]) -> tuple[float, float] | None:
+    """(lowest, highest) ratio of the reference's runs ``beside`` the programs to the step the
+    round's calibration(s) measured for it (their median); None without both."""
+    if not calibrated or not beside:
+        return None
+    at = statistics.median(calibrated)
+    return min(beside) / at, max(beside) / at
+
+
+def is_quiet(ratios: tuple[float, float] | None) -> bool:
+    return ratios is not None and 1 - QUIET <= ratios[0] and ratios[1] <= 1 + QUIET
 
 
 def reference_program(folder: str, steps: int) -> str:
@@ -239,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     reference = reference_program(tmp, args.steps) if args.control else None
     controls: dict[str, list[float]] = {p: [] for p in programs}   # measured / predicted reference step
     drifted: dict[str, list[float]] = {p: [] for p in programs}    # each run's prediction, drift applied
+    # per round: the reference step its calibration(s) measured, and the reference's runs beside the programs
+    calibrated: list[list[float]] = [[] for _ in range(args.repeat)]
+    beside: list[list[float]] = [[] for _ in range(args.repeat)]
 
     @functools.lru_cache(maxsize=None)
     def reference_predicted(machine: str) -> float | None:
@@ -253,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             profile = f"{args.out}.{r}" if args.repeat > 1 else args.out
             calibrate(profile, args.disk, quiet=each, quick=args.calibration == "quick")
         machine, reference = machine_statement(profile), reference_step(profile)
+        if args.machine is None and reference_seconds(profile) is not None:
+            calibrated[r].append(reference_seconds(profile))
         said = f"reference step {reference}" if each and reference else f"machine {machine}" + (
             f" (reference step {reference})" if reference else "")
         print(f"{label}: {said}", flush=True)
@@ -283,12 +322,16 @@ def main(argv: list[str] | None = None) -> int:
             # the reference run after the previous program serves as this one's "before"
             if reference and before is None:
                 before = measure(reference, args.steps, None)[0]
+                if before:
+                    beside[r].append(before)
             med, err, _ = measure(program, args.steps, trace)
             if med is None:
                 skipped.append((program, f"run failed: {err}"))
                 continue
             if reference:
                 after = measure(reference, args.steps, None)[0]
+                if after:
+                    beside[r].append(after)
                 ref_pred = reference_predicted(machine)
                 if before and after and ref_pred:
                     drift = (before * after) ** 0.5 / ref_pred
@@ -351,8 +394,19 @@ def main(argv: list[str] | None = None) -> int:
     if load.busy:
         print("note: other work shared the cores; step times (and the calibration) move with it, so "
               "errors above are partly noise: rerun on a quiet machine")
+    steady = [steadiness(c, b) for c, b in zip(calibrated, beside)]
+    for r, ratios in enumerate(steady):
+        if ratios is None:
+            continue
+        print(f"round {r + 1}: the reference step calibrate measured {statistics.median(calibrated[r]) * 1e3:.1f} ms, "
+              f"beside the programs {min(beside[r]) * 1e3:.1f}-{max(beside[r]) * 1e3:.1f} ms "
+              f"({ratios[0]:.2f}-{ratios[1]:.2f}x): " + (
+                  "quiet" if is_quiet(ratios) else
+                  f"not quiet (beyond {QUIET:.0%}): the host's speed moved, and the raw error with it"))
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine, "results": results,
+        rounds = [{"calibrated_reference_s": c, "reference_beside_s": b, "quiet": is_quiet(q) if q else None}
+                  for c, b, q in zip(calibrated, beside, steady)]
+        Path(args.json).write_text(json.dumps({"machine": machine, "results": results, "rounds": rounds,
                                                "skipped": skipped}, indent=2))
     return 0 if results and ok == len(results) else 1
 

@@ -516,3 +516,24 @@ def test_the_drift_correction_leaves_the_disk_as_measured():
         steps[name] = compiled.sim.step_s, bench.drifted_step(compiled.graph, 1.3)
     assert steps["zero3"][1] == pytest.approx(1.3 * steps["zero3"][0], rel=1e-9)
     assert steps["nvme"][0] < steps["nvme"][1] < 1.3 * steps["nvme"][0] * (1 - 1e-3)
+
+
+def test_prediction_error_calls_a_round_quiet_only_where_the_reference_held_the_calibrated_step(tmp_path):
+    """benchmarks/prediction_error.py's quiet round: every run of the reference beside the
+    programs within 10% of the step the round's calibration measured, read off its profile."""
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("prediction_error", root / "benchmarks" / "prediction_error.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    profile = tmp_path / "m.zs"
+    profile.write_text("#               run by the executor: measured 20.5 ms a step, of which its lane ops 10.5 ms\n"
+                       "machine cpu(flops=5e10)\n")
+    assert bench.reference_seconds(str(profile)) == pytest.approx(0.0205)
+    (tmp_path / "none.zs").write_text("machine cpu(flops=5e10)\n")
+    assert bench.reference_seconds(str(tmp_path / "none.zs")) is None
+    assert bench.is_quiet(bench.steadiness([0.020], [0.019, 0.0215, 0.020]))
+    assert not bench.is_quiet(bench.steadiness([0.020], [0.019, 0.0235]))       # one run 17.5% slower
+    assert not bench.is_quiet(bench.steadiness([0.020], [0.0175, 0.020]))       # one 12.5% faster
+    assert not bench.is_quiet(bench.steadiness([], [0.020]))                    # --machine: nothing to judge
