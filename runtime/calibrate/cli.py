@@ -122,7 +122,8 @@ from zdsl.runtime.calibrate.ranks import joined, restore_cores
 from zdsl.runtime.calibrate.reference import (REFERENCE_WIDTH, REMEASURE_PAUSE_S, REMEASURES, RUNTIME_BLOCKS,
                                               RUNTIME_STEPS, VARIANTS, VARIANTS_AFTER_BLOCK, WARM_UP_STEPS,
                                               WIDE_STEPS, WIDE_WIDTH, is_slow_spell, measure_runtime,
-                                              measure_variants, reference_graph, reference_times, variant_steps)
+                                              measure_variants, reference_graph, reference_times, unsteadiness,
+                                              variant_steps)
 from zdsl.runtime.calibrate.slow_spell import kept_try, remeasure
 from zdsl.runtime.dist.spawn import LocalRanks
 from zdsl.runtime.dist.spawn import RankFailed
@@ -456,7 +457,8 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                  f"(disk_read, disk_write: each of disk_ranks={world} ranks' share, all at once); zdsl plan uses "
                  "the one-rank rates for a one-rank schedule, the aggregate split over its ranks for others")
     details = {"notes": notes, "ranks": raw, "backend": backend, "mm_flops": mm, "block_flops": block,
-               "reference": (world, step_s), "usual_reference_s": usual, "slow_spell": is_slow_spell(step_s, usual)}
+               "reference": (world, step_s), "usual_reference_s": usual, "slow_spell": is_slow_spell(step_s, usual),
+               "block_steps": block_s}
     return Calibration(profile, details)
 
 
@@ -675,6 +677,12 @@ def main(argv: list[str] | None = None) -> int:
               "profile would predict steps that much slower than the machine's usual speed; `zdsl calibrate` again "
               "once the host is quieter",
               file=sys.stderr)
+    unsteady = unsteadiness(cal.details.get("block_steps", []))
+    if unsteady:
+        print(f"warning: the reference step's blocks ran "
+              f"{', '.join(f'{b * 1e3:.1f}' for b in cal.details['block_steps'])} ms: the host's speed moved "
+              f"{unsteady:.2f}x while it was measured, and programs planned with this profile can run that much "
+              "off their predictions; `zdsl calibrate` again when the machine is quieter", file=sys.stderr)
     cached = cache_profile(cal)
     if a.out:
         try:

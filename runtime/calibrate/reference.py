@@ -29,6 +29,10 @@ WARM_UP_STEPS = 4
 # median try's set kept (slow_spell.py). 12%: this host's usual speed moved 10% from one day to
 # the next; the spells put the reference 15-30% slow.
 SLOW_SPELL = 0.12
+# A set whose slowest block ran this much slower than its fastest was measured while the host's
+# speed moved: calibrate warns that plans made with it are that uncertain. In the nine quick
+# calibrations of stop 46, the four over it were followed by rounds of 0-6 of 8 programs within 15%.
+UNSTEADY = 1.3
 REMEASURES = 2
 REMEASURE_PAUSE_S = 5.0
 
@@ -242,6 +246,12 @@ def block_step(blocks: list[dict]) -> float:
     """One block's step from each rank's record of it: the median over its steps of the slowest
     rank's time (a step lasts as long as its slowest rank)."""
     return statistics.median(max(times) for times in zip(*(b["steps"] for b in blocks)))
+
+
+def unsteadiness(block_s: list[float]) -> float | None:
+    """The slowest block's step over the fastest's where that exceeds :data:`UNSTEADY`, else None."""
+    spread = max(block_s) / min(block_s) if block_s and min(block_s) > 0 else 1.0
+    return spread if spread > UNSTEADY else None
 
 
 def is_slow_spell(step_s: float, usual_s: float | None) -> bool:

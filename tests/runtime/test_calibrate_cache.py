@@ -105,3 +105,24 @@ def test_a_profile_measured_slower_than_usual_does_not_replace_the_cached_one(tm
     assert said.startswith("not cached: the profile cached ") and "is kept" in said and str(path) in said
     assert profile_cache.read_profile(path)[0] == usual
     assert [r["step_s"] for r in profile_cache.reference_history(path)] == [0.030, 0.019, 0.030]
+
+
+def test_a_calibration_whose_blocks_moved_warns_and_calibration_by_default_relays_it(tmp_path, monkeypatch, capsys):
+    """The reference's blocks 11.2-20.6 ms apart: the host's speed moved while it was measured, so
+    the profile's predictions are that uncertain; `zdsl calibrate` says so, and the one line of a
+    calibration by default carries the warning on. Blocks within 30% of each other: no warning."""
+    import subprocess
+    from zdsl.runtime.calibrate import cli
+    monkeypatch.setenv("ZDSL_CALIBRATE", "1")
+    monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
+    for blocks, warned in (([0.0206, 0.0112, 0.0120], True), ([0.0168, 0.0164, 0.0188], False)):
+        cal = Calibration(MachineProfile(), {"reference": (2, sorted(blocks)[1]), "block_steps": blocks})
+        monkeypatch.setattr(cli, "calibrate", lambda *a, cal=cal, **k: cal)
+        assert cli.main(["--quick", "--no-progress", "--out", str(tmp_path / "m.zs")]) == 0
+        err = capsys.readouterr().err
+        assert ("the host's speed moved 1.84x while it was measured" in err and "20.6, 11.2, 12.0 ms" in err) == warned
+        assert ("warning:" in err) == warned
+    said = "warning: the reference step's blocks ran 20.6, 11.2, 12.0 ms: the host's speed moved 1.84x"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "", f"{said}\nwrote x\n"))
+    assert profile_cache.calibrate_in_runtime() is None
+    assert capsys.readouterr().err == f"zdsl: calibrating: {said}\n"

@@ -181,6 +181,9 @@ def calibrate_in_runtime(timeout: float = QUICK_TIMEOUT) -> str | None:
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
         return lines[-1].removeprefix("error: ")
+    for line in done.stderr.splitlines():        # a calibration taken while the host's speed moved, say
+        if line.startswith("warning: "):
+            print(f"zdsl: calibrating: {line}", file=sys.stderr)
     return None
 
 
