@@ -36,7 +36,7 @@ def remeasure(raw: list[dict], s: Settings, backend: str, report=lambda: None) -
     :data:`REMEASURES` times more, in fresh ranks, where it is a slow spell (or there is no usual
     step to compare with), and put the set of the median try in its place (:func:`kept_try`);
     returns each set's step, the first measured first. ``report`` is called before each new set."""
-    tries, sets = [set_step(raw)], [[{k: r[k] for k in KEPT} for r in raw]]
+    tries, sets = [set_step(raw)], [raw]
     unknown = s.usual_reference_s is None
     if not (unknown or is_slow_spell(tries[0], s.usual_reference_s)):
         return tries
