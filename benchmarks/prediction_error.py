@@ -290,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             profile = f"{args.out}.{r}" if args.repeat > 1 else args.out
             calibrate(profile, args.disk, quiet=each, quick=args.calibration == "quick")
         machine, reference = machine_statement(profile), reference_step(profile)
-        if args.machine is None and reference_seconds(profile) is not None:
-            calibrated[r].append(reference_seconds(profile))
+        measured = reference_seconds(profile) if args.machine is None else None
+        if measured is not None:
+            calibrated[r].append(measured)
         said = f"reference step {reference}" if each and reference else f"machine {machine}" + (
             f" (reference step {reference})" if reference else "")
         print(f"{label}: {said}", flush=True)

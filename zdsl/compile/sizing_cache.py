@@ -94,7 +94,7 @@ def sources(spec) -> list[str]:
     """The files whose change makes ``spec``'s kept sizing a miss, beyond its key: for a user's
     factory, what it may have read: the files beside its file (a config it loads), and the Python
     files of every module loaded in this process that is the user's, outside the standard library,
-    site-packages and zdsl's own folders (the key holds those). None for an HF folder (its key
+    site-packages and zdsl's own folders (the key holds those). Nothing for an HF folder (its key
     holds its files)."""
     factory = _factory_file(spec)
     if factory is None:
