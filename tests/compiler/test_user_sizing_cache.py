@@ -1,7 +1,7 @@
 """A user's model (``model "file.py:build"``) is sized once and kept in the cache folder
 (zdsl/compile/sizing_cache.py), like an HF folder: the next command gets the same units without
-torch, and an edit to the factory's file, a file beside it or any file of the user's it loaded
-sizes it afresh."""
+torch, and an edit to the factory's file, a file beside it, any file of the user's it loaded or
+any file it read sizes it afresh."""
 from __future__ import annotations
 
 import subprocess
@@ -74,6 +74,35 @@ def test_an_edited_helper_or_factory_file_sizes_afresh(model, cache, monkeypatch
     units_for(spec(model), 16)
     (model / "helper.py").unlink()                   # a source gone: a miss, never an error
     assert sizing_cache.load(key) is None
+
+
+READS = '''import json
+import os
+from user_models import build as small_lm
+
+
+def build(hidden: int = 8, context: int = 16):
+    with open(os.environ["TEST_SIZING_LOG"], "a") as log:      # written, not read: not a source
+        log.write("sized\\n")
+    conf = json.load(open({conf!r}))
+    return small_lm(hidden=hidden, context=context, layers=conf["layers"])
+'''
+
+
+def test_a_file_the_factory_reads_from_another_folder_sizes_it_afresh_when_it_changes(
+        tmp_path, model, cache, monkeypatch):
+    conf = tmp_path / "elsewhere" / "conf.json"
+    conf.parent.mkdir()
+    conf.write_text('{"layers": 2}')
+    monkeypatch.setenv("TEST_SIZING_LOG", str(tmp_path / "sized.log"))
+    (model / "model.py").write_text(READS.format(conf=str(conf)))
+    first = units_for(spec(model), 16)
+    key = sizing_cache.sizing_key(spec(model), 16, None)
+    assert sizing_cache.load(key) == first             # the log it writes does not make it a miss
+    conf.write_text('{"layers": 3}')
+    assert sizing_cache.load(key) is None
+    assert len(units_for(spec(model), 16)) == len(first) + 1
+    assert (tmp_path / "sized.log").read_text().count("sized") == 2
 
 
 def test_a_factory_named_by_module_is_not_kept(cache):

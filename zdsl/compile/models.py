@@ -71,13 +71,13 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
                 f"sizing this model needs the runtime (zdsl.runtime.models.sizing): {exc}") from exc
         if key is None:                   # not kept: sized as it always was, warnings untouched
             return units_for_user_model(spec, context, data=data)
-        with warnings.catch_warnings(record=True) as said:
+        with warnings.catch_warnings(record=True) as said, sizing_cache.files_read() as read:
             warnings.simplefilter("always")
             units = units_for_user_model(spec, context, data=data)
         for w in said:                    # said again as they came
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         sizing = sys.modules[units_for_user_model.__module__].__file__
         if not any(w.filename == sizing for w in said):    # its estimates are said every time
-            sizing_cache.store(key, units, sizing_cache.sources(spec))
+            sizing_cache.store(key, units, sizing_cache.sources(spec, read))
         return units
     raise ModelSizingError(f"unknown model kind {spec.kind!r}; expected gpt, hf or a user factory")

@@ -11,7 +11,8 @@ of a model are a pure function of what the key holds, so a hit is the same list 
 - a user's factory: its file's bytes, and (checked on load, as they are known only once the factory
   ran) the size and mtime of every file beside it (a config it reads) and of every Python file of the
   user's loaded in the process that sized it, outside the standard library, site-packages and zdsl
-  (the helpers it imports, wherever they are). A file it reads from elsewhere is not seen;
+  (the helpers it imports, wherever they are), and of every file it opened for reading while it was
+  sized (:func:`files_read`: a config or a vocabulary it reads from another folder);
 - the model's overrides or arguments, the sequence length and whether rows come padded or packed;
 - the installed torch and transformers, the Python, and every source file of zdsl's compiler and
   runtime (name, size, mtime): an edit or an upgrade sizes afresh.
@@ -23,6 +24,7 @@ read or written is a miss, never an error. Torch-free.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -39,6 +41,9 @@ from zdsl.compile.units import UnitSpec
 
 FORMAT = 2          # of the files written; an older or newer one is a miss (2: a user's sources)
 _code: str | None = None
+_recording: list[set[str]] = []    # the sets :func:`files_read` fills now (sizings may nest)
+_hooked = False
+_NOT_FILES = ("/proc/", "/sys/", "/dev/")
 
 
 def sizing_key(spec, context: int | None, data) -> str | None:
@@ -90,12 +95,43 @@ def store(key: str, units: list[UnitSpec], sources: list[str] = ()) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def sources(spec) -> list[str]:
+@contextlib.contextmanager
+def files_read():
+    """A set of the files this process opens for reading while the block runs, filled as they are
+    opened (Python's ``open`` audit event: ``open()``, ``os.open`` and what is built on them, such
+    as ``json.load``, ``numpy.load`` and ``torch.load``; a file opened by native code alone, such as
+    safetensors', is not seen). An audit hook cannot be removed: it is added once per process and
+    records nothing outside such a block."""
+    global _hooked
+    if not _hooked:
+        sys.addaudithook(_on_audit)
+        _hooked = True
+    seen: set[str] = set()
+    _recording.append(seen)
+    try:
+        yield seen
+    finally:
+        _recording.remove(seen)
+
+
+def _on_audit(event: str, args: tuple) -> None:
+    # runs on every audited event of the process: the common case returns at the first test
+    if event != "open" or not _recording:
+        return
+    path, _mode, flags = args
+    if isinstance(path, (str, bytes)) and isinstance(flags, int) and flags & os.O_ACCMODE == os.O_RDONLY:
+        path = os.path.abspath(os.fsdecode(path))       # as named now: the working folder may change
+        for seen in _recording:
+            seen.add(path)
+
+
+def sources(spec, read: set[str] | frozenset = frozenset()) -> list[str]:
     """The files whose change makes ``spec``'s kept sizing a miss, beyond its key: for a user's
-    factory, what it may have read: the files beside its file (a config it loads), and the Python
-    files of every module loaded in this process that is the user's, outside the standard library,
-    site-packages and zdsl's own folders (the key holds those). Nothing for an HF folder (its key
-    holds its files)."""
+    factory, what it may have read: the files beside its file (a config it loads), the Python
+    files of every module loaded in this process that is the user's, and the files in ``read``
+    (:func:`files_read` around the sizing), each outside the standard library, site-packages and
+    zdsl's own folders (the key holds those), zdsl's cache folder and /proc, /sys and /dev. Nothing
+    for an HF folder (its key holds its files)."""
     factory = _factory_file(spec)
     if factory is None:
         return []
@@ -105,10 +141,11 @@ def sources(spec) -> list[str]:
     except OSError:
         beside = set()
     libraries = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    libraries |= {*site.getsitepackages(), site.getusersitepackages(), *_code_roots()}
-    roots = tuple(os.path.join(os.path.realpath(p), "") for p in libraries if p)
+    libraries |= {*site.getsitepackages(), site.getusersitepackages(), *_code_roots(), cache_dir()}
+    roots = tuple(os.path.join(os.path.realpath(p), "") for p in libraries if p) + _NOT_FILES
     files = {os.path.realpath(f) for m in list(sys.modules.values())
              if isinstance(f := getattr(m, "__file__", None), str) and f.endswith(".py")}
+    files |= {os.path.realpath(f) for f in read if not f.endswith(".pyc") and os.path.isfile(f)}
     return sorted(beside | {f for f in files if not f.startswith(roots)})
 
 
