@@ -46,7 +46,8 @@ planner uses it*, under the conditions of a real run:
   over the calibration (first, middle, last; their median; measured twice
   more in fresh ranks, after pauses, the median try's set kept, where their
   step is more than 12% slower than this machine's usual one, the median of
-  its latest cached calibrations, or where there is none: ``slow_spell.py``):
+  its latest cached calibrations, or as far faster, or where there is none:
+  ``slow_spell.py``):
   ``overhead``
   per lane op and ``kernel_overhead`` per kernel a compute op dispatches
   are the line through each op's time beyond its rated time against its
@@ -426,9 +427,11 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                      f"{len(tries)} times, in fresh ranks after the first, "
                      f"{', '.join(f'{t * 1e3:.1f}' for t in tries)} ms; the median kept)")
     elif len(tries) > 1:
-        notes.append(f"              the first set ran {tries[0] * 1e3:.1f} ms a step, {tries[0] / usual - 1:.0%} slower "
-                     f"than this machine's usual {usual * 1e3:.1f} ms (its latest calibrations' median): slow rank "
-                     f"processes or a slow spell of the host; measured again in fresh ranks after {REMEASURE_PAUSE_S:.0f} s pauses: "
+        slower = tries[0] > usual
+        notes.append(f"              the first set ran {tries[0] * 1e3:.1f} ms a step, "
+                     f"{abs(tries[0] / usual - 1):.0%} {'slower' if slower else 'faster'} "
+                     f"than this machine's usual {usual * 1e3:.1f} ms (its latest calibrations' median): "
+                     f"{'slow rank processes or a slow spell' if slower else 'a fast moment'} of the host; measured again in fresh ranks after {REMEASURE_PAUSE_S:.0f} s pauses: "
                      f"{', '.join(f'{t * 1e3:.1f}' for t in tries[1:])} ms; the median set kept")
     elif usual is not None:
         notes.append(f"              (this machine's usual reference step: {usual * 1e3:.1f} ms, its latest "
@@ -557,7 +560,7 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
                     raise CalibrationError(f"a rank failed after measuring:\n{_in_words([failed])}") from None
             result["ranks"][0]["reference_tries"] = remeasure(
                 result["ranks"], s, chosen,
-                lambda: bar.update(task, description="runtime again: slower than usual (a pause, then fresh ranks)"))
+                lambda: bar.update(task, description="runtime again, in fresh ranks"))
             bar.update(task, description="done", advance=1)
     finally:
         if threads_before is not None:

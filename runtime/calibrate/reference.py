@@ -25,9 +25,10 @@ RUNTIME_BLOCKS = 3
 VARIANTS_AFTER_BLOCK = 1
 WARM_UP_STEPS = 4
 # A reference step this much slower than the machine's usual one (its cached calibrations' median)
-# is taken in a slow spell: measured REMEASURES times more in fresh ranks after pauses, and the
-# median try's set kept (slow_spell.py). 12%: this host's usual speed moved 10% from one day to
-# the next; the spells put the reference 15-30% slow.
+# is taken in a slow spell, and one this much faster (step x (1 + this) < usual) in a fast moment:
+# measured REMEASURES times more in fresh ranks after pauses, and the median try's set kept
+# (slow_spell.py). 12%: this host's usual speed moved 10% from one day to the next; the spells put
+# the reference 15-30% slow, a fast moment 25% fast (stop 47).
 SLOW_SPELL = 0.12
 # A set whose slowest block ran this much slower than its fastest was measured while the host's
 # speed moved: calibrate warns that plans made with it are that uncertain. In the nine quick
@@ -258,6 +259,13 @@ def is_slow_spell(step_s: float, usual_s: float | None) -> bool:
     """Whether a reference step of ``step_s`` is slower than the machine's usual ``usual_s`` by
     more than :data:`SLOW_SPELL` (never, with no usual step to compare with)."""
     return usual_s is not None and step_s > usual_s * (1 + SLOW_SPELL)
+
+
+def is_off_usual(step_s: float, usual_s: float | None) -> bool:
+    """Whether a reference step of ``step_s`` is a slow spell (:func:`is_slow_spell`) or as far the
+    other way, a fast moment: ``usual_s`` over it beyond ``1 +`` :data:`SLOW_SPELL` (never, with no
+    usual step)."""
+    return is_slow_spell(step_s, usual_s) or is_slow_spell(usual_s or 0.0, step_s)
 
 
 def block_steps(raw: list[dict]) -> list[float]:
