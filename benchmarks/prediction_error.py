@@ -53,10 +53,12 @@ once fitted here is in the profile now: ``overhead``, ``kernel_overhead``,
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -268,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[float]] = {p: [] for p in programs}
     preds: dict[str, list[float]] = {p: [] for p in programs}
     traces: dict[str, str] = {}
-    tmp = tempfile.mkdtemp(prefix="zdsl-prederr-traces-")
+    tmp = tempfile.mkdtemp(prefix="zdsl-prederr-traces-")     # the control's schedule, --explain's traces
+    atexit.register(shutil.rmtree, tmp, True)                  # read before the end: none outlives the run
     each = args.machine is None and (args.calibrate_each or ("round" if args.control else "program")) == "program"
     reference = reference_program(tmp, args.steps) if args.control else None
     controls: dict[str, list[float]] = {p: [] for p in programs}   # measured / predicted reference step

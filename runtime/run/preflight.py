@@ -53,7 +53,7 @@ EXIT_INVALID, EXIT_USAGE = 1, 2     # zdsl/cli.py's: the schedule cannot run her
 FLOOR_ESTIMATE = TorchFloor(150 << 20, 80 << 20, "estimated")
 
 FLOOR_CODE = r"""
-import json, os, sys, tempfile
+import json, os, shutil, sys, tempfile
 import zdsl.runtime.run.train                          # what a rank imports: torch, trio, the compiler
 EXTRA
 import torch, torch.distributed as dist
@@ -63,6 +63,7 @@ with tempfile.TemporaryDirectory() as tmp:
     status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
     kb = lambda key: int(status.get(key, "0 kB").split()[0]) * 1024
     print(json.dumps({"private": kb("RssAnon"), "shared": kb("RssFile") + kb("RssShmem")}), flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)         # os._exit skips the with's clean-up
     os._exit(0)                                    # no teardown: gloo's threads can abort it
 """
 

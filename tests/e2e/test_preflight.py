@@ -277,3 +277,12 @@ def test_a_model_file_imports_a_module_beside_it(tmp_path):
         proc = zdsl(*command, cwd=elsewhere)
         assert proc.returncode == 0, (command, proc.stderr)
         assert "ModuleNotFoundError" not in proc.stderr
+
+
+def test_measuring_the_torch_floor_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """The measuring process ends with os._exit (gloo's teardown can abort it), past its temporary
+    folder's clean-up: it removes the folder itself."""
+    from zdsl.runtime.run.preflight import measure_floor
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    floor = measure_floor()
+    assert floor["private"] > 0 and list(tmp_path.iterdir()) == []
