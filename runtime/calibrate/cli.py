@@ -431,7 +431,8 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
         notes.append(f"              the first set ran {tries[0] * 1e3:.1f} ms a step, "
                      f"{abs(tries[0] / usual - 1):.0%} {'slower' if slower else 'faster'} "
                      f"than this machine's usual {usual * 1e3:.1f} ms (its latest calibrations' median): "
-                     f"{'slow rank processes or a slow spell' if slower else 'a fast moment'} of the host; measured again in fresh ranks after {REMEASURE_PAUSE_S:.0f} s pauses: "
+                     f"{'slow rank processes or a slow spell' if slower else 'a fast moment'} of the host; "
+                     f"measured again in fresh ranks after {REMEASURE_PAUSE_S:.0f} s pauses: "
                      f"{', '.join(f'{t * 1e3:.1f}' for t in tries[1:])} ms; the median set kept")
     elif usual is not None:
         notes.append(f"              (this machine's usual reference step: {usual * 1e3:.1f} ms, its latest "

@@ -10,18 +10,19 @@ plans every step of every program that much slow until the next calibration.
 So where the reference step is slower than this machine's usual one (the median of its latest
 cached calibrations, ``zdsl.planner.profile_cache.usual_reference``) by more than
 ``reference.SLOW_SPELL``, or as far faster (``reference.is_off_usual``: the host's fast moments,
-which a profile fitted to plans every program as short: a set at 15.7 ms against the usual 19.7
-put eight of eight programs 18-44% under their runs minutes later, benchmarks/README, stop 47),
-:func:`remeasure` measures the reference set ``reference.REMEASURES``
-more times in new rank processes, each after a pause (in case the host itself is slow for a
-while), and keeps the set of the median try (still slow, calibrate warns and keeps the cached
-profile: ``cli.cache_profile``; still fast, the host is faster for now and its profile is kept). The median, not the fastest: the host also has fast moments, and
-a profile fitted to the fastest of three tries (20.0, 22.1, 13.4 ms) planned seven of eight
-programs 29-49% short of their runs minutes later (benchmarks/README, stop 46). One slow pair among three is outvoted either way. A
-machine that has become slower or faster for good costs a few seconds per calibration until its
-history moves. A machine with no cached calibration (the first one, which ``zdsl plan`` then caches) has
-nothing to compare with: its set is measured the same, without the pauses, so that only two slow
-pairs of three give it a slow profile.
+which a profile fitted to plans every program as short: a set at 15.7 ms against the usual 19.7 put
+eight of eight programs 18-44% under their runs minutes later, benchmarks/README, stop 47),
+:func:`remeasure` measures the reference set ``reference.REMEASURES`` more times in new rank
+processes, each after a pause (in case the host itself is slow for a while), and keeps the set of
+the median try (still slow, calibrate warns and keeps the cached profile: ``cli.cache_profile``;
+still fast, the host is faster for now and its profile is kept). The median, not the fastest: the
+host also has fast moments, and a profile fitted to the fastest of three tries (20.0, 22.1, 13.4
+ms) planned seven of eight programs 29-49% short of their runs minutes later (benchmarks/README,
+stop 46). One slow pair among three is outvoted either way. A machine that has become slower or
+faster for good costs a few seconds per calibration until its history moves. A machine with no
+cached calibration (the first one, which ``zdsl plan`` then caches) has nothing to compare with:
+its set is measured the same, without the pauses, so that only two slow pairs of three give it a
+slow profile.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ KEPT = ("runtime", "runtime_variants")      # a rank's reference set: what a new
 def remeasure(raw: list[dict], s: Settings, backend: str, report=lambda: None) -> list[float]:
     """Measure the ranks' reference set (``raw[rank]["runtime"]`` and ``["runtime_variants"]``)
     :data:`REMEASURES` times more, in fresh ranks, where it is off the machine's usual step, slow or
-    fast (or there is no usual step to compare with), and put the set of the median try in its place (:func:`kept_try`);
-    returns each set's step, the first measured first. ``report`` is called before each new set."""
+    fast (or there is no usual step to compare with), and put the set of the median try in its
+    place (:func:`kept_try`); returns each set's step, the first measured first. ``report`` is
+    called before each new set."""
     tries, sets = [set_step(raw)], [raw]
     unknown = s.usual_reference_s is None
     if not (unknown or is_off_usual(tries[0], s.usual_reference_s)):
