@@ -477,8 +477,9 @@ def test_one_rank_calibrates(tmp_path, monkeypatch):
     measures and writes a profile; its reference step's collectives need the group a one-rank
     run joins, which calibrate did not join at one rank."""
     from zdsl.runtime.calibrate import cli
-    # a usual step no set is slow against: one set measured (test_quick_profile_parses measures three)
-    monkeypatch.setattr(cli, "_usual_reference", lambda ranks: 1e9)
+    from zdsl.runtime.calibrate.reference import set_step
+    # one set measured, never again in fresh ranks (test_quick_profile_parses covers that path)
+    monkeypatch.setattr(cli, "remeasure", lambda raw, s, backend, report: [set_step(raw)])
     out = tmp_path / "machine.zs"
     assert main(["--quick", "--no-progress", "--ranks", "1", "--out", str(out), "--disk", str(tmp_path)]) == 0
     assert profile_errors(out) == []
