@@ -265,7 +265,7 @@ def is_off_usual(step_s: float, usual_s: float | None) -> bool:
     """Whether a reference step of ``step_s`` is a slow spell (:func:`is_slow_spell`) or as far the
     other way, a fast moment: ``usual_s`` over it beyond ``1 +`` :data:`SLOW_SPELL` (never, with no
     usual step)."""
-    return is_slow_spell(step_s, usual_s) or is_slow_spell(usual_s or 0.0, step_s)
+    return usual_s is not None and (step_s > usual_s * (1 + SLOW_SPELL) or usual_s > step_s * (1 + SLOW_SPELL))
 
 
 def block_steps(raw: list[dict]) -> list[float]:

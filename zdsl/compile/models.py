@@ -71,7 +71,7 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
                 f"sizing this model needs the runtime (zdsl.runtime.models.sizing): {exc}") from exc
         if key is None:                   # not kept: sized as it always was, warnings untouched
             return units_for_user_model(spec, context, data=data)
-        with warnings.catch_warnings(record=True) as said, sizing_cache.files_read() as read:
+        with warnings.catch_warnings(record=True) as said, sizing_cache.files_read(spec) as read:
             warnings.simplefilter("always")
             units = units_for_user_model(spec, context, data=data)
         for w in said:                    # said again as they came

@@ -96,13 +96,17 @@ def store(key: str, units: list[UnitSpec], sources: list[str] = ()) -> None:
 
 
 @contextlib.contextmanager
-def files_read():
+def files_read(spec):
     """A set of the files this process opens for reading while the block runs, filled as they are
     opened (Python's ``open`` audit event: ``open()``, ``os.open`` and what is built on them, such
     as ``json.load``, ``numpy.load`` and ``torch.load``; a file opened by native code alone, such as
-    safetensors', is not seen). An audit hook cannot be removed: it is added once per process and
-    records nothing outside such a block."""
+    safetensors', is not seen), where ``spec`` is a user's factory named by its file (what
+    :func:`sources` reads them for); an empty set otherwise. An audit hook cannot be removed: it is
+    added once per process, for the first such sizing, and records nothing outside such a block."""
     global _hooked
+    if _factory_file(spec) is None:         # an HF folder: its key holds its files
+        yield set()
+        return
     if not _hooked:
         sys.addaudithook(_on_audit)
         _hooked = True
