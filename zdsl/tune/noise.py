@@ -42,7 +42,9 @@ median, those of **equal speed** are the ones no other tied one beats by
 (1) or (2) is a difference the rounds have not confirmed, not an equal speed,
 and it is not traded for memory (less prefetch is both less memory and slower:
 a lag the rounds cannot yet confirm would otherwise hand the pick to the slow
-end; benchmarks/README, stop 41). Among those of equal speed the winner is the
+end; benchmarks/README, stop 41). Where every tied one trails another (medians
+of ratios need not be transitive) the one trailing least wins, and its verdict
+says the rounds do not order them: none is the fastest round by round. Among those of equal speed the winner is the
 one with the lower peak device memory (peaks within 1% are equal), then the
 **simpler** schedule: fewer varied values that differ from the file's own,
 then the smaller value of each varied key in ``--vary`` order (a shallower
@@ -157,6 +159,10 @@ def choose_winner(cands: list[Candidate], order: dict[str, list[str]]) -> tuple[
     if len(tied) == 1:
         return tied[0], "faster than every other measured one beyond the spread"
     even = equal_speed(tied)
+    least = trailing(tied)[id(even[0])]
+    if len(even) == 1 and least >= 1.0 + MIN_DIFFERENCE:      # every one trails another: no fastest
+        return even[0], (f"{len(tied)} tie, each trailing another by {MIN_DIFFERENCE:.0%} or more round by round "
+                         f"(the rounds do not order them); it trails least, by {least - 1:.1%}")
     head = f"{len(tied)} tie"
     if len(even) < len(tied):
         head += (f" ({len(tied) - len(even)} trailing another by {MIN_DIFFERENCE:.0%} or more round by round, "
@@ -177,11 +183,17 @@ def equal_speed(tied: list[Candidate]) -> list[Candidate]:
     """The ones of ``tied`` no other of them beats by :data:`MIN_DIFFERENCE` or more at the median
     round ratio; where every one trails another (medians of ratios need not be transitive), the
     one trailing least."""
-    def lag(c: Candidate, o: Candidate) -> float:      # c's figures over o's, the median round
-        return compare(c, o).ratios[1] if c is not o else 1.0
-    worst = {id(c): max(lag(c, o) for o in tied) for c in tied}
+    worst = trailing(tied)
     even = [c for c in tied if worst[id(c)] < 1.0 + MIN_DIFFERENCE]
     return even or [min(tied, key=lambda c: worst[id(c)])]
+
+
+def trailing(tied: list[Candidate]) -> dict[int, float]:
+    """Per candidate (by ``id``), the most it trails another of ``tied``: the largest of its median
+    round ratios to them (1.0: it trails none)."""
+    def lag(c: Candidate, o: Candidate) -> float:      # c's figures over o's, the median round
+        return compare(c, o).ratios[1] if c is not o else 1.0
+    return {id(c): max(lag(c, o) for o in tied) for c in tied}
 
 
 def simplicity(cand: Candidate, order: dict[str, list[str]]) -> tuple:
