@@ -1,4 +1,4 @@
-# written by `zdsl tune` from /work/main/programs/zero3.zs: prefetch=4 bucket=1MiB (measured 26.00 ms/step, spread 18.62..26.38 ms over 9 round(s))
+# written by `zdsl tune` from /work/main/programs/zero3.zs: prefetch=4 bucket=256KiB (predicted 29.74 ms/step)
 # zero3.zs: ZeRO stage 3 -- shard everything (FSDP's FULL_SHARD).
 #
 # Parameters are sharded too: before a unit runs (forward or backward) its
@@ -22,4 +22,4 @@ recompute blocks                     # activation checkpointing of every transfo
 memory    device 2GiB                # the plan must fit in 2GiB per rank, or `zdsl check` fails
 
 # set by zdsl tune
-bucket 1MiB
+bucket 256KiB

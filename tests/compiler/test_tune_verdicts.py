@@ -14,7 +14,9 @@ from zdsl.cli import main
 from zdsl.tune import noise, ranges
 from zdsl.tune.measure import Run, RunFailed, run_of
 from zdsl.tune.rounds import race
-from zdsl.tune.search import Candidate, TuneUsageError, combinations, parse_vary, predict, prune
+from zdsl.driver import compile_file
+from zdsl.tune.search import (Candidate, TuneUsageError, combinations, parse_vary, predict, prune, run_identity,
+                               same_runs)
 
 ZERO3 = str(Path(__file__).parents[2] / "programs" / "zero3.zs")
 
@@ -359,3 +361,34 @@ def test_bad_measuring_options_are_usage_errors(option, says, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_combinations_that_compile_to_the_same_task_graph_are_run_once(tmp_path, capsys):
+    # zero3.zs's units' gradients are each far under 256KiB: every bucket from there up is one
+    # reduce-scatter per unit, the same ops; a 4KiB bucket cuts them, another graph
+    cands = predict(ZERO3, {}, combinations(parse_vary(["prefetch=1,2", "bucket=1MiB,4KiB,256KiB"])))
+    keys = {(c.combo["prefetch"], c.combo["bucket"]): c.run_key for c in cands}
+    assert keys["1", "1MiB"] == keys["1", "256KiB"] != keys["1", "4KiB"]
+    assert keys["1", "1MiB"] != keys["2", "1MiB"]
+    own = run_identity(compile_file(ZERO3, {}, simulate=False).graph)[1]
+    survivors = prune(cands, 1e9)
+    kept = same_runs(survivors, own, {"bucket": ["1MiB", "4KiB", "256KiB"]})
+    assert len(kept) == 4 and kept == [c for c in survivors if not c.same_run]      # in predicted order
+    assert {(c.combo["prefetch"], c.combo["bucket"]) for c in kept} == {("1", "4KiB"), ("2", "4KiB"),
+                                                                         ("1", "256KiB"), ("2", "256KiB")}
+    merged = [c for c in cands if c.same_run]
+    assert [c.same_run for c in merged] == ["prefetch=1 bucket=256KiB", "prefetch=2 bucket=256KiB"]
+    # the file's own bucket is kept over a smaller one listed first where both run alike
+    bucket_1m = compile_file(ZERO3, {"bucket": "1MiB"}, simulate=False).graph
+    again = predict(ZERO3, {}, combinations(parse_vary(["bucket=256KiB,1MiB"])))
+    assert same_runs(again, run_identity(bucket_1m)[1], {})[0].combo == {"bucket": "1MiB"}
+
+    status = main(["tune", ZERO3, "--vary", "prefetch=1,2", "bucket=1MiB,4KiB,256KiB", "--measure", "0",
+                   "--out", str(tmp_path / "w.zs"), "--json", str(tmp_path / "t.json")])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert "2 the same task graph as another (run once); measuring 0" in err
+    assert "the same task graph as prefetch=1 bucket=256KiB (bucket changes nothing here): run once, as it" \
+        in " ".join(out.split())
+    rows = json.loads((tmp_path / "t.json").read_text())["candidates"]
+    assert sorted(r["label"] for r in rows if r["same_run"]) == ["prefetch=1 bucket=1MiB", "prefetch=2 bucket=1MiB"]

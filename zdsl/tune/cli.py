@@ -29,7 +29,7 @@ from zdsl.tune.measure import RUN_QUANTILE, measure_round
 from zdsl.tune.rounds import (DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP,
                               race)
 from zdsl.tune.search import (PRUNE_FACTOR, TuneUsageError, combinations, count_changes, parse_vary, predict,
-                              prune, validate_values)
+                              prune, run_identity, same_runs, validate_values)
 from zdsl.tune.table import as_json, print_table
 from zdsl.tune.write import write_schedule_text
 
@@ -79,8 +79,8 @@ verdicts: each round runs every candidate once, back to back in one launch, in a
     p.add_argument("--vary", nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
                    help="a --set key and the values (or LO..HI ranges) to try (repeatable)")
     p.add_argument("--measure", type=int, default=4, metavar="K",
-                   help="measure the K best predicted combinations left after pruning (default 4; "
-                        "0: planner only)")
+                   help="measure the K best predicted combinations left after pruning, one per task graph: "
+                        "combinations that compile to the same ops run once (default 4; 0: planner only)")
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help=f"seconds of measuring at most: no round starts that would end after it; "
                         f"the first round always runs (default {DEFAULT_BUDGET_S:.0f}, grown up to "
@@ -166,10 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     survivors = prune(cands, args.prune)
     rejected = sum(1 for c in cands if c.rejected)
     pruned = sum(1 for c in cands if c.pruned)
-    to_measure = survivors[:args.measure]
+    distinct = same_runs(survivors, run_identity(first.graph)[1] if first.graph is not None else (), dict(vary))
+    to_measure = distinct[:args.measure]
+    alike = len(survivors) - len(distinct)
     print(f"zdsl tune: {len(cands)} combination(s) planned in {plan_s:.2f} s; {rejected} rejected by the "
-          f"planner, {pruned} pruned (predicted over {args.prune:g}x the best); measuring {len(to_measure)}",
-          file=sys.stderr)
+          f"planner, {pruned} pruned (predicted over {args.prune:g}x the best)"
+          + (f", {alike} the same task graph as another (run once)" if alike else "")
+          + f"; measuring {len(to_measure)}", file=sys.stderr)
     if not survivors:
         print_table(cands, None, "", args, title(args, cands, None))
         print("zdsl tune: error: every combination was rejected; nothing to run", file=sys.stderr)
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             cand.changes = count_changes(args.file, cand, units_for)
         winner, why = noise.choose_winner(to_measure, dict(vary))
     else:
-        winner, why = survivors[0], "predicted; not measured"
+        winner, why = distinct[0], "predicted; not measured"
     print_table(cands, winner, why, args, title(args, cands, result))
     for line in noise.model_gaps(cands):
         print(line)

@@ -58,7 +58,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from zdsl.tune.search import Candidate
+from zdsl.tune.search import Candidate, value_rank
 
 MIN_ROUNDS = 7            # no verdict on fewer shared rounds ((2) cannot hold on 6)
 SIGN_LEVEL = 0.01         # (2): the chance an even coin wins as many rounds (7 of 7 is 0.008)
@@ -197,17 +197,8 @@ def trailing(tied: list[Candidate]) -> dict[int, float]:
 
 
 def simplicity(cand: Candidate, order: dict[str, list[str]]) -> tuple:
-    ranks = tuple(_value_rank(order.get(k, []), v) for k, v in cand.combo.items())
+    ranks = tuple(value_rank(order.get(k, []), v) for k, v in cand.combo.items())
     return (cand.changes if cand.changes is not None else len(cand.combo),) + ranks
-
-
-def _value_rank(values: list[str], value: str) -> float:
-    """A value's size among its key's values: its number where it is a number or a size, else its position."""
-    from zdsl.lang.sizes import SizeError, parse_size
-    try:
-        return float(parse_size(value))
-    except SizeError:
-        return float(values.index(value)) if value in values else float("inf")
 
 
 def slower_than(cand: Candidate, winner: Candidate, cands: list[Candidate]) -> Candidate | None:

@@ -5,9 +5,10 @@ Tuning is a search over a few policy values (``prefetch``, ``bucket``,
 --set k=v ...`` would compile it, so the verifier judges it first: a
 combination over a memory budget (or otherwise invalid) is *rejected with
 the verifier's reason* and never run. The rest are ranked by predicted step
-time and those that cannot win are pruned (:func:`prune`); ``zdsl.tune.rounds``
-then measures the best few against each other and ``zdsl.tune.write`` writes
-the winner.
+time and those that cannot win are pruned (:func:`prune`); those that compile
+to the same ops are one run (:func:`same_runs`); ``zdsl.tune.rounds`` then
+measures the best few against each other and ``zdsl.tune.write`` writes the
+winner.
 
 No torch is imported by this module (the front end's rule).
 """
@@ -143,6 +144,9 @@ class Candidate:
     failed: str | None = None                     # a measured run that did not finish
     changes: int | None = None                    # varied values that differ from the file's own
     digest: str | None = None
+    run_key: str | None = None                    # the same for candidates whose task graphs run alike
+    lowered: tuple = ()                           # its values of the config entries the ops carry (LOWERED_CONFIG)
+    same_run: str | None = None                   # the label of the candidate measured for it (same_runs)
 
     @property
     def label(self) -> str:
@@ -197,6 +201,7 @@ def predict(path: str, base: dict[str, str], combos: list[dict[str, str]], units
             cand.predicted_peak = {t: compiled.sim.memory.peak(t) for t in TIERS
                                    if compiled.sim.memory.peak(t)}
             cand.digest = compiled.graph.digest()
+            cand.run_key, cand.lowered = run_identity(compiled.graph)
         out.append(cand)
     return out
 
@@ -211,6 +216,41 @@ def ranked(cands: list[Candidate]) -> list[Candidate]:
     """Accepted candidates, fastest predicted first (ties: less peak memory, then the order given)."""
     ok = [c for c in cands if c.rejected is None]
     return sorted(ok, key=lambda c: (round(c.predicted_s, 9), sum(c.predicted_peak.values())))
+
+
+def run_identity(graph) -> tuple[str, tuple]:
+    """(the key graphs that run alike share, the graph's values of the config entries its ops carry)."""
+    from zdsl.tune.write import LOWERED_CONFIG, graph_key
+    return graph_key(graph, runs_alike=True), tuple(repr(graph.config.get(k)) for k in LOWERED_CONFIG)
+
+
+def same_runs(survivors: list[Candidate], own: tuple, order: dict[str, list[str]]) -> list[Candidate]:
+    """``survivors`` with one candidate per task graph that runs alike, in their order: measuring
+    copies of one run would only rank its noise (7 buckets over a model whose gradients fit the
+    smallest). The one kept has the fewest of those values changed from the file's own (``own``:
+    the file's :func:`run_identity` values), then the smaller values in ``--vary`` order; the
+    others are marked with its label (``same_run``)."""
+    groups: dict[str, list[Candidate]] = {}
+    for cand in survivors:
+        groups.setdefault(cand.run_key or id(cand), []).append(cand)
+    kept = []
+    for group in groups.values():
+        keep = min(group, key=lambda c: (sum(a != b for a, b in zip(c.lowered, own)),
+                                         tuple(value_rank(order.get(k, []), v) for k, v in c.combo.items())))
+        for cand in group:
+            if cand is not keep:
+                cand.same_run = keep.label
+        kept.append(keep)
+    return sorted(kept, key=survivors.index)
+
+
+def value_rank(values: list[str], value: str) -> float:
+    """A value's size among its key's values: its number where it is a number or a size, else its position."""
+    from zdsl.lang.sizes import SizeError, parse_size
+    try:
+        return float(parse_size(value))
+    except SizeError:
+        return float(values.index(value)) if value in values else float("inf")
 
 
 # Why 1.5: within one calibration, benchmarks/prediction_error.py measured the programs' errors

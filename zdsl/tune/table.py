@@ -35,10 +35,16 @@ def verdict(cand: Candidate, winner: Candidate | None, why: str, rank: int | Non
         return f"run failed: {cand.failed}"
     if cand is winner:
         return f"best (measured): {why}" if cand.rounds else "best (predicted; not measured)"
+    if cand.same_run:
+        keep = next(c for c in cands if c.label == cand.same_run)
+        keys = [k for k, v in cand.combo.items() if keep.combo.get(k) != v]
+        return (f"the same task graph as {cand.same_run} ({', '.join(keys)} change{'s' if len(keys) == 1 else ''} "
+                "nothing here): run once, as it")
     if cand.rounds and winner is not None and winner.rounds:
         text = noise.verdict(cand, winner, cands)
         return text + (f"; not run after round {cand.dropped}" if cand.dropped else "")
-    return f"not measured (predicted #{rank}; --measure {measure_k} runs the {measure_k} best predicted)"
+    return (f"not measured (predicted #{rank}; --measure {measure_k} runs the {measure_k} best predicted, "
+            "one per task graph)")
 
 
 def print_table(cands: list[Candidate], winner: Candidate | None, why: str, args, title: str) -> None:
@@ -93,7 +99,7 @@ def as_json(cands: list[Candidate], winner: Candidate | None, why: str, args, ra
             "typical_s": cand.typical_s,
             "spread_s": list(noise.spread(list(cand.rounds.values()))) if cand.rounds else None,
             "measured_peak": cand.measured_peak, "rejected": cand.rejected, "pruned": cand.pruned,
-            "failed": cand.failed, "dropped_after_round": cand.dropped,
+            "failed": cand.failed, "dropped_after_round": cand.dropped, "same_run": cand.same_run,
             "slower_than": other.label if other is not None else None,
             "verdict": verdict(cand, winner, why, rank, cands, args.measure)})
     return {"file": args.file, "winner": winner.label if winner else None, "why": why,

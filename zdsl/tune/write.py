@@ -66,11 +66,21 @@ def write_schedule_text(path: str, overrides: dict[str, str], out_path: str, not
     raise ValueError("cannot write a schedule that reproduces the winner (" + "; ".join(problems) + ")")
 
 
-def graph_key(graph) -> str:
+# Config entries the compiler has lowered into the ops and buffers, which the runtime never
+# reads: two graphs that differ only there run alike (a bucket larger than every unit's gradients).
+LOWERED_CONFIG = ("bucket_bytes", "prefetch", "overlap")
+
+
+def graph_key(graph, runs_alike: bool = False) -> str:
     """The graph's digest without source positions (the schedule's file name in the config,
-    each op's span): the same schedule written elsewhere compiles to the same key."""
+    each op's span): the same schedule written elsewhere compiles to the same key. With
+    ``runs_alike``, also without :data:`LOWERED_CONFIG`: graphs that run the same ops share it."""
     raw = json.loads(graph.to_json())
-    (raw.get("config") or {}).pop("file", None)
+    config = raw.get("config") or {}
+    config.pop("file", None)
+    if runs_alike:
+        for key in LOWERED_CONFIG:
+            config.pop(key, None)
     for op in raw.get("ops", []):
         op.pop("span", None)
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
