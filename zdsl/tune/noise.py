@@ -42,10 +42,12 @@ median, those of **equal speed** are the ones no other tied one beats by
 (1) or (2) is a difference the rounds have not confirmed, not an equal speed,
 and it is not traded for memory (less prefetch is both less memory and slower:
 a lag the rounds cannot yet confirm would otherwise hand the pick to the slow
-end; benchmarks/README, stop 41). Where every tied one trails another (medians
-of ratios need not be transitive) the one trailing least wins, and its verdict
-says the rounds do not order them: none is the fastest round by round. Among those of equal speed the winner is the
-one with the lower peak device memory (peaks within 1% are equal), then the
+end; benchmarks/README, stop 41). Medians of ratios need not be transitive: the
+one of equal speed may itself be 2% behind another at the median ratio the
+other way round (8 rounds, an even count), and where every tied one trails
+another the one trailing least wins; the verdicts say so rather than "the
+fastest". Among those of equal speed the winner is the one with the lower
+peak device memory (peaks within 1% are equal), then the
 **simpler** schedule: fewer varied values that differ from the file's own,
 then the smaller value of each varied key in ``--vary`` order (a shallower
 prefetch, a smaller bucket; values that are not numbers by their place in
@@ -168,7 +170,7 @@ def choose_winner(cands: list[Candidate], order: dict[str, list[str]]) -> tuple[
         head += (f" ({len(tied) - len(even)} trailing another by {MIN_DIFFERENCE:.0%} or more round by round, "
                  f"unconfirmed)")
     if len(even) == 1:
-        return even[0], f"{head}; the fastest round by round"
+        return even[0], f"{head}; the only one no other beats by {MIN_DIFFERENCE:.0%} or more round by round"
     low = min(peak_key(c) for c in even)
     by_memory = [c for c in even if peak_key(c) <= low * (1 + MEMORY_TOLERANCE)]
     if len(by_memory) == 1:
@@ -226,17 +228,19 @@ def verdict(cand: Candidate, winner: Candidate, cands: list[Candidate]) -> str:
     cmp = compare(slow, fast)
     if cmp.shared < MIN_ROUNDS:
         return f"undecided ({_ms(cand, winner)}; {cmp.shared} shared round(s): a verdict needs {MIN_ROUNDS})"
+    # the row's own figures over the best's, as the medians before it: the median of the ratios
+    # can lean the other way from the ratio of the medians, and then a bare "0.977x" misleads
+    mine = f"{ratio_text(compare(cand, winner))} the best's round by round"
     if not cmp.apart:
-        return (f"tie with best ({_ms(cand, winner)}; round by round {ratio_text(cmp)}: "
-                f"the spread reaches no difference)")
+        return f"tie with best ({_ms(cand, winner)}; {mine}: the spread reaches no difference)"
     if cmp.ratios[1] < 1.0 + MIN_DIFFERENCE:
-        return f"tie with best ({_ms(cand, winner)}; round by round {ratio_text(cmp)}: under {MIN_DIFFERENCE:.0%})"
-    return (f"tie with best ({_ms(cand, winner)}; round by round {ratio_text(cmp)} but "
+        return f"tie with best ({_ms(cand, winner)}; {mine}: under {MIN_DIFFERENCE:.0%} apart)"
+    return (f"tie with best ({_ms(cand, winner)}; {mine}, but "
             f"{'faster' if fast is cand else 'slower'} in only {cmp.b_wins}/{cmp.shared} rounds)")
 
 
 def ratio_text(cmp: Comparison) -> str:
-    """The slower one's round figures over the faster one's: median and interquartile range."""
+    """``cmp.a``'s round figures over ``cmp.b``'s: median and interquartile range."""
     lo, mid, hi = cmp.ratios
     return f"{mid:.3f}x (spread {lo:.3f}..{hi:.3f})"
 
