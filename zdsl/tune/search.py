@@ -143,7 +143,6 @@ class Candidate:
     measured_peak: dict[str, int] = field(default_factory=dict)   # tier -> max over ranks, steps and rounds
     failed: str | None = None                     # a measured run that did not finish
     changes: int | None = None                    # varied values that differ from the file's own
-    digest: str | None = None
     run_key: str | None = None                    # the same for candidates whose task graphs run alike
     lowered: tuple = ()                           # its values of the config entries the ops carry (LOWERED_CONFIG)
     same_run: str | None = None                   # the label of the candidate measured for it (same_runs)
@@ -200,7 +199,6 @@ def predict(path: str, base: dict[str, str], combos: list[dict[str, str]], units
             cand.predicted_s = compiled.sim.step_s
             cand.predicted_peak = {t: compiled.sim.memory.peak(t) for t in TIERS
                                    if compiled.sim.memory.peak(t)}
-            cand.digest = compiled.graph.digest()
             cand.run_key, cand.lowered = run_identity(compiled.graph)
         out.append(cand)
     return out
