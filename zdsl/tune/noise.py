@@ -60,7 +60,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from zdsl.tune.search import Candidate, value_rank
+from zdsl.tune.search import Candidate, value_ranks
 
 MIN_ROUNDS = 7            # no verdict on fewer shared rounds ((2) cannot hold on 6)
 SIGN_LEVEL = 0.01         # (2): the chance an even coin wins as many rounds (7 of 7 is 0.008)
@@ -160,8 +160,9 @@ def choose_winner(cands: list[Candidate], order: dict[str, list[str]]) -> tuple[
     tied = undominated(cands) or [best]
     if len(tied) == 1:
         return tied[0], "faster than every other measured one beyond the spread"
-    even = equal_speed(tied)
-    least = trailing(tied)[id(even[0])]
+    worst = trailing(tied)
+    even = equal_speed(tied, worst)
+    least = worst[id(even[0])]
     if len(even) == 1 and least >= 1.0 + MIN_DIFFERENCE:      # every one trails another: no fastest
         return even[0], (f"{len(tied)} tie, each trailing another by {MIN_DIFFERENCE:.0%} or more round by round "
                          f"(the rounds do not order them); it trails least, by {least - 1:.1%}")
@@ -181,11 +182,11 @@ def choose_winner(cands: list[Candidate], order: dict[str, list[str]]) -> tuple[
     return pick, f"{head}; {why} with equal peak memory (fewest changes from the file, then smaller values)"
 
 
-def equal_speed(tied: list[Candidate]) -> list[Candidate]:
+def equal_speed(tied: list[Candidate], worst: dict[int, float] | None = None) -> list[Candidate]:
     """The ones of ``tied`` no other of them beats by :data:`MIN_DIFFERENCE` or more at the median
     round ratio; where every one trails another (medians of ratios need not be transitive), the
-    one trailing least."""
-    worst = trailing(tied)
+    one trailing least. ``worst``: :func:`trailing` of ``tied``, where the caller has it."""
+    worst = worst or trailing(tied)
     even = [c for c in tied if worst[id(c)] < 1.0 + MIN_DIFFERENCE]
     return even or [min(tied, key=lambda c: worst[id(c)])]
 
@@ -199,8 +200,7 @@ def trailing(tied: list[Candidate]) -> dict[int, float]:
 
 
 def simplicity(cand: Candidate, order: dict[str, list[str]]) -> tuple:
-    ranks = tuple(value_rank(order.get(k, []), v) for k, v in cand.combo.items())
-    return (cand.changes if cand.changes is not None else len(cand.combo),) + ranks
+    return (cand.changes if cand.changes is not None else len(cand.combo),) + value_ranks(cand, order)
 
 
 def slower_than(cand: Candidate, winner: Candidate, cands: list[Candidate]) -> Candidate | None:

@@ -233,13 +233,17 @@ def same_runs(survivors: list[Candidate], own: tuple, order: dict[str, list[str]
         groups.setdefault(cand.run_key or id(cand), []).append(cand)
     kept = []
     for group in groups.values():
-        keep = min(group, key=lambda c: (sum(a != b for a, b in zip(c.lowered, own)),
-                                         tuple(value_rank(order.get(k, []), v) for k, v in c.combo.items())))
+        keep = min(group, key=lambda c: (sum(a != b for a, b in zip(c.lowered, own)), value_ranks(c, order)))
         for cand in group:
             if cand is not keep:
                 cand.same_run = keep.label
         kept.append(keep)
     return sorted(kept, key=survivors.index)
+
+
+def value_ranks(cand: Candidate, order: dict[str, list[str]]) -> tuple:
+    """:func:`value_rank` of each of ``cand``'s varied values (``order``: each key's values in ``--vary`` order)."""
+    return tuple(value_rank(order.get(k, []), v) for k, v in cand.combo.items())
 
 
 def value_rank(values: list[str], value: str) -> float:
