@@ -12,7 +12,7 @@ compute op; ``zdsl calibrate`` measures it; this module counts the kernels.
 A kernel is one op seen by a ``TorchDispatchMode``: below autograd, after
 composite ops have decomposed, as the runtime's thread dispatches them.
 The backward is counted as the runtime runs it (``runtime/state/compute.py``):
-``torch.autograd.grad`` of the unit's output with respect to its input (when
+``unit_grads`` (``torch.autograd.grad``) of the unit's output with respect to its input (when
 floating point) and its parameters, own and tied, then one ``add_`` per
 parameter gradient into the unit's flat gradient buffer.
 """
@@ -27,6 +27,7 @@ from zdsl.runtime.models.batch import Batch
 from zdsl.runtime.models.protocol import call_unit
 from zdsl.runtime.models.protocol import prepare_batch
 from zdsl.runtime.models.protocol import tied_indices
+from zdsl.runtime.models.protocol import unit_grads
 
 
 class KernelCount(TorchDispatchMode):
@@ -76,7 +77,7 @@ def unit_kernels(unit, x: torch.Tensor, batch: Batch, last: bool, tied: list) ->
     grad_out = torch.ones_like(out) if out.dim() else None
     with KernelCount() as backward:
         if inputs and out.requires_grad:
-            torch.autograd.grad(out, inputs, grad_outputs=grad_out, allow_unused=True)
+            unit_grads(out, inputs, grad_out)
     return forward.n, backward.n + len(params), out.detach()
 
 

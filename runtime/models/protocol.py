@@ -82,6 +82,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.autograd import graph as autograd_graph
 
 from zdsl.runtime.models.batch import Batch
 
@@ -196,6 +197,25 @@ def call_unit(unit: nn.Module, x: torch.Tensor, batch: Batch, last: bool) -> tor
     if takes_batch(unit):
         return unit(x, batch)
     return unit(x, batch.labels) if last else unit(x)
+
+
+# The engine call torch.autograd.grad makes once it has checked its arguments; private, so
+# looked up, with torch.autograd.grad where a torch lacks it.
+_run_backward = getattr(autograd_graph, "_engine_run_backward", None)
+
+
+def unit_grads(output: torch.Tensor, inputs: list[torch.Tensor], grad_output: torch.Tensor | None) -> tuple:
+    """``torch.autograd.grad(output, inputs, grad_outputs=grad_output, allow_unused=True)``,
+    with ``grad_output``'s check done here: torch checks a gradient's shape through
+    ``torch.fx.experimental.symbolic_shapes``, whose first import (sympy) costs every rank
+    ~0.4 s of CPU in its first backward. zdsl makes ``grad_output`` itself, a plain tensor of
+    the output's shape and dtype; anything else goes through torch's own check."""
+    if (_run_backward is None or not isinstance(grad_output, torch.Tensor)
+            or torch.overrides.has_torch_function((output, grad_output, *inputs))
+            or output.is_nested or grad_output.shape != output.shape
+            or grad_output.dtype != output.dtype or grad_output.device != output.device):
+        return torch.autograd.grad(output, inputs, grad_outputs=grad_output, allow_unused=True)
+    return _run_backward((output,), (grad_output,), False, False, tuple(inputs), True, accumulate_grad=False)
 
 
 def prepare_batch(model: nn.Module, batch: Batch) -> Batch:

@@ -46,6 +46,7 @@ from zdsl.ir import TaskGraph
 from zdsl.ir import parse_buffer_name
 from zdsl.runtime.models.batch import Batch
 from zdsl.runtime.models.protocol import call_unit
+from zdsl.runtime.models.protocol import unit_grads
 from zdsl.runtime.state.buffers import ActRecord
 from zdsl.runtime.state.buffers import BufferTable
 from zdsl.runtime.state.buffers import Slot
@@ -336,7 +337,7 @@ class Compute:
         wants_input = rec.input is not None and rec.input.requires_grad
         inputs = ([rec.input] if wants_input else []) + [fp.params[i] for i in own_idx] + \
             [flats[o].params[i] for o, i in tied]
-        grads = torch.autograd.grad(rec.output, inputs, grad_outputs=grad_out, allow_unused=True)
+        grads = unit_grads(rec.output, inputs, grad_out)
         if wants_input:
             g_in, grads = grads[0], grads[1:]
             if u > 0:

@@ -175,3 +175,35 @@ def test_a_model_taking_the_batch_is_sized_on_meta_with_prepare_as_it_runs():
     model = build_batched()
     assert [(s.fwd_kernels, s.bwd_kernels) for s in specs] == model_kernels(model, model.units(), ids, ids.clone())
     assert all(s.fwd_flops_per_seq > 0 and s.act_elems_per_seq > 0 for s in specs[1:])
+
+
+def test_unit_grads_equal_torch_autograd_grad_to_the_bit_and_leave_sympy_unimported():
+    """zdsl's backward hands its own grad_output to the engine: the same bits as
+    torch.autograd.grad, without the shape check whose import (sympy) each rank paid in its first
+    backward; a grad_output of another shape still gets torch's own error."""
+    import subprocess
+    import sys
+    code = """
+import sys, torch
+from zdsl.runtime.models.protocol import unit_grads
+torch.manual_seed(0)
+layer = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+x = torch.randn(4, 5, 16, requires_grad=True)
+g = torch.randn(4, 5, 16)
+inputs = [x, *layer.parameters()]
+ours = unit_grads(layer(x), inputs, g)
+assert "sympy" not in sys.modules, "unit_grads imported sympy"
+theirs = torch.autograd.grad(layer(x), inputs, grad_outputs=g, allow_unused=True)
+assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+unused = torch.nn.Parameter(torch.ones(3))
+assert unit_grads(layer(x), [x, unused], g)[1] is None
+try:
+    unit_grads(layer(x), inputs, torch.randn(4, 16))
+except RuntimeError as exc:
+    assert "Mismatch in shape" in str(exc), exc
+else:
+    raise AssertionError("a grad_output of another shape was taken")
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
