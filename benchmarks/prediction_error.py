@@ -37,7 +37,11 @@ with neither. So each round also says whether the host held its speed: every
 run of the reference beside the programs within ``QUIET`` (10%) of the step the
 round's calibration measured for it (the profile's comment). A round that is
 not quiet compares two states of the host as much as the model with the
-machine. (Not judged without the control, or with ``--machine``.)
+machine. (Not judged without the control, or with ``--machine``.) A host
+that is never quiet for a whole round is quiet now and then: a run whose
+references before and after were both within ``QUIET`` is a quiet run, and
+the raw error over a program's quiet runs (:func:`quiet_errors`, pooled over
+``--repeat`` rounds) is what a quiet machine would show of it.
 
 ``--no-control`` leaves the reference runs out (and then calibrates before
 each program's run, ``--calibrate-each program``; with the control, one
@@ -140,6 +144,19 @@ def steadiness(calibrated: list[float], beside: list[float]) -> tuple[float, flo
 
 def is_quiet(ratios: tuple[float, float] | None) -> bool:
     return ratios is not None and 1 - QUIET <= ratios[0] and ratios[1] <= 1 + QUIET
+
+
+def quiet_errors(results: list[dict]) -> dict[str, float]:
+    """Per program, the median raw error over its runs the host ran at its calibrated speed (the
+    reference before and after the run both quiet, :func:`is_quiet`): the raw error a quiet machine
+    would show, from a host that is quiet only now and then. Programs with no such run are left out."""
+    out = {}
+    for row in results:
+        held = [p / m - 1 for p, m, q in zip(row["predicted_runs_s"], row["runs_s"], row.get("quiet_runs", ()))
+                if q]
+        if held:
+            out[row["program"]] = statistics.median(held)
+    return out
 
 
 def reference_program(folder: str, steps: int) -> str:
@@ -276,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = reference_program(tmp, args.steps) if args.control else None
     controls: dict[str, list[float]] = {p: [] for p in programs}   # measured / predicted reference step
     drifted: dict[str, list[float]] = {p: [] for p in programs}    # each run's prediction, drift applied
+    held: dict[str, list[bool]] = {p: [] for p in programs}        # each run flanked by quiet references
     # per round: the reference step its calibration(s) measured, and the reference's runs beside the programs
     calibrated: list[list[float]] = [[] for _ in range(args.repeat)]
     beside: list[list[float]] = [[] for _ in range(args.repeat)]
@@ -332,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             if med is None:
                 skipped.append((program, f"run failed: {err}"))
                 continue
+            flanks: list[float] = []                  # the reference's runs before and after this one
             if reference:
                 after = measure(reference, args.steps, None)[0]
                 if after:
@@ -341,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                     drift = (before * after) ** 0.5 / ref_pred
                     controls[program].append(drift)
                     drifted[program].append(drifted_step(compiled.graph, drift))
+                flanks = [before, after] if before and after else []
                 before = None if each else after      # a fresh calibration comes between otherwise
+            held[program].append(is_quiet(steadiness(calibrated[r], flanks)))
             runs[program].append(med)
             preds[program].append(compiled.sim.step_s)
             if trace:
@@ -360,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         name = Path(program).stem
         line = f"{name:<20}{pred * 1e3:10.2f}ms{meas * 1e3:10.2f}ms{err:+11.0%}"
         row = {"program": name, "predicted_s": pred, "measured_s": meas, "error": err,
-               "runs_s": runs[program], "predicted_runs_s": preds[program]}
+               "runs_s": runs[program], "predicted_runs_s": preds[program], "quiet_runs": held[program]}
         if args.control:
             drift = controls[program]
             if len(drift) == len(runs[program]):
@@ -391,6 +412,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"corrected for drift: {sum(e <= TARGET for e in corrected)}/{len(corrected)} within {TARGET:.0%} "
               f"(worst {max(corrected):.0%}); drift = the reference schedule's step run beside each program "
               f"over the profile's prediction of it")
+    if args.control and args.machine is None:
+        quiet = quiet_errors(results)
+        n_quiet = sum(sum(r["quiet_runs"]) for r in results)
+        print(f"runs the host ran at its calibrated speed (the reference before and after within {QUIET:.0%} "
+              f"of the calibration's step): {n_quiet} of {sum(len(r['runs_s']) for r in results)}; "
+              f"raw error over them: " + (", ".join(f"{k} {v:+.0%}" for k, v in quiet.items()) or "none")
+              + (f"; {sum(abs(v) <= TARGET for v in quiet.values())}/{len(quiet)} within {TARGET:.0%}"
+                 f" ({len(results) - len(quiet)} programs had no such run)" if quiet else ""))
     spreads = [max(r["runs_s"]) / min(r["runs_s"]) - 1 for r in results if len(r["runs_s"]) > 1]
     load = outside.stop()
     print(load.line() + (f"; run-to-run spread (max/min - 1) median {statistics.median(spreads):.0%}"

@@ -537,3 +537,8 @@ def test_prediction_error_calls_a_round_quiet_only_where_the_reference_held_the_
     assert not bench.is_quiet(bench.steadiness([0.020], [0.019, 0.0235]))       # one run 17.5% slower
     assert not bench.is_quiet(bench.steadiness([0.020], [0.0175, 0.020]))       # one 12.5% faster
     assert not bench.is_quiet(bench.steadiness([], [0.020]))                    # --machine: nothing to judge
+    rows = [{"program": "a", "predicted_runs_s": [0.020, 0.020, 0.020], "runs_s": [0.025, 0.019, 0.021],
+             "quiet_runs": [False, True, True]},
+            {"program": "b", "predicted_runs_s": [0.020], "runs_s": [0.030], "quiet_runs": [False]}]
+    held = bench.quiet_errors(rows)                  # the slow run (-20%) beside a moved reference left out
+    assert set(held) == {"a"} and held["a"] == pytest.approx((0.020 / 0.019 + 0.020 / 0.021) / 2 - 1)
