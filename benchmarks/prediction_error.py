@@ -41,7 +41,8 @@ machine. (Not judged without the control, or with ``--machine``.) A host
 that is never quiet for a whole round is quiet now and then: a run whose
 references before and after were both within ``QUIET`` is a quiet run, and
 the raw error over a program's quiet runs (:func:`quiet_errors`, pooled over
-``--repeat`` rounds) is what a quiet machine would show of it.
+``--repeat`` rounds) is the nearest this host comes to what a quiet machine
+would show (a run's own seconds may still move: benchmarks/README, stop 50).
 
 ``--no-control`` leaves the reference runs out (and then calibrates before
 each program's run, ``--calibrate-each program``; with the control, one
@@ -148,8 +149,8 @@ def is_quiet(ratios: tuple[float, float] | None) -> bool:
 
 def quiet_errors(results: list[dict]) -> dict[str, float]:
     """Per program, the median raw error over its runs the host ran at its calibrated speed (the
-    reference before and after the run both quiet, :func:`is_quiet`): the raw error a quiet machine
-    would show, from a host that is quiet only now and then. Programs with no such run are left out."""
+    reference before and after the run both quiet, :func:`is_quiet`), for a host that is quiet only
+    now and then. Programs with no such run are left out."""
     out = {}
     for row in results:
         held = [p / m - 1 for p, m, q in zip(row["predicted_runs_s"], row["runs_s"], row.get("quiet_runs", ()))
