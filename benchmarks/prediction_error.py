@@ -153,8 +153,7 @@ def quiet_errors(results: list[dict]) -> dict[str, float]:
     now and then. Programs with no such run are left out."""
     out = {}
     for row in results:
-        held = [p / m - 1 for p, m, q in zip(row["predicted_runs_s"], row["runs_s"], row.get("quiet_runs", ()))
-                if q]
+        held = [p / m - 1 for p, m, q in zip(row["predicted_runs_s"], row["runs_s"], row["quiet_runs"]) if q]
         if held:
             out[row["program"]] = statistics.median(held)
     return out
