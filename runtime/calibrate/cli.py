@@ -122,7 +122,7 @@ from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, TABLE_CONTE
 from zdsl.runtime.calibrate.ranks import joined, restore_cores
 from zdsl.runtime.calibrate.reference import (REFERENCE_WIDTH, REMEASURE_PAUSE_S, REMEASURES, RUNTIME_BLOCKS,
                                               RUNTIME_STEPS, VARIANTS, VARIANTS_AFTER_BLOCK, WARM_UP_STEPS,
-                                              WIDE_STEPS, WIDE_WIDTH, is_slow_spell, measure_runtime,
+                                              WIDE_STEPS, WIDE_WIDTH, is_off_usual, measure_runtime,
                                               measure_variants, reference_graph, reference_times, unsteadiness,
                                               variant_steps)
 from zdsl.runtime.calibrate.slow_spell import kept_try, remeasure
@@ -461,7 +461,7 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
                  f"(disk_read, disk_write: each of disk_ranks={world} ranks' share, all at once); zdsl plan uses "
                  "the one-rank rates for a one-rank schedule, the aggregate split over its ranks for others")
     details = {"notes": notes, "ranks": raw, "backend": backend, "mm_flops": mm, "block_flops": block,
-               "reference": (world, step_s), "usual_reference_s": usual, "slow_spell": is_slow_spell(step_s, usual),
+               "reference": (world, step_s), "usual_reference_s": usual, "off_usual": is_off_usual(step_s, usual),
                "block_steps": block_s}
     return Calibration(profile, details)
 
@@ -623,13 +623,16 @@ def cache_profile(cal: Calibration) -> str:
         return "not cached for zdsl plan: ZDSL_CALIBRATE=0"
     reference = cal.details.get("reference")
     try:
-        # measured slow against the machine's usual: a cached profile of its usual speed is kept,
-        # and the reference joins the history (after more as slow, the usual moves and one is cached)
-        kept = read_profile(profile_path()) if cal.details.get("slow_spell") else None
+        # measured off the machine's usual (slower or faster, after its tries): a cached profile of
+        # its usual speed is kept, as the host's spells and fast moments last seconds, not as long
+        # as a plan is used; the reference joins the history (after more as far off, the usual
+        # moves and one is cached)
+        kept = read_profile(profile_path()) if cal.details.get("off_usual") else None
         if kept is not None:
             add_reference(reference)
+            side = "slower" if reference[1] > cal.details["usual_reference_s"] else "faster"
             return (f"not cached: the profile cached {kept[1]} (in {profile_path()}) is kept for zdsl plan, tune "
-                    "and run --trace, as this one was measured slower than the machine's usual")
+                    f"and run --trace, as this one was measured {side} than the machine's usual")
         path = write_profile(cal.fields(), cal.machine_statement(), reference=reference)
         return f"cached for zdsl plan, tune and run --trace in {path}"
     except (OSError, ValueError) as e:
@@ -673,12 +676,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: calibration failed: {e}", file=sys.stderr)
         return 2
     text = cal.to_zs()
-    if cal.details.get("slow_spell"):
+    if cal.details.get("off_usual"):
         _, step_s = cal.details["reference"]
         usual = cal.details["usual_reference_s"]
-        print(f"warning: the reference step ran {step_s * 1e3:.1f} ms, {step_s / usual - 1:.0%} slower than this "
+        side = "slower" if step_s > usual else "faster"
+        print(f"warning: the reference step ran {step_s * 1e3:.1f} ms, {abs(step_s / usual - 1):.0%} {side} than this "
               f"machine's usual {usual * 1e3:.1f} ms, after {REMEASURES} more tries in fresh ranks: plans made with this "
-              "profile would predict steps that much slower than the machine's usual speed; `zdsl calibrate` again "
+              f"profile would predict steps that much {side} than the machine's usual speed; `zdsl calibrate` again "
               "once the host is quieter",
               file=sys.stderr)
     unsteady = unsteadiness(cal.details.get("block_steps", []))

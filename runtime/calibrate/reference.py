@@ -255,16 +255,10 @@ def unsteadiness(block_s: list[float]) -> float | None:
     return spread if spread > UNSTEADY else None
 
 
-def is_slow_spell(step_s: float, usual_s: float | None) -> bool:
-    """Whether a reference step of ``step_s`` is slower than the machine's usual ``usual_s`` by
-    more than :data:`SLOW_SPELL` (never, with no usual step to compare with)."""
-    return usual_s is not None and step_s > usual_s * (1 + SLOW_SPELL)
-
-
 def is_off_usual(step_s: float, usual_s: float | None) -> bool:
-    """Whether a reference step of ``step_s`` is a slow spell (:func:`is_slow_spell`) or as far the
-    other way, a fast moment: ``usual_s`` over it beyond ``1 +`` :data:`SLOW_SPELL` (never, with no
-    usual step)."""
+    """Whether a reference step of ``step_s`` is a slow spell, slower than the machine's usual
+    ``usual_s`` by more than :data:`SLOW_SPELL`, or as far the other way, a fast moment: ``usual_s``
+    over it beyond ``1 +`` :data:`SLOW_SPELL` (never, with no usual step to compare with)."""
     return usual_s is not None and (step_s > usual_s * (1 + SLOW_SPELL) or usual_s > step_s * (1 + SLOW_SPELL))
 
 

@@ -14,8 +14,10 @@ which a profile fitted to plans every program as short: a set at 15.7 ms against
 eight of eight programs 18-44% under their runs minutes later, benchmarks/README, stop 47),
 :func:`remeasure` measures the reference set ``reference.REMEASURES`` more times in new rank
 processes, each after a pause (in case the host itself is slow for a while), and keeps the set of
-the median try (still slow, calibrate warns and keeps the cached profile: ``cli.cache_profile``;
-still fast, the host is faster for now and its profile is kept). The median, not the fastest: the
+the median try (still off the usual, slower or faster, calibrate warns and keeps the cached
+profile: ``cli.cache_profile``; a fast moment lasts seconds, as a slow spell does, and a set kept
+at 12.1 ms against the usual 16.8 planned five of eight programs 14-29% short of their runs minutes
+later, benchmarks/README, stop 51). The median, not the fastest: the
 host also has fast moments, and a profile fitted to the fastest of three tries (20.0, 22.1, 13.4
 ms) planned seven of eight programs 29-49% short of their runs minutes later (benchmarks/README,
 stop 46). One slow pair among three is outvoted either way. A machine that has become slower or

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from zdsl.planner import profile_cache
 from zdsl.runtime.calibrate.cli import Calibration
 from zdsl.runtime.calibrate.cli import cache_profile
@@ -90,21 +92,33 @@ def test_the_cache_keeps_the_latest_reference_steps_and_their_median_is_the_usua
     assert profile_cache.usual_reference(2) is None
 
 
-def test_a_profile_measured_slower_than_usual_does_not_replace_the_cached_one(tmp_path, monkeypatch):
-    """Still slow after its tries: the cached profile (of the machine's usual speed) is kept and
-    said so; the reference joins the history, so that after more calibrations as slow the usual
-    moves. With nothing cached the slow one is cached (better than the default rates)."""
+@pytest.mark.parametrize("step_s, side", [(0.030, "slower"), (0.012, "faster")])
+def test_a_profile_measured_off_the_usual_either_way_does_not_replace_the_cached_one(tmp_path, monkeypatch, capsys,
+                                                                                     step_s, side):
+    """Still slow after its tries, or still fast (the host's fast moments last seconds, as its slow
+    spells do): the cached profile (of the machine's usual speed) is kept and said so, and calibrate
+    warns which way; the reference joins the history, so that after more calibrations as far off
+    the usual moves. With nothing cached the off one is cached (better than the default rates)."""
+    from zdsl.runtime.calibrate import cli
     monkeypatch.setenv("ZDSL_CALIBRATE", "1")
     monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
-    slow = Calibration(dataclasses.replace(MachineProfile(), flops=1e9), {"reference": (2, 0.030), "slow_spell": True})
-    assert cache_profile(slow).startswith("cached for zdsl plan")            # nothing cached yet
+    off = Calibration(dataclasses.replace(MachineProfile(), flops=1e9),
+                      {"reference": (2, step_s), "usual_reference_s": 0.019, "off_usual": True})
+    assert cache_profile(off).startswith("cached for zdsl plan")              # nothing cached yet
     usual = dataclasses.replace(MachineProfile(), flops=3e10)
     assert cache_profile(Calibration(usual, {"reference": (2, 0.019)})).startswith("cached for zdsl plan")
-    said = cache_profile(slow)
+    said = cache_profile(off)
     path = profile_cache.profile_path()
     assert said.startswith("not cached: the profile cached ") and "is kept" in said and str(path) in said
+    assert f"measured {side} than the machine's usual" in said
     assert profile_cache.read_profile(path)[0] == usual
-    assert [r["step_s"] for r in profile_cache.reference_history(path)] == [0.030, 0.019, 0.030]
+    assert [r["step_s"] for r in profile_cache.reference_history(path)] == [step_s, 0.019, step_s]
+    monkeypatch.setattr(cli, "calibrate", lambda *a, **k: off)
+    assert cli.main(["--quick", "--no-progress", "--out", str(tmp_path / "m.zs")]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: the reference step ran {step_s * 1e3:.1f} ms, " in err
+    assert f"{side} than this machine's usual 19.0 ms" in err and "is kept" in err
+    assert profile_cache.read_profile(path)[0] == usual
 
 
 def test_a_calibration_whose_blocks_moved_warns_and_calibration_by_default_relays_it(tmp_path, monkeypatch, capsys):
