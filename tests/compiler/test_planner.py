@@ -542,3 +542,26 @@ def test_prediction_error_calls_a_round_quiet_only_where_the_reference_held_the_
             {"program": "b", "predicted_runs_s": [0.020], "runs_s": [0.030], "quiet_runs": [False]}]
     held = bench.quiet_errors(rows)                  # the slow run (-20%) beside a moved reference left out
     assert set(held) == {"a"} and held["a"] == pytest.approx((0.020 / 0.019 + 0.020 / 0.021) / 2 - 1)
+
+
+def test_prediction_error_plans_with_the_profile_zdsl_plan_uses_where_calibrate_kept_the_cached_one(
+        tmp_path, monkeypatch):
+    """A round whose calibration measured the reference off the machine's usual step (calibrate
+    kept the cached profile) is planned as `zdsl plan` would plan it then: with the cached profile,
+    its quiet control judged against the reference step that profile was fitted to."""
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    from zdsl.planner import profile_cache
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("prediction_error", root / "benchmarks" / "prediction_error.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
+    profile_cache.write_profile({}, "machine cpu(flops=5e10,\n    overhead=0.0002)", reference=(2, 0.0168))
+    assert bench.cached_profile() == ("cpu(flops=5e10, overhead=0.0002)", 0.0168)
+    for stderr, kept in (("not cached: the profile cached 11:54 UTC (in x) is kept for zdsl plan, tune", True),
+                         ("wrote m.zs; cached for zdsl plan, tune and run --trace in x", False)):
+        monkeypatch.setattr(bench, "zdsl", lambda *a, stderr=stderr: subprocess.CompletedProcess(a, 0, "", stderr))
+        assert bench.calibrate(str(tmp_path / "m.zs"), quiet=True) is kept

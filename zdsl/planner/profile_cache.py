@@ -89,11 +89,13 @@ def profile_path(device: str | None = None) -> Path:
 def write_profile(fields: dict, statement: str, path: Path | None = None,
                   reference: tuple[int, float] | None = None) -> Path:
     """Cache a measured profile (called by the runtime's ``zdsl calibrate``); ``reference``: the
-    ranks and reference step it was measured with, added to the machine's history
-    (:func:`usual_reference`)."""
+    ranks and reference step it was measured with, kept beside it (``reference_s``) and added to
+    the machine's history (:func:`usual_reference`)."""
     path, when = path or profile_path(), _now()
-    return _write(path, {"format": PROFILE_FORMAT, "profile": fields, "statement": statement, "when": when},
-                  reference, when)
+    cached = {"format": PROFILE_FORMAT, "profile": fields, "statement": statement, "when": when}
+    if reference is not None:
+        cached["reference_s"] = reference[1]
+    return _write(path, cached, reference, when)
 
 
 def add_reference(reference: tuple[int, float], path: Path | None = None) -> Path:
