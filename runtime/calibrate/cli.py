@@ -123,8 +123,8 @@ from zdsl.runtime.calibrate.ranks import joined, restore_cores
 from zdsl.runtime.calibrate.reference import (REFERENCE_WIDTH, REMEASURE_PAUSE_S, REMEASURES, RUNTIME_BLOCKS,
                                               RUNTIME_STEPS, VARIANTS, VARIANTS_AFTER_BLOCK, WARM_UP_STEPS,
                                               WIDE_STEPS, WIDE_WIDTH, is_off_usual, measure_runtime,
-                                              measure_variants, reference_graph, reference_times, unsteadiness,
-                                              variant_steps)
+                                              measure_variants, off_usual_by, reference_graph, reference_times,
+                                              unsteadiness, variant_steps)
 from zdsl.runtime.calibrate.slow_spell import kept_try, remeasure
 from zdsl.runtime.dist.spawn import LocalRanks
 from zdsl.runtime.dist.spawn import RankFailed
@@ -429,7 +429,7 @@ def _summarise(raw: list[dict], s: Settings, backend: str, world: int) -> Calibr
     elif len(tries) > 1:
         slower = tries[0] > usual
         notes.append(f"              the first set ran {tries[0] * 1e3:.1f} ms a step, "
-                     f"{abs(tries[0] / usual - 1):.0%} {'slower' if slower else 'faster'} "
+                     f"{off_usual_by(tries[0], usual):.0%} {'slower' if slower else 'faster'} "
                      f"than this machine's usual {usual * 1e3:.1f} ms (its latest calibrations' median): "
                      f"{'slow rank processes or a slow spell' if slower else 'a fast moment'} of the host; "
                      f"measured again in fresh ranks after {REMEASURE_PAUSE_S:.0f} s pauses: "
@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         _, step_s = cal.details["reference"]
         usual = cal.details["usual_reference_s"]
         side = "slower" if step_s > usual else "faster"
-        print(f"warning: the reference step ran {step_s * 1e3:.1f} ms, {abs(step_s / usual - 1):.0%} {side} than this "
+        print(f"warning: the reference step ran {step_s * 1e3:.1f} ms, {off_usual_by(step_s, usual):.0%} {side} than this "
               f"machine's usual {usual * 1e3:.1f} ms, after {REMEASURES} more tries in fresh ranks: plans made with this "
               f"profile would predict steps that much {side} than the machine's usual speed; `zdsl calibrate` again "
               "once the host is quieter",

@@ -255,11 +255,17 @@ def unsteadiness(block_s: list[float]) -> float | None:
     return spread if spread > UNSTEADY else None
 
 
+def off_usual_by(step_s: float, usual_s: float) -> float:
+    """How much slower a reference step of ``step_s`` ran than the machine's usual ``usual_s``
+    (``step_s`` over it, less 1), or faster (``usual_s`` over ``step_s``, less 1)."""
+    return max(step_s / usual_s, usual_s / step_s) - 1
+
+
 def is_off_usual(step_s: float, usual_s: float | None) -> bool:
-    """Whether a reference step of ``step_s`` is a slow spell, slower than the machine's usual
-    ``usual_s`` by more than :data:`SLOW_SPELL`, or as far the other way, a fast moment: ``usual_s``
-    over it beyond ``1 +`` :data:`SLOW_SPELL` (never, with no usual step to compare with)."""
-    return usual_s is not None and (step_s > usual_s * (1 + SLOW_SPELL) or usual_s > step_s * (1 + SLOW_SPELL))
+    """Whether a reference step of ``step_s`` is a slow spell or a fast moment: off the machine's
+    usual ``usual_s`` by more than :data:`SLOW_SPELL` (:func:`off_usual_by`; never, with no usual
+    step to compare with)."""
+    return usual_s is not None and off_usual_by(step_s, usual_s) > SLOW_SPELL
 
 
 def block_steps(raw: list[dict]) -> list[float]:
