@@ -680,10 +680,10 @@ def main(argv: list[str] | None = None) -> int:
         _, step_s = cal.details["reference"]
         usual = cal.details["usual_reference_s"]
         side = "slower" if step_s > usual else "faster"
-        print(f"warning: the reference step ran {step_s * 1e3:.1f} ms, {off_usual_by(step_s, usual):.0%} {side} than this "
-              f"machine's usual {usual * 1e3:.1f} ms, after {REMEASURES} more tries in fresh ranks: plans made with this "
-              f"profile would predict steps that much {side} than the machine's usual speed; `zdsl calibrate` again "
-              "once the host is quieter",
+        print(f"warning: the reference step ran {step_s * 1e3:.1f} ms, {off_usual_by(step_s, usual):.0%} {side} "
+              f"than this machine's usual {usual * 1e3:.1f} ms, after {REMEASURES} more tries in fresh ranks: "
+              f"plans made with this profile would predict steps that much {side} than the machine's usual speed; "
+              "`zdsl calibrate` again once the host is quieter",
               file=sys.stderr)
     unsteady = unsteadiness(cal.details.get("block_steps", []))
     if unsteady:
