@@ -497,16 +497,21 @@ def test_predicted_trace_draws_as_a_timeline(tmp_path):
     assert (tmp_path / "t.svg").read_text().startswith("<svg") or "svg" in open(out).read(200)
 
 
+def _prediction_error():
+    """benchmarks/prediction_error.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prediction_error.py"
+    spec = importlib.util.spec_from_file_location("prediction_error", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def test_the_drift_correction_leaves_the_disk_as_measured():
     """benchmarks/prediction_error.py's correction: a program without disk I/O predicted exactly
     ``drift`` times slower; the NVMe program less, its transfers keeping their calibrated rates."""
-    import importlib.util
-    from pathlib import Path
-    from zdsl.driver import compile_file
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("prediction_error", root / "benchmarks" / "prediction_error.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _prediction_error()
     machine = ("cpu(flops=5e10, link=1e9, latency=2e-4, disk_read=6e8, disk_write=1.2e9, disk_read_latency=1e-4, "
                "disk_read_cpu=0.3, disk_write_cpu=0.6, overhead=2e-4, kernel_overhead=8e-6, comm_overhead=6e-4, "
                "cores=1, comm_under_load=0.02)")
@@ -521,12 +526,7 @@ def test_the_drift_correction_leaves_the_disk_as_measured():
 def test_prediction_error_calls_a_round_quiet_only_where_the_reference_held_the_calibrated_step(tmp_path):
     """benchmarks/prediction_error.py's quiet round: every run of the reference beside the
     programs within 10% of the step the round's calibration measured, read off its profile."""
-    import importlib.util
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("prediction_error", root / "benchmarks" / "prediction_error.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _prediction_error()
     profile = tmp_path / "m.zs"
     profile.write_text("#               run by the executor: measured 20.5 ms a step, of which its lane ops 10.5 ms\n"
                        "machine cpu(flops=5e10)\n")
@@ -549,19 +549,19 @@ def test_prediction_error_plans_with_the_profile_zdsl_plan_uses_where_calibrate_
     """A round whose calibration measured the reference off the machine's usual step (calibrate
     kept the cached profile) is planned as `zdsl plan` would plan it then: with the cached profile,
     its quiet control judged against the reference step that profile was fitted to."""
-    import importlib.util
     import subprocess
-    from pathlib import Path
 
     from zdsl.planner import profile_cache
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("prediction_error", root / "benchmarks" / "prediction_error.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from zdsl.runtime.calibrate.cli import Calibration, cache_profile
+    bench = _prediction_error()
+    monkeypatch.setenv("ZDSL_CALIBRATE", "1")
     monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
     profile_cache.write_profile({}, "machine cpu(flops=5e10,\n    overhead=0.0002)", reference=(2, 0.0168))
     assert bench.cached_profile() == ("cpu(flops=5e10, overhead=0.0002)", 0.0168)
-    for stderr, kept in (("not cached: the profile cached 11:54 UTC (in x) is kept for zdsl plan, tune", True),
-                         ("wrote m.zs; cached for zdsl plan, tune and run --trace in x", False)):
+    # what calibrate itself says on stderr, kept and cached
+    off = Calibration(MachineProfile(), {"reference": (2, 0.012), "usual_reference_s": 0.0168, "off_usual": True})
+    kept_said = cache_profile(off)
+    cached_said = cache_profile(Calibration(MachineProfile(), {"reference": (2, 0.0168)}))
+    for stderr, kept in ((kept_said, True), (cached_said, False)):
         monkeypatch.setattr(bench, "zdsl", lambda *a, stderr=stderr: subprocess.CompletedProcess(a, 0, "", stderr))
         assert bench.calibrate(str(tmp_path / "m.zs"), quiet=True) is kept
