@@ -6,7 +6,8 @@
 1. ``zdsl calibrate --out /tmp/machine.zs`` (or ``--machine FILE`` to reuse
    a profile). Where calibrate measured the reference off the machine's
    usual step and kept the cached profile, the round plans with that one,
-   as ``zdsl plan`` would (:func:`cached_profile`).
+   as ``zdsl plan`` would (:func:`kept_cached`: the cache holds another
+   profile than the one calibrate wrote).
 2. For every program in ``programs/`` that runs on CPU: plan it with the
    calibrated ``machine`` statement (``--set machine=...``: the same as
    ``include``-ing the profile, without writing a copy of the program) and
@@ -108,10 +109,8 @@ def machine_statement(path: str) -> str:
     raise SystemExit(f"error: {path} has no complete `machine` statement")
 
 
-def calibrate(out: str, disk: str | None = None, quiet: bool = False, quick: bool = True) -> bool:
-    """``zdsl calibrate`` into ``out``: ``--quick`` (what calibration by default runs) unless ``quick`` is off.
-    True where it kept the cached profile for ``zdsl plan`` (it measured the reference off the
-    machine's usual step: ``out`` holds what it measured, plans use the cached one)."""
+def calibrate(out: str, disk: str | None = None, quiet: bool = False, quick: bool = True) -> None:
+    """``zdsl calibrate`` into ``out``: ``--quick`` (what calibration by default runs) unless ``quick`` is off."""
     args = ["calibrate", "--out", out, "--no-progress"] + (["--quick"] if quick else []) \
         + (["--disk", disk] if disk else [])
     if not quiet:
@@ -119,15 +118,25 @@ def calibrate(out: str, disk: str | None = None, quiet: bool = False, quick: boo
     proc = zdsl(*args)
     if proc.returncode != 0:
         raise SystemExit(f"error: zdsl calibrate failed ({proc.returncode}): {proc.stderr.strip()[-600:]}")
-    return "is kept for zdsl plan" in proc.stderr
 
 
-def cached_profile() -> tuple[str, float | None]:
+def cached_profile() -> tuple[str, float | None] | None:
     """(the machine statement ``zdsl plan`` uses, on one line, as :func:`machine_statement` gives
-    it; the reference step it was fitted to, None where the cache does not say)."""
+    it; the reference step it was fitted to, None where the cache does not say); None without a cache."""
     from zdsl.planner.profile_cache import profile_path
-    cached = json.loads(profile_path().read_text(encoding="utf-8"))
+    try:
+        cached = json.loads(profile_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
     return " ".join(cached["statement"].removeprefix("machine ").split()), cached.get("reference_s")
+
+
+def kept_cached(measured: str) -> tuple[str, float | None] | None:
+    """The cached profile where calibrate kept it for ``zdsl plan`` rather than cache the one it
+    measured into the file ``measured`` (it measured the reference off the machine's usual step);
+    None where the cache holds what it measured (or nothing)."""
+    cached = cached_profile()
+    return None if cached is None or cached[0] == machine_statement(measured) else cached
 
 
 def reference_step(path: str) -> str:
@@ -319,14 +328,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def profile_now(r: int, label: str) -> str:
         """The machine statement to predict with: a fresh calibration of this moment, or --machine."""
-        profile, kept = args.machine, False
+        profile, kept = args.machine, None
         if profile is None:
             profile = f"{args.out}.{r}" if args.repeat > 1 else args.out
-            kept = calibrate(profile, args.disk, quiet=each, quick=args.calibration == "quick")
+            calibrate(profile, args.disk, quiet=each, quick=args.calibration == "quick")
+            kept = kept_cached(profile)
         machine, reference = machine_statement(profile), reference_step(profile)
         measured = reference_seconds(profile) if args.machine is None else None
         if kept:        # as `zdsl plan` would: the cached profile of the machine's usual speed
-            machine, measured = cached_profile()
+            machine, measured = kept
             print(f"{label}: calibrate measured the reference step {reference}, off the machine's usual: "
                   f"planning with the cached profile, as zdsl plan does"
                   + (f" (its reference step {measured * 1e3:.1f} ms)" if measured else ""), flush=True)

@@ -548,20 +548,23 @@ def test_prediction_error_plans_with_the_profile_zdsl_plan_uses_where_calibrate_
         tmp_path, monkeypatch):
     """A round whose calibration measured the reference off the machine's usual step (calibrate
     kept the cached profile) is planned as `zdsl plan` would plan it then: with the cached profile,
-    its quiet control judged against the reference step that profile was fitted to."""
-    import subprocess
+    its quiet control judged against the reference step that profile was fitted to. Told apart by
+    what calibrate wrote: its --out file and the cache, each as calibrate itself writes them."""
+    import dataclasses
 
-    from zdsl.planner import profile_cache
     from zdsl.runtime.calibrate.cli import Calibration, cache_profile
     bench = _prediction_error()
     monkeypatch.setenv("ZDSL_CALIBRATE", "1")
     monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
-    profile_cache.write_profile({}, "machine cpu(flops=5e10,\n    overhead=0.0002)", reference=(2, 0.0168))
-    assert bench.cached_profile() == ("cpu(flops=5e10, overhead=0.0002)", 0.0168)
-    # what calibrate itself says on stderr, kept and cached
-    off = Calibration(MachineProfile(), {"reference": (2, 0.012), "usual_reference_s": 0.0168, "off_usual": True})
-    kept_said = cache_profile(off)
-    cached_said = cache_profile(Calibration(MachineProfile(), {"reference": (2, 0.0168)}))
-    for stderr, kept in ((kept_said, True), (cached_said, False)):
-        monkeypatch.setattr(bench, "zdsl", lambda *a, stderr=stderr: subprocess.CompletedProcess(a, 0, "", stderr))
-        assert bench.calibrate(str(tmp_path / "m.zs"), quiet=True) is kept
+    out = tmp_path / "m.zs"
+    usual = Calibration(dataclasses.replace(MachineProfile(), flops=5e10), {"reference": (2, 0.0168)})
+    fast = Calibration(dataclasses.replace(MachineProfile(), flops=7e10),
+                       {"reference": (2, 0.012), "usual_reference_s": 0.0168, "off_usual": True})
+    out.write_text(fast.to_zs())
+    assert bench.kept_cached(str(out)) is None                                 # nothing cached yet
+    cache_profile(usual)
+    cache_profile(fast)                                                        # off the usual: not cached
+    kept = bench.kept_cached(str(out))
+    assert kept == (usual.machine_statement().removeprefix("machine "), 0.0168)
+    cache_profile(dataclasses.replace(fast, details={"reference": (2, 0.012)}))    # cached
+    assert bench.kept_cached(str(out)) is None

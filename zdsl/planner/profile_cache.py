@@ -100,7 +100,7 @@ def write_profile(fields: dict, statement: str, path: Path | None = None,
 
 def add_reference(reference: tuple[int, float], path: Path | None = None) -> Path:
     """Add a calibration's (ranks, reference step) to the machine's history and keep the cached
-    profile (one measured slower than the machine's usual does not replace it)."""
+    profile (one measured off the machine's usual, slower or faster, does not replace it)."""
     path = path or profile_path()
     return _write(path, json.loads(path.read_text()), reference, _now())
 
