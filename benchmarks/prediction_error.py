@@ -132,11 +132,11 @@ def cached_profile() -> tuple[str, float | None] | None:
 
 
 def kept_cached(measured: str) -> tuple[str, float | None] | None:
-    """The cached profile where calibrate kept it for ``zdsl plan`` rather than cache the one it
-    measured into the file ``measured`` (it measured the reference off the machine's usual step);
-    None where the cache holds what it measured (or nothing)."""
+    """The cached profile where calibrate kept it for ``zdsl plan`` instead of caching ``measured``,
+    the statement it wrote to --out (as :func:`machine_statement` reads it), as it does for a
+    reference measured off the machine's usual step; None where the cache holds ``measured`` (or nothing)."""
     cached = cached_profile()
-    return None if cached is None or cached[0] == machine_statement(measured) else cached
+    return None if cached is None or cached[0] == measured else cached
 
 
 def reference_step(path: str) -> str:
@@ -328,13 +328,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def profile_now(r: int, label: str) -> str:
         """The machine statement to predict with: a fresh calibration of this moment, or --machine."""
-        profile, kept = args.machine, None
+        profile = args.machine
         if profile is None:
             profile = f"{args.out}.{r}" if args.repeat > 1 else args.out
             calibrate(profile, args.disk, quiet=each, quick=args.calibration == "quick")
-            kept = kept_cached(profile)
         machine, reference = machine_statement(profile), reference_step(profile)
         measured = reference_seconds(profile) if args.machine is None else None
+        kept = kept_cached(machine) if args.machine is None else None
         if kept:        # as `zdsl plan` would: the cached profile of the machine's usual speed
             machine, measured = kept
             print(f"{label}: calibrate measured the reference step {reference}, off the machine's usual: "

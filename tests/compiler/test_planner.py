@@ -561,10 +561,11 @@ def test_prediction_error_plans_with_the_profile_zdsl_plan_uses_where_calibrate_
     fast = Calibration(dataclasses.replace(MachineProfile(), flops=7e10),
                        {"reference": (2, 0.012), "usual_reference_s": 0.0168, "off_usual": True})
     out.write_text(fast.to_zs())
-    assert bench.kept_cached(str(out)) is None                                 # nothing cached yet
+    measured = bench.machine_statement(str(out))
+    assert bench.kept_cached(measured) is None                                 # nothing cached yet
     cache_profile(usual)
     cache_profile(fast)                                                        # off the usual: not cached
-    kept = bench.kept_cached(str(out))
+    kept = bench.kept_cached(measured)
     assert kept == (usual.machine_statement().removeprefix("machine "), 0.0168)
     cache_profile(dataclasses.replace(fast, details={"reference": (2, 0.012)}))    # cached
-    assert bench.kept_cached(str(out)) is None
+    assert bench.kept_cached(measured) is None
