@@ -1,5 +1,7 @@
 """``zdsl run``'s checks before any rank starts: what would otherwise fail later, or take the machine down.
 
+- ``ranks N on cuda`` needs a CUDA device per rank on this node, as torch counts them; torch is
+  imported for this only when the schedule asks for CUDA.
 - The ranks must fit this machine's memory, cores and swap space
   (:mod:`zdsl.planner.machine_fit`); ``--ignore-limits`` starts them anyway.
 - ``--checkpoint-every`` needs a folder, and the folder must be writable: found
@@ -16,7 +18,8 @@
 - An ``eval`` source is prepared and checked in the same way, after the training data.
 
 Under another launcher (torchrun: RANK set, not by ``zdsl run``) the ranks already
-exist: the fit is only a warning, on rank 0, which also checks the checkpoint folder.
+exist: the fit is only a warning, on rank 0, which also checks the checkpoint folder; every rank
+refuses a node with fewer CUDA devices than its ranks there (said once, by the node's first rank).
 
 The per-process floor of torch is measured once per torch and Python version in a
 subprocess that imports what a rank imports and joins a gloo group of one, and
@@ -34,6 +37,7 @@ import secrets
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 from zdsl import env
 from zdsl.planner.machine_fit import Fit
@@ -75,13 +79,16 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
         if rank in (None, "0"):
             print(f"zdsl: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    if env.get("ZDSL_ERROR_FILE") and rank is not None:
+        return None                  # a rank of `zdsl run`, whose launcher checked all of this
+    code = refuse_missing_cuda(compiled, rank)
+    if code is not None:
+        return code
     if rank is None:
         code = refuse_unfit(schedule_fit(compiled, overrides, floor=torch_floor(floor_kind(compiled.schedule))),
                             args.ignore_limits)
         if code is not None:
             return code
-    elif env.get("ZDSL_ERROR_FILE"):
-        return None                  # a rank of `zdsl run`, whose launcher checked all of this
     elif (env.raw("LOCAL_RANK") or rank) == "0":
         warn_unfit(compiled, overrides)
     for data in (compiled.schedule.data, *([compiled.schedule.eval.data] if compiled.schedule.eval else [])):
@@ -149,11 +156,57 @@ def refuse_unfit(fit: Fit, ignore_limits: bool) -> int | None:
 def warn_unfit(compiled, overrides) -> None:
     """Under another launcher, on each host's first rank: that host's ranks are running already, torch
     loaded (its floor is in use, not still needed); say what will not fit, without stopping."""
-    local = env.integer("LOCAL_WORLD_SIZE") or env.integer("WORLD_SIZE") or compiled.graph.ranks
     fit = schedule_fit(compiled, overrides, floor=TorchFloor(0, 0, "already loaded by the running ranks"),
-                       local_ranks=local)
+                       local_ranks=ranks_here(compiled, env.raw("RANK")))
     for text in fit.refusals + fit.warnings:
         print(f"zdsl: warning: {text}", file=sys.stderr)
+
+
+def ranks_here(compiled, rank: str | None) -> int:
+    """The ranks on this node: all of them under `zdsl run` (``rank`` None), this host's share under
+    another launcher."""
+    if rank is None:
+        return compiled.graph.ranks
+    return env.integer("LOCAL_WORLD_SIZE") or env.integer("WORLD_SIZE") or compiled.graph.ranks
+
+
+# -- CUDA devices ---------------------------------------------------------------------
+
+def visible_cuda_devices() -> int:
+    """The CUDA devices torch sees on this node (CUDA_VISIBLE_DEVICES applied), without initialising CUDA."""
+    import torch                     # only for a `ranks N on cuda` schedule: a CPU run's launcher stays light
+    return torch.cuda.device_count()
+
+
+def missing_cuda(device: str, here: int, total: int, count: Callable[[], int] = visible_cuda_devices) -> str | None:
+    """Why ``ranks {total} on cuda`` cannot run ``here`` of its ranks on this node, each on a device of
+    its own (as ``train.pick_device`` places them): fewer devices visible than ranks; None where it
+    can, or where the schedule's device is not ``cuda`` (``auto`` falls back to the CPU)."""
+    if device != "cuda":
+        return None
+    seen = count()
+    if seen >= here:
+        return None
+    visible = env.raw("CUDA_VISIBLE_DEVICES")
+    given = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    fit = f"`ranks {seen} on cuda` to use the {seen} here, or " if seen and here == total else ""
+    return (f"`ranks {total} on cuda` puts {here} ranks on this node, a CUDA device each, but torch sees "
+            f"{seen} CUDA device{'' if seen == 1 else 's'} here{given}: write {fit}`ranks {total} on cpu` "
+            f"(--set 'ranks={total} on cpu'), or run where each rank has a GPU")
+
+
+def refuse_missing_cuda(compiled, rank: str | None, count: Callable[[], int] = visible_cuda_devices) -> int | None:
+    """Refuse (EXIT_INVALID) a node without a CUDA device per rank: said by the launcher (``rank``
+    None), or under another launcher by the node's first rank, while every rank stops."""
+    problem = missing_cuda(compiled.schedule.device, ranks_here(compiled, rank), compiled.graph.ranks, count)
+    if problem is None:
+        return None
+    if rank is None:
+        print(f"zdsl: error: {problem}", file=sys.stderr)
+        print("zdsl: no rank was started", file=sys.stderr)
+    elif (env.raw("LOCAL_RANK") or rank) == "0":
+        print(f"zdsl: error: {problem}", file=sys.stderr)
+    return EXIT_INVALID
 
 
 # -- checkpoints ----------------------------------------------------------------------
