@@ -4,8 +4,8 @@ stopped from one that waits (``runtime/run/launch.py``).
 
 Slots: LAUNCHER, the launcher's pid; STEP, the step begun; STEP_DONE, the step finished;
 LAST_DONE, the last op finished; ISSUED, collectives issued since the rank began; LAST_ISSUED,
-the last collective issued; from LANES on, one slot per lane (in order of first appearance): the
-op it runs, or -1.
+the last collective issued; from FIRST_LANE on, one slot per lane of ``zdsl.ir.LANES`` (in that
+order): the op it runs, or -1.
 """
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import os
 from pathlib import Path
 
 from zdsl import env
+from zdsl.ir import LANES
 
 LAUNCHER, STEP, STEP_DONE, LAST_DONE, ISSUED, LAST_ISSUED = range(6)
-LANES, BOARD_SLOTS = 8, 16
+FIRST_LANE = 8
+BOARD_SLOTS = FIRST_LANE + len(LANES)
 
 
 def map_board(path: Path) -> memoryview:
@@ -29,7 +31,7 @@ def new_board(path: Path) -> memoryview:
     path.write_bytes(b"\0" * (BOARD_SLOTS * 8))
     board = map_board(path)
     board[LAUNCHER] = os.getpid()
-    for slot in (STEP, STEP_DONE, LAST_DONE, LAST_ISSUED, *range(LANES, BOARD_SLOTS)):
+    for slot in (STEP, STEP_DONE, LAST_DONE, LAST_ISSUED, *range(FIRST_LANE, BOARD_SLOTS)):
         board[slot] = -1
     return board
 

@@ -16,7 +16,7 @@ the completion of every op it depends on, then launches:
 
 A failing op cancels the step's nursery; the error names the rank, the op
 and the unit. Each collective issued and each op finished is written to the
-rank's progress board (``runtime/run/board.py``: two stores into a mapped
+rank's progress board (``runtime/exec/board.py``: two stores into a mapped
 file), so the launcher can tell a rank that stopped from one that waits. On CUDA each lane's thread issues its kernels on the lane's
 own stream (see ``runtime/exec/streams.py``); completion is observed through the
 stream's event, so the host waits only where a host-side op needs a result.
@@ -28,18 +28,18 @@ from dataclasses import dataclass, field
 
 import trio
 
+from zdsl.ir import LANES
 from zdsl.ir import Op
 
 from zdsl.ir import TaskGraph
 
 from zdsl.runtime.exec.contract import OpState
 from zdsl.runtime.exec.errors import OpError
-from zdsl.runtime.run.board import BOARD_SLOTS
-from zdsl.runtime.run.board import ISSUED
-from zdsl.runtime.run.board import LANES
-from zdsl.runtime.run.board import LAST_DONE
-from zdsl.runtime.run.board import LAST_ISSUED
-from zdsl.runtime.run.faults import fault_for
+from zdsl.runtime.exec.board import ISSUED
+from zdsl.runtime.exec.board import FIRST_LANE
+from zdsl.runtime.exec.board import LAST_DONE
+from zdsl.runtime.exec.board import LAST_ISSUED
+from zdsl.runtime.exec.faults import fault_for
 
 
 @dataclass
@@ -77,9 +77,9 @@ class Executor:
             self.lanes.setdefault(op.lane, []).append(op)
         # one worker thread per lane (a lane is sequential by definition)
         self.limiters = {lane: trio.CapacityLimiter(1) for lane in self.lanes}
-        # the board's slot for the op a lane's thread runs (lanes past the board's room go unseen)
-        self.lane_slot = {lane: LANES + i if LANES + i < BOARD_SLOTS and board is not None else None
-                          for i, lane in enumerate(self.lanes)}
+        # the board's slot for the op a lane's thread runs
+        self.lane_slot = {lane: FIRST_LANE + LANES.index(lane) if board is not None else None
+                          for lane in self.lanes}
         self.wait_limiter = trio.CapacityLimiter(64)
         self.fault = fault_for(rank)
         self.step = -1

@@ -40,13 +40,13 @@ from zdsl.runtime.dist.spawn import describe_exit
 from zdsl.runtime.dist.spawn import free_port
 from zdsl.runtime.dist.spawn import rank_env
 from zdsl.runtime.exec.errors import describe_op
-from zdsl.runtime.run.board import BOARD_SLOTS
-from zdsl.runtime.run.board import ISSUED
-from zdsl.runtime.run.board import LANES
-from zdsl.runtime.run.board import LAST_DONE
-from zdsl.runtime.run.board import STEP
-from zdsl.runtime.run.board import STEP_DONE
-from zdsl.runtime.run.board import new_board
+from zdsl.runtime.exec.board import BOARD_SLOTS
+from zdsl.runtime.exec.board import ISSUED
+from zdsl.runtime.exec.board import FIRST_LANE
+from zdsl.runtime.exec.board import LAST_DONE
+from zdsl.runtime.exec.board import STEP
+from zdsl.runtime.exec.board import STEP_DONE
+from zdsl.runtime.exec.board import new_board
 from zdsl.runtime.run.guard import STOP_SIGNALS
 
 GRACE_S = 3.0            # after a rank failed: for the others to fail on their own
@@ -240,7 +240,7 @@ def report_failure(errors: Path, codes: list[int], watch: Watch, graph=None) -> 
 
 def describe_culprit(r: int, watch: Watch, graph) -> str:
     board = watch.seen[r]
-    running = [op for op in board[LANES:] if op >= 0]
+    running = [op for op in board[FIRST_LANE:] if op >= 0]
     upcoming = next_collective(graph, board[ISSUED])
     if board[STEP] < 0:
         where = "before its first step"

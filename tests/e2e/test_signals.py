@@ -20,9 +20,10 @@ import pytest
 
 from zdsl.runtime.dist.spawn import free_port
 from zdsl.runtime.run import launch
-from zdsl.runtime.run.board import LANES
-from zdsl.runtime.run.board import STEP_DONE
-from zdsl.runtime.run.board import map_board
+from zdsl.runtime.exec.board import BOARD_SLOTS
+from zdsl.runtime.exec.board import FIRST_LANE
+from zdsl.runtime.exec.board import STEP_DONE
+from zdsl.runtime.exec.board import map_board
 from zdsl.runtime.run.launch import Watch
 from zdsl.runtime.run.launch import describe_culprit
 from zdsl.runtime.run.launch import peer_lost_text
@@ -207,9 +208,9 @@ class FakeProc:
 
 
 def board(step=-1, step_done=-1, last_done=-1, issued=0, running=()):
-    row = [0, step, step_done, last_done, issued, -1] + [-1] * (LANES - 6) + [-1] * 8
+    row = [0, step, step_done, last_done, issued, -1] + [-1] * (BOARD_SLOTS - 6)
     for i, op in enumerate(running):
-        row[LANES + i] = op
+        row[FIRST_LANE + i] = op
     return row
 
 
