@@ -78,9 +78,8 @@ planner uses it*, under the conditions of a real run:
   ``WIDE_WIDTH``, where a unit's compute outweighs its kernels' fixed costs,
   its units' CPU time in their thread less those costs, over their rated
   time. The width-64 step cannot tell it from a cost per kernel (its units'
-  compute is a third of their time), so without it every wider unit was
-  planned short: forwards 5-12%, backwards 12-22% in thread time at widths
-  128-512.
+  compute is a third of their time), so without it every wider unit is
+  planned short, backwards more than forwards.
 * ``cores``: the rank's share of the host's cores (ranks are bound to it).
 * ``comm_under_load``: on CPU, the share of its rate a collective keeps
   while compute fills those cores: gloo's threads wait for a core rather

@@ -162,8 +162,8 @@ def measure_compute(device, s: Settings, dtype) -> dict:
 
 # The compute-rate table (zdsl.planner.rates prices a unit at its precision's rate, interpolated at
 # its width): widths, sequences per batch at each (fewer at the largest, to keep a quick calibration
-# short) and precisions. fp16 on a CPU runs a fallback kernel (0.9 GFLOP/s at width 2048 here,
-# 170 in bf16): not measured there, a schedule in it is told so by zdsl plan.
+# short) and precisions. fp16 on a CPU runs a fallback kernel, orders of magnitude below bf16: not
+# measured there, a schedule in it is told so by zdsl plan.
 TABLE_WIDTHS = {"cpu": (64, 512, 2048), "cuda": (768, 2048, 4096)}
 TABLE_PRECISIONS = {"cpu": ("fp32", "bf16"), "cuda": ("fp32", "bf16", "fp16")}
 TABLE_CONTEXT = {"cpu": 32, "cuda": 512}
@@ -179,8 +179,8 @@ def measure_compute_table(device, s: Settings, fixed_s: float = 0.0, known: dict
     ``TABLE_PRECISIONS``: one batch's flops over its time less ``fixed_s``, the block's kernels'
     fixed cost (:func:`measure_compute`'s intercept on CPU, which the planner charges apart as
     ``kernel_overhead``; at most half the time). Not the slope over batch sizes that gives
-    ``flops``: at width 2048 a matrix product of 64 rows runs far below one of 128 (bf16 slope 447
-    against 129 GFLOP/s at the batch here), so the slope prices large units far too fast.
+    ``flops``: at width 2048 a matrix product of 64 rows runs far below one of 128, so the slope
+    prices large units far too fast.
     ``known``: rates already measured at this shape, by (precision, width)."""
     import torch
     from zdsl.compile.units import gpt_units
@@ -223,7 +223,7 @@ def measure_optimizer(device, s: Settings) -> dict:
     import torch
     from zdsl.runtime.offload.host_adam import host_adamw_
     # 8M elements (128 MiB of state) even when quick: a step's shard is far larger than the
-    # last-level cache, and 1M elements (16 MiB) stayed in it: 43.7 GB/s against 8.8 out of cache.
+    # last-level cache, and a 16 MiB state would stay in it and price the step several times fast.
     n = 8 << 20
     state_bytes = n * (8 + 2 * 4)          # two fp32 moments + fp32 parameter and gradient
     lr, wd, b1, b2, eps = 1e-3, 0.1, 0.9, 0.95, 1e-8
@@ -265,7 +265,7 @@ def measure_optimizer(device, s: Settings) -> dict:
 def measure_copy(device, s: Settings) -> dict:
     """Host<->device copy rate (pinned) on CUDA; a plain memory copy on CPU, of 64 MiB even
     when quick: the copies it prices (a one-rank collective's payload) are larger than the
-    last-level cache, which holds a 16 MiB copy and ran it 2-3x faster."""
+    last-level cache, which holds a 16 MiB copy and would price it too fast."""
     import torch
     n = (16 if s.quick and device.type == "cuda" else 64) * MiB
     budget = s.budget(0.8, 0.25)
@@ -333,8 +333,8 @@ def measure_collectives(device, s: Settings, rank: int, world: int) -> dict:
 
 
 # Transfer sizes of the disk test: a small unit's shard to a large one's optimizer state. At the
-# sizes a schedule moves, a transfer's fixed cost is much of its time (traced: a 1.5 MiB shard's
-# read took 3-5 ms in a run against 1.4 ms at the streaming rate).
+# sizes a schedule moves, a transfer's fixed cost is much of its time (a MiB-sized shard's read
+# takes several times its streaming time), so the sizes span both sides of it.
 DISK_SIZES = (256 << 10, 1 * MiB, 4 * MiB, 16 * MiB)
 
 
@@ -422,8 +422,8 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
     median of its rounds' (load from outside that moves between rounds cancels in a round's
     ratio; zdsl.planner.simulate.transfer_demand turns it into the cores a transfer needs). The
     swapper's threads make system calls for each request and checksum each block; on one core
-    they do not keep their rate beside compute: 4 MiB transfers beside a width-256 block's
-    forward+backward took 1.0-2.3x (reads) and 1.2-3.4x (writes) their time alone."""
+    they do not keep their rate beside compute, and a transfer beside a block's forward+backward
+    takes up to a few times its time alone."""
     import threading
 
     import torch

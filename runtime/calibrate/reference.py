@@ -14,11 +14,11 @@ from zdsl.schedule import MachineProfile
 from zdsl.runtime.calibrate.measure import CalibrationError, Settings
 
 
-# Reference steps (full, quick), ~10 ms each here. The host's speed moves from one half second to
-# the next: 48 steps in one block put the reference 50% off the programs run beside it. A fresh
-# run's first ten steps are slower than its later ones (10.2-14.8 ms against 9.0-9.5 here), so
-# quick blocks of 6 steps after 2 put the reference 7% slow, median of eight rounds, against the
-# same schedule run beside the programs (benchmarks/prediction_error.py's drift): now 16 after 4.
+# Reference steps (full, quick), split into RUNTIME_BLOCKS blocks spread over the calibration,
+# since the host's speed moves from one half second to the next and one block can sit in a spell.
+# A fresh run's first steps are slower than its later ones, so each block drops WARM_UP_STEPS and
+# keeps enough after them (16 a quick block) that the reference matches the same schedule run
+# beside the programs (benchmarks/prediction_error.py's drift column).
 RUNTIME_STEPS = {False: 240, True: 60}
 RUNTIME_BLOCKS = 3
 # The variants (``VARIANTS``) are measured beside the reference in one block, right after this one.
@@ -27,12 +27,13 @@ WARM_UP_STEPS = 4
 # A reference step this much slower than the machine's usual one (its cached calibrations' median)
 # is taken in a slow spell, and one this much faster (step x (1 + this) < usual) in a fast moment:
 # measured REMEASURES times more in fresh ranks after pauses, and the median try's set kept
-# (slow_spell.py). 12%: this host's usual speed moved 10% from one day to the next; the spells put
-# the reference 15-30% slow, a fast moment 25% fast (stop 47).
+# (slow_spell.py). 12%: above how far a host's usual speed moves from one day to the next, below
+# how far its spells and fast moments move the reference (benchmarks/prediction_error.py's drift).
 SLOW_SPELL = 0.12
 # A set whose slowest block ran this much slower than its fastest was measured while the host's
-# speed moved: calibrate warns that plans made with it are that uncertain. In the nine quick
-# calibrations of stop 46, the four over it were followed by rounds of 0-6 of 8 programs within 15%.
+# speed moved: calibrate warns that plans made with it are that uncertain. Past 1.3x, programs
+# planned with the set tend to miss their runs by more than the 15% target
+# (benchmarks/prediction_error.py).
 UNSTEADY = 1.3
 REMEASURES = 2
 REMEASURE_PAUSE_S = 5.0
@@ -42,8 +43,8 @@ REMEASURE_PAUSE_S = 5.0
 # gradients, as most recipes do (HF's max_grad_norm=1.0, DeepSpeed's gradient_clipping), so the fit
 # covers the norm ops and the norm's all-reduce too: without them the costs fitted for a step's
 # lane ops and collectives priced a clipped program's norms at a compute op's hand-off and its
-# scalar all-reduce at a gathered unit's (programs/quickstart.zs, which is this with clip=1.0,
-# planned 16-20% slow in three quiet rounds while the reference matched). Its step count only
+# scalar all-reduce at a gathered unit's, and clipped programs (programs/quickstart.zs) were
+# planned slow while the reference matched (benchmarks/prediction_error.py). Its step count only
 # has to be valid: measure_runtime runs as many steps as each block needs.
 REFERENCE = """schedule calibrate_reference "zdsl calibrate: a tiny ZeRO-3 step, what the runtime costs per op"
 model     gpt(layers=2, width={width}, heads={heads}, vocab=256, context=32)
@@ -58,15 +59,15 @@ zero      {stage}
 # reference's (calibration_fit.fit_overhead's ``also``): (name, clip, ZeRO stage). Unclipped, a
 # unit's step runs in the backward right after its reduce-scatter, with no norms' tail; ZeRO-1
 # all-reduces gradients and gathers the stepped shards once a step. Fitted on the clipped ZeRO-3
-# step alone, programs that do not clip were planned 4-10 points short, and after small
-# collectives went through shared memory ZeRO-1's 5-18% short (benchmarks/README, stops 38, 43).
+# step alone, programs that do not clip were planned short, and ZeRO-1 ones too once small
+# collectives went through shared memory (benchmarks/prediction_error.py shows both).
 VARIANTS = (("unclipped", False, 3), ("zero1", False, 1))
 
 
 REFERENCE_WIDTH = 64
 # The wide step: the reference at a width where a unit's forward and backward outweigh their
-# kernels' fixed costs (2.6 and 5.5 ms against ~0.4 here), for ``compute_excess``; (full, quick)
-# steps after WARM_UP_STEPS (29 ms a step here).
+# kernels' fixed costs several times over, for ``compute_excess``; (full, quick) steps after
+# WARM_UP_STEPS.
 WIDE_WIDTH = 256
 WIDE_STEPS = {False: 36, True: 12}
 

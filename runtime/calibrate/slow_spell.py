@@ -3,28 +3,25 @@ fresh ranks.
 
 The fixed costs a profile holds (``overhead``, ``wake``, ``loop``, ``comm_overhead``: what small
 models' steps are made of) are fitted to the reference step calibrate measures. Now and then a
-pair of rank processes runs it 15-30% slower for its whole life, while new processes a few seconds
-later run it at the usual speed (benchmarks/README, stop 42); a profile fitted to such a pair
-plans every step of every program that much slow until the next calibration.
+pair of rank processes runs it markedly slower for its whole life, while new processes a few
+seconds later run it at the usual speed; a profile fitted to such a pair plans every step of every
+program that much slow until the next calibration.
 
 So where the reference step is slower than this machine's usual one (the median of its latest
 cached calibrations, ``zdsl.planner.profile_cache.usual_reference``) by more than
 ``reference.SLOW_SPELL``, or as far faster (``reference.is_off_usual``: the host's fast moments,
-which a profile fitted to plans every program as short: a set at 15.7 ms against the usual 19.7 put
-eight of eight programs 18-44% under their runs minutes later, benchmarks/README, stop 47),
-:func:`remeasure` measures the reference set ``reference.REMEASURES`` more times in new rank
-processes, each after a pause (in case the host itself is slow for a while), and keeps the set of
-the median try (still off the usual, slower or faster, calibrate warns and keeps the cached
-profile: ``cli.cache_profile``; a fast moment lasts seconds, as a slow spell does, and a set kept
-at 12.1 ms against the usual 16.8 planned five of eight programs 14-29% short of their runs minutes
-later, benchmarks/README, stop 51). The median, not the fastest: the
-host also has fast moments, and a profile fitted to the fastest of three tries (20.0, 22.1, 13.4
-ms) planned seven of eight programs 29-49% short of their runs minutes later (benchmarks/README,
-stop 46). One slow pair among three is outvoted either way. A machine that has become slower or
-faster for good costs a few seconds per calibration until its history moves. A machine with no
-cached calibration (the first one, which ``zdsl plan`` then caches) has nothing to compare with:
-its set is measured the same, without the pauses, so that only two slow pairs of three give it a
-slow profile.
+which a profile fitted to would plan every program as short), :func:`remeasure` measures the
+reference set ``reference.REMEASURES`` more times in new rank processes, each after a pause (in
+case the host itself is slow for a while), and keeps the set of the median try (still off the
+usual, slower or faster, calibrate warns and keeps the cached profile: ``cli.cache_profile``; a
+fast moment passes in seconds, as a slow spell does, and a plan outlives both). The median, not the
+fastest: the host also has fast moments, and a profile fitted to the fastest try plans programs
+short of their runs. One slow pair among three is outvoted either way. A machine that has become
+slower or faster for good costs a few seconds per calibration until its history moves. A machine
+with no cached calibration (the first one, which ``zdsl plan`` then caches) has nothing to compare
+with: its set is measured the same, without the pauses, so that only two slow pairs of three give
+it a slow profile. What an off set costs a plan shows in benchmarks/prediction_error.py (each
+program's error against its run, and the reference's drift beside it).
 """
 from __future__ import annotations
 
