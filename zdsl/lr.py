@@ -1,7 +1,8 @@
 """The learning rate at each step: linear warmup, then a stable stretch, then decay.
 
 One formula, torch-free, used by the runtime (every optimizer path sets its
-rate from it before each step) and by the tests' ``LambdaLR`` reference. It is
+rate from it before each step); the parity tests' ``LambdaLR`` reference writes
+the same formula out on its own, so a mistake here cannot hide in it. It is
 torchtitan's ``linear_warmup_stable_decay`` with ``min_lr`` given as a rate.
 For global step ``s`` (0-based, the same on every rank; a resumed run starts
 at its checkpoint's step), ``T`` training steps, ``W = min(warmup, T)``

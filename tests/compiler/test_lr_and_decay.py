@@ -31,6 +31,24 @@ def test_warmup_then_cosine_to_min_lr_by_hand():
     assert r.at(9) == pytest.approx(0.1, abs=1e-15)                      # the last step reaches min_lr
 
 
+@pytest.mark.parametrize("lr,min_lr", [(3e-3, 3e-4), (4.0, 1.0)])
+def test_cosine_decays_to_min_lr_as_a_rate_at_rates_other_than_one(lr, min_lr):
+    # lr 1 hides min_lr read as a factor of lr (min_lr * lr == min_lr there): these rates do not.
+    # 10 steps, 2 of warmup, cosine over the other 8: p = (s - 1) / 8, so step 5 is mid-cosine.
+    r = LrSchedule(lr=lr, steps=10, warmup=2, decay="cosine", min_lr=min_lr)
+    assert [r.at(0), r.at(1)] == pytest.approx([lr / 3, 2 * lr / 3], rel=1e-15)    # lr (s+1)/(W+1)
+    assert r.at(5) == pytest.approx((lr + min_lr) / 2, rel=1e-14)                 # cos(pi/2) = 0: halfway
+    quarter = min_lr + (lr - min_lr) * (1 + math.sqrt(0.5)) / 2                   # p = 1/4: cos(pi/4)
+    assert r.at(3) == pytest.approx(quarter, rel=1e-14)
+    assert r.at(9) == pytest.approx(min_lr, rel=1e-14)                            # the last step: min_lr
+
+
+def test_linear_decays_to_min_lr_as_a_rate():
+    r = LrSchedule(lr=2.0, steps=10, warmup=2, decay="linear", min_lr=0.5, decay_steps=4)
+    assert [r.at(s) for s in range(10)] == pytest.approx(      # 0.5 + 1.5 * (1 - p), p = 1/4 .. 1
+        [2 / 3, 4 / 3, 2, 2, 2, 2, 1.625, 1.25, 0.875, 0.5], rel=1e-15)
+
+
 def test_linear_with_a_stable_stretch_and_decay_steps():
     r = LrSchedule(lr=2.0, steps=10, warmup=2, decay="linear", min_lr=0.0, decay_steps=4)
     assert [r.at(s) for s in range(10)] == pytest.approx(
