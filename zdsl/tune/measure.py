@@ -31,11 +31,10 @@ class RunFailed(Exception):
     """A measured run that did not finish; the message is the reason for the table."""
 
 
-# A run's figure is a low quantile of its timed steps, not their median. This host has spells of
-# 1-1.5 s in which every step is 30-60% slower (programs/zero3.zs: 28-31 ms steps, then 20-40 in a
-# row at 40-47 ms); a run of 50 timed steps outlasts one, and its fast tenth are the steps no spell
-# fell on. Spells slow steps, never speed them: over the same rounds, prefetch 0 and 1 against 2,
-# the round ratios' interquartile range was 0.07-0.13 wide by this figure, 0.17-0.23 by the median.
+# A run's figure is a low quantile of its timed steps, not their median. A shared host has spells
+# of a second or so in which every step is much slower; a run of 50 timed steps outlasts one, and
+# its fast tenth are the steps no spell fell on. Spells slow steps, never speed them, so this figure
+# leaves them out and the round ratios' spread is far narrower by it than by the median.
 RUN_QUANTILE = 0.10
 
 

@@ -23,18 +23,16 @@ the ratio of B's figure to A's in each round, which cancels that load.
    differences are ties, too small to act on or to confirm on a shared host.
 
 The spreads of the candidates' own round figures (the table's "spread"
-column) include the drift between rounds, which the pairs cancel: on this
-2-core host a real 5% difference (prefetch 2 against 1 on zero3.zs) kept
-overlapping spreads after 6 rounds while B was slower in nearly every round.
-(Simulated with 3% noise per run plus 3% shared by a round, judging after
-every round from the 7th to the 30th as the race does: with no real
-difference (1)-(3) claim one in ~4% of pairs (~5% when one run in ten is
-slowed by a further 0-9%); a real 5% difference is found in 97-99% of pairs
-and a 3% one in 61-71%, never the wrong way round. Judged from the 6th to the
-12th round at level 0.02 the same noise gave ~5% false claims and found 84%
-of 5% differences: more rounds at a stricter level buy both. Hence up to
-:data:`zdsl.tune.rounds.DEFAULT_MAX_ROUNDS` rounds, which a round in one
-launch (``zdsl.tune.measure.measure_round``) makes affordable.)
+column) include the drift between rounds, which the pairs cancel: on a shared
+host a real difference of a few percent can keep the spreads overlapping for
+many rounds while B is slower in nearly every one. Under noise of a few
+percent per run and per round, judged after every round as the race does,
+(1)-(3) claim a difference that is not there in a few percent of pairs and
+find nearly every real 5% one, never the wrong way round; more rounds at a
+stricter level buy both. Hence up to :data:`zdsl.tune.rounds.DEFAULT_MAX_ROUNDS`
+rounds, which a round in one launch (``zdsl.tune.measure.measure_round``) makes
+affordable. benchmarks/tune_quality.py checks the picks and verdicts against
+an exhaustive truth.
 
 Otherwise the verdict is a **tie**. Among the candidates tied with the fastest
 median, those of **equal speed** are the ones no other tied one beats by
@@ -42,7 +40,7 @@ median, those of **equal speed** are the ones no other tied one beats by
 (1) or (2) is a difference the rounds have not confirmed, not an equal speed,
 and it is not traded for memory (less prefetch is both less memory and slower:
 a lag the rounds cannot yet confirm would otherwise hand the pick to the slow
-end; benchmarks/README, stop 41). Medians of ratios need not be transitive: the
+end). Medians of ratios need not be transitive: the
 one of equal speed may itself be 2% behind another at the median ratio the
 other way round (8 rounds, an even count), and where every tied one trails
 another the one trailing least wins; the verdicts say so rather than "the
@@ -272,7 +270,7 @@ def model_gaps(cands: list[Candidate]) -> list[str]:
 
 
 # Every candidate's typical step this far off its prediction, the same way, is the profile's
-# error more than any one schedule's: issue 23's target for a plan is within 15%.
+# error more than any one schedule's: a plan's target is within 15% (benchmarks/prediction_error.py).
 PROFILE_OFF = 0.15
 
 

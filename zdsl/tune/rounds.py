@@ -37,11 +37,9 @@ DEFAULT_BUDGET_S = 120.0
 DEFAULT_STRETCH_S = 360.0   # the default budget's most, grown to hold a verdict's rounds
 DEFAULT_MAX_ROUNDS = 30
 # Steps per measured run and the first ones not timed. A fresh run's first ten or twenty steps are
-# slower than its later ones, and not alike for every candidate: programs/zero3.zs, prefetch 1
-# against 2, three runs each: steps 2-9 13.4-14.4 against 14.0-14.8 ms, steps 20-149 14.2-14.7
-# against 13.2-13.9 (the order turned). Fifty timed steps outlast a spell of the host's (1-1.5 s,
-# ``zdsl.tune.measure.RUN_QUANTILE``); at 30 ms a step they cost a round of three ~3 s more than 20
-# did, beside a launch's ~6 s, and halve the width of the round ratios' spread.
+# slower than its later ones, and not alike for every candidate (two candidates can swap places
+# after them). Fifty timed steps outlast a spell of the host's (``zdsl.tune.measure.RUN_QUANTILE``)
+# and narrow the round ratios' spread, for a few seconds a round, small beside a launch's start-up.
 DEFAULT_STEPS = 60
 DEFAULT_WARMUP = 10
 

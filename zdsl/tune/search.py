@@ -255,10 +255,10 @@ def value_rank(values: list[str], value: str) -> float:
         return float(values.index(value)) if value in values else float("inf")
 
 
-# Why 1.5: within one calibration, benchmarks/prediction_error.py measured the programs' errors
-# from -23% to +8% (benchmarks/README.md), a factor 1.08/0.77 = 1.4 between the most over- and
-# the most under-predicted; a candidate predicted 1.5x the best would need errors wider than
-# that in opposite directions to win. Candidates of one program share most of their error.
+# Why 1.5: within one calibration the programs' errors stay within a factor 1.4 between the most
+# over- and the most under-predicted (benchmarks/prediction_error.py); a candidate predicted 1.5x
+# the best would need errors wider than that in opposite directions to win. Candidates of one
+# program share most of their error.
 PRUNE_FACTOR = 1.5
 
 
