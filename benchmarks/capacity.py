@@ -8,7 +8,7 @@
 Runs ``programs/capacity.zs`` (ZeRO-3, one CPU rank, bf16 mixed precision,
 parameters and optimizer state on NVMe) as the rank itself (``RANK=0``, so
 the process measured is the one that trains, not a launcher), with
-``--metrics`` and ``--trace``, and reports (issue 22):
+``--metrics`` and ``--trace``, and reports:
 
 * **the bounds, measured in the same run, just before the training** (never
   beside it): the disk's with ``fio`` (``direct=1``, ``libaio``, the
@@ -26,7 +26,7 @@ the process measured is the one that trains, not a launcher), with
 * the swapper's own rates in the run: graph bytes over the nvme lane's busy
   time per direction, and the lane's idle gaps (what it waited for). They can
   beat fio's: fio reads and writes 4 KiB pages, the swapper huge pages
-  (``runtime/io/aligned.py``; 2x fio's rates on the VM we measure on), so the
+  (``runtime/io/aligned.py``; benchmarks/nvme_io.py sets the two side by side), so the
   step is also given against the disk time at the swapper's own rates;
 * bytes per tier path per step against ZeRO-Infinity's minimum, the plan's
   own figures (``zdsl.planner.traffic``, as ``zdsl plan`` prints them), and
@@ -200,7 +200,7 @@ def fio_job(fio: str, path: Path, rw: str, size: int, block: int, qd: int, read_
 
     Writes overwrite data already written (``overwrite=1``: fio lays the file out first), as the
     swapper rewrites its files every step: a first write into fallocated space also converts the
-    file system's unwritten extents, and measured 1.6 GB/s here against 3.6 overwriting."""
+    file system's unwritten extents, at well under an overwrite's rate."""
     args = [fio, "--name=capacity", f"--filename={path}", f"--rw={rw}", f"--bs={block}", "--direct=1",
             "--ioengine=libaio", f"--iodepth={qd}", f"--size={size}", "--output-format=json",
             "--group_reporting", "--fallocate=native", "--overwrite=1"]
@@ -408,7 +408,7 @@ def main(argv=None) -> int:
     flops = sum(op.flops for op in graph.ops if op.kind in COMPUTE_KINDS)
     stepped = sum(u.shard_numel for u in graph.units if u.trains)
     print(f"model {m}: {params:,} parameters; model states 16 B/param = {states / GIB:.1f} GiB = "
-          f"{states / ram:.2f}x RAM ({ram / GIB:.1f} GiB; issue 22: at least 2.5x where the disk allows)")
+          f"{states / ram:.2f}x RAM ({ram / GIB:.1f} GiB; target: at least 2.5x where the disk allows)")
     print(f"graph: {on_nvme / GIB:.1f} GiB on the NVMe tier under {folder} (block {block >> 10} KiB, depth {qd}); "
           f"forward+backward {flops:.3e} flops per step")
     fit = schedule_fit(compiled)
@@ -538,7 +538,7 @@ def main(argv=None) -> int:
                        planned_kind_s=plan_kinds, nvme_idle_s=sum(g[1] for g in last["nvme_gaps"]),
                        nvme_gaps_longest=big, host_step_s=host_s)
 
-    print("\nagainst the bounds (issue 22):")
+    print("\nagainst the bounds:")
     if step is not None:
         err = (sim.step_s - step) / step
         print(f"  plan: predicted {sim.step_s:.1f} s, measured {step:.1f} s: error {err:+.0%} "

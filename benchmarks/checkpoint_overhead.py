@@ -1,4 +1,4 @@
-"""Training throughput lost to a checkpoint every N steps (issue 6: target <= 5%).
+"""Training throughput lost to a checkpoint every N steps (target: <= 5%).
 
     python benchmarks/checkpoint_overhead.py                      # zero3.zs, gpt 4x256, 30 steps, every 10
     python benchmarks/checkpoint_overhead.py --reps 3 --every 10 --steps 30 --set model.width=384
@@ -27,11 +27,9 @@ dropped first) over its time.
 Runs get ``MALLOC_MMAP_THRESHOLD_=65536`` in their environment (freed
 buffers return to the OS, so runs do not inherit each other's heap state).
 
-Measured 2026-11-21 (defaults, 4 reps, 2 shared cores): median step 338.9 ms
-without, 331.6 ms with; within-run loss 3.2% (1.5, 4.8, 0.8, 5.0% per run);
-per save 24.5 ms blocking, 190 ms writer, 38.9 MB. Save/load throughput of
-such a small checkpoint (0.2 GB/s) is fixed costs, not the disk: see
-checkpoint_io.py for throughput.
+Save/load throughput of a checkpoint this small is its fixed costs, not the
+disk's: see checkpoint_io.py for throughput. Results: benchmarks/README.md
+(checkpoint_overhead.py).
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ of the process (all threads; what the step costs, and steadier on a shared
 machine). Every candidate steps the same four tensors, moments included.
 
 Where the shard's pages landed moves every candidate's rate by up to a
-third here (the same loop on a fresh allocation of the same size: 949 to
-1600 Mparams/s for DeepSpeed), more than the candidates differ. So each
+third (the same loop on a fresh allocation of the same size), more than the
+candidates differ. So each
 size is measured on ``--allocations`` fresh sets of tensors and the table
 shows, per candidate, the median over them of its best round, and the ratio
 is the median of the per-allocation ratios.
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="magnitudes of parameters and gradients (gpt: 0.02 and 1e-3)")
     args = ap.parse_args(argv)
     if args.threads > 0 and os.environ.get("OMP_NUM_THREADS") != str(args.threads):
-        # DeepSpeedCPUAdam's OpenMP loop ignores torch.set_num_threads (measured: with
-        # --threads 1 it ran on both cores); OpenMP reads OMP_NUM_THREADS when it loads,
+        # DeepSpeedCPUAdam's OpenMP loop ignores torch.set_num_threads (under --threads 1 it
+        # still runs on every core); OpenMP reads OMP_NUM_THREADS when it loads,
         # so start again with it set and every candidate gets the same threads.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
         given = sys.argv[1:] if argv is None else list(argv)

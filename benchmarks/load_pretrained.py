@@ -1,4 +1,4 @@
-"""Loading a pretrained HF folder at 2 ranks (issue 20 item 4): seconds and peak RSS per rank.
+"""Loading a pretrained HF folder at 2 ranks: seconds and peak RSS per rank.
 
     python benchmarks/load_pretrained.py                   # small (measured vs the peer), then large
     python benchmarks/load_pretrained.py --only small      # ~1.7 GB: zdsl and the peer, like for like

@@ -1,10 +1,10 @@
-"""Host residency of NVMe state (issue 22): NVMe bytes and step time against the cache's room.
+"""Host residency of NVMe state: NVMe bytes and step time against the cache's room.
 
     python benchmarks/nvme_cache.py --set model.layers=4 --set model.width=1024   # a few minutes
     python benchmarks/nvme_cache.py                                                # capacity.zs as written
 
 Runs ``programs/capacity.zs`` (or ``--schedule``) once per cache room: 0 (no ``memory host``
-statement: today's graph, every use read from NVMe) and 25% and 50% of the model states on top
+statement: the graph without a host cache, every use read from NVMe) and 25% and 50% of the model states on top
 of the host peak that graph reaches (``--rooms``). For each it reports the host budget, the copies
 the compiler keeps (Belady's rule, zdsl/compile/residency.py), the NVMe bytes per step the graph
 reads and writes, what the kernel counted for the rank (``/proc/PID/io``, steps after the first,

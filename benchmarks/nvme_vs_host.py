@@ -1,4 +1,4 @@
-"""Step time with parameters and optimizer state on NVMe against the same in host memory (issue 4: <= 1.3x).
+"""Step time with parameters and optimizer state on NVMe against the same in host memory (target: <= 1.3x).
 
     python benchmarks/nvme_vs_host.py                                 # gpt 4x768 (~29M params), 2 ranks, batch 16
     python benchmarks/nvme_vs_host.py --prefetch 1,2,4 --reps 2 --steps 8 --set precision=bf16
@@ -17,13 +17,11 @@ deep enough prefetch should hide the NVMe reads behind compute.
 The ratio depends on compute per byte moved: each step reads the
 parameters twice and reads and writes the optimizer state (16 bytes per
 parameter moved, fp32 Adam, whatever the batch), while compute grows with
-the batch. On this 2-core machine shared with other agents the NVMe cost
-was not disk latency (nvme ops were ~0.2 s of the critical path at any
-prefetch) but CPU: the swapper's I/O threads (checksums, staging copies)
-take cycles from the compute lane. Measured 2026-11-21 (2 ranks, fp32,
-~29M parameters, 8/6 steps, 2 reps, median): batch 4 (1.3 s steps): 1.68x,
-1.67x, 3.03x at prefetch 1, 2, 4; batch 16 (3 s steps, the default): 1.61x,
-1.29x, 1.33x. Single runs swing by up to 1.5x with the other agents' load.
+the batch. On a machine of few cores the NVMe cost is CPU more than disk
+latency: the swapper's I/O threads (checksums, staging copies) take cycles
+from the compute lane, so a small batch shows the largest ratio, and single
+runs swing with other processes' load. Results: benchmarks/README.md
+(nvme_vs_host.py).
 
 Runs get ``MALLOC_MMAP_THRESHOLD_=65536`` in their environment.
 """

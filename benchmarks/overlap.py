@@ -3,7 +3,7 @@
     python benchmarks/overlap.py [--steps 30] [--traced 20] [--program programs/zero3.zs ...] [--keep DIR]
 
 Each program runs with ``zdsl run --trace --trace-steps 20`` (the last 20 of 30
-steps are traced: with 3, one run's figure moved 0.70-0.92 between runs here);
+steps are traced: a figure from a few steps moves widely from run to run);
 for every rank and traced step :func:`zdsl.observe.overlap.analyze` gives
 
     overlap efficiency = max(busiest lane, dependency chain) / measured step time
@@ -11,7 +11,7 @@ for every rank and traced step :func:`zdsl.observe.overlap.analyze` gives
 (the step time is that rank's span of ops in the step). Per rank the median
 step is reported (``zdsl.observe.overlap.typical``), a run's figure is
 ``zdsl.observe.overlap.summarize`` over its ranks, and the program's is the median
-of ``--repeat`` runs (default 3: one run on a shared machine is noise). Targets (issue 5): >= 0.85 for
+of ``--repeat`` runs (default 3: one run on a shared machine is noise). Targets: >= 0.85 for
 ZeRO-3, >= 0.8 with NVMe offload. Where a program falls short, the report
 lists the largest waits on the critical path: an op that started later than
 its last predecessor ended (dispatch, thread hand-off, polling), and the

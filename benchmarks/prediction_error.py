@@ -15,37 +15,36 @@
    alternating programs, to damp load from other processes).
 3. Print predicted vs measured median step time (the first step excluded)
    and the raw error, then ``K/N programs within 15% raw``: the target
-   (issue 23: 8 of 8, with the profile calibration by default measures,
+   (8 of 8, with the profile calibration by default measures,
    ``zdsl calibrate --quick``, and no drift correction; ``--calibration
    full`` for the full calibration).
 
-Drift, and the control. On a shared host the machine's own speed drifts: the
-same step took 12 ms in one quarter hour and 18 in the next; a memcpy loop of
-32 MiB per core moved between 12.4 and 21.5 ms from one second to the next
-while an L2-resident matmul stayed within 2% (other tenants share the memory
-bandwidth); and a profile is only a claim about the machine as it was when
-measured. So each program's run is flanked by runs of calibrate's own
-reference schedule (``zdsl run`` of it, the same steps), and the prediction is
-also given corrected for drift: replanned with the profile's rates and fixed
-costs scaled by how the host ran the reference beside the program against
-what the profile predicts for the reference (the ``drift`` column, the
-geometric mean of the runs before and after), its disk rates left as
-measured (:func:`drifted_step`; for a program without disk I/O, the step
-times the drift). A user has no reference run beside their job, so the
-target is judged on the raw error; the corrected one, printed after it,
-says how much of the raw error is the host's drift.
+Drift, and the control. On a shared host the machine's own speed drifts, by
+tens of percent within minutes and more from one second to the next where the
+work is bound by memory (other tenants share the memory bandwidth; a matmul
+that stays in cache holds its rate); and a profile is only a claim about the
+machine as it was when measured. So each program's run is flanked by runs of
+calibrate's own reference schedule (``zdsl run`` of it, the same steps), and
+the prediction is also given corrected for drift: replanned with the profile's
+rates and fixed costs scaled by how the host ran the reference beside the
+program against what the profile predicts for the reference (the ``drift``
+column, the geometric mean of the runs before and after), its disk rates left
+as measured (:func:`drifted_step`; for a program without disk I/O, the step
+times the drift). A user has no reference run beside their job, so the target
+is judged on the raw error; the corrected one, printed after it, says how much
+of the raw error is the host's drift.
 A quiet round. The target is for a quiet machine, and 0% steal and no other
-process do not make one: here the reference's step moved 20-40% within minutes
-with neither. So each round also says whether the host held its speed: every
-run of the reference beside the programs within ``QUIET`` (10%) of the step the
-round's calibration measured for it (the profile's comment). A round that is
-not quiet compares two states of the host as much as the model with the
-machine. (Not judged without the control, or with ``--machine``.) A host
-that is never quiet for a whole round is quiet now and then: a run whose
-references before and after were both within ``QUIET`` is a quiet run, and
-the raw error over a program's quiet runs (:func:`quiet_errors`, pooled over
+process do not make one: the reference's step can move by tens of percent
+within minutes with neither. So each round also says whether the host held its
+speed: every run of the reference beside the programs within ``QUIET`` (10%)
+of the step the round's calibration measured for it (the profile's comment). A
+round that is not quiet compares two states of the host as much as the model
+with the machine. (Not judged without the control, or with ``--machine``.) A
+host that is never quiet for a whole round is quiet now and then: a run whose
+references before and after were both within ``QUIET`` is a quiet run, and the
+raw error over a program's quiet runs (:func:`quiet_errors`, pooled over
 ``--repeat`` rounds) is the nearest this host comes to what a quiet machine
-would show (a run's own seconds may still move: benchmarks/README, stop 50).
+would show (a run's own seconds may still move, with the reference's held).
 
 ``--no-control`` leaves the reference runs out (and then calibrates before
 each program's run, ``--calibrate-each program``; with the control, one
@@ -54,9 +53,9 @@ calibration a round). The error per program is the median over rounds.
 ``--explain`` also records both traces and compares them op kind by op kind:
 predicted and measured mean duration per op, and the time a step spends
 between ops (measured step minus its critical path), which is what the rate
-model does not see. (The fixed cost per op that an ``--op-overhead`` option
-once fitted here is in the profile now: ``overhead``, ``kernel_overhead``,
-``comm_overhead``, ``scatter_overhead``, measured by calibrate.)
+model does not see. (The fixed costs per op are the profile's: ``overhead``,
+``kernel_overhead``, ``comm_overhead``, ``scatter_overhead``, measured by
+calibrate.)
 """
 from __future__ import annotations
 
@@ -82,8 +81,8 @@ from zdsl.planner.simulate import machine_of, simulate   # noqa: E402
 
 TARGET = 0.15
 # A quiet round: every run of the reference beside the programs within this of the step calibrate
-# measured for it. The host here moves 20-40% within minutes with no steal or other process to see
-# (benchmarks/README, stops 41-46); in such a round the raw error measures the host, not the model.
+# measured for it. A shared host's speed can move by tens of percent within minutes with no steal
+# or other process to see; in such a round the raw error measures the host, not the model.
 QUIET = 0.10
 CHILD_ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

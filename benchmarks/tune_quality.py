@@ -16,10 +16,10 @@ them to ``--vary``):
    runs and half after, so that a drift of the machine during the benchmark
    falls on both. The true best has the lowest median of its figures each
    divided by its round's geometric mean, and a combination is "x% behind the
-   best" by the median of its rounds' ratios to the best's: on this host a
+   best" by the median of its rounds' ratios to the best's: on a shared host a
    round's runs share its spell of speed, which the ratios cancel and the
-   medians of the raw figures (interquartile ranges of +-20% within minutes)
-   do not;
+   medians of the raw figures (whose spread within minutes can be wider than
+   the differences) do not;
 2. ``--runs`` runs of ``zdsl tune FILE --vary ...`` with its defaults (``--budget``
    to change the budget), each read back through ``--json``;
 3. per run: tune's pick against the true best, round by round (within 5%?;
@@ -34,7 +34,7 @@ them to ``--vary``):
    planner pruned that the truth puts within 5% of the best.
 
 The last line: ``pick within 5% of best in K/M runs (X of the misses ...); contradicted
-verdicts: J`` and how many were not borne out (issue 23's target: K/M >= 80%, J = 0).
+verdicts: J`` and how many were not borne out (the target: K/M >= 80%, J = 0).
 About 15 minutes with the defaults on a 2-core machine where a run takes ~5 s; it prints
 its estimate first.
 """
@@ -77,7 +77,8 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--programs", default="zero3,zero2",
                     help=f"comma-separated, from {', '.join(PROGRAMS)} (default zero3,zero2)")
-    # 20: on this host ten rounds put zero2's third (+6%) first by 13% (stop 52); twenty ordered it
+    # 20: ten rounds can misorder leaders a few percent apart, and a truth that does scores tune
+    # against noise
     ap.add_argument("--truth-rounds", type=int, default=20, help="rounds of the exhaustive truth (default 20)")
     ap.add_argument("--truth-launch", choices=("run", "round"), default="run",
                     help="the truth's runs: a zdsl run each (run, the default) or a round's in one launch (round)")

@@ -80,7 +80,7 @@ class Peer:
         return self.module == "deepspeed_peer"
 
 
-HF_PEERS = ("fsdp2", "ds3", "zdsl3")   # issue 20's comparison: ZeRO-3 against ZeRO-3
+HF_PEERS = ("fsdp2", "ds3", "zdsl3")   # an HF model's comparison: ZeRO-3 against ZeRO-3
 
 PEERS = {p.key: p for p in [
     Peer("ddp", "torch DDP", "ddp_peer"),
@@ -331,10 +331,10 @@ def print_table(rows: list[dict], baseline: str, out=sys.stdout, *, second: list
                   file=out)
 
 
-TARGETS = {   # model -> (zdsl row, peer row, target ratio of step times): the issues' goals, on equal terms
-    "gpt": [("zdsl3", "fsdp2", 0.7), ("zdsl3", "ds3", 0.7),          # issue 22: with the peers bound alike
+TARGETS = {   # model -> (zdsl row, peer row, target ratio of step times): the goals, on equal terms
+    "gpt": [("zdsl3", "fsdp2", 0.7), ("zdsl3", "ds3", 0.7),          # with the peers bound alike
             ("zdsl1", "ddp", 0.9), ("zdsl2", "ddp", 0.9)],
-    "hf:llama": [("zdsl3", "fsdp2", 0.8), ("zdsl3", "ds3", 0.8)],    # issue 20: the same HF model, 20% faster
+    "hf:llama": [("zdsl3", "fsdp2", 0.8), ("zdsl3", "ds3", 0.8)],    # the same HF model, 20% faster
 }
 
 
