@@ -111,15 +111,54 @@ DIRECT_IO_ALIGN = 4096
 SHARED_MEMORY_OUTBOX = 8 << 20
 
 
+# NVMe swap settings where ``nvme(...)`` leaves them out: DeepSpeed aio's defaults (block_size 1 MiB,
+# queue_depth 8). The checker, the runtime's swapper and calibrate's disk test all read them here.
+NVME_BLOCK = 1 << 20
+NVME_DEPTH = 8
+
+
 @dataclass
 class Placement:
     """Where one kind of state lives (``offload STATE -> TIER``)."""
     tier: str = "device"                   # "device", "cpu" (host memory) or "nvme"
-    path: str | None = None                # nvme folder
+    paths: tuple[str, ...] = ()            # nvme folders; several: each swap file's blocks striped over them
     pinned: bool = True                    # host buffers pinned where CUDA is present
     ratio: float = 1.0                     # share of units offloaded (partial offload), from the last unit back
-    block_bytes: int = 1 << 20             # nvme I/O block size
-    queue_depth: int = 8                   # nvme concurrent requests
+    block_bytes: int = NVME_BLOCK          # nvme I/O block size
+    queue_depth: int = NVME_DEPTH          # nvme concurrent requests
+
+    def __post_init__(self) -> None:
+        # Placement("nvme", "/scratch"): one folder
+        self.paths = (self.paths,) if isinstance(self.paths, str) else tuple(self.paths)
+
+    def to_config(self) -> dict:
+        """Plain JSON: one folder as ``path`` (None without one), as before several folders were
+        allowed, so such a schedule keeps its graph digest; several as ``paths`` (``path`` None)."""
+        raw = dataclasses.asdict(self)
+        paths = raw.pop("paths")
+        raw["path"] = paths[0] if len(paths) == 1 else None
+        if len(paths) > 1:
+            raw["paths"] = list(paths)
+        return raw
+
+    @classmethod
+    def of_config(cls, raw: dict) -> "Placement":
+        """The inverse of :meth:`to_config` (what the runtime and the planner read a graph's config with)."""
+        paths = raw.get("paths") or ([raw["path"]] if raw.get("path") else [])
+        fields = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__ and k != "paths"}
+        return cls(**fields, paths=tuple(paths))
+
+    @property
+    def swap_key(self) -> tuple:
+        """What one NVMe swapper is opened with: states whose placements share it share a swapper."""
+        return self.paths, self.block_bytes, self.queue_depth, self.pinned
+
+
+def nvme_placements(config: dict | None) -> dict[str, Placement]:
+    """State -> its NVMe placement, from a compiled graph's config (``TaskGraph.config``); the one
+    reader of the config's placements for the runtime, the planner and the benchmarks."""
+    places = ((config or {}).get("placement") or {}).items()
+    return {state: Placement.of_config(raw) for state, raw in places if raw.get("tier") == "nvme"}
 
 
 @dataclass
@@ -323,6 +362,7 @@ class Schedule:
         raw["optimizer"] = self.optimizer.to_config()
         raw["data"] = self.data.to_config()
         raw["machine"] = self.machine.to_config()
+        raw["placement"] = {state: p.to_config() for state, p in self.placement.items()}
         for key in ("freeze", "eval"):      # only where set, so other schedules keep their graph digest
             if not getattr(self, key):
                 del raw[key]

@@ -606,7 +606,7 @@ def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:
     for placement in schedule.placement.values():
         if placement.tier == "nvme":
             shape.update(block=placement.block_bytes, depth=placement.queue_depth)
-            folder = placement.path
+            folder = placement.paths[0]     # one drive's rate: the planner adds up distinct drives
     if folder and not os.path.isdir(folder):
         try:
             os.makedirs(folder, exist_ok=True)

@@ -118,7 +118,7 @@ checkpoint every 10 steps -> "ckpt" keep 3
     assert s.placement["optimizer"].tier == "cpu" and s.placement["optimizer"].ratio == 0.5
     assert not s.placement["optimizer"].pinned
     p = s.placement["parameters"]
-    assert (p.tier, p.path, p.block_bytes, p.queue_depth) == ("nvme", "/tmp/zs", 1 << 20, 16)
+    assert (p.tier, p.paths, p.block_bytes, p.queue_depth) == ("nvme", ("/tmp/zs",), 1 << 20, 16)
     assert s.bucket_bytes == 64 << 20
     assert s.persist_below == 1024 // 2          # bytes of bf16 -> parameters
     assert s.memory == {"device": 80 << 30, "host": 1_500_000_000_000, "nvme": 1 << 40}

@@ -11,10 +11,10 @@ import random
 import pytest
 
 from zdsl.compile import residency
-from zdsl.compile.instantiate import _Builder
 from zdsl.compile.lower import lower_policies
 from zdsl.compile.residency import Gap
 from zdsl.compile.residency import Room
+from zdsl.compile.step_graph import build_step
 from zdsl.compile.units import gpt_units
 from zdsl.compile.verify import verify
 from zdsl.driver import compile_schedule
@@ -30,11 +30,11 @@ MiB = 1 << 20
 
 def schedule(budget: int | None = None, clip=None, accumulate: int = 1, optimizer: str = "nvme",
              prefetch: int = 1) -> Schedule:
-    nvme = Placement("nvme", path="/tmp/zdsl-residency")
+    nvme = Placement("nvme", paths=("/tmp/zdsl-residency",))
     s = Schedule(name="t", file="t.zs", ranks=1, stage=3, prefetch=prefetch,
                  train=TrainSpec(batch=2, accumulate=accumulate, precision="bf16"),
                  optimizer=OptimizerSpec(clip=clip),
-                 placement={"parameters": nvme, "optimizer": Placement(optimizer, path=nvme.path)})
+                 placement={"parameters": nvme, "optimizer": Placement(optimizer, paths=nvme.paths)})
     if budget is not None:
         s.memory = {"host": budget}
     return s
@@ -42,7 +42,7 @@ def schedule(budget: int | None = None, clip=None, accumulate: int = 1, optimize
 
 def today(s: Schedule):
     """The graph without residency: the builder alone."""
-    return _Builder(s, UNITS).build(lower_policies(s, UNITS))
+    return build_step(s, UNITS, lower_policies(s, UNITS)).graph
 
 
 def nvme_bytes(graph, kind: str) -> int:

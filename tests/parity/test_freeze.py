@@ -48,7 +48,7 @@ def make_schedule(world: int, stage: int, freeze: tuple[str, ...], clip=None, of
                  ranks=world, stage=stage, freeze=freeze, bucket_bytes=bucket_bytes)
     for state, tier in (offload or {}).items():
         path = os.path.join(tempfile.gettempdir(), "zdsl-freeze-nvme") if tier == "nvme" else None
-        s.placement[state] = Placement(tier=tier, path=path, block_bytes=1 << 16, queue_depth=4)
+        s.placement[state] = Placement(tier=tier, paths=(path,) if path else (), block_bytes=1 << 16, queue_depth=4)
     return s
 
 

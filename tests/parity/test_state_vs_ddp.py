@@ -52,7 +52,7 @@ def make_schedule(world: int, stage: int, accumulate: int = 1, precision: str = 
                  ranks=world, stage=stage, recompute=set(recompute), bucket_bytes=bucket_bytes)
     for state, tier in (offload or {}).items():
         path = os.path.join(tempfile.gettempdir(), "zdsl-parity-nvme") if tier == "nvme" else None
-        s.placement[state] = Placement(tier=tier, path=path, block_bytes=1 << 16, queue_depth=4)
+        s.placement[state] = Placement(tier=tier, paths=(path,) if path else (), block_bytes=1 << 16, queue_depth=4)
     return s
 
 

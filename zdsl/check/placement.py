@@ -9,6 +9,8 @@ of :class:`zdsl.check.checker.Checker`: each method reads one statement into
 """
 from __future__ import annotations
 
+import os
+
 from zdsl.lang import ast
 from zdsl.lang.errors import did_you_mean
 from zdsl.schedule import ALL_OVERLAPS
@@ -87,8 +89,8 @@ class PlacementChecks:
                 self.r.error(target.span, "nvme needs a folder for its swap files",
                              hint=f'offload {state} -> nvme("/tmp/zdsl_swap")')
                 return
-            p.path = self.r.string(positional[0].value, "the nvme folder")
-            positional = positional[1:]
+            p.paths = self._nvme_folders(positional)
+            positional = []
         for extra in positional:
             self.r.error(extra.span, f"{tier} takes key=value options here")
         allowed = {"cpu": ("pinned", "ratio"), "nvme": ("pinned", "ratio", "block", "depth"),
@@ -120,6 +122,24 @@ class PlacementChecks:
             return
         self._offload_rules(st, state, tier)
         self.s.placement[state] = p
+
+    def _nvme_folders(self, args: list) -> tuple[str, ...]:
+        """``nvme("A", "B", ...)``'s folders: one or more strings, each named once (several: every
+        swap file's blocks are striped over them, as RAID-0 over the drives)."""
+        folders: list[str] = []
+        where: dict[str, Span] = {}
+        for arg in args:
+            folder = self.r.string(arg.value, "an nvme folder")
+            if folder is None:
+                continue
+            key = os.path.normpath(folder)
+            if key in where:
+                self.r.error(arg.value.span, f"the folder {folder!r} is named twice in this nvme(...)",
+                             hint=f"the first is at {_where(where[key])}; name each drive's folder once")
+                continue
+            where[key] = arg.value.span
+            folders.append(folder)
+        return tuple(folders)
 
     def _offload_rules(self, st: ast.OffloadStmt, state: str, tier: str) -> None:
         stage = self.s.stage

@@ -240,7 +240,7 @@ def _placement(p: Placement) -> str:
             items.append(("block", _Raw(format_size(p.block_bytes))))
         if p.queue_depth != base.queue_depth:
             items.append(("depth", p.queue_depth))
-        inner = ", ".join([string_text(p.path or "")] + ([_kwargs(items)] if items else []))
+        inner = ", ".join([string_text(folder) for folder in p.paths] + ([_kwargs(items)] if items else []))
         return f"nvme({inner})"
     return p.tier + (f"({_kwargs(items)})" if items else "")
 
