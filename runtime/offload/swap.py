@@ -1,8 +1,10 @@
 """The NVMe tier: named tensors swapped to files with direct, verified, parallel I/O.
 
-- One file per buffer name, opened with ``O_DIRECT`` (runtime/io/directio.py): the page cache
-  would double the host memory used and evict what training needs. Where a filesystem refuses
-  ``O_DIRECT`` (tmpfs), buffered I/O is used and a warning is logged once.
+- One file per buffer name and swap folder, opened with ``O_DIRECT`` (runtime/io/directio.py): the
+  page cache would double the host memory used and evict what training needs. Where a filesystem
+  refuses ``O_DIRECT`` (tmpfs), buffered I/O is used and a warning is logged once.
+- Over several folders (one per drive) a buffer's blocks are striped over its files, block ``i``
+  in folder ``i mod n`` (``runtime/offload/stripes.py``): the drives work at once, as RAID-0.
 - A transfer is cut into ``block_bytes`` requests (positional writes and reads at the block's
   offset) issued by at most ``queue_depth`` concurrent system calls: an NVMe device needs several
   requests in flight to reach its bandwidth. Each worker thread takes the next block until none
@@ -17,12 +19,10 @@
   block is kept in memory and checked on read, a full disk is reported with the path, the bytes
   needed and the bytes free (checked before a file is first sized, and on ``ENOSPC``); every
   failure is a :class:`SwapError` naming the file and block.
-- Each run owns a subfolder ``run-<pid>-<token>`` (mode 0700) holding a lock file with its pid,
-  locked with ``flock`` for the run's lifetime. A run killed without cleanup leaves its folder
-  behind; the next Swapper on the same folder sees the lock is no longer held (its pid is dead),
-  removes the folder and logs it. ``close()`` (also via ``with``, and at interpreter exit)
-  removes the run folder, and the swap folder too when this Swapper created it and nothing else
-  is in it (never a folder that was there before, never a file it did not write).
+- Each run owns a private run folder in each swap folder, cleaned up by the next run when its
+  owner died (``runtime/offload/run_folder.py``). ``close()`` (also via ``with``, and at
+  interpreter exit) removes them, and a swap folder too when this Swapper created it and nothing
+  else is in it (never a folder that was there before, never a file it did not write).
 
 Measurements behind these choices: benchmarks/README.md (NVMe swap).
 """
@@ -30,21 +30,15 @@ Measurements behind these choices: benchmarks/README.md (NVMe swap).
 from __future__ import annotations
 
 import errno
-import fcntl
 import itertools
 import os
-import secrets
-import shutil
-import socket
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
-import structlog
 import torch
 import trio
 
@@ -52,153 +46,27 @@ from zdsl.runtime.exec.host_access import host_access
 from zdsl.runtime.io import checksum
 from zdsl.runtime.io.aligned import ALIGN, HUGE_PAGE, AlignedPool, is_aligned, round_up
 from zdsl.runtime.io.directio import TruncatedFile, open_direct, pread_full, pwrite_all
+from zdsl.runtime.offload.run_folder import LOCK_NAME  # noqa: F401 - part of this module's interface
+from zdsl.runtime.offload.run_folder import RUN_PREFIX  # noqa: F401
+from zdsl.runtime.offload.run_folder import RunFolder
+from zdsl.runtime.offload.run_folder import SwapError
+from zdsl.runtime.offload.run_folder import free_bytes as _free_bytes
+from zdsl.runtime.offload.run_folder import log
+from zdsl.runtime.offload.run_folder import remove_stale_runs  # noqa: F401
+from zdsl.runtime.offload.stripes import Stripe
+from zdsl.runtime.offload.stripes import SwapFile as _SwapFile
+from zdsl.runtime.offload.stripes import stripe_bytes
+from zdsl.schedule import NVME_BLOCK
+from zdsl.schedule import NVME_DEPTH
 
-log = structlog.get_logger("zdsl.runtime.offload.swap")
-
-LOCK_NAME = "owner.lock"
-RUN_PREFIX = "run-"
 SMALL_PER_WORKER = 1 << 20   # bytes a transfer needs per worker thread (see Swapper._workers_for)
-
-
-class SwapError(RuntimeError):
-    """An NVMe swap operation failed; the message names the file and the cause."""
-
-
-# ----------------------------------------------------------------------------
-# run folder: creation, ownership lock, stale-run cleanup
-# ----------------------------------------------------------------------------
-
-
-def _free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _read_owner(lock_path: Path) -> tuple[int, str] | None:
-    try:
-        pid_text, host = lock_path.read_text().split()[:2]
-        return int(pid_text), host
-    except (OSError, ValueError):
-        return None
-
-
-def _owner_is_dead(lock_path: Path, pid: int) -> bool:
-    """A run is dead if nobody holds its lock (the kernel drops it when the
-    process dies, whatever the pid is reused for). Where ``flock`` is not
-    supported, fall back to asking whether the pid is alive."""
-    try:
-        fd = os.open(lock_path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return not _pid_alive(pid)
-    finally:
-        os.close(fd)  # also releases the lock we may have taken
-    return True
-
-
-def remove_stale_runs(folder: Path) -> list[Path]:
-    """Delete run folders under ``folder`` left by dead runs on this host; return them."""
-    removed = []
-    host = socket.gethostname()
-    try:
-        entries = list(folder.iterdir())
-    except OSError:
-        return removed
-    for run in entries:
-        if not run.name.startswith(RUN_PREFIX) or not run.is_dir():
-            continue
-        owner = _read_owner(run / LOCK_NAME)
-        if owner is None:
-            continue  # not ours to judge: no readable lock file
-        pid, owner_host = owner
-        if owner_host != host or not _owner_is_dead(run / LOCK_NAME, pid):
-            continue
-        size = sum(f.stat().st_size for f in run.iterdir() if f.is_file())
-        shutil.rmtree(run, ignore_errors=True)
-        log.warning("swap.stale_run_removed", path=str(run), dead_pid=pid, bytes=size)
-        removed.append(run)
-    return removed
-
-
-def _make_private_dirs(folder: Path) -> bool:
-    """Create ``folder`` and any missing parents with mode 0700; whether this call created ``folder``.
-
-    Folders that already exist keep their mode (the user may have pointed us
-    at a shared scratch root); every run folder inside is 0700 regardless.
-    Another rank creating the same folder at the same moment is fine.
-    """
-    missing = []
-    path = folder
-    while not path.exists():
-        missing.append(path)
-        path = path.parent
-    created = False
-    for path in reversed(missing):
-        try:
-            path.mkdir(mode=0o700)
-        except FileExistsError:
-            continue
-        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
-        created = path == folder
-    return created
-
-
-def _create_run_folder(folder: Path) -> tuple[Path, int]:
-    """Make ``folder/run-<pid>-<token>`` (0700) holding a locked lock file.
-
-    Built under a hidden name and renamed, so another process scanning for
-    stale runs never sees a run folder without its held lock.
-    """
-    token = secrets.token_hex(4)
-    staging = folder / f".creating-{os.getpid()}-{token}"
-    staging.mkdir(mode=0o700)
-    os.chmod(staging, 0o700)
-    lock_fd = os.open(staging / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        pass  # no flock here: staleness falls back to the pid check
-    os.write(lock_fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-    run = folder / f"{RUN_PREFIX}{os.getpid()}-{token}"
-    os.rename(staging, run)
-    return run, lock_fd
-
-
-@dataclass
-class _SwapFile:
-    """One buffer's file: how it is opened, how large it is, and its block checksums."""
-
-    path: Path
-    fd: int
-    direct: bool
-    nbytes: int = 0  # logical size of the tensor last written
-    file_bytes: int = 0  # size reserved on disk (padded to 4 KiB)
-    crcs: list[int | None] = field(default_factory=list)
-    complete: bool = False  # False from the start of a write until all its blocks are on disk
 
 
 class _RunState:
     """What cleanup needs, kept apart from the Swapper so a finalizer can hold it."""
 
-    def __init__(self, run_dir: Path, lock_fd: int, made_folder: bool = False):
-        self.run_dir = run_dir
-        self.lock_fd = lock_fd
-        self.made_folder = made_folder  # the swap folder did not exist: it goes too, if left empty
+    def __init__(self, runs: list[RunFolder]):
+        self.runs = runs                  # one per swap folder, in the folders' order
         self.owner_pid = os.getpid()
         self.files: dict[str, _SwapFile] = {}
         self.closed = False
@@ -208,23 +76,29 @@ class _RunState:
             return
         self.closed = True
         if os.getpid() != self.owner_pid:
-            return  # a forked child exiting: the run (and its folder) belongs to the parent
+            return  # a forked child exiting: the run (and its folders) belongs to the parent
         for f in self.files.values():
-            try:
-                os.close(f.fd)
-            except OSError:
-                pass
+            for stripe in f.stripes:
+                try:
+                    os.close(stripe.fd)
+                except OSError:
+                    pass
         self.files.clear()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        try:
-            os.close(self.lock_fd)
-        except OSError:
-            pass
-        if self.made_folder:
-            try:
-                os.rmdir(self.run_dir.parent)  # only if empty: another run's folder or a user's file keeps it
-            except OSError:
-                pass
+        for run in self.runs:
+            run.remove()
+
+
+def _open_runs(folders: Sequence[Path]) -> list[RunFolder]:
+    """A run folder in each swap folder; none left behind if one of them cannot be had."""
+    runs: list[RunFolder] = []
+    try:
+        for folder in folders:
+            runs.append(RunFolder.open(folder))
+    except BaseException:
+        for run in runs:
+            run.remove()
+        raise
+    return runs
 
 
 # ----------------------------------------------------------------------------
@@ -241,20 +115,20 @@ def _byte_view(tensor: torch.Tensor, what: str) -> torch.Tensor:
 
 
 class Swapper:
-    """Swap named tensors to files under ``folder``.
+    """Swap named tensors to files under ``folders`` (one folder, or several to stripe over).
 
     ``await write(name, tensor)`` / ``await read(name, out)`` run in trio;
     ``write_sync`` / ``read_sync`` do the same from plain threads. A name
-    may be rewritten with a tensor of another size (its file is resized).
+    may be rewritten with a tensor of another size (its files are resized).
     ``verify=False`` skips the per-block checksum (CRC-32C, see runtime/io/checksum.py:
     it costs well under the disk's time, so it is on by default).
     """
 
     def __init__(
         self,
-        folder: str | os.PathLike,
-        block_bytes: int = 1 << 20,
-        queue_depth: int = 8,
+        folders: str | os.PathLike | Sequence[str | os.PathLike],
+        block_bytes: int = NVME_BLOCK,
+        queue_depth: int = NVME_DEPTH,
         *,
         verify: bool = True,
         pin: bool | None = None,
@@ -263,25 +137,15 @@ class Swapper:
             raise SwapError(f"swap: block size must be a positive multiple of {ALIGN} bytes, got {block_bytes}")
         if queue_depth <= 0:
             raise SwapError(f"swap: queue depth must be positive, got {queue_depth}")
-        self.folder = Path(folder).absolute()
+        one = isinstance(folders, (str, os.PathLike))
+        self.folders = tuple(Path(f).absolute() for f in ([folders] if one else folders))
+        if not self.folders or len(set(self.folders)) != len(self.folders):
+            raise SwapError(f"swap: needs one or more distinct folders, got {[str(f) for f in self.folders]}")
         self.block_bytes = block_bytes
         self.queue_depth = queue_depth
         self.verify = verify
         self._checksum = checksum.DEFAULT
-        made = False
-        for attempt in range(3):
-            try:
-                made = _make_private_dirs(self.folder) or made
-                remove_stale_runs(self.folder)
-                run_dir, lock_fd = _create_run_folder(self.folder)
-                break
-            except FileNotFoundError:
-                if attempt == 2:  # else: a run closing as we started removed the folder it had made
-                    raise SwapError(f"swap folder {self.folder}: it keeps disappearing while being created") \
-                        from None
-            except OSError as e:
-                raise SwapError(f"swap folder {self.folder}: cannot create it: {e.strerror or e}") from e
-        self._state = _RunState(run_dir, lock_fd, made)
+        self._state = _RunState(_open_runs(self.folders))
         self._finalizer = weakref.finalize(self, _RunState.close, self._state)
         # workers beyond the queue depth checksum while queue_depth requests stay in flight
         self.workers = queue_depth + (-(-queue_depth // 4) if verify else 0)
@@ -294,20 +158,29 @@ class Swapper:
         self._opened = 0
         self.bytes_written = 0
         self.bytes_read = 0
-        log.debug("swap.open", run_dir=str(run_dir), block_bytes=block_bytes, queue_depth=queue_depth)
+        log.debug("swap.open", run_dirs=[str(d) for d in self.run_dirs], block_bytes=block_bytes,
+                  queue_depth=queue_depth)
 
     # -- lifetime -------------------------------------------------------------
 
     @property
+    def run_dirs(self) -> list[Path]:
+        """This run's folder in each swap folder, in the folders' order."""
+        return [run.run_dir for run in self._state.runs]
+
+    @property
     def run_dir(self) -> Path:
-        return self._state.run_dir
+        """The run folder of a swapper over one folder (:attr:`run_dirs` for several)."""
+        if len(self.folders) != 1:
+            raise SwapError(f"swap: {len(self.folders)} folders have a run folder each (run_dirs)")
+        return self.run_dirs[0]
 
     @property
     def closed(self) -> bool:
         return self._state.closed
 
     def close(self) -> None:
-        """Close every file and remove the run folder (and the folder, if this Swapper made it and it
+        """Close every file and remove the run folders (and a folder, if this Swapper made it and it
         is empty). Idempotent."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
@@ -329,11 +202,17 @@ class Swapper:
         """Logical bytes of the tensor last written under ``name``."""
         return self._file(name, "nbytes").nbytes
 
-    def path(self, name: str) -> Path:
-        return self._file(name, "path").path
+    def path(self, name: str, block: int = 0) -> Path:
+        """The file holding block ``block`` of ``name``."""
+        f = self._file(name, "path")
+        return f.locate(block, self.block_bytes)[0].path
+
+    def paths(self, name: str) -> list[Path]:
+        """``name``'s files, one per folder in the folders' order."""
+        return [s.path for s in self._file(name, "paths").stripes]
 
     def direct(self, name: str) -> bool:
-        """Whether ``name``'s file does direct I/O (False where O_DIRECT was refused)."""
+        """Whether ``name``'s files do direct I/O (False where O_DIRECT was refused)."""
         return self._file(name, "direct").direct
 
     def _file(self, name: str, what: str) -> _SwapFile:
@@ -342,7 +221,8 @@ class Swapper:
         try:
             return self._state.files[name]
         except KeyError:
-            raise SwapError(f"swap {what} {name!r}: nothing was written under this name in {self.run_dir}") from None
+            where = ", ".join(str(d) for d in self.run_dirs)
+            raise SwapError(f"swap {what} {name!r}: nothing was written under this name in {where}") from None
 
     def _open(self, name: str) -> _SwapFile:
         if self._state.closed:
@@ -352,7 +232,20 @@ class Swapper:
             return f
         safe = "".join(c if c.isalnum() or c in "._-@[]" else "_" for c in name)
         self._opened += 1  # a counter, not len(files): names stay unique after discard()
-        path = self.run_dir / f"{safe}-{self._opened - 1}.swap"
+        stripes: list[Stripe] = []
+        try:
+            for run_dir in self.run_dirs:
+                stripes.append(self._open_stripe(run_dir / f"{safe}-{self._opened - 1}.swap"))
+        except SwapError:
+            for stripe in stripes:
+                os.close(stripe.fd)
+                stripe.path.unlink(missing_ok=True)
+            raise
+        f = _SwapFile(stripes)
+        self._state.files[name] = f
+        return f
+
+    def _open_stripe(self, path: Path) -> Stripe:
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
         try:
             fd, direct = open_direct(path, flags, 0o600)
@@ -362,62 +255,77 @@ class Swapper:
             if not self._warned_buffered:
                 self._warned_buffered = True
                 log.warning("swap.buffered_io", path=str(path), reason="O_DIRECT refused by this filesystem")
-        f = _SwapFile(path, fd, direct)
-        self._state.files[name] = f
-        return f
+        return Stripe(path, fd, direct)
 
     def _size(self, f: _SwapFile, nbytes: int) -> None:
         """Give ``f`` room for ``nbytes``: preflight free space, then reserve it on disk."""
-        file_bytes = round_up(nbytes)
-        if file_bytes > f.file_bytes:
-            grow = file_bytes - f.file_bytes
-            free = _free_bytes(self.run_dir)
-            if grow > free:
-                raise SwapError(
-                    f"swap file {f.path}: disk full: needs {grow} more bytes "
-                    f"({file_bytes} in all), {free} bytes free on {self.folder}"
-                )
-            try:
-                os.posix_fallocate(f.fd, f.file_bytes, grow)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise SwapError(
-                        f"swap file {f.path}: disk full: needs {grow} more bytes, "
-                        f"{_free_bytes(self.run_dir)} bytes free on {self.folder}"
-                    ) from e
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise SwapError(f"swap file {f.path}: cannot size to {file_bytes} bytes: {e.strerror}") from e
-        elif file_bytes < f.file_bytes:
-            os.ftruncate(f.fd, file_bytes)
-        f.file_bytes = file_bytes
+        for stripe, file_bytes in zip(f.stripes, stripe_bytes(nbytes, self.block_bytes, len(f.stripes))):
+            self._size_stripe(stripe, file_bytes)
         f.nbytes = nbytes
         f.crcs = [None] * ((nbytes + self.block_bytes - 1) // self.block_bytes)
         f.complete = False
 
+    def _size_stripe(self, stripe: Stripe, file_bytes: int) -> None:
+        folder = stripe.path.parent.parent
+        if file_bytes > stripe.file_bytes:
+            grow = file_bytes - stripe.file_bytes
+            free = _free_bytes(stripe.path.parent)
+            if grow > free:
+                raise SwapError(
+                    f"swap file {stripe.path}: disk full: needs {grow} more bytes "
+                    f"({file_bytes} in all), {free} bytes free on {folder}"
+                )
+            try:
+                os.posix_fallocate(stripe.fd, stripe.file_bytes, grow)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise SwapError(
+                        f"swap file {stripe.path}: disk full: needs {grow} more bytes, "
+                        f"{_free_bytes(stripe.path.parent)} bytes free on {folder}"
+                    ) from e
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise SwapError(f"swap file {stripe.path}: cannot size to {file_bytes} bytes: {e.strerror}") \
+                        from e
+        elif file_bytes < stripe.file_bytes:
+            os.ftruncate(stripe.fd, file_bytes)
+        stripe.file_bytes = file_bytes
+
     def reserve(self, sizes: Mapping[str, int]) -> None:
         """Size the files for ``sizes`` (name -> bytes) now, so a disk too small
-        for all of them fails before training starts, not in the middle."""
-        files = self._state.files
-        total = sum(round_up(n) - (files[k].file_bytes if k in files else 0) for k, n in sizes.items())
-        free = _free_bytes(self.run_dir)
-        if total > free:
-            raise SwapError(f"swap folder {self.folder}: disk full: needs {total} bytes, {free} bytes free")
-        for name, n in sizes.items():
+        for all of them fails before training starts, not in the middle. Folders on one
+        filesystem share its free space, so the check adds their needs up."""
+        files, n = self._state.files, len(self.folders)
+        needs = [0] * n
+        for name, nbytes in sizes.items():
+            have = [s.file_bytes for s in files[name].stripes] if name in files else [0] * n
+            for k, size in enumerate(stripe_bytes(nbytes, self.block_bytes, n)):
+                needs[k] += size - have[k]
+        by_device: dict[int, list[int]] = {}
+        for k, run_dir in enumerate(self.run_dirs):
+            by_device.setdefault(os.stat(run_dir).st_dev, []).append(k)
+        for group in by_device.values():
+            total, free = sum(needs[k] for k in group), _free_bytes(self.run_dirs[group[0]])
+            if total > free:
+                where = " and ".join(str(self.folders[k]) for k in group)
+                raise SwapError(f"swap folder {where}: disk full: needs {total} bytes, {free} bytes free")
+        for name, nbytes in sizes.items():
             f = self._open(name)
-            if f.nbytes != n or not f.crcs:
-                self._size(f, n)
+            if f.nbytes != nbytes or not f.crcs:
+                self._size(f, nbytes)
 
     def discard(self, name: str) -> None:
-        """Forget ``name`` and delete its file."""
+        """Forget ``name`` and delete its files."""
         f = self._state.files.pop(name, None)
         if f is not None:
-            os.close(f.fd)
-            f.path.unlink(missing_ok=True)
+            for stripe in f.stripes:
+                os.close(stripe.fd)
+                stripe.path.unlink(missing_ok=True)
 
     # -- per-block work (runs in worker threads) ----------------------------------
 
     def _block(self, f: _SwapFile, index: int) -> tuple[int, int, int]:
-        """Block ``index`` of ``f``: its offset, its bytes, and those rounded up to whole O_DIRECT blocks."""
+        """Block ``index`` of ``f``: its offset in the tensor, its bytes, and those rounded up to whole
+        O_DIRECT blocks."""
         off = index * self.block_bytes
         n = min(self.block_bytes, f.nbytes - off)
         return off, n, round_up(n)
@@ -425,12 +333,13 @@ class Swapper:
     def _write_block(self, t: "_Transfer", index: int) -> None:
         f = t.file
         off, n, padded = self._block(f, index)
+        stripe, at = f.locate(index, self.block_bytes)
         try:
             if n == padded and t.zero_copy:  # straight from the caller's memory
                 view = t.view[off : off + n]
                 if self.verify:
                     f.crcs[index] = self._checksum(view)
-                self._pwrite_all(f, view, off, index)
+                self._pwrite_all(stripe, view, at, index)
                 return
             with self.pool.buffer() as stage:
                 _copy(stage[:n], t.data[off : off + n])
@@ -439,72 +348,76 @@ class Swapper:
                 block = stage[:padded]
                 if self.verify:
                     f.crcs[index] = self._checksum(memoryview(block.numpy()))
-                self._pwrite_all(f, memoryview(block.numpy()), off, index)
+                self._pwrite_all(stripe, memoryview(block.numpy()), at, index)
         except SwapError:
             raise
         except Exception as e:  # noqa: BLE001 - reported with file and block
-            raise SwapError(f"swap file {f.path}: writing block {index} failed: {e}") from e
+            raise SwapError(f"swap file {stripe.path}: writing block {index} failed: {e}") from e
 
-    def _pwrite_all(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
+    def _pwrite_all(self, stripe: Stripe, view: memoryview, at: int, index: int) -> None:
         with self._requests:
-            self._pwrite_unlimited(f, view, off, index)
+            self._pwrite_unlimited(stripe, view, at, index)
 
-    def _pwrite_unlimited(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
+    def _pwrite_unlimited(self, stripe: Stripe, view: memoryview, at: int, index: int) -> None:
         try:
-            pwrite_all(f.fd, view, off)
+            pwrite_all(stripe.fd, view, at)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise SwapError(
-                    f"swap file {f.path}: disk full writing block {index}: needs {len(view)} more bytes "
-                    f"({f.file_bytes} for the file), {_free_bytes(self.run_dir)} bytes free on {self.folder}"
+                    f"swap file {stripe.path}: disk full writing block {index}: needs {len(view)} more bytes "
+                    f"({stripe.file_bytes} for the file), {_free_bytes(stripe.path.parent)} bytes free on "
+                    f"{stripe.path.parent.parent}"
                 ) from e
-            raise SwapError(f"swap file {f.path}: writing block {index} at offset {off} failed: {e.strerror}"
-                            f"{_direct_hint(f, e)}") from e
+            raise SwapError(f"swap file {stripe.path}: writing block {index} at offset {at} failed: {e.strerror}"
+                            f"{_direct_hint(stripe, e)}") from e
 
     def _read_block(self, t: "_Transfer", index: int) -> None:
         f = t.file
         off, n, padded = self._block(f, index)
+        stripe, at = f.locate(index, self.block_bytes)
         try:
             if n == padded and t.zero_copy:  # straight into the caller's memory
                 view = t.view[off : off + n]
-                self._pread_all(f, view, off, index)
-                self._check(f, view, index)
+                self._pread_all(stripe, view, at, index)
+                self._check(f, stripe, view, index)
                 return
             with self.pool.buffer() as stage:
                 view = memoryview(stage[:padded].numpy())
-                self._pread_all(f, view, off, index)
-                self._check(f, view, index)
+                self._pread_all(stripe, view, at, index)
+                self._check(f, stripe, view, index)
                 _copy(t.data[off : off + n], stage[:n])
         except SwapError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise SwapError(f"swap file {f.path}: reading block {index} failed: {e}") from e
+            raise SwapError(f"swap file {stripe.path}: reading block {index} failed: {e}") from e
 
-    def _pread_all(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
+    def _pread_all(self, stripe: Stripe, view: memoryview, at: int, index: int) -> None:
         with self._requests:
-            self._pread_unlimited(f, view, off, index)
+            self._pread_unlimited(stripe, view, at, index)
 
-    def _pread_unlimited(self, f: _SwapFile, view: memoryview, off: int, index: int) -> None:
+    def _pread_unlimited(self, stripe: Stripe, view: memoryview, at: int, index: int) -> None:
         try:
-            pread_full(f.fd, view, off, direct=f.direct)
+            pread_full(stripe.fd, view, at, direct=stripe.direct)
         except TruncatedFile as e:
-            raise SwapError(f"swap file {f.path}: block {index} is truncated (end of file at offset {e.pos})") \
+            raise SwapError(f"swap file {stripe.path}: block {index} is truncated (end of file at offset {e.pos})") \
                 from None
         except OSError as e:
-            raise SwapError(f"swap file {f.path}: reading block {index} at offset {off} failed: {e.strerror}"
-                            f"{_direct_hint(f, e)}") from e
+            raise SwapError(f"swap file {stripe.path}: reading block {index} at offset {at} failed: {e.strerror}"
+                            f"{_direct_hint(stripe, e)}") from e
 
-    def _check(self, f: _SwapFile, view: memoryview, index: int) -> None:
+    def _check(self, f: _SwapFile, stripe: Stripe, view: memoryview, index: int) -> None:
         if not self.verify:
             return
         expected = f.crcs[index]
         if expected is None:
-            raise SwapError(f"swap file {f.path}: block {index} has no checksum (its write did not complete)")
+            raise SwapError(f"swap file {stripe.path}: block {index} has no checksum (its write did not complete)")
         got = self._checksum(view)
         if got != expected:
+            at = f.locate(index, self.block_bytes)[1]
             raise SwapError(
-                f"swap file {f.path}: checksum mismatch in block {index} "
-                f"(bytes {index * self.block_bytes}..{index * self.block_bytes + len(view)}): "
+                f"swap file {stripe.path}: checksum mismatch in block {index} "
+                f"(bytes {index * self.block_bytes}..{index * self.block_bytes + len(view)}"
+                f"{f', at offset {at} of this file' if len(f.stripes) > 1 else ''}): "
                 f"stored {self._checksum.algo} {expected:x}, read {got:x}; the data on disk is corrupt"
             )
 
@@ -522,13 +435,14 @@ class Swapper:
         if not f.complete:
             raise SwapError(
                 f"swap read {name!r}: no complete write of it (the last write did not complete, "
-                f"or the name was only reserved) ({f.path})"
+                f"or the name was only reserved) ({', '.join(str(s.path) for s in f.stripes)})"
             )
         host_access(writes=(out,))
         dst = _byte_view(out, f"read {name!r}")
         if dst.numel() != f.nbytes:
             raise SwapError(
-                f"swap read {name!r}: the output has {dst.numel()} bytes but {f.nbytes} were written ({f.path})"
+                f"swap read {name!r}: the output has {dst.numel()} bytes but {f.nbytes} were written "
+                f"({', '.join(str(s.path) for s in f.stripes)})"
             )
         return _Transfer(f, dst)
 
@@ -655,8 +569,8 @@ class _BlockQueue:
         self._stopped = True
 
 
-def _direct_hint(f: _SwapFile, error: OSError) -> str:
-    if f.direct and error.errno == errno.EINVAL:
+def _direct_hint(stripe: Stripe, error: OSError) -> str:
+    if stripe.direct and error.errno == errno.EINVAL:
         return (" (the filesystem accepted O_DIRECT but refused 4 KiB-aligned I/O: its block size may be"
                 " larger; put the swap folder on a local disk)")
     return ""
