@@ -167,7 +167,7 @@ class RankState:
             if buf.tier == "nvme":
                 value = torch.empty(table.numel(buf), dtype=table.dtype_of(buf))
                 self._fill_initial(buf, value)
-                self.transfers.swapper.write_sync(name, value)
+                self.transfers.swapper_of(name).write_sync(name, value)
                 slot.live = True
                 self.meter.hold(name, "nvme", buf.kind, table.category(buf), value.numel() * value.element_size())
                 continue
@@ -259,9 +259,9 @@ class RankState:
 
     # -- NVMe ---------------------------------------------------------------------------------
     @property
-    def opened_swapper(self):
-        """The NVMe swapper if this rank has opened one, else None (never opens one)."""
-        return self.transfers.opened_swapper
+    def opened_swappers(self) -> list:
+        """The NVMe swappers this rank has opened, one per distinct placement (never opens one)."""
+        return self.transfers.opened_swappers
 
     def close_swap(self) -> None:
         """Remove this rank's NVMe swap files, if it opened any."""

@@ -5,8 +5,10 @@ stream and done when the op's event is (``runtime/exec/streams.py`` makes the ho
 event wherever host code uses the buffer next). A pageable host buffer is copied synchronously
 (from pageable memory CUDA stages the copy anyway, and an asynchronous copy into it is unsafe).
 
-The NVMe swapper (``runtime/offload/swap.py``) is opened on first use from the schedule's
-placement, one folder per rank; :meth:`Transfers.close_swap` removes its files.
+NVMe buffers go through a swapper (``runtime/offload/swap.py``) per placement: each state's buffers
+to the swapper of that state's ``nvme(...)`` folders, block and depth (states placed alike share
+one), opened on first use, a ``rank<N>`` folder in each of its folders;
+:meth:`Transfers.close_swap` removes their files.
 """
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ import os
 
 import torch
 
+from zdsl.ir import BUFFER_KINDS
 from zdsl.ir import Op
+from zdsl.ir import parse_buffer_name
 from zdsl.runtime.state.buffers import BufferTable
 from zdsl.runtime.state.buffers import Slot
 from zdsl.runtime.state.errors import StateError
+from zdsl.schedule import nvme_placements
 
 
 class Transfers:
@@ -26,36 +31,46 @@ class Transfers:
     def __init__(self, table: BufferTable, config: dict):
         self.table = table
         self.config = config
-        self._swapper = None
+        self._places = nvme_placements(config)
+        self._swappers: dict[tuple, object] = {}      # Placement.swap_key -> its Swapper
 
-    @property
-    def swapper(self):
-        """The NVMe swapper, opened on first use."""
-        if self._swapper is None:
-            rank = self.table.rank
-            places = [p for p in (self.config.get("placement") or {}).values() if p.get("tier") == "nvme"]
-            if not places or not places[0].get("path"):
-                raise StateError(f"rank {rank}: the graph uses nvme but no nvme folder is configured")
+    def swapper_of(self, name: str):
+        """The NVMe swapper of buffer ``name``: its state's placement's, opened on first use."""
+        rank = self.table.rank
+        state = BUFFER_KINDS.get(parse_buffer_name(name)[0])
+        place = self._places.get(state)
+        if place is None or not place.paths:
+            raise StateError(f"rank {rank}: {name} is on nvme but no nvme folder is configured for "
+                             f"{state or 'its state'}")
+        swapper = self._swappers.get(place.swap_key)
+        if swapper is None:
             try:
                 from zdsl.runtime.offload.swap import Swapper
             except ImportError as exc:
                 raise StateError(f"rank {rank}: the nvme tier is unavailable: {exc}") from None
-            p = places[0]
-            folder = os.path.join(p["path"], f"rank{rank}")
+            folders = [os.path.join(path, f"rank{rank}") for path in place.paths]
             # its staging pool is pinned where CUDA is present, unless the placement says pinned=false
-            self._swapper = Swapper(folder, p.get("block_bytes", 1 << 20), p.get("queue_depth", 8),
-                                    pin=None if p.get("pinned", True) else False)
-        return self._swapper
+            swapper = Swapper(folders, place.block_bytes, place.queue_depth,
+                              pin=None if place.pinned else False)
+            self._swappers[place.swap_key] = swapper
+        return swapper
 
     @property
-    def opened_swapper(self):
-        """The NVMe swapper if this rank has opened one, else None (never opens one)."""
-        return self._swapper
+    def opened_swappers(self) -> list:
+        """The NVMe swappers this rank has opened (never opens one)."""
+        return list(self._swappers.values())
 
     def close_swap(self) -> None:
-        """Remove this rank's NVMe swap files, if it opened any."""
-        if self._swapper is not None:
-            self._swapper.close()
+        """Remove this rank's NVMe swap files, if it opened any (every swapper, even after one failed)."""
+        swappers, self._swappers = list(self._swappers.values()), {}
+        errors = []
+        for swapper in swappers:
+            try:
+                swapper.close()
+            except Exception as exc:  # noqa: BLE001 - the others still close; the first is raised
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     # -- whole buffers, wherever they live -----------------------------------------
     def load(self, slot: Slot) -> torch.Tensor:
@@ -63,13 +78,13 @@ class Transfers:
         if slot.buf.tier != "nvme":
             return slot.tensor
         t = torch.empty(self.table.numel(slot.buf), dtype=self.table.dtype_of(slot.buf))
-        self.swapper.read_sync(slot.buf.name, t)
+        self.swapper_of(slot.buf.name).read_sync(slot.buf.name, t)
         return t
 
     def store(self, slot: Slot, value: torch.Tensor) -> None:
         """Overwrite a live buffer's contents with ``value``."""
         if slot.buf.tier == "nvme":
-            self.swapper.write_sync(slot.buf.name, value.cpu())
+            self.swapper_of(slot.buf.name).write_sync(slot.buf.name, value.cpu())
         else:
             slot.tensor.copy_(value)
 
@@ -106,10 +121,10 @@ class Transfers:
         if op.kind == "nvme.read":
             on_disk = table.read(src_name, op)
             dst = table.write(dst_name, op)
-            self.swapper.read_sync(on_disk.buf.name, dst)
+            self.swapper_of(on_disk.buf.name).read_sync(on_disk.buf.name, dst)
         elif op.kind == "nvme.write":
             src = table.read(src_name, op).tensor
-            self.swapper.write_sync(dst_name, src)
+            self.swapper_of(dst_name).write_sync(dst_name, src)
             slot = table.slot(dst_name, op)
             slot.live = True
             table.meter.hold(dst_name, "nvme", slot.buf.kind, table.category(slot.buf),

@@ -181,5 +181,5 @@ class StateViews:
                 self.transfers.store(home, value.to(self.dtype))
                 optim_home = table.home("optim", u)
                 if flat is not None and optim_home.buf.tier == "nvme":
-                    self.transfers.swapper.write_sync(optim_home.buf.name, flat)
+                    self.transfers.swapper_of(optim_home.buf.name).write_sync(optim_home.buf.name, flat)
                 opt.restore_steps(steps)

@@ -77,10 +77,10 @@ def pinned(compiled, rank: int, world: int, device) -> dict:
         if slot.live and slot.tensor is not None and slot.tensor.device.type == "cpu":
             host[name] = host.get(name, True) and slot.tensor.is_pinned()
     result = {"host": host, "losses": losses, "pool": None}
-    swapper = state.opened_swapper
-    if swapper is not None:
+    for swapper in state.opened_swappers:
         with swapper.pool.buffer() as staging:
-            result["pool"] = swapper.pool.pinned and staging.is_pinned()
+            pinned = swapper.pool.pinned and staging.is_pinned()
+            result["pool"] = pinned if result["pool"] is None else result["pool"] and pinned
         swapper.close()
     return result
 
