@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from zdsl.ir import Buffer
 from zdsl.ir import TaskGraph
 from zdsl.ir import parse_buffer_name
-from zdsl.compile.instantiate import _Builder
+from zdsl.compile.buffers import BufferTable
+from zdsl.compile.emission import OpStream
+from zdsl.compile.finish import finish_ops
+from zdsl.compile.homes import UnitHomes
+from zdsl.compile.phases import run_phase
+from zdsl.compile.step_graph import graph_of
 from zdsl.compile.units import UnitSpec
 from zdsl.lang.sizes import human_bytes
 from zdsl.schedule import Pipeline
@@ -42,39 +46,19 @@ def eval_context(schedule: Schedule) -> int | None:
     return int(value) if value else run_context(schedule)
 
 
-class _EvalBuilder(_Builder):
-    """The training builder, asked for the forward phase of one micro-batch only."""
-
-    def persistent_names(self) -> list[str]:
-        return [self.home_param(u) for u in range(self.n_units)] + ["loss"]
-
-    def buffer(self, name: str) -> Buffer:
-        new = name not in self.buffers
-        buf = super().buffer(name)
-        if new and buf.kind == "act":      # forward only: a unit's input, nothing saved for a backward
-            buf.bytes = self.batch * self.specs[buf.unit].input_elems_per_seq * self.elem_bytes
-        return buf
-
-    def build(self, pipelines: dict[str, Pipeline]) -> TaskGraph:
-        self._persistent = set(self.persistent_names())
-        for name in self._persistent:
-            self.buffer(name)
-        self.run_phase(pipelines["forward"], "forward", 0)
-        self.apply_overlap_policy()
-        self.auto_free()
-        ops = self.finish()
-        config = self.schedule.to_config()
-        if self.extras_elems:
-            config["eval_extras"] = self.extras_elems * self.elem_bytes
-        return TaskGraph(
-            schedule=self.schedule.name, ranks=self.ranks, stage=self.schedule.stage, precision=self.precision,
-            accumulate=1, units=self.unit_infos(), buffers=self.buffers, ops=ops, config=config)
-
-
 def instantiate_eval(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline]) -> TaskGraph:
     """The forward-only graph of one eval micro-batch, from the same lowered ``pipelines`` as the
-    training graph; ``units`` sized at :func:`eval_context`."""
-    return _EvalBuilder(schedule, units).build(pipelines)
+    training graph; ``units`` sized at :func:`eval_context`. The training's parts, asked for the
+    forward phase of one micro-batch only."""
+    homes = UnitHomes(schedule, units)
+    params = [homes.home_param(u) for u in range(homes.n_units)]
+    stream = OpStream(homes, BufferTable(homes, params + ["loss"], forward_only=True))
+    run_phase(stream, pipelines["forward"], "forward", 0)
+    ops = finish_ops(stream, schedule.overlap)
+    config = schedule.to_config()
+    if homes.extras_elems:
+        config["eval_extras"] = homes.extras_elems * homes.elem_bytes
+    return graph_of(homes, stream.buffers, ops, 1, config)
 
 
 def held_states(train: TaskGraph, evaluation: TaskGraph) -> dict[str, int]:

@@ -1,0 +1,71 @@
+"""Every buffer a step graph names, sized from its name when first named.
+
+Contract: ``BufferTable.get(name)`` gives the one ``Buffer`` of that name (``kind[unit]@tier``,
+:func:`zdsl.ir.buffer_name`), its bytes on one rank from the unit's flat layout and the
+schedule's precision: parameters padded for the ranks, gradients and optimizer state for the
+trainable parts only, an activation with what autograd saves for the backward. The buffers
+named at construction are the model states (persistent: live the whole step, never freed).
+``forward_only`` (the eval graph) sizes an activation as the unit's input alone, nothing saved.
+"""
+from __future__ import annotations
+
+from zdsl.compile.homes import UnitHomes
+from zdsl.compile.pinning import host_pinned
+from zdsl.ir import Buffer
+from zdsl.ir import optimizer_bytes_per_param
+from zdsl.ir import parse_buffer_name
+
+
+class BufferTable:
+    def __init__(self, homes: UnitHomes, persistent: list[str], forward_only: bool = False):
+        self.homes = homes
+        self.forward_only = forward_only
+        self.persistent = set(persistent)
+        self.by_name: dict[str, Buffer] = {}
+        for name in self.persistent:
+            self.get(name)
+
+    def get(self, name: str) -> Buffer:
+        if name in self.by_name:
+            return self.by_name[name]
+        kind, u, suffix = parse_buffer_name(name)
+        tier = suffix or "device"
+        nbytes, dtype = self._size(kind, u)
+        homes = self.homes
+        buf = Buffer(name, kind, u, tier, nbytes, persistent=name in self.persistent, dtype=dtype,
+                     pinned=host_pinned(homes.schedule, homes.tiers, kind, u, tier))
+        self.by_name[name] = buf
+        return buf
+
+    def _size(self, kind: str, u: int | None) -> tuple[int, str]:
+        """Bytes on one rank and dtype of a buffer of ``kind`` for unit ``u``."""
+        homes = self.homes
+        layout = homes.layouts[u] if u is not None else None
+        spec = homes.specs[u] if u is not None else None
+        elem_bytes, batch = homes.elem_bytes, homes.batch
+        if kind == "param_full":
+            return layout.padded_numel * elem_bytes, homes.precision
+        if kind == "param_shard":
+            return layout.shard_numel * elem_bytes, homes.precision
+        if kind == "grad_full":       # gradients and optimizer state: the trainable parts only
+            return layout.trainable_numel * elem_bytes, homes.precision
+        if kind == "grad_shard":
+            return layout.trainable_shard_numel * elem_bytes, homes.precision
+        if kind == "optim":
+            numel = layout.trainable_numel if homes.stage == 0 else layout.trainable_shard_numel
+            optimizer = homes.schedule.optimizer
+            return numel * optimizer_bytes_per_param(optimizer.kind, optimizer.momentum, homes.has_master(u)), "fp32"
+        if kind == "act":
+            if self.forward_only:      # forward only: a unit's input, nothing saved for a backward
+                return batch * spec.input_elems_per_seq * elem_bytes, homes.precision
+            keeps = u not in homes.recompute and homes.needs_backward[u]   # autograd's saved tensors
+            elems = spec.input_elems_per_seq + (spec.act_elems(elem_bytes) if keeps else 0)
+            extras = homes.extras_elems if u == homes.extras_holder else 0
+            return (batch * elems + extras) * elem_bytes, homes.precision
+        if kind == "act_inner":
+            return batch * spec.act_elems(elem_bytes) * elem_bytes, homes.precision
+        if kind == "act_grad":
+            return batch * spec.input_elems_per_seq * elem_bytes, homes.precision
+        if kind in ("norm", "loss"):
+            return 4, "fp32"
+        return 0, homes.precision      # token
