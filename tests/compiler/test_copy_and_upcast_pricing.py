@@ -1,9 +1,10 @@
 """How a one-rank CPU schedule's host work is priced. Two ops whose cost is a memory copy, priced
 as one: a collective of one rank (the runtime copies the shard into the full buffer, the gradient
 into its shard: no message to wait for) and a norm over bf16 gradients on a CPU (the runtime
-upcasts them into an fp32 block first). At programs/capacity.zs's full size they were planned at
-21.1 s (the copies at gloo's rate under load) and 0.09 s (the reduction's flops alone) against
-7.4 s and 1.5 s measured. And the cores its lanes share: the node's, not one rank's share of it."""
+upcasts them into an fp32 block first). Priced otherwise (the copies at gloo's rate under load,
+the norm by its flops alone) both are far off a run at programs/capacity.zs's full size
+(benchmarks/capacity.py sets each op kind planned against measured). And the cores its lanes
+share: the node's, not one rank's share of it."""
 from __future__ import annotations
 
 import dataclasses

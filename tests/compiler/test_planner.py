@@ -333,9 +333,9 @@ def _beside_a_transfer(kind: str, other: str):
 def test_a_disk_transfer_shares_one_core_and_takes_its_share_of_more_first(kind):
     """On one core a transfer shares it fairly with the forward beside it: calibrate's share 1/3
     (compute beside it took 1.5x) is half a core, 1.5 cores of demand on 1, so both move at 2/3
-    of their rate and end at 1.5 s (measured on one core, transfers beside compute took 1.0-3.4x
-    their time alone). On two its threads wake first: it keeps its rate and the forward gets
-    what is left (1.5 of 2 cores for 1 s, then alone: ends at 1.25)."""
+    of their rate and end at 1.5 s (on one core a transfer beside compute is slowed too: calibrate
+    measures by how much, ``disk_*_cpu``). On two its threads wake first: it keeps its rate and the
+    forward gets what is left (1.5 of 2 cores for 1 s, then alone: ends at 1.25)."""
     m = MachineProfile(flops=1.0, disk_read=1.0, disk_write=1.0, cores=1, disk_read_cpu=1 / 3, disk_write_cpu=1 / 3)
     assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.5, 1.5])
     m.cores, m.disk_read_cpu, m.disk_write_cpu = 2, 0.5, 0.5

@@ -1,4 +1,4 @@
-"""The recipes to copy (issue 21 item 10): programs/pretrain.zs, then programs/finetune.zs from the
+"""The recipes to copy: programs/pretrain.zs, then programs/finetune.zs from the
 weights it exported, each for a few steps through the CLI, as the recipes' comments tell a user to."""
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""The CUDA-path defects of issue 24, each on a GPU (none of these has run in this project's CI:
+"""CUDA-path defects, each checked on a GPU (none of these has run in this project's CI:
 no GPU is lent to it).
 
 * a clipped step whose gradients are on the host (offloaded optimizer, NVMe) reads a host copy of
-  the coefficient the device computed: it used to crash at step 1 multiplying a CPU gradient by a
-  0-dim CUDA tensor;
+  the coefficient the device computed (a CPU gradient times a 0-dim CUDA tensor crashes at
+  step 1);
 * ZeRO-1's gradient shard, allocated on the comm stream by the reduce-scatter and freed on the
   compute stream after the step, is not reused by the next reduce-scatter while the step reads it
   (the free records the compute stream on it: zero1 cases against DDP);

@@ -532,7 +532,7 @@ def test_a_reference_step_off_the_usual_is_measured_twice_more_in_fresh_ranks_an
 def test_a_calibration_rank_gives_its_process_the_cores_and_threads_back(monkeypatch):
     """Rank 0 measures in the caller's process; ranks spawned after it left its group (the
     reference measured again in fresh ranks) inherit that process's cores, and bound within its
-    share two ranks shared one core: every step ran 2x (37-39 ms against 19)."""
+    share two ranks shared one core, every step taking twice as long."""
     import torch
     from zdsl.runtime.calibrate.measure import Settings
     from zdsl.runtime.calibrate.ranks import joined

@@ -200,7 +200,8 @@ def _routing_rank(rank: int, world: int) -> dict:
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_two_ranks_small_collectives_go_through_shared_memory_too():
-    """Gloo's own below 1 MiB ran 0.5-3 ms for a 256 KiB reduce-scatter, by pair of processes;
-    shared memory is as fast at 8 bytes (benchmarks/README.md, stop 43): every size goes there."""
+    """Gloo's own collectives below 1 MiB run several times slower in some pairs of processes than
+    in others, and shared memory is as fast even at 8 bytes (benchmarks/collectives.py): every
+    size goes there."""
     for r, pieces in enumerate(run_ranks(_routing_rank, 2)):
         assert pieces[2] >= 3 and pieces[2 * 1024] >= pieces[2] + 3, f"rank {r}: {pieces}"
