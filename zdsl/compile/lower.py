@@ -30,6 +30,26 @@ step unit u        read optimizer[u-k] from nvme         (optimizer on nvme, str
                    write optimizer[u] to nvme
                    write parameters[u] to nvme / copy parameters[u] to device|host
                    gather parameters[u]                  (stages 1-2: share the updated shard)
+
+Three mechanisms mean "ahead"; they run in this order, each on what the one before produced:
+
+1. **Template offsets** (here): ``prefetch k`` writes ``parameters[u+k]`` (NVMe reads k+1) in
+   the forward and backward and ``optimizer[u-k]`` in the step, so a statement is issued k units
+   before the unit that uses it; :func:`zdsl.compile.phases.phase_slots` places each offset in
+   the phase's unit order (a prologue for the first units). Fixed before any graph exists; the
+   step woven into the last backward keeps ``max(1, k)`` units behind it
+   (:func:`zdsl.compile.phases.run_backward_and_step`), so these reads stay ahead of its writes.
+2. **Optimizer read-ahead** (:func:`zdsl.compile.phases.run_backward_reading_ahead`): where the
+   step must wait for the global norm (clip, fp16) it cannot be woven in, so the step's own
+   first ``read optimizer`` statements move into the backward, one per unit. How many is the
+   host budget's choice (:meth:`zdsl.compile.host_budget.HostBudget.read_optimizer_ahead`),
+   from the simulated host peak of the graph (1) built.
+3. **Belady residency** (:mod:`zdsl.compile.residency`): issues nothing earlier; it keeps host
+   copies of NVMe state between uses so a read (1 or 2) is not issued at all, chosen by the
+   next use on the simulated timeline of the graph (1) and (2) built, in the room the budget
+   leaves. It runs last and leaves the optimizer states (2) reads ahead alone (their room is
+   taken); a kept copy rests until the read it replaces, so the rebuild issues everything else
+   as before.
 """
 from __future__ import annotations
 

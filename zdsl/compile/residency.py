@@ -19,9 +19,11 @@ MIN). The step's access sequence is read off the graph built without residency:
   one). :func:`lru` runs a recency cache of the same room on the same sequence, holding every
   freed copy (it cannot tell a dead one from a live one), for the plan's comparison.
 
-The result is a set of (buffer, end) pairs: the ``end``-th free the builder issues for that
+The result is a set of (buffer, end) pairs: the ``end``-th free the op stream issues for that
 buffer is left out, so the copy stays live and the next read finds it
-(:mod:`zdsl.compile.instantiate`); every such copy is released by the step's end.
+(:mod:`zdsl.compile.emission`); every such copy is released by the step's end. Residency is the
+last of the three mechanisms that mean "ahead" (:mod:`zdsl.compile.lower` states how they
+relate); :mod:`zdsl.compile.host_budget` runs it.
 
 Across the step boundary the one form a one-step graph can state is a copy held through the
 whole cycle: the state's home moves to the host for that unit (read and written nowhere else, as
@@ -46,7 +48,7 @@ MAX_TRIES = 4
 class Gap:
     """A host copy's time off the host between two uses (seconds of the simulated step)."""
     buffer: str          # the host copy, e.g. ``param_shard[3]@host``
-    end: int             # which of the builder's frees of ``buffer`` opens the gap (0-based; -1: not one)
+    end: int             # which of the op stream's frees of ``buffer`` opens the gap (0-based; -1: not one)
     bytes: int
     start: float         # the copy is released (end of its free)
     stop: float          # the next use starts: an nvme.read (reread) or an overwrite / the step's end
@@ -129,8 +131,8 @@ def nvme_staging(graph: TaskGraph) -> set[str]:
 def find_gaps(graph: TaskGraph, start: list[float], end: list[float], step_s: float,
               frees: dict[int, tuple[str, int]]) -> list[Gap]:
     """Every gap in the step: one per free of a host copy of NVMe state. ``frees`` (op position
-    -> (buffer, end)) are the builder's own, which residency may leave out; the others (the
-    frees after a last use the builder adds) get ``end`` -1: a recency cache holds those copies
+    -> (buffer, end)) are the op stream's own, which residency may leave out; the others (the
+    frees after a last use auto-free adds) get ``end`` -1: a recency cache holds those copies
     too, but they cannot be kept."""
     staging = nvme_staging(graph)
     writes: dict[str, list[int]] = {}
