@@ -2,10 +2,9 @@
 
 Ranks left to float over every core of a host trade places all the time: one
 rank's compute thread lands on the core where the other rank's collective
-thread was about to run, and each migration costs caches and a wake-up. On
-this project's 2-core machine, binding each of 2 ranks to one core took the
-quickstart from 33 to 23 ms a step and a tiny ZeRO-1 step from 27 to 17 ms
-(same bits). It is what DeepSpeed's ``--bind_cores_to_rank`` does, and it
+thread was about to run, and each migration costs caches and a wake-up;
+bound ranks step faster with the same bits (``benchmarks/vs_peers.py`` runs
+every peer both ways). It is what DeepSpeed's ``--bind_cores_to_rank`` does, and it
 makes the cost model's ``cores`` per rank what the rank really has.
 
 With more ranks than cores the ranks stay unbound: two ranks pinned to one
@@ -105,7 +104,7 @@ def calm_gloo_loops(wait_s: float = 1.0, policy: str | None = None) -> int:
     lock (try-lock) and otherwise goes straight back to ``epoll_wait``, which returns at once
     (level-triggered). When the lock holder shares the loop's core, waking the loop preempts the
     holder and the loop then spins on the lock it cannot get until the next timer tick (4 ms at
-    HZ=250) lets the holder run: a 0.2 ms collective took 4 ms in ~40% of calls. As SCHED_BATCH the
+    HZ=250) lets the holder run, so a short collective can take a whole tick. As SCHED_BATCH the
     loop thread keeps its full share of the core but never preempts on waking, so the holder
     finishes first.
 

@@ -7,12 +7,11 @@ multiples of the device's logical block size (512 B or 4 KiB). Aligning to
 *pinned* (page-locked), so host<->device copies of the same bytes run at
 full PCIe speed and can be asynchronous; without CUDA, pinning is impossible
 and unnecessary, so an anonymous ``mmap`` (page aligned by construction)
-is used, backed by transparent huge pages where the kernel has them: direct
-I/O into 2 MiB pages ran 2x faster than into 4 KiB ones on the VM we measure
-on (the same 128 MiB file read at 3.6 against 1.2-1.7 GB/s, written at 6.5
-against 3.3; the rate into 4 KiB pages moved with how scattered the pages
-were, so a run's disk rate differed from its calibration's), and the CPU's
-copies into them run no slower.
+is used, backed by transparent huge pages where the kernel has them: the
+kernel maps a direct transfer page by page, so 2 MiB pages take far fewer
+mappings than 4 KiB ones, and the rate into 4 KiB pages moves with how
+scattered they are (``benchmarks/nvme_io.py`` measures both); the CPU's
+copies into huge pages run no slower.
 
 Two things live here:
 

@@ -9,7 +9,7 @@ checkpoint files' sequential streams.
 
 Why not plain buffered I/O: a buffered write copies every byte into the
 page cache, and the kernel's writeback and reclaim then cost as much CPU
-again (benchmarks/README.md, checkpoint_io). With O_DIRECT the disk reads
+again (``benchmarks/checkpoint_io.py`` measures both). With O_DIRECT the disk reads
 and writes our memory itself (DMA):
 
 * the writer lays each large tensor out in the file at the same offset

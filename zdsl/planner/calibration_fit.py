@@ -118,8 +118,8 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
     With ``also`` (more (graph, measured seconds) pairs: the same model stepped another way), the
     cost fitted to the steps (per collective, or per op without lane times) makes the predictions'
     geometric mean ratio to their measurements 1 instead: one reference's structure priced right
-    can leave another's wrong, and the programs a profile plans have either (benchmarks/README.md,
-    calibrate: clipped and unclipped steps).
+    can leave another's wrong, and the programs a profile plans have either (clipped and unclipped
+    steps; ``benchmarks/prediction_error.py`` measures the programs against their plans).
 
     With ``lane_op_s`` (the measured seconds of each lane op of the reference, by position)
     and collectives in the graph, the cost per lane op and per kernel come from what each lane
@@ -133,15 +133,14 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
     With ``comm_service_s`` (each collective's measured service time, :func:`comm_intervals`) a
     reduce-scatter costs what it took beyond its rated time more than the other collectives did
     (the medians' difference): its reduction runs on the backend's threads, on the cores the
-    backward it overlaps is using, which its isolated rate does not see (measured:
-    benchmarks/README.md, calibrate).
+    backward it overlaps is using, which its isolated rate does not see.
 
     Where the collectives' latencies alone (with each lane op's measured cost and no cost per
     collective) already predict the reference slower than it ran, they are scaled down until
     they do not (``latency_scale``): on a host loaded by other processes the isolated loop of
-    calls waits for a core on every call (4-8 ms a call measured here, against 0.1-0.2 quiet),
-    while in the step those waits overlap the other lanes' work; a profile that predicts its
-    own reference 30% slow would put every program that far off.
+    calls waits for a core on every call, many times a quiet call's latency, while in the step
+    those waits overlap the other lanes' work; a profile that predicts its own reference slow
+    would put every program that far off.
     """
     bare = simulate(graph, dataclasses.replace(profile, op_overhead=0.0, comm_overhead=-1.0,
                                                kernel_overhead=0.0, wake_latency=0.0, loop_overhead=0.0)).step_s
