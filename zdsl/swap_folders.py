@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from zdsl.schedule import DIRECT_IO_ALIGN
+
 
 def nearest_existing(folder: str | os.PathLike) -> Path:
     """``folder`` itself if it exists, else its closest ancestor that does (``/`` at worst)."""
@@ -46,3 +48,19 @@ def folder_problem(folder: str | os.PathLike) -> str | None:
         return f"{walk} is not writable by this user, so the swap folder {path} " \
                f"cannot {'be made there' if walk != path else 'hold swap files'}"
     return None
+
+
+def stripe_bytes(nbytes: int, block_bytes: int, stripes: int) -> list[int]:
+    """Bytes each of ``stripes`` files needs (whole 4 KiB blocks) to hold a buffer of ``nbytes`` whose
+    block ``i`` is in file ``i mod stripes`` (runtime/offload/stripes.py's layout)."""
+    blocks = -(-nbytes // block_bytes)
+    sizes = []
+    for k in range(stripes):
+        held = len(range(k, blocks, stripes))
+        if not held:
+            sizes.append(0)
+            continue
+        last = k + (held - 1) * stripes
+        tail = min(block_bytes, nbytes - last * block_bytes)
+        sizes.append((held - 1) * block_bytes + -(-tail // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN)
+    return sizes

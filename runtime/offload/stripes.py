@@ -4,14 +4,13 @@ A swapper over ``n`` folders (``nvme("A", "B", ...)``: one per drive) keeps each
 files, one in each folder's run folder, and puts block ``i`` of the buffer in file ``i mod n`` at
 offset ``(i div n) * block``: RAID-0 over the folders, so consecutive blocks, which the workers
 take in order, go to different drives at once. With one folder this is one file holding block
-``i`` at ``i * block``, byte for byte the layout before several folders were allowed.
+``i`` at ``i * block``, byte for byte the layout before several folders were allowed. The files'
+sizes are ``zdsl.swap_folders.stripe_bytes`` (torch-free: the pre-flight sizes them too).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from zdsl.runtime.io.aligned import round_up
 
 
 @dataclass
@@ -41,17 +40,3 @@ class SwapFile:
         """The file holding block ``index`` and the block's offset in it."""
         n = len(self.stripes)
         return self.stripes[index % n], (index // n) * block_bytes
-
-
-def stripe_bytes(nbytes: int, block_bytes: int, stripes: int) -> list[int]:
-    """Bytes each stripe's file needs (whole 4 KiB blocks) to hold a buffer of ``nbytes``."""
-    blocks = -(-nbytes // block_bytes)
-    sizes = []
-    for k in range(stripes):
-        held = len(range(k, blocks, stripes))
-        if not held:
-            sizes.append(0)
-            continue
-        last = k + (held - 1) * stripes
-        sizes.append((held - 1) * block_bytes + round_up(min(block_bytes, nbytes - last * block_bytes)))
-    return sizes

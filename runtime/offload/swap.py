@@ -55,9 +55,9 @@ from zdsl.runtime.offload.run_folder import log
 from zdsl.runtime.offload.run_folder import remove_stale_runs  # noqa: F401
 from zdsl.runtime.offload.stripes import Stripe
 from zdsl.runtime.offload.stripes import SwapFile as _SwapFile
-from zdsl.runtime.offload.stripes import stripe_bytes
 from zdsl.schedule import NVME_BLOCK
 from zdsl.schedule import NVME_DEPTH
+from zdsl.swap_folders import stripe_bytes
 
 SMALL_PER_WORKER = 1 << 20   # bytes a transfer needs per worker thread (see Swapper._workers_for)
 

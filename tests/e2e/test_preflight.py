@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from helpers import zdsl
 
-from zdsl.planner.machine_fit import (Machine, Needs, TorchFloor, free_bytes, judge, most_ranks, needs_of,
-                               schedule_fit)
+from zdsl.planner.machine_fit import (FolderRoom, Machine, Needs, SwapNeed, TorchFloor, free_bytes, judge, most_ranks,
+                               needs_of, schedule_fit)
 
 pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
 
@@ -55,7 +55,7 @@ def fake_floor(tmp_path, monkeypatch):
 # -- the decision, on a fake machine ----------------------------------------------------
 
 def test_ranks_that_do_not_fit_memory_are_refused_with_how_many_fit():
-    needs = Needs(ranks=1000, ram_per_rank=2 * MiB, nvme_per_rank=0, swap_folder=None)
+    needs = Needs(ranks=1000, ram_per_rank=2 * MiB, nvme_per_rank=0)
     fit = judge(needs, Machine(available=24 * GiB, cores=256), FLOOR)
     per = FLOOR.private + 2 * MiB
     most = (24 * GiB - FLOOR.shared) // per       # k * per + shared <= available
@@ -68,21 +68,21 @@ def test_ranks_that_do_not_fit_memory_are_refused_with_how_many_fit():
 
 def test_ranks_that_fit_pass_and_mild_oversubscription_only_warns():
     machine = Machine(available=24 * GiB, cores=2)
-    fit = judge(Needs(2, 3 * MiB, 0, None), machine, FLOOR)
+    fit = judge(Needs(2, 3 * MiB, 0), machine, FLOOR)
     assert fit.fits and not fit.warnings
-    fit = judge(Needs(16, 3 * MiB, 0, None), machine, FLOOR)     # 8 per core: slower, allowed
+    fit = judge(Needs(16, 3 * MiB, 0), machine, FLOOR)     # 8 per core: slower, allowed
     assert fit.fits and len(fit.warnings) == 1 and "16 ranks share 2 cores" in fit.warnings[0]
-    fit = judge(Needs(17, 3 * MiB, 0, None), machine, FLOOR)     # over 8 per core: refused
+    fit = judge(Needs(17, 3 * MiB, 0), machine, FLOOR)     # over 8 per core: refused
     assert not fit.fits and "17 ranks on 2 cores" in fit.refusals[0] and "at most 16 ranks" in fit.refusals[0]
 
 
 def test_ranks_fitting_follows_the_per_rank_size_at_each_count():
     # ZeRO-3: 16 GiB of model states cut over k ranks; fewer ranks each hold more
-    needs = Needs(ranks=64, ram_per_rank=16 * GiB // 64, nvme_per_rank=0, swap_folder=None)
+    needs = Needs(ranks=64, ram_per_rank=16 * GiB // 64, nvme_per_rank=0)
     floor = TorchFloor(1 * GiB, 0, "test")
     fit = judge(needs, Machine(available=24 * GiB, cores=64), floor, ram_at=lambda k: 16 * GiB // k)
     assert fit.ranks_fitting == 8                 # k GiB of floors + 16 GiB of states <= 24 GiB
-    nothing = judge(Needs(2, 40 * GiB, 0, None), Machine(24 * GiB, 2), floor)
+    nothing = judge(Needs(2, 40 * GiB, 0), Machine(24 * GiB, 2), floor)
     assert nothing.ranks_fitting == 0 and "not even one rank fits" in nothing.refusals[0]
 
 
@@ -91,11 +91,12 @@ def test_most_ranks_is_the_largest_count_that_fits():
 
 
 def test_swap_folder_without_room_is_refused_naming_folder_needed_and_free():
-    needs = Needs(ranks=2, ram_per_rank=MiB, nvme_per_rank=100 * MiB, swap_folder="/scratch/swap")
-    fit = judge(needs, Machine(24 * GiB, 2), FLOOR, swap_free=150 * MiB)
+    needs = Needs(ranks=2, ram_per_rank=MiB, nvme_per_rank=100 * MiB,
+                  swap=(SwapNeed("/scratch/swap", 100 * MiB, ("optimizer",)),))
+    fit = judge(needs, Machine(24 * GiB, 2), FLOOR, {"/scratch/swap": FolderRoom(150 * MiB)})
     [swap] = fit.refusals
     assert "/scratch/swap" in swap and f"{150 * MiB} bytes) free" in swap and f"({200 * MiB} bytes" in swap
-    assert judge(needs, Machine(24 * GiB, 2), FLOOR, swap_free=200 * MiB).fits
+    assert judge(needs, Machine(24 * GiB, 2), FLOOR, {"/scratch/swap": FolderRoom(200 * MiB)}).fits
 
 
 class FakeStat:
@@ -118,7 +119,7 @@ def test_the_plan_of_nvme_knows_its_swap_folder_and_bytes(tmp_path):
     from zdsl.driver import compile_file
     compiled = compile_file(str(NVME), {}, simulate=True)
     needs = needs_of(compiled.graph, compiled.sim.memory.to_json())
-    assert needs.swap_folder == "/tmp/zdsl_nvme" and needs.nvme_per_rank % 4096 == 0
+    assert [n.folder for n in needs.swap] == ["/tmp/zdsl_nvme"] and needs.nvme_per_rank % 4096 == 0
     assert needs.nvme_per_rank >= compiled.sim.memory.to_json()["nvme"]["peak"] > 0
     fit = schedule_fit(compiled, floor=FLOOR, machine=Machine(24 * GiB, 2),
                        statvfs=lambda path: FakeStat(needs.nvme_per_rank))   # room for one rank of two

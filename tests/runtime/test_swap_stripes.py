@@ -14,9 +14,9 @@ import torch
 import trio
 
 from zdsl.runtime.offload import swap as swap_mod
-from zdsl.runtime.offload.stripes import stripe_bytes
 from zdsl.runtime.offload.swap import SwapError
 from zdsl.runtime.offload.swap import Swapper
+from zdsl.swap_folders import stripe_bytes
 
 BLOCK = 16 * 1024
 

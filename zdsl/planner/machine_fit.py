@@ -18,8 +18,9 @@ end the run, and often other processes with it). More ranks than cores is only
 slower, as under torchrun: a warning up to ``OVERSUBSCRIBE`` ranks per core,
 refused above, where each rank gets so little of a core that the run, and
 starting its ranks (seconds of CPU each to load torch), takes many times as long.
-Swap files of every local rank share their folder's filesystem: their sum must
-fit its free space.
+Swap files of every local rank share their folders' filesystems: per filesystem, the
+sum of what every folder on it holds (each state's placement's share, striped over its
+folders) must fit its free space; a folder that cannot be made or written is named.
 
 Torch-free, and the runtime is never imported: the floor is read from the runtime's cache
 file, or measured by the runtime in a subprocess.
@@ -37,13 +38,18 @@ from pathlib import Path
 from typing import Callable
 
 from zdsl.cache import cache_dir
+from zdsl.ir import BUFFER_KINDS
 from zdsl.ir import TaskGraph
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.this_machine import device_in_ram
 from zdsl.planner.this_machine import installed_torch
 from zdsl.planner.this_machine import usable_cores
-from zdsl.schedule import DIRECT_IO_ALIGN as ALIGN      # a swap file is sized in whole 4 KiB blocks
 from zdsl.schedule import SHARED_MEMORY_OUTBOX
+from zdsl.schedule import nvme_placements
+from zdsl.swap_folders import device_of
+from zdsl.swap_folders import folder_problem
+from zdsl.swap_folders import nearest_existing
+from zdsl.swap_folders import stripe_bytes
 
 OVERSUBSCRIBE = 8      # ranks per core above which a run is refused (a warning from 1 up to this)
 
@@ -68,12 +74,31 @@ class TorchFloor:
 
 
 @dataclass(frozen=True)
+class SwapNeed:
+    """What each rank puts in one swap folder."""
+    folder: str
+    per_rank: int               # bytes of swap files each rank keeps there
+    states: tuple[str, ...]     # the states whose placements name it
+
+
+@dataclass(frozen=True)
+class FolderRoom:
+    """What this machine offers in one swap folder."""
+    free: int | None            # bytes free on its filesystem; None: unknown
+    device: int | None = None   # its filesystem's st_dev: folders on one share ``free``
+    problem: str | None = None  # why swap files cannot go there (zdsl.swap_folders.folder_problem)
+
+
+UNKNOWN_ROOM = FolderRoom(None)
+
+
+@dataclass(frozen=True)
 class Needs:
     """What one schedule's ranks need, from its plan."""
     ranks: int
     ram_per_rank: int           # planned peak bytes in RAM per rank
-    nvme_per_rank: int          # bytes of swap files per rank
-    swap_folder: str | None
+    nvme_per_rank: int          # bytes of swap files per rank, all folders
+    swap: tuple[SwapNeed, ...] = ()     # per swap folder, in the order the placements name them
 
     def ram(self, floor: TorchFloor, ranks: int | None = None, ram_per_rank: int | None = None) -> int:
         n = self.ranks if ranks is None else ranks
@@ -81,12 +106,22 @@ class Needs:
         return n * (floor.private + per) + floor.shared
 
 
-def swap_folder(config: dict) -> str | None:
-    """The folder the runtime puts its swap files in: the first nvme placement's (runtime/state/rank.py)."""
-    for place in (config.get("placement") or {}).values():
-        if place.get("tier") == "nvme" and place.get("path"):
-            return place["path"]
-    return None
+def swap_needs(graph: TaskGraph) -> tuple[SwapNeed, ...]:
+    """Bytes per rank each swap folder holds: every NVMe buffer in its state's placement's folders,
+    as the runtime's swapper stripes it (zdsl.swap_folders.stripe_bytes)."""
+    places = nvme_placements(graph.config)
+    held: dict[str, int] = {}
+    for buf in graph.buffers.values():
+        place = places.get(BUFFER_KINDS.get(buf.kind)) if buf.tier == "nvme" else None
+        if place is None:
+            continue
+        for folder, size in zip(place.paths, stripe_bytes(buf.bytes, place.block_bytes, len(place.paths))):
+            held[folder] = held.get(folder, 0) + size
+    states: dict[str, list[str]] = {}
+    for state, place in places.items():
+        for folder in place.paths:
+            states.setdefault(folder, []).append(state)
+    return tuple(SwapNeed(f, held[f], tuple(states[f])) for f in states if f in held)
 
 
 def needs_of(graph: TaskGraph, memory: dict) -> Needs:
@@ -97,8 +132,13 @@ def needs_of(graph: TaskGraph, memory: dict) -> Needs:
     ram = memory["host"]["peak"] + (memory["device"]["peak"] if in_ram else 0)
     if any(through_shared_memory(graph, op, in_ram) for op in graph.ops):
         ram += SHARED_MEMORY_OUTBOX
-    nvme = sum(-(-b.bytes // ALIGN) * ALIGN for b in graph.buffers.values() if b.tier == "nvme")
-    return Needs(graph.ranks, ram, nvme, swap_folder(graph.config) if nvme else None)
+    swap = swap_needs(graph)
+    return Needs(graph.ranks, ram, sum(n.per_rank for n in swap), swap)
+
+
+def folder_room(folder: str, statvfs: Callable = os.statvfs) -> FolderRoom:
+    """What ``folder`` offers on this machine now."""
+    return FolderRoom(free_bytes(folder, statvfs), device_of(folder), folder_problem(folder))
 
 
 @dataclass
@@ -107,7 +147,7 @@ class Fit:
     needs: Needs
     machine: Machine
     floor: TorchFloor
-    swap_free: int | None = None
+    swap_room: dict[str, FolderRoom] = field(default_factory=dict)   # per swap folder
     ranks_fitting: int | None = None      # most ranks whose memory fits, when all of them do not
     refusals: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -125,11 +165,18 @@ class Fit:
                  f"+ {human_bytes(floor.shared)} shared libraries), {have} available",
                  f"cores: {n.ranks} ranks on {self.machine.cores} cores",
                  f"torch floor: {floor.source}"]
-        if n.swap_folder is not None:
-            free = "unknown" if self.swap_free is None else human_bytes(self.swap_free)
-            lines.insert(2, f"swap: {n.ranks} x {human_bytes(n.nvme_per_rank)} = "
-                            f"{human_bytes(n.ranks * n.nvme_per_rank)} in {n.swap_folder}, {free} free there")
+        for k, need in enumerate(n.swap):
+            lines.insert(2 + k, self.swap_line(need))
         return lines
+
+    def swap_line(self, need: SwapNeed) -> str:
+        n, room = self.needs, self.swap_room.get(need.folder, UNKNOWN_ROOM)
+        free = "unknown" if room.free is None else human_bytes(room.free)
+        shared = [o.folder for o in n.swap if o is not need and room.device is not None
+                  and self.swap_room.get(o.folder, UNKNOWN_ROOM).device == room.device]
+        return (f"swap: {n.ranks} x {human_bytes(need.per_rank)} = {human_bytes(n.ranks * need.per_rank)} of "
+                f"{', '.join(need.states)} in {need.folder}, {free} free there"
+                + (f" (one disk with {', '.join(shared)})" if shared else ""))
 
     def to_json(self) -> dict:
         n = self.needs
@@ -138,17 +185,17 @@ class Fit:
                                 "source": self.floor.source},
                 "ram_needed": n.ram(self.floor), "ram_available": self.machine.available,
                 "cores": self.machine.cores, "ranks_fitting": self.ranks_fitting,
-                "swap": None if n.swap_folder is None else
-                {"folder": n.swap_folder, "needed": n.ranks * n.nvme_per_rank, "free": self.swap_free},
+                "swap": [{"folder": need.folder, "states": list(need.states), "needed": n.ranks * need.per_rank,
+                          "free": self.swap_room.get(need.folder, UNKNOWN_ROOM).free} for need in n.swap],
                 "refusals": list(self.refusals), "warnings": list(self.warnings)}
 
 
-def judge(needs: Needs, machine: Machine, floor: TorchFloor, swap_free: int | None = None,
+def judge(needs: Needs, machine: Machine, floor: TorchFloor, swap_room: dict[str, FolderRoom] | None = None,
           ram_at: Callable[[int], int] | None = None) -> Fit:
-    """Compare ``needs`` with ``machine``. ``ram_at(k)``: planned RAM per rank at ``k`` ranks (ZeRO's
-    shards grow as ranks shrink), to say how many ranks would fit; the same figure at every count if
-    not given."""
-    fit = Fit(needs, machine, floor, swap_free)
+    """Compare ``needs`` with ``machine``. ``swap_room``: what each swap folder offers (unknown where
+    left out). ``ram_at(k)``: planned RAM per rank at ``k`` ranks (ZeRO's shards grow as ranks shrink),
+    to say how many ranks would fit; the same figure at every count if not given."""
+    fit = Fit(needs, machine, floor, dict(swap_room or {}))
     n, cores = needs.ranks, machine.cores
     if machine.available is not None and needs.ram(floor) > machine.available:
         at = ram_at or (lambda k: needs.ram_per_rank)
@@ -168,12 +215,34 @@ def judge(needs: Needs, machine: Machine, floor: TorchFloor, swap_free: int | No
     elif n > cores:
         fit.warnings.append(f"{n} ranks share {cores} cores: each rank gets {cores / n:.2g} of a core, "
                             f"so the run is slower than with at most {cores} ranks")
-    if needs.swap_folder is not None and swap_free is not None and n * needs.nvme_per_rank > swap_free:
-        fit.refusals.append(
-            f"the swap folder {needs.swap_folder} has {human_bytes(swap_free)} ({swap_free} bytes) free, "
-            f"but {n} ranks need {human_bytes(n * needs.nvme_per_rank)} ({n * needs.nvme_per_rank} bytes: "
-            f"{needs.nvme_per_rank} each); free space there or point nvme(\"...\") at a larger disk")
+    fit.refusals += swap_refusals(needs, fit.swap_room)
     return fit
+
+
+def swap_refusals(needs: Needs, rooms: dict[str, FolderRoom]) -> list[str]:
+    """A swap folder that cannot be used, and each filesystem whose folders' swap files do not fit
+    its free space (folders on one device share it)."""
+    out, n = [], needs.ranks
+    by_device: dict[object, list[SwapNeed]] = {}
+    for need in needs.swap:
+        room = rooms.get(need.folder, UNKNOWN_ROOM)
+        if room.problem is not None:
+            out.append(f"the swap folder {need.folder} ({', '.join(need.states)}) cannot be used: {room.problem}; "
+                       f"make it a writable folder or point nvme(\"...\") elsewhere")
+            continue
+        by_device.setdefault(need.folder if room.device is None else room.device, []).append(need)
+    for group in by_device.values():
+        frees = [f for need in group if (f := rooms.get(need.folder, UNKNOWN_ROOM).free) is not None]
+        free, per_rank = min(frees, default=None), sum(need.per_rank for need in group)
+        if free is None or n * per_rank <= free:
+            continue
+        named = " and ".join(need.folder for need in group)
+        where = f"the swap folder {named} has" if len(group) == 1 else \
+            f"the swap folders {named} are on one disk, which has"
+        out.append(f"{where} {human_bytes(free)} ({free} bytes) free, but {n} ranks need "
+                   f"{human_bytes(n * per_rank)} ({n * per_rank} bytes: {per_rank} each); free space there or "
+                   f"point nvme(\"...\") at a larger disk")
+    return out
 
 
 def most_ranks(fits: Callable[[int], bool], upper: int) -> int:
@@ -190,11 +259,8 @@ def most_ranks(fits: Callable[[int], bool], upper: int) -> int:
 
 def free_bytes(folder: str | os.PathLike, statvfs: Callable = os.statvfs) -> int | None:
     """Bytes free to this user on the filesystem ``folder`` is (or will be created) on."""
-    path = Path(folder).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
     try:
-        st = statvfs(path)
+        st = statvfs(nearest_existing(folder))
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
@@ -261,9 +327,9 @@ def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: Torch
     search = ram_at              # how many ranks would fit: not searched where another launcher spreads them
     if local_ranks is not None:
         needs, search = dataclasses.replace(needs, ranks=local_ranks), None
-    swap_free = free_bytes(needs.swap_folder, statvfs) if needs.swap_folder else None
+    rooms = {need.folder: folder_room(need.folder, statvfs) for need in needs.swap}
     return judge(needs, machine or Machine.this(), floor or default_floor(floor_kind(compiled.schedule)),
-                 swap_free, search)
+                 rooms, search)
 
 
 NO_TORCH = TorchFloor(0, 0, "not counted: torch is not installed")
