@@ -7,16 +7,23 @@ width, in the table of as many ranks as it runs (one alone with every core, else
 disk transfers at the rate of as many ranks as it runs (one alone, else each rank's share of the
 aggregate), and its lanes share the node's cores divided by its ranks. Where the profile lacks
 what the schedule needs, the plain ``flops``, ``disk_read`` and ``disk_write`` (or the tables of
-the ranks it was measured by) are used as given, and :func:`gaps` says so.
+the ranks it was measured by) are used as given, and :func:`gaps` says so. A placement striped
+over folders on several drives moves its bytes at the sum of their rates (:func:`disk_drives`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from zdsl.compile.units import GPT_DEFAULTS
+from zdsl.ir import BUFFER_KINDS
 from zdsl.ir import TaskGraph
+from zdsl.lang.sizes import human_bytes
 from zdsl.schedule import MachineProfile
+from zdsl.schedule import Placement
+from zdsl.schedule import nvme_placements
+from zdsl.swap_folders import device_of
 
 
 def precision_of(graph: TaskGraph) -> str:
@@ -151,4 +158,55 @@ def gaps(machine: MachineProfile, graph: TaskGraph) -> list[str]:
         if graph.ranks == 1 and not (machine.disk_read_alone and machine.disk_write_alone):
             out.append(f"the profile has no one-rank disk rate (disk_read_alone, disk_write_alone): used each of "
                        f"{machine.disk_ranks} ranks' share of the disk; calibrate: zdsl calibrate --ranks 1")
+    return out
+
+
+def nvme_state(graph: TaskGraph, op) -> str | None:
+    """The state whose NVMe buffer an ``nvme.read`` reads or an ``nvme.write`` writes."""
+    for name in (*op.reads, *op.writes):
+        buf = graph.buffers.get(name)
+        if buf is not None and buf.tier == "nvme":
+            return BUFFER_KINDS.get(buf.kind)
+    return None
+
+
+def drives(paths: tuple[str, ...]) -> float:
+    """How many drives' rates a placement striped evenly over ``paths`` gets: its folders over the
+    most of them on one device (``st_dev``), which that device's share of the blocks waits for: two
+    folders on two drives 2, on one drive 1, three folders on two drives 1.5. The profile's disk
+    rates are one drive's (calibrate measures one folder)."""
+    per_device: dict[object, int] = {}
+    for folder in paths:
+        device = device_of(folder)
+        key = folder if device is None else device
+        per_device[key] = per_device.get(key, 0) + 1
+    return len(paths) / max(per_device.values()) if per_device else 1.0
+
+
+def disk_drives(graph: TaskGraph, op) -> float:
+    """The drives an NVMe transfer's bytes are spread over (:func:`drives` of its state's placement)."""
+    raw = (graph.config.get("placement") or {}).get(nvme_state(graph, op))
+    paths = Placement.of_config(raw).paths if raw else ()
+    return _drives_cached(paths) if len(paths) > 1 else 1.0
+
+
+@functools.lru_cache(maxsize=64)
+def _drives_cached(paths: tuple[str, ...]) -> float:
+    return drives(paths)
+
+
+def nvme_lines(graph: TaskGraph) -> list[str]:
+    """Per NVMe placement: its state(s), folders, block and depth, and the drives its folders are on."""
+    by_place: dict[tuple, list[str]] = {}
+    places = nvme_placements(graph.config)
+    for state, place in places.items():
+        by_place.setdefault(place.swap_key, []).append(state)
+    out = []
+    for (paths, block, depth, _), states in by_place.items():
+        line = f"nvme: {', '.join(states)} -> {', '.join(paths)} (block {human_bytes(block)}, depth {depth})"
+        if len(paths) > 1:
+            n = drives(paths)
+            line += (f": striped over {len(paths)} folders on {n:g} drives, disk rates x{n:g}" if n > 1 else
+                     f": striped over {len(paths)} folders on one device (st_dev), no faster than one folder")
+        out.append(line)
     return out

@@ -26,11 +26,14 @@ from zdsl.planner.memory import STATES
 from zdsl.planner.memory import zero_model_states
 from zdsl.planner.profile_cache import calibrated_source
 from zdsl.planner.profile_cache import rates_line
+from zdsl.planner.rates import drives
 from zdsl.planner.rates import gaps as rate_gaps
+from zdsl.planner.rates import nvme_lines
 from zdsl.planner.simulate import Simulation
 from zdsl.planner.simulate import simulate
 from zdsl.planner.traffic import traffic_json
 from zdsl.schedule import Schedule
+from zdsl.schedule import nvme_placements
 
 # Largest graph the worst-order working peak is computed for (a max flow in pure Python: ~1-3 s at 20,000 ops).
 WORST_MAX_OPS = 20000
@@ -136,6 +139,8 @@ class Plan:
             extra["freeze"] = self.freeze.to_json()
         if self.residency is not None:
             extra["residency"] = self.residency
+        if nvme_placements(g.config):
+            extra["nvme"] = nvme_json(g)
         return {
             "schedule": g.schedule,
             "file": self.schedule.file,
@@ -162,6 +167,12 @@ class Plan:
             "critical_path": {"ops": len(sim.critical_path), "by_kind_s": self.critical_by_kind()},
             **extra,
         }
+
+
+def nvme_json(graph: TaskGraph) -> dict:
+    """State -> where its NVMe swap files go: folders, block, depth, and the drives they are on."""
+    return {state: {"folders": list(p.paths), "block": p.block_bytes, "depth": p.queue_depth,
+                    "drives": drives(p.paths)} for state, p in nvme_placements(graph.config).items()}
 
 
 def build_plan(graph: TaskGraph, schedule: Schedule, sim: Simulation | None = None, units=None) -> Plan:
@@ -323,6 +334,8 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
     console.print(f"  {plan.machine_line()}", style="dim", soft_wrap=True)    # a path stays whole
     for gap in rate_gaps(plan.schedule.machine, plan.graph):
         console.print(f"  {gap}", style="dim", soft_wrap=True)
+    for line in nvme_lines(plan.graph):
+        console.print(f"  {line}", soft_wrap=True)
     lanes = Table(title="lanes", title_justify="left")
     for col in ("lane", "busy", "share", ""):
         lanes.add_column(col, justify="left" if col in ("lane", "") else "right")

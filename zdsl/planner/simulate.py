@@ -31,6 +31,7 @@ from zdsl.planner.lanes import union_length
 from zdsl.planner.memory import MemoryTimeline
 from zdsl.planner.memory import memory_timeline
 from zdsl.planner.rates import device_flops
+from zdsl.planner.rates import disk_drives
 from zdsl.planner.rates import for_graph
 
 
@@ -148,10 +149,10 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: li
         return collective_seconds(kind, collective_payload(graph, op) * (n - 1) / n, machine)
     if kind in ("copy.h2d", "copy.d2h"):
         return op.bytes / machine.pcie_bandwidth
-    if kind == "nvme.read":
-        return machine.disk_read_latency + op.bytes / machine.disk_read
+    if kind == "nvme.read":     # striped over several drives: their rates add up
+        return machine.disk_read_latency + op.bytes / (machine.disk_read * disk_drives(graph, op))
     if kind == "nvme.write":
-        return machine.disk_write_latency + op.bytes / machine.disk_write
+        return machine.disk_write_latency + op.bytes / (machine.disk_write * disk_drives(graph, op))
     return 0.0                              # mem.free: bookkeeping
 
 
