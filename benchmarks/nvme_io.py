@@ -12,7 +12,13 @@ and reads it back after dropping the page cache where permitted; repeats
 alternate between the two tools so that load from other processes hits
 both alike. The figure reported is the median over repeats.
 
-    python benchmarks/nvme_io.py [--folder /tmp/zdsl-bench] [--size 1GiB]
+``--folders A,B,...`` adds the swapper striped over those folders (one file per
+folder, block i in folder i mod n, as ``nvme("A", "B")`` does), run in the same
+rounds as the swapper on A alone, the order turned each round; the ratio
+striped / one folder is the figure (on folders of one disk it should be about
+1, on distinct drives up to their number).
+
+    python benchmarks/nvme_io.py [--folder /tmp/zdsl-bench | --folders A,B] [--size 1GiB]
                                  [--block 1MiB] [--qd 8] [--repeat 3] [--no-verify]
 """
 
@@ -106,10 +112,10 @@ def run_dd(path: Path, rw: str, size: int, block: int) -> float:
     return count * block / (time.perf_counter() - start)
 
 
-def ours(folder: Path, data: torch.Tensor, out: torch.Tensor, block: int, qd: int, verify: bool,
+def ours(folders: list[Path], data: torch.Tensor, out: torch.Tensor, block: int, qd: int, verify: bool,
          mode: str) -> tuple[float, float]:
-    """(write, read) bytes per second of the swapper, async (trio) or sync API."""
-    with Swapper(folder, block_bytes=block, queue_depth=qd, verify=verify) as swapper:
+    """(write, read) bytes per second of the swapper over ``folders``, async (trio) or sync API."""
+    with Swapper(folders, block_bytes=block, queue_depth=qd, verify=verify) as swapper:
         if mode == "async":
             start = time.perf_counter()
             trio.run(swapper.write, "bench", data)
@@ -132,9 +138,66 @@ def ours(folder: Path, data: torch.Tensor, out: torch.Tensor, block: int, qd: in
     return data.numel() / write_s, data.numel() / read_s
 
 
+def measure_rounds(args, striped: list[Path] | None, fio: str | None, engine: str | None, size: int,
+                   data: torch.Tensor, out: torch.Tensor) -> dict[str, list[float]]:
+    """Bytes per second of each way, one figure per round; the ways' order turned each round, so the
+    host's slow spells hit them alike."""
+    verify = not args.no_verify
+    base_file = args.folder / "baseline.dat"
+
+    def baseline() -> tuple[float, float]:
+        base_file.unlink(missing_ok=True)
+        drop_caches()
+        if fio:
+            w = run_fio(fio, engine, base_file, "write", size, args.block, args.qd)
+            drop_caches()
+            r = run_fio(fio, engine, base_file, "read", size, args.block, args.qd)
+        else:
+            w = run_dd(base_file, "write", size, args.block)
+            drop_caches()
+            r = run_dd(base_file, "read", size, args.block)
+        base_file.unlink(missing_ok=True)
+        return w, r
+
+    ways = {"ours": lambda: ours([args.folder], data, out, args.block, args.qd, verify, "async"),
+            "base": baseline,
+            "sync": lambda: ours([args.folder], data, out, args.block, args.qd, verify, "sync")}
+    if striped:
+        ways["stripe"] = lambda: ours(striped, data, out, args.block, args.qd, verify, "async")
+        ways["stripesync"] = lambda: ours(striped, data, out, args.block, args.qd, verify, "sync")
+    results: dict[str, list[float]] = {f"{k}_{d}": [] for k in ways for d in "wr"}
+    names = list(ways)
+    for round_ in range(args.repeat):
+        turn = round_ % len(names)
+        for name in names[turn:] + names[:turn]:
+            w, r = ways[name]()
+            results[f"{name}_w"].append(w)
+            results[f"{name}_r"].append(r)
+    return results
+
+
+def report(results: dict[str, list[float]], striped: list[Path] | None) -> None:
+    med = {k: statistics.median(v) / GiB for k, v in results.items()}
+    print(f"\n{'':6s} {'ours async':>12s} {'ours sync':>12s} {'baseline':>12s} {'async/base':>11s} {'sync/base':>10s}")
+    for op, key in (("write", "w"), ("read", "r")):
+        o, s, b = med[f"ours_{key}"], med[f"sync_{key}"], med[f"base_{key}"]
+        print(f"{op:6s} {o:9.2f} GiB/s {s:6.2f} GiB/s {b:6.2f} GiB/s {o / b:11.2f} {s / b:10.2f}")
+    if striped:
+        print(f"\nstriped over {len(striped)} folders ({', '.join(map(str, striped))}) against the first alone:")
+        print(f"{'':6s} {'striped async':>14s} {'striped sync':>13s} {'async/one':>10s} {'sync/one':>9s}")
+        for op, key in (("write", "w"), ("read", "r")):
+            a, s = med[f"stripe_{key}"], med[f"stripesync_{key}"]
+            print(f"{op:6s} {a:9.2f} GiB/s {s:6.2f} GiB/s {a / med[f'ours_{key}']:10.2f} "
+                  f"{s / med[f'sync_{key}']:9.2f}")
+    spread = {k: (min(v) / GiB, max(v) / GiB) for k, v in results.items()}
+    print("\nrange over repeats (GiB/s): " + ", ".join(f"{k} {lo:.2f}-{hi:.2f}" for k, (lo, hi) in spread.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--folder", default="/tmp/zdsl-bench", type=Path)
+    ap.add_argument("--folders", type=lambda text: [Path(f) for f in text.split(",") if f],
+                    help="comma-separated: the swapper striped over them beside it on the first alone")
     ap.add_argument("--size", default="1GiB", type=parse_bytes)
     ap.add_argument("--block", default="1MiB", type=parse_bytes)
     ap.add_argument("--qd", default=8, type=int)
@@ -143,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fio", action="store_true", help="use dd as the baseline")
     ap.add_argument("--engine", choices=["libaio", "psync"], help="fio engine (default: libaio where fio has it)")
     args = ap.parse_args(argv)
+    folders = args.folders or [args.folder]
+    args.folder = folders[0]
     size = args.size // args.block * args.block
     if size <= 0 or args.block % 4096:
         print("size must hold at least one block, and the block must be a multiple of 4 KiB")
@@ -151,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     fio = None if args.no_fio else setup()
     engine = (args.engine or fio_engine(fio)) if fio else None
     baseline = f"fio ({engine}, {'iodepth' if engine == 'libaio' else 'numjobs'}={args.qd})" if fio else "dd (qd 1)"
-    args.folder.mkdir(parents=True, exist_ok=True)
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
     dropped = drop_caches()
-    print(f"folder {args.folder}, {size / GiB:.2f} GiB, block {args.block >> 10} KiB, queue depth {args.qd}, "
+    print(f"folder {', '.join(map(str, folders))}, {size / GiB:.2f} GiB, block {args.block >> 10} KiB, queue depth {args.qd}, "
           f"verify={'off' if args.no_verify else checksum.DEFAULT.algo}, "
           f"page cache drop {'yes' if dropped else 'not permitted'}, "
           f"baseline {baseline}, {args.repeat} repeats (median)")
@@ -166,34 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     out = aligned_empty(size)
     out.zero_()  # fault the pages in before timing
 
-    results: dict[str, list[float]] = {k: [] for k in ("ours_w", "ours_r", "sync_w", "sync_r", "base_w", "base_r")}
-    base_file = args.folder / "baseline.dat"
-    for _ in range(args.repeat):
-        w, r = ours(args.folder, data, out, args.block, args.qd, not args.no_verify, "async")
-        results["ours_w"].append(w)
-        results["ours_r"].append(r)
-        base_file.unlink(missing_ok=True)
-        drop_caches()
-        if fio:
-            results["base_w"].append(run_fio(fio, engine, base_file, "write", size, args.block, args.qd))
-            drop_caches()
-            results["base_r"].append(run_fio(fio, engine, base_file, "read", size, args.block, args.qd))
-        else:
-            results["base_w"].append(run_dd(base_file, "write", size, args.block))
-            drop_caches()
-            results["base_r"].append(run_dd(base_file, "read", size, args.block))
-        base_file.unlink(missing_ok=True)
-        w, r = ours(args.folder, data, out, args.block, args.qd, not args.no_verify, "sync")
-        results["sync_w"].append(w)
-        results["sync_r"].append(r)
-
-    med = {k: statistics.median(v) / GiB for k, v in results.items()}
-    print(f"\n{'':6s} {'ours async':>12s} {'ours sync':>12s} {'baseline':>12s} {'async/base':>11s} {'sync/base':>10s}")
-    for op, key in (("write", "w"), ("read", "r")):
-        o, s, b = med[f"ours_{key}"], med[f"sync_{key}"], med[f"base_{key}"]
-        print(f"{op:6s} {o:9.2f} GiB/s {s:6.2f} GiB/s {b:6.2f} GiB/s {o / b:11.2f} {s / b:10.2f}")
-    spread = {k: (min(v) / GiB, max(v) / GiB) for k, v in results.items()}
-    print("\nrange over repeats (GiB/s): " + ", ".join(f"{k} {lo:.2f}-{hi:.2f}" for k, (lo, hi) in spread.items()))
+    striped = folders if len(folders) > 1 else None
+    results = measure_rounds(args, striped, fio, engine, size, data, out)
+    report(results, striped)
     return 0
 
 
