@@ -14,6 +14,10 @@ Each run gets ONE fault, its kind and moment drawn from ``--seed``:
                  run, or refuse clearly
   full_swap      the NVMe program with its swap folder on a 2 MiB tmpfs (half the runs with
                  --ignore-limits, so the ranks meet the full disk); needs root to mount
+  wrong_swap     the NVMe program with each state in its own folder; after `zdsl check` passed, one
+                 folder is removed: the drive folder its link named, or the folder itself with a file
+                 left in its place (half the runs with --ignore-limits, so the ranks meet it); the
+                 run must end naming that folder and leave nothing in the other
 
 Every process of a run has the run's own temp folder in its command line; the benchmark
 records the seconds from the fault until no such process was left (a process still
@@ -21,8 +25,8 @@ there after timeout + 40 s counts as left behind, and is killed), whether the fi
 error line named the right rank and cause, whether any output held a Python traceback,
 and for resumes whether the losses continued exactly. It prints one line per kind and a
 total; targets: 0 left behind, 0 wrong rank or cause, 0 tracebacks, every exit within
-timeout + 10 s of the fault (the kinds whose fault is there from the start, damaged_ckpt
-and full_swap, have no such moment and are not timed).
+timeout + 10 s of the fault (the kinds whose fault is there from the start, damaged_ckpt,
+full_swap and wrong_swap, have no such moment and are not timed).
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICK = ROOT / "programs" / "quickstart.zs"
 NVME = ROOT / "programs" / "nvme.zs"
 KINDS = ("kill_rank", "stop_rank", "launcher_term", "launcher_hup", "launcher_int", "launcher_kill",
-         "damaged_ckpt", "full_swap")
+         "damaged_ckpt", "full_swap", "wrong_swap")
 LAUNCHER_SIGNALS = {"launcher_term": (signal.SIGTERM, 143, "stopped by SIGTERM"),
                     "launcher_hup": (signal.SIGHUP, 129, "stopped by SIGHUP"),
                     "launcher_int": (signal.SIGINT, 130, "interrupted")}
@@ -285,6 +289,44 @@ def full_swap(rnd: random.Random, folder: Path) -> Outcome:
         subprocess.run(["umount", "-l", str(swap)], capture_output=True)
 
 
+def wrong_swap(rnd: random.Random, folder: Path) -> Outcome:
+    """A swap folder removed between ``zdsl check`` and ``zdsl run``."""
+    good, drive, link = folder / "params", folder / "drive", folder / "optim"
+    good.mkdir()
+    drive.mkdir()
+    os.symlink(drive, link)                         # the optimizer's folder: a link to a drive's folder
+    program = folder / "nvme.zs"
+    shutil.copy(NVME, program)
+    sets = ["--set", f'offload.parameters=nvme("{good}")', "--set", f'offload.optimizer=nvme("{link}")']
+    checked = subprocess.run([sys.executable, "-m", "zdsl.cli", "check", str(program), *sets],
+                             capture_output=True, text=True)
+    if checked.returncode != 0:
+        return Outcome("wrong_swap", skipped=True, note=f"zdsl check failed: {checked.stderr.strip()[:300]}")
+    how = rnd.choice(["drive gone", "file in its place"])
+    if how == "drive gone":
+        drive.rmdir()                               # the link now names nothing
+        gone = link
+    else:
+        good.rmdir()
+        good.write_text("not a folder")
+        gone = good
+    forced = rnd.random() < 0.5
+    proc = Run(folder, ["--set", "steps=3", "--quiet", *sets] + (["--ignore-limits"] if forced else [])).start(program)
+    t0 = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=600)
+    out = Outcome("wrong_swap")
+    _, out.left_behind = gone_after(str(folder), t0, 30)
+    out.traceback = TRACEBACK in stdout + stderr
+    lead = first_error(stderr)
+    other = link if gone == good else good
+    leftovers = [str(p) for p in other.rglob("*")] if other.is_dir() else []
+    out.right_message = proc.returncode != 0 and str(gone) in lead and not leftovers
+    if not out.right_message:
+        out.note = (f"{how}{', --ignore-limits' if forced else ''}: exit {proc.returncode}: {(lead or stderr)[:300]}"
+                    + (f"; left {leftovers[:3]}" if leftovers else ""))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=30)
@@ -308,6 +350,8 @@ def main() -> None:
                 o = damaged_checkpoint(rnd, folder, work, ops)
             elif kind == "full_swap":
                 o = full_swap(rnd, folder)
+            elif kind == "wrong_swap":
+                o = wrong_swap(rnd, folder)
             else:
                 o = signal_fault(kind, rnd, folder, args.timeout, args.startup)
             outcomes.append(o)
