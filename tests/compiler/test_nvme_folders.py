@@ -76,3 +76,18 @@ def test_a_bad_folder_is_an_error_where_it_is(arg, words, column):
 def test_two_states_may_share_a_folder_with_their_own_settings():
     s = checked('offload parameters -> nvme("/mnt/a", block=64KiB)\noffload optimizer -> nvme("/mnt/a", depth=2)\n')
     assert s.placement["parameters"].swap_key != s.placement["optimizer"].swap_key
+
+
+def test_the_nvme_defaults_have_one_home():
+    """The swapper and the rank's transfers take block and depth from zdsl/schedule.py, so a default
+    changed there is the one every part uses; a literal default elsewhere would drift from it."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).parents[2]
+    literal = re.compile(r"(block_bytes|queue_depth|block|depth)\b[^\n]*(1 << 20|1048576|\b8\))")
+    for path in ("runtime/state/transfers.py", "runtime/offload/swap.py", "runtime/offload/stripes.py",
+                 "runtime/offload/run_folder.py"):
+        found = [line for line in (root / path).read_text().splitlines() if literal.search(line)]
+        assert found == [], (path, found)
+    assert Placement.of_config({"tier": "nvme", "path": "/a"}) == Placement("nvme", ("/a",), block_bytes=NVME_BLOCK,
+                                                                            queue_depth=NVME_DEPTH)
