@@ -7,15 +7,16 @@ machine profile (see :func:`op_duration`). The result is what ``zdsl plan``
 reports: the predicted step time, per-op start and end, each lane's busy
 seconds, the critical path and the memory held per tier over time.
 
-Linear in ops + deps (one pass in topological order over flat lists; numpy
-would cost more to import than the whole pass), so a 1,000-unit graph of
-20,000 ops simulates in well under 0.1 s.
+Without shared cores, linear in ops + deps (one pass in topological order over
+flat lists; numpy would cost more to import than the whole pass); with them, an
+event loop over op completions (benchmarks/compile_speed.py times it).
 """
 from __future__ import annotations
 
 import heapq
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from zdsl.ir import LANES
 
@@ -98,7 +99,7 @@ def op_fixed(op, machine: MachineProfile) -> float:
     many small ops slower than its flops say. A ``mem.free`` costs the
     runtime's event loop its CPU per op (``loop``): the loop wakes each op's
     task and keeps its books, a free's as any other's, and a free is nothing
-    more (benchmarks/README.md, stop 36). 0 unless the profile sets them
+    more (benchmarks/executor_overhead.py). 0 unless the profile sets them
     (``zdsl calibrate`` measures them).
     """
     if op.kind == "mem.free":
@@ -161,8 +162,8 @@ def upcast_seconds(graph: TaskGraph, op, machine: MachineProfile) -> float:
     runtime upcasts such a tensor into an fp32 block of the host pool and then reduces that
     (``upcast_on_host``), so the fp32 bytes are copied at the host's copy rate (``pcie``, calibrate's
     memcpy, on a cpu machine) before the reduction the flops price. A CUDA device reduces its own
-    gradients in fp32 as it reads them: nothing to copy. On programs/capacity.zs (bf16, 2.55e9
-    parameters) the upcasts are the norm's time: 1.5 s a step measured, 0.09 s priced without them."""
+    gradients in fp32 as it reads them: nothing to copy. In a large bf16 model the upcasts are
+    most of the norm's time (benchmarks/capacity.py sets the plan against the run per op kind)."""
     elements = 0
     for name in op.reads:
         buf = graph.buffers.get(name)
@@ -237,7 +238,7 @@ def transfer_demand(share: float, machine: MachineProfile) -> float:
     a rank's core. Where transfers take their share first (:func:`takes_share_first`) that is
     their demand; where they share a core fairly, compute beside one took ``1 / (1 - share)`` its
     time alone, which a fair share of ``share / (1 - share)`` cores gives (at most the rank's
-    cores: calibrate's write share 0.41-0.48 here is 0.7-0.9 of a core)."""
+    cores)."""
     if share <= 0 or takes_share_first(machine):
         return share
     return min(float(machine.cores), share / (1.0 - share)) if share < 1.0 else float(machine.cores)
@@ -246,13 +247,10 @@ def transfer_demand(share: float, machine: MachineProfile) -> float:
 def takes_share_first(machine: MachineProfile) -> bool:
     """Whether disk transfers get their share of a rank's cores before the others divide the
     rest: where it has more than one, since its compute threads leave a core between kernels
-    and the scheduler runs a waking swapper thread there (programs/capacity.zs, one rank on two
-    cores, read 1.58 GB/s in its run with compute beside it against the 1.32 calibrate measured
-    alone). On one core they queue behind the compute thread and share it fairly: measured,
-    4 MiB transfers beside a width-256 block's forward+backward on one core took 1.0-2.3x
-    (reads, median 1.7) and 1.2-3.4x (writes, median 2.9) their time alone in nine trials at
-    load 3-5, which a share taken first (their rate kept) priced at 1x; programs/nvme.zs (two ranks, a core each) was planned 11-22% under its
-    measured step in each of three quiet rounds."""
+    and the scheduler runs a waking swapper thread there (a transfer beside compute keeps its
+    rate). On one core they queue behind the compute thread and share it fairly: there a
+    transfer beside compute takes longer than alone, which a share taken first would price at
+    its rate alone (benchmarks/prediction_error.py: programs/nvme.zs, a core per rank)."""
     return machine.cores > 1
 
 
@@ -262,19 +260,16 @@ def under_load(graph: TaskGraph, op, machine: MachineProfile) -> float:
 
     Fair shares fit the compute lane and the host step, not gloo's threads: they wake for each
     message and, with compute filling the cores, wait for one, while taking next to nothing from
-    the compute. Traced here: a backward beside a reduce-scatter 15% slower than alone, the
-    reduce-scatter 3-6 times. So such a collective's transfer takes no share and moves in what the
+    the compute: beside a backward, a reduce-scatter slows far more than the backward does. So
+    such a collective's transfer takes no share and moves in what the
     others leave idle, at least at ``comm_under_load`` of its rate (while the cores are full); its
     fixed part, the runtime issuing it and taking its completion, takes its share as any op's.
     A collective through shared memory (:func:`through_shared_memory`) is a worker thread's
-    copies and sums: it takes its fair share as a copy does (programs/nvme.zs traced: each
-    backward beside a 3 MB reduce-scatter or gather took its time longer, 9-10.6 ms against the
-    6.3-7.6 ms planned when the collectives took no share; they ran at 1-4x their rated time,
-    where that plan had them at up to 14x).
+    copies and sums: it takes its fair share as a copy does (taking none, the backward beside it
+    was planned short and the collective far too long).
     A collective of one rank waits for no message: it is a memory copy on the rank's own thread
-    (:func:`single_rank_collective_seconds`) and takes its share like the lanes' other copies (at
-    2% of its rate beside compute, programs/capacity.zs's gathers were planned at 12.4 s a step
-    against 4.5 s measured)."""
+    (:func:`single_rank_collective_seconds`) and takes its share like the lanes' other copies
+    (at ``comm_under_load`` it was planned far too long; benchmarks/capacity.py, one rank)."""
     if (graph.ranks > 1 and machine.comm_under_load > 0 and machine.name == "cpu" and op.kind.startswith("comm.")
             and not through_shared_memory(graph, op, on_host=True)):
         return machine.comm_under_load
@@ -318,14 +313,10 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
     wake = wake_after(graph, machine)
     if machine.cores > 0:
         # The fixed cost per op is the host's work of running it (Python dispatch, a thread's
-        # wake-up, a collective's completion): one thread's worth, shared like the rest. (As
-        # waiting that takes no core, fitted on the reference step, it over-predicted the
-        # programs whose lanes overlap most: on one core per rank their work only adds up.)
-        demand = [cpu_demand(op, machine) for op in graph.ops]
-        under = [under_load(graph, op, machine) for op in graph.ops]
-        first = [op.kind.startswith("nvme.") and takes_share_first(machine) for op in graph.ops]
-        start, end, gate = _shared_schedule(graph, fixed, rated, deps, demand, machine.cores, slots, under, first,
-                                            wake)
+        # wake-up, a collective's completion): one thread's worth, shared like the rest, since
+        # on one core per rank the lanes' host work only adds up.
+        demands = op_demands(graph, machine, fixed, rated, wake)
+        start, end, gate = _shared_schedule(graph, demands, deps, machine.cores, slots)
         dur = [e - s for s, e in zip(start, end)]
     else:
         dur = [r + f for r, f in zip(rated, fixed)]
@@ -403,25 +394,39 @@ def _independent_schedule(graph: TaskGraph, dur, deps, lane_prev, order, slots: 
     return start, end, gate
 
 
-def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, slots: dict[str, int],
-                     under: list[float], first: list[bool], wake=None):
+class OpDemand(NamedTuple):
+    """What one op asks of its rank while it runs: the inputs of the core-sharing model."""
+    fixed: float        # seconds of host work first, one thread's (:func:`op_fixed`)
+    work: float         # seconds of its rated work alone (:func:`rated_duration`)
+    work_cores: float   # cores its work keeps busy (:func:`cpu_demand`)
+    under: float        # the share of its rate it keeps while the cores are full; 0: a fair share (:func:`under_load`)
+    first: bool         # a disk transfer that takes its share before the others (:func:`takes_share_first`)
+    wake: float         # seconds it starts after an input made on another lane ended (:func:`wake_after`)
+
+
+def op_demands(graph: TaskGraph, machine: MachineProfile, fixed: list[float], work: list[float],
+               wake: list[float]) -> list[OpDemand]:
+    """Each op's :class:`OpDemand` on ``machine`` (resolved for the graph's shape)."""
+    share_first = takes_share_first(machine)
+    return [OpDemand(fixed[i], work[i], cpu_demand(op, machine), under_load(graph, op, machine),
+                     op.kind.startswith("nvme.") and share_first, wake[i])
+            for i, op in enumerate(graph.ops)]
+
+
+def _shared_schedule(graph: TaskGraph, demands: list[OpDemand], deps, cores: float, slots: dict[str, int]):
     """Start and end per op when running ops share ``cores``: an event loop over op
     completions; between two events every running op progresses at a fixed rate. An op
     first spends its ``fixed`` seconds (one thread of host work), then its ``work`` seconds
-    (``demand`` cores); each takes that long alone and is slowed by the share while the
-    running ops' demand exceeds ``cores``. An op with ``under[i] > 0`` (:func:`under_load`)
-    takes no share for its work (its fixed part takes one) and moves at ``under[i]`` of its
-    rate while the others fill the cores;
-    one with ``first[i]`` (a disk transfer, :func:`takes_share_first`) takes its share before the others
-    divide what is left. A lane runs one op at a time, or ``slots[lane]``, started in lane order; an
-    op starts no sooner than ``wake[i]`` after an input made on another lane ended (waiting, no
-    share). Also returns each op's lane gate (see _independent_schedule)."""
-    n = len(work)
+    (``work_cores`` busy); each takes that long alone and is slowed by the share while the
+    running ops' demand exceeds ``cores`` (:func:`_share_rates`). A lane runs one op at a time,
+    or ``slots[lane]``, started in lane order; an op starts no sooner than its ``wake`` after an
+    input made on another lane ended (waiting, no share). Also returns each op's lane gate (see
+    _independent_schedule)."""
+    n = len(demands)
     ops = graph.ops
-    wake = wake or [0.0] * n
     ready_at = [0.0] * n                     # no start before: the latest input from another lane + wake
     lanes: dict[str, list[int]] = {}
-    for i, op in enumerate(graph.ops):
+    for i, op in enumerate(ops):
         lanes.setdefault(op.lane, []).append(i)
     queues = list(lanes.values())
     capacity = [slots.get(lane, 1) for lane in lanes]
@@ -433,8 +438,8 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
         for d in ds:
             succ[d].append(i)
     start, end, gate = [0.0] * n, [0.0] * n, [-1] * n
-    fixed_left, work_left = list(fixed), list(work)
-    fixed_demand = min(1.0, cores)
+    fixed_left, work_left = [d.fixed for d in demands], [d.work for d in demands]
+    fixed_demand = min(1.0, cores)           # a fixed part is one thread's work
     running: dict[int, int] = {}             # op running -> its lane queue
     busy = [0] * len(queues)                 # ops running per lane
     t, done = 0.0, 0
@@ -458,25 +463,7 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
                 t = woken
                 continue
             raise CyclicGraphError(next(i for i in range(n) if waiting[i] > 0))
-        # a fixed part is the host's own work (a collective's issue and completion too): it takes its share
-        need = {i: (0.0 if under[i] else demand[i]) if fixed_left[i] == 0.0 else fixed_demand for i in running}
-        load = sum(need.values())
-        # disk transfers past their fixed part take their share first; the others share the rest
-        claiming = {i for i in running if first[i] and fixed_left[i] == 0.0}
-        claim = sum(need[i] for i in claiming)
-        room, rest = max(0.0, cores - claim), load - claim
-        slow = room / rest if rest > room else 1.0
-        idle = max(0.0, cores - load)
-        rate = {}
-        for i in running:
-            if i in claiming:
-                rate[i] = min(1.0, cores / claim) if need[i] > 0 else 1.0
-            elif need[i] > 0:
-                rate[i] = slow
-            elif under[i]:      # a collective under load moves in what the others leave idle, at least at ``under``
-                rate[i] = max(under[i], min(1.0, idle / demand[i]))
-            else:
-                rate[i] = 1.0
+        rate = _share_rates(running, fixed_left, demands, cores, fixed_demand)
         # the next event: an op leaves its fixed part (and starts competing), or ends
         dt = min((fixed_left[i] if fixed_left[i] > 0 else work_left[i]) / rate[i] for i in running if rate[i] > 0)
         dt = min(dt, woken - t)
@@ -484,11 +471,11 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
         for i, q in list(running.items()):
             if fixed_left[i] > 0:
                 fixed_left[i] -= dt * rate[i]
-                if fixed_left[i] <= 1e-12 * (1.0 + fixed[i]):
+                if fixed_left[i] <= 1e-12 * (1.0 + demands[i].fixed):
                     fixed_left[i] = 0.0
             else:
                 work_left[i] -= dt * rate[i]
-            if fixed_left[i] == 0.0 and work_left[i] <= 1e-12 * (1.0 + work[i]):
+            if fixed_left[i] == 0.0 and work_left[i] <= 1e-12 * (1.0 + demands[i].work):
                 end[i] = t
                 del running[i]
                 busy[q] -= 1
@@ -496,9 +483,39 @@ def _shared_schedule(graph: TaskGraph, fixed, work, deps, demand, cores: float, 
                 done += 1
                 for s_ in succ[i]:
                     waiting[s_] -= 1
-                    if wake[s_] and ops[s_].lane != ops[i].lane and t + wake[s_] > ready_at[s_]:
-                        ready_at[s_] = t + wake[s_]
+                    wake = demands[s_].wake
+                    if wake and ops[s_].lane != ops[i].lane and t + wake > ready_at[s_]:
+                        ready_at[s_] = t + wake
     return start, end, gate
+
+
+def _share_rates(running: dict[int, int], fixed_left: list[float], demands: list[OpDemand],
+                 cores: float, fixed_demand: float) -> dict[int, float]:
+    """Per running op, the share of its rate it moves at until the next event. A fixed part is
+    the host's own work (a collective's issue and completion too): it takes one thread's share.
+    An op with ``under`` takes no share for its work and moves in what the others leave idle, at
+    least at ``under`` of its rate; one with ``first`` takes its share before the others divide
+    what is left; the rest share the cores fairly. ``fixed_demand``: a fixed part's demand."""
+    need = {i: (0.0 if (op := demands[i]).under else op.work_cores) if fixed_left[i] == 0.0 else fixed_demand
+            for i in running}
+    load = sum(need.values())
+    # disk transfers past their fixed part take their share first; the others share the rest
+    claiming = {i for i in running if demands[i].first and fixed_left[i] == 0.0}
+    claim = sum(need[i] for i in claiming)
+    room, rest = max(0.0, cores - claim), load - claim
+    slow = room / rest if rest > room else 1.0
+    idle = max(0.0, cores - load)
+    rate = {}
+    for i, needs in need.items():
+        if i in claiming:
+            rate[i] = min(1.0, cores / claim) if needs > 0 else 1.0
+        elif needs > 0:
+            rate[i] = slow
+        elif demands[i].under:
+            rate[i] = max(demands[i].under, min(1.0, idle / demands[i].work_cores))
+        else:
+            rate[i] = 1.0
+    return rate
 
 
 def machine_of(graph: TaskGraph) -> MachineProfile:
