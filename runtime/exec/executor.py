@@ -14,6 +14,10 @@ the completion of every op it depends on, then launches:
 * copies and NVMe transfers run in their lane's worker thread;
 * frees are bookkeeping and run with their lane's other ops.
 
+An op may also wait for an input from outside the graph (``gates``: the Python API's
+user thread hands over a micro-batch and the gradient of its output this way); its lane
+waits for it as for a dependency, and the other lanes go on meanwhile.
+
 A failing op cancels the step's nursery; the error names the rank, the op
 and the unit. Each collective issued and each op finished is written to the
 rank's progress board (``runtime/exec/board.py``: two stores into a mapped
@@ -65,8 +69,11 @@ class Executor:
     """
 
     def __init__(self, graph: TaskGraph, state: OpState, rank: int, record: bool = True, streams=None,
-                 board=None):
+                 board=None, gates=None):
+        """``gates``: {op id: async callable} awaited after the op's dependencies and before it
+        starts, every step: an input that comes from outside the graph."""
         self.graph = graph
+        self.gates = dict(gates or {})
         self.board = board                # runtime.launch's progress board (int64 slots), or None
         self.streams = streams            # runtime.streams.LaneStreams on CUDA, else None
         self.state = state
@@ -85,6 +92,13 @@ class Executor:
         self.step = -1
 
     async def run_step(self) -> StepRecord:
+        """Run one step of the graph; returns its time (and op times when recording)."""
+        self.begin_step()
+        return await self.run_begun()
+
+    def begin_step(self) -> None:
+        """Make the step's completion events (``done``), so that a caller may wait for an op of
+        the step before :meth:`run_begun` starts it; call from the trio thread."""
         n = len(self.graph.ops)
         self.done = [trio.Event() for _ in range(n)]
         self.starts = [0.0] * n
@@ -93,6 +107,10 @@ class Executor:
         self.token = trio.lowlevel.current_trio_token()
         self.t0 = time.perf_counter()
         self.step += 1
+
+    async def run_begun(self) -> StepRecord:
+        """Run the step :meth:`begin_step` prepared."""
+        n = len(self.graph.ops)
         if self.streams is not None:
             self.streams.begin_step()
         try:
@@ -121,6 +139,9 @@ class Executor:
             for d in op.deps:
                 if not done[d].is_set():
                     await done[d].wait()
+            gate = self.gates.get(op.id)
+            if gate is not None:
+                await gate()
             if op.kind.startswith("comm."):
                 tick = time.perf_counter()
                 self.starts[op.id] = tick - self.t0
@@ -158,7 +179,8 @@ class Executor:
         n = 0
         while i + n < len(ops):
             op = ops[i + n]
-            if n and (op.kind.startswith("comm.") or not all(self.flags[d] for d in op.deps)):
+            if n and (op.kind.startswith("comm.") or op.id in self.gates
+                      or not all(self.flags[d] for d in op.deps)):
                 break
             self.starts[op.id] = time.perf_counter() - self.t0
             if slot is not None:
