@@ -105,20 +105,22 @@ def agree_on_graph(graph: TaskGraph, rank: int, world: int, device: torch.device
                           "run the same schedule file and --set overrides on every rank")
 
 
-def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=None,
-               eval_graph: TaskGraph | None = None) -> list[StepMetrics]:
-    """Train on this rank; returns the per-step metrics (complete on rank 0). ``eval_graph``: the
-    schedule's forward-only graph (``eval``), run by ``runtime/run/evaluate.py``."""
-    from zdsl.runtime.models.protocol import build_model
-    from zdsl.runtime.data import make_batch
-    from zdsl.runtime.state.rank import RankState
-
+def join_launched(graph: TaskGraph, timeout_s: float) -> tuple[int, int, torch.device]:
+    """This process as a launcher started it (``zdsl run``, torchrun): its rank, the world and
+    its device, with the process group joined; the caller leaves it (:func:`leave_group`)."""
     rank, world = env_rank()
     if world != graph.ranks:
         raise LaunchError(f"the schedule was compiled for {graph.ranks} ranks but {world} were launched; "
                           f"launch {graph.ranks} ranks or set `ranks {world}` (--set ranks={world})")
-    cfg = graph.config
-    device = pick_device(cfg.get("device", "auto"), rank)
+    device = prepare_host(graph, rank, world)
+    init_group(rank, world, device, timeout_s)
+    return rank, world, device
+
+
+def prepare_host(graph: TaskGraph, rank: int, world: int) -> torch.device:
+    """The rank's device, its share of the host's cores and the collectives' settings checked:
+    what a rank does before it joins its group."""
+    device = pick_device(graph.config.get("device", "auto"), rank)
     if device.type == "cpu":
         set_cpu_threads(rank, world)
     else:
@@ -127,18 +129,86 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         check_settings()
     except ValueError as e:
         raise LaunchError(str(e)) from None
-    init_group(rank, world, device, options.timeout_s)
+    return device
+
+
+@dataclass
+class RankRun:
+    """One rank ready to run steps: its agreed graph, its state and the executor that runs the graph
+    on it. ``zdsl run`` (:class:`TrainLoop`) and the Python API (``runtime/api/``) both step through
+    it: :meth:`begin_step`, then :meth:`run_step` (on the trio loop), then :meth:`end_step`."""
+    graph: TaskGraph
+    schedule: object
+    units: list
+    rank: int
+    world: int
+    device: torch.device
+    model: object                   # the model whose parameters now live in ``state``
+    state: object                   # runtime/state/rank.py's RankState
+    executor: Executor
+    rates: LrSchedule               # from the global step: a resumed run continues it
+
+    def begin_step(self, step: int, batches, timed: bool) -> float:
+        """Set the step's learning rate and micro-batches (None: a user loop feeds them one at a
+        time) and prepare the executor; returns the learning rate. On the trio thread."""
+        lr = self.rates.at(step)
+        for opt in self.state.optims:
+            opt.set_lr(lr)
+        self.state.step_begin(step, batches)
+        executor = self.executor
+        if executor.board is not None:
+            executor.board[STEP] = step
+        executor.record = timed
+        if executor.streams is not None:
+            executor.streams.timing = timed   # untimed steps order with cheaper CUDA events
+        executor.begin_step()
+        return lr
+
+    async def run_step(self) -> StepRecord:
+        """Run the step :meth:`begin_step` prepared."""
+        return await self.executor.run_begun()
+
+    def end_step(self, step: int) -> dict:
+        """The step's results (``RankState.step_end``: loss, skipped, grad_norm, loss_scale)."""
+        result = self.state.step_end()
+        if self.executor.board is not None:
+            self.executor.board[STEP_DONE] = step
+        return result
+
+
+def open_rank(stack: contextlib.ExitStack, graph: TaskGraph, schedule, units, rank: int, world: int,
+              device: torch.device, *, model=None, eval_graph: TaskGraph | None = None) -> RankRun:
+    """Agree on the graph with every rank, build the rank's state from ``model`` (None: the
+    schedule's ``model``, built from the run's seed, unit by unit) and its executor. What must be
+    undone (NVMe swap files, CUDA streams) is put on ``stack``. Every rank calls it together."""
+    from zdsl.runtime.models.protocol import build_model
+    from zdsl.runtime.state.rank import RankState
+
+    cfg = graph.config
+    agree_on_graph(graph, rank, world, device)
+    if eval_graph is not None:
+        agree_on_graph(eval_graph, rank, world, device)
+    torch.manual_seed(cfg["train"]["seed"])     # what the model and its units draw (dropout): the same every run
+    if model is None:
+        model = build_model(schedule.model, seed=cfg["train"]["seed"], lazy=True)   # RankState: unit by unit
+    state = RankState(graph, model, rank=rank, world=world, device=device)
+    stack.callback(state.close_swap)    # even when the step failed (ranks end by os._exit: no atexit)
+    streams = stack.enter_context(run_streams(graph, device, state, rank))   # CUDA's, or ZDSL_HB_CHECK's
+    executor = Executor(graph, state, rank, record=True, streams=streams, board=rank_board())
+    return RankRun(graph, schedule, units, rank, world, device, model, state, executor,
+                   LrSchedule.of(cfg["optimizer"], cfg["train"]["steps"]))
+
+
+def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=None,
+               eval_graph: TaskGraph | None = None) -> list[StepMetrics]:
+    """Train on this rank; returns the per-step metrics (complete on rank 0). ``eval_graph``: the
+    schedule's forward-only graph (``eval``), run by ``runtime/run/evaluate.py``."""
+    from zdsl.runtime.data import make_batch
+
+    rank, world, device = join_launched(graph, options.timeout_s)
     with contextlib.ExitStack() as stack:
         stack.callback(leave_group)
-        agree_on_graph(graph, rank, world, device)
-        if eval_graph is not None:
-            agree_on_graph(eval_graph, rank, world, device)
-        torch.manual_seed(cfg["train"]["seed"])     # what the model and its units draw (dropout): the same every run
-        model = build_model(schedule.model, seed=cfg["train"]["seed"], lazy=True)   # RankState: unit by unit
-        state = RankState(graph, model, rank=rank, world=world, device=device)
-        stack.callback(state.close_swap)    # even when the step failed (ranks end by os._exit: no atexit)
-        streams = stack.enter_context(run_streams(graph, device, state, rank))   # CUDA's, or ZDSL_HB_CHECK's
-        executor = Executor(graph, state, rank, record=True, streams=streams, board=rank_board())
+        run = open_rank(stack, graph, schedule, units, rank, world, device, eval_graph=eval_graph)
         scalars = None
         if rank == 0 and options.tensorboard:
             from zdsl.runtime.run.tensorboard import TensorBoardWriter
@@ -146,82 +216,98 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
         evaluator = None
         if eval_graph is not None and schedule.eval is not None:
             from zdsl.runtime.run.evaluate import Evaluator
-            evaluator = Evaluator(eval_graph, schedule.eval, state, seed=cfg["train"]["seed"], rank=rank,
-                                  world=world, batch=cfg["train"]["batch"], device=device, make_batch=make_batch)
-        return trio.run(run_stoppable, _loop, graph, schedule, units, state, executor, rank, world, device,
-                        options, reporter, make_batch, scalars, evaluator)
+            evaluator = Evaluator(eval_graph, schedule.eval, run.state, seed=graph.config["train"]["seed"],
+                                  rank=rank, world=world, batch=graph.config["train"]["batch"], device=device,
+                                  make_batch=make_batch)
+        loop = TrainLoop(run, options, reporter, make_batch, scalars, evaluator)
+        return trio.run(run_stoppable, loop.train)
 
 
-async def _loop(graph, schedule, units, state, executor, rank, world, device, options, reporter, make_batch,
-                scalars=None, evaluator=None):
-    cfg = graph.config
-    train = cfg["train"]
-    steps, acc, batch = train["steps"], train["accumulate"], train["batch"]
-    records: list[tuple[int, StepRecord]] = []
-    history: list[StepMetrics] = []
-    say = (lambda text: print(f"zdsl: {text}", flush=True)) if rank == 0 else (lambda text: None)
-    rates = LrSchedule.of(cfg["optimizer"], steps)   # from the global step: a resumed run continues it
-    first = 0
-    if options.resume:
-        from zdsl.runtime.checkpoint.checkpointer import resume
-        first = resume(options.resume, graph, state, rank, world, say, fresh_optimizer=options.fresh_optimizer)
-        say(f"resumed at step {first} from {options.resume}" if first < steps else
-            f"{options.resume} already completed {first} steps and the schedule trains {steps}: nothing left "
-            f"to train (--set steps=N with N > {first} trains on)")
+@dataclass
+class TrainLoop:
+    """``zdsl run``'s loop on one rank: the schedule's data, steps, metrics, checkpoints, evaluation."""
+    run: RankRun
+    options: RunOptions
+    reporter: object = None          # runtime/run/progress.py's Reporter (rank 0), or None
+    make_batch: object = None        # the data sources' entry point (runtime/data)
+    scalars: object = None           # TensorBoard writer (rank 0), or None
+    evaluator: object = None         # runtime/run/evaluate.py's Evaluator, or None
+    records: list = field(default_factory=list)      # (step, StepRecord) kept for --trace/--timeline
+
+    def say(self, text: str) -> None:
+        if self.run.rank == 0:
+            print(f"zdsl: {text}", flush=True)
+
+    async def train(self) -> list[StepMetrics]:
+        run, options = self.run, self.options
+        steps = run.graph.config["train"]["steps"]
+        history: list[StepMetrics] = []
+        first = self.resume(steps)
         if first >= steps:
             if options.export:
-                state.export(options.export)
+                run.state.export(options.export)
             return history
-    checkpointer = None
-    if options.checkpoint_dir and options.checkpoint_every > 0:
-        from zdsl.runtime.checkpoint.checkpointer import Checkpointer
-        checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every, options.checkpoint_keep,
-                                    graph, units, rank, world, say)
-    for step in range(first, steps):
-        batches = [as_batch(make_batch(schedule.data, train["seed"], step, m, rank, world, batch)).to(device)
-                   for m in range(acc)]
-        lr = rates.at(step)
-        for opt in state.optims:
-            opt.set_lr(lr)
-        state.step_begin(step, batches)
-        if executor.board is not None:
-            executor.board[STEP] = step
-        executor.record = timed_step(options, step, steps)
-        if executor.streams is not None:
-            executor.streams.timing = executor.record   # untimed steps order with cheaper CUDA events
-        record = await executor.run_step()
-        result = state.step_end()
-        if executor.board is not None:
-            executor.board[STEP_DONE] = step
+        checkpointer = None
+        if options.checkpoint_dir and options.checkpoint_every > 0:
+            from zdsl.runtime.checkpoint.checkpointer import Checkpointer
+            checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every, options.checkpoint_keep,
+                                        run.graph, run.units, run.rank, run.world, self.say)
+        for step in range(first, steps):
+            metrics = await self.step(step, steps)
+            history.append(metrics)
+            if run.rank == 0 and self.reporter is not None:
+                self.reporter.step(metrics)
+            if self.scalars is not None:
+                self.scalars.step(metrics)
+            if checkpointer is not None and (step + 1) % checkpointer.every == 0:
+                checkpointer.save(step + 1, run.state)
+        if checkpointer is not None:
+            checkpointer.wait()
+            if self.reporter is not None and checkpointer.costs:
+                self.reporter.checkpoint_costs = checkpointer.costs
+        if options.export:
+            run.state.export(options.export)
         if options.trace or options.timeline:
-            records.append((step, record))
-            records = records[-options.trace_steps:]
+            from zdsl.runtime.exec.tracing import write_measured_trace
+            write_measured_trace(run.graph, self.records, run.rank, run.world, options, run.state)
+        return history
+
+    def resume(self, steps: int) -> int:
+        """The first step to run: 0, or the step after ``--resume``'s checkpoint."""
+        run, options = self.run, self.options
+        if not options.resume:
+            return 0
+        from zdsl.runtime.checkpoint.checkpointer import resume
+        first = resume(options.resume, run.graph, run.state, run.rank, run.world, self.say,
+                       fresh_optimizer=options.fresh_optimizer)
+        self.say(f"resumed at step {first} from {options.resume}" if first < steps else
+                 f"{options.resume} already completed {first} steps and the schedule trains {steps}: nothing "
+                 f"left to train (--set steps=N with N > {first} trains on)")
+        return first
+
+    async def step(self, step: int, steps: int) -> StepMetrics:
+        """One step of the schedule's data: run, then its metrics gathered over the ranks."""
+        run, options = self.run, self.options
+        train = run.graph.config["train"]
+        batches = [as_batch(self.make_batch(run.schedule.data, train["seed"], step, m, run.rank, run.world,
+                                            train["batch"])).to(run.device)
+                   for m in range(train["accumulate"])]
+        lr = run.begin_step(step, batches, timed_step(options, step, steps))
+        record = await run.run_step()
+        result = run.end_step(step)
+        if options.trace or options.timeline:
+            self.records.append((step, record))
+            self.records = self.records[-options.trace_steps:]
         # the overlap report costs O(ops): every step when metrics are written, else the last step
-        overlap = analyze(graph, [(t.start, t.end) for t in record.timings], rank=rank,
+        overlap = analyze(run.graph, [(t.start, t.end) for t in record.timings], rank=run.rank,
                           step_time=record.seconds) if record.timings and (options.metrics or step == steps - 1) \
             else None
-        metrics = gather_metrics(step, record, result, state, world, device, tokens=label_count(batches),
-                                 overlap=overlap)
+        metrics = gather_metrics(step, record, result, run.state, run.world, run.device,
+                                 tokens=label_count(batches), overlap=overlap)
         metrics.lr = lr
-        if evaluator is not None and evaluator.due(step, steps):
-            metrics.val_loss = await evaluator.run(step)
-        history.append(metrics)
-        if rank == 0 and reporter is not None:
-            reporter.step(metrics)
-        if scalars is not None:
-            scalars.step(metrics)
-        if checkpointer is not None and (step + 1) % checkpointer.every == 0:
-            checkpointer.save(step + 1, state)
-    if checkpointer is not None:
-        checkpointer.wait()
-        if reporter is not None and checkpointer.costs:
-            reporter.checkpoint_costs = checkpointer.costs
-    if options.export:
-        state.export(options.export)
-    if options.trace or options.timeline:
-        from zdsl.runtime.exec.tracing import write_measured_trace
-        write_measured_trace(graph, records, rank, world, options, state)
-    return history
+        if self.evaluator is not None and self.evaluator.due(step, steps):
+            metrics.val_loss = await self.evaluator.run(step)
+        return metrics
 
 
 def timed_step(options, step: int, steps: int) -> bool:
