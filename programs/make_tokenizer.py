@@ -22,8 +22,8 @@ END_OF_TEXT = "<|endoftext|>"
 
 
 def documents():
-    from zdsl.text_source import STDLIB
-    from zdsl.text_source import text_files
+    from zdsl.sources.text import STDLIB
+    from zdsl.sources.text import text_files
     for path in text_files(STDLIB):
         yield path.read_text(encoding="utf-8", errors="replace")
     sft = HERE / "data" / "sft.jsonl"

@@ -130,7 +130,7 @@ def print_lowered(path: str, overrides, units_for) -> int:
     """The pipelines a policy file expands to, as valid .zs."""
     from zdsl.compile.lower import lower_policies
     from zdsl.lang.printer import print_schedule
-    from zdsl.python_source import sizing_data
+    from zdsl.sources import sizing_data
     compiled = load(path, overrides, units_for)
     if compiled.ok:
         schedule = compiled.schedule

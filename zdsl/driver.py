@@ -91,8 +91,8 @@ def size(out: Compiled, units_for) -> bool:
     from zdsl.compile.models import ModelSizingError
     from zdsl.compile.models import run_context
     from zdsl.lang.errors import Diagnostic
-    from zdsl.python_source import PythonDataError
-    from zdsl.python_source import sizing_data
+    from zdsl.sources.python import PythonDataError
+    from zdsl.sources import sizing_data
     model_span = out.schedule.spans.get("model")
     try:
         out.units = units_for(out.schedule.model, run_context(out.schedule), **sizing_data(out.schedule.data))
@@ -134,8 +134,8 @@ def evaluation_graph(out: Compiled, units_for, simulate: bool = True) -> bool:
     from zdsl.compile.models import ModelSizingError
     from zdsl.compile.verify import to_diagnostic
     from zdsl.lang.errors import Diagnostic
-    from zdsl.python_source import PythonDataError
-    from zdsl.python_source import sizing_data
+    from zdsl.sources.python import PythonDataError
+    from zdsl.sources import sizing_data
     schedule = out.schedule
     span = schedule.spans.get("eval.data") or schedule.spans.get("eval")
     try:

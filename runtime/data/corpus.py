@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from zdsl.text_source import STDLIB_CAP
-from zdsl.text_source import stdlib_files
+from zdsl.sources.text import STDLIB_CAP
+from zdsl.sources.text import stdlib_files
 
 
 class CorpusError(ValueError):

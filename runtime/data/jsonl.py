@@ -3,7 +3,7 @@
 Tokenised once into a cache (as ``text(...)`` is: zdsl/runtime/data/text.py), keyed by the
 file (path, size, mtime), the tokenizer file's bytes, its end-of-text id and the two field
 names: ``KEY.tokens`` holds every record's ids back to back (prompt, response, end of text;
-zdsl/jsonl_source.py reads the records), ``KEY.index`` each record's start and prompt length.
+zdsl/sources/jsonl.py reads the records), ``KEY.index`` each record's start and prompt length.
 An exclusive ``flock`` makes processes started together tokenise once; ``zdsl run``'s
 launcher does it before any rank starts (runtime/run/preflight.py), and reports there how
 many records are longer than the context.
@@ -35,19 +35,19 @@ import numpy as np
 import torch
 
 from zdsl.cache import cache_dir
-from zdsl.jsonl_source import JsonlSourceError
-from zdsl.jsonl_source import file_key
-from zdsl.jsonl_source import records
+from zdsl.sources.jsonl import JsonlSourceError
+from zdsl.sources.jsonl import file_key
+from zdsl.sources.jsonl import records
 from zdsl.runtime.io.atomic import renamed_into_place
 from zdsl.runtime.models.batch import IGNORE_INDEX
 from zdsl.runtime.models.batch import Batch
-from zdsl.text_source import TextSourceError
-from zdsl.text_source import end_of_text
-from zdsl.text_source import id_count
-from zdsl.text_source import token_dtype
-from zdsl.text_source import tokenizer_file
-from zdsl.text_source import tokenizer_json
-from zdsl.text_source import tokenizers_missing
+from zdsl.sources.text import TextSourceError
+from zdsl.sources.text import end_of_text
+from zdsl.sources.text import id_count
+from zdsl.sources.text import token_dtype
+from zdsl.sources.text import tokenizer_file
+from zdsl.sources.text import tokenizer_json
+from zdsl.sources.text import tokenizers_missing
 
 FORMAT_VERSION = 1
 RECORDS_PER_CALL = 8192          # records per encode_batch call: enough to keep every core busy

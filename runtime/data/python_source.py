@@ -38,8 +38,8 @@ import inspect
 
 import torch
 
-from zdsl.python_source import CALL_ARGS
-from zdsl.python_source import PythonDataError
+from zdsl.sources.python import CALL_ARGS
+from zdsl.sources.python import PythonDataError
 from zdsl.runtime.models.batch import IGNORE_INDEX
 
 

@@ -1,6 +1,6 @@
 """``text("FILE or FOLDER", tokenizer=...)``: text tokenised once into a cached token file.
 
-The documents (zdsl/text_source.py says which files, in which order) go through a
+The documents (zdsl/sources/text.py says which files, in which order) go through a
 Hugging Face ``tokenizers`` tokenizer, the end-of-text id after each, into a flat
 token file under zdsl's cache folder; from there the data is read exactly as
 ``tokens(FILE)`` reads a file (zdsl/runtime/data/tokens.py: windows, sampling, the
@@ -29,15 +29,15 @@ import numpy as np
 
 from zdsl.cache import cache_dir
 from zdsl.runtime.io.atomic import renamed_into_place
-from zdsl.text_source import STDLIB
-from zdsl.text_source import TextSourceError
-from zdsl.text_source import end_of_text
-from zdsl.text_source import id_count
-from zdsl.text_source import text_files
-from zdsl.text_source import token_dtype
-from zdsl.text_source import tokenizer_file
-from zdsl.text_source import tokenizer_json
-from zdsl.text_source import tokenizers_missing
+from zdsl.sources.text import STDLIB
+from zdsl.sources.text import TextSourceError
+from zdsl.sources.text import end_of_text
+from zdsl.sources.text import id_count
+from zdsl.sources.text import text_files
+from zdsl.sources.text import token_dtype
+from zdsl.sources.text import tokenizer_file
+from zdsl.sources.text import tokenizer_json
+from zdsl.sources.text import tokenizers_missing
 
 FORMAT_VERSION = 1
 BATCH_BYTES = 16 << 20           # text per encode_batch call: enough documents to keep every core busy

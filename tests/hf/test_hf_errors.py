@@ -11,7 +11,7 @@ import pytest
 from hf_tiny import save_tiny
 from helpers import zdsl
 
-from zdsl.check import checker
+from zdsl.check import model as model_checks
 from zdsl.cli import main
 from zdsl.check.checker import check_text
 from zdsl.lang.errors import ZsError
@@ -97,7 +97,7 @@ def test_data_longer_than_the_model(tmp_path, capsys):
 
 def test_without_transformers_the_extra_is_named(tmp_path, monkeypatch):
     save_tiny("llama", tmp_path / "m", weights=False)
-    monkeypatch.setattr(checker, "transformers_installed", lambda: False)
+    monkeypatch.setattr(model_checks, "transformers_installed", lambda: False)
     with pytest.raises(ZsError) as err:
         check_text('model hf("m")\n', str(tmp_path / "s.zs"))
     d = err.value.diagnostics[0]

@@ -16,8 +16,8 @@ from sft_data import sft_spec
 from sft_data import train_tokenizer
 from sft_data import write_jsonl
 
-from zdsl.jsonl_source import JsonlSourceError
-from zdsl.jsonl_source import check_jsonl
+from zdsl.sources.jsonl import JsonlSourceError
+from zdsl.sources.jsonl import check_jsonl
 from zdsl.runtime.data import jsonl as jsonl_module
 from zdsl.runtime.data import make_batch
 from zdsl.runtime.data import sample_keys
@@ -25,7 +25,7 @@ from zdsl.runtime.data.jsonl import jsonl_problem
 from zdsl.runtime.data.jsonl import jsonl_tokens
 from zdsl.runtime.data.jsonl import sft_rows
 from zdsl.runtime.models.batch import IGNORE_INDEX
-from zdsl.text_source import TextSourceError
+from zdsl.sources.text import TextSourceError
 
 pytest.importorskip("tokenizers")
 

@@ -12,8 +12,8 @@ import torch
 
 from zdsl.check.checker import check_text
 from zdsl.lang.errors import ZsError
-from zdsl.python_source import PythonDataError
-from zdsl.python_source import defines
+from zdsl.sources.python import PythonDataError
+from zdsl.sources.python import defines
 from zdsl.runtime.data import make_batch
 from zdsl.runtime.data.python_source import python_problem
 from zdsl.schedule import DataSpec

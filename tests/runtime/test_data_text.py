@@ -15,8 +15,8 @@ from zdsl.runtime.data import text as text_module
 from zdsl.runtime.data.text import text_problem
 from zdsl.runtime.data.text import text_tokens
 from zdsl.schedule import DataSpec
-from zdsl.text_source import TextSourceError
-from zdsl.text_source import text_files
+from zdsl.sources.text import TextSourceError
+from zdsl.sources.text import text_files
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from zdsl.check.draft import StatementChecks
 from zdsl.lang import ast
 from zdsl.lang.errors import did_you_mean
 from zdsl.schedule import ALL_OVERLAPS
@@ -27,7 +28,7 @@ from zdsl.ir import TIERS
 OFFLOAD_TIERS = ("cpu", "nvme", "device")
 
 
-class PlacementChecks:
+class PlacementChecks(StatementChecks):
     def _zero(self, st: ast.ZeroStmt) -> None:
         stage = self.r.integer(st.stage, "zero stage", 0, 3)
         if stage is not None:

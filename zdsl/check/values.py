@@ -9,6 +9,7 @@ problem in it.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from zdsl.lang import ast
 from zdsl.lang.errors import Diagnostic
@@ -212,6 +213,26 @@ class Reader:
                            hint=f"the first is at column {out[key].span.column}; keep one")
                 continue
             out[key] = arg
+        return out
+
+    def free_settings(self, args: list[ast.Arg], record: Callable[[str, Span], None], reserved=(),
+                      why: str = "", fix: str = "") -> dict:
+        """A call's free-form ``name=value`` settings as Python values (passed on to a user's function
+        or a model's config; bare values are left to the caller), each one's span given to ``record``;
+        a name set twice or ``reserved`` is an error (``why``, ``fix``: its message and hint, ``{name}``
+        filled in)."""
+        out: dict = {}
+        for arg in args:
+            if arg.key is None:
+                continue
+            name = arg.key.value
+            if name in out:
+                self.error(arg.key.span, f"{name} is set twice")
+            elif name in reserved:
+                self.error(arg.key.span, why.format(name=name), hint=fix.format(name=name))
+            else:
+                out[name] = self.python(arg.value)
+                record(name, arg.span)
         return out
 
 

@@ -270,7 +270,7 @@ def _ranges(units: list[int]) -> str:
 
 
 def _machine(s: Schedule) -> str | None:
-    from zdsl.check.checker import CPU_PROFILE, CUDA_PROFILE   # the checker owns the built-in profiles
+    from zdsl.check.machine import CPU_PROFILE, CUDA_PROFILE   # the checker owns the built-in profiles
     m = s.machine
     default = CUDA_PROFILE if s.device == "cuda" else CPU_PROFILE
     if dataclasses.asdict(m) == dataclasses.asdict(default):
