@@ -49,7 +49,7 @@ def test_compiled_schedules_verify_clean(stage, extra):
 
 
 @pytest.mark.parametrize("placement", [
-    {"parameters": Placement("nvme", path="/tmp/x"), "optimizer": Placement("nvme", path="/tmp/x")},
+    {"parameters": Placement("nvme", paths=("/tmp/x",)), "optimizer": Placement("nvme", paths=("/tmp/x",))},
     {"parameters": Placement("cpu"), "optimizer": Placement("cpu")},
 ])
 def test_offloaded_stage_3_verifies_clean(placement):
