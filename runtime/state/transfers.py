@@ -61,8 +61,10 @@ class Transfers:
         return list(self._swappers.values())
 
     def close_swap(self) -> None:
-        """Remove this rank's NVMe swap files, if it opened any (every swapper, even after one failed)."""
-        swappers, self._swappers = list(self._swappers.values()), {}
+        """Remove this rank's NVMe swap files, if it opened any (every swapper, even after one failed).
+        The last opened closes first: where two share a folder, the first made it and removes it
+        only once the other's run folder has gone."""
+        swappers, self._swappers = list(self._swappers.values())[::-1], {}
         errors = []
         for swapper in swappers:
             try:

@@ -100,6 +100,7 @@ def test_one_folder_with_two_settings_gets_a_swapper_for_each(tmp_path, one_fold
     assert sorted(s.block_bytes for s in swappers) == [8192, 1 << 16]
     assert len({s.run_dir for s in swappers}) == 2
     assert losses == one_folder
+    assert list(folder.iterdir()) == []             # its rank0 folder went with the last swapper closed
 
 
 def test_every_swappers_transfers_are_stamped_for_the_stream_checker(tmp_path, group, monkeypatch):
