@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
     dropped = drop_caches()
-    print(f"folder {', '.join(map(str, folders))}, {size / GiB:.2f} GiB, block {args.block >> 10} KiB, queue depth {args.qd}, "
+    print(f"folder {', '.join(map(str, folders))}, {size / GiB:.2f} GiB, block {args.block >> 10} KiB, "
+          f"queue depth {args.qd}, "
           f"verify={'off' if args.no_verify else checksum.DEFAULT.algo}, "
           f"page cache drop {'yes' if dropped else 'not permitted'}, "
           f"baseline {baseline}, {args.repeat} repeats (median)")
