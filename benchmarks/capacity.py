@@ -64,6 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from zdsl.runtime.dist.spawn import free_port, rank_env  # noqa: E402
+from zdsl.schedule import nvme_placements  # noqa: E402
 
 SCHEDULE = ROOT / "programs" / "capacity.zs"
 GIB = 1 << 30
@@ -141,8 +142,18 @@ def nvme_bytes(graph) -> int:
 
 
 def swap_place(graph) -> dict:
-    """The first NVMe placement: its folder, block size and queue depth."""
-    return next((p for p in (graph.config.get("placement") or {}).values() if p.get("tier") == "nvme"), {})
+    """The schedule's one swap folder with its block size and queue depth; a schedule whose NVMe
+    states use several folders, or several block sizes or depths, is refused: the bounds this
+    benchmark measures (free space, one disk's rate) are one folder's."""
+    places = {(p.paths, p.block_bytes, p.queue_depth) for p in nvme_placements(graph.config).values()}
+    if not places:
+        return {}
+    (paths, block, depth), = places if len(places) == 1 and len(next(iter(places))[0]) == 1 else [((), 0, 0)]
+    if not paths:
+        folders = sorted({f for p in places for f in p[0]})
+        raise SystemExit(f"capacity.py measures one swap folder at one block size and depth; this schedule's "
+                         f"NVMe states use {', '.join(folders)}: give every state the same nvme(\"FOLDER\")")
+    return {"path": paths[0], "block_bytes": block, "queue_depth": depth}
 
 
 def ram_bytes() -> int:

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from capacity import SCHEDULE, Sampler  # noqa: E402
 from zdsl.runtime.dist.spawn import free_port, rank_env  # noqa: E402
+from zdsl.schedule import nvme_placements  # noqa: E402
 
 GIB = 1 << 30
 
@@ -48,8 +49,11 @@ def nvme_summary(graph) -> tuple[int, int, int, str]:
     on_nvme = sum(b.bytes for b in graph.buffers.values() if b.tier == "nvme" and b.persistent)
     read = sum(op.bytes for op in graph.ops if op.kind == "nvme.read")
     written = sum(op.bytes for op in graph.ops if op.kind == "nvme.write")
-    places = [p for p in (graph.config.get("placement") or {}).values() if p.get("tier") == "nvme"]
-    return on_nvme, read, written, places[0]["path"] if places else ""
+    folders = sorted({f for p in nvme_placements(graph.config).values() for f in p.paths})
+    if len(folders) > 1:
+        raise SystemExit(f"nvme_cache.py checks one swap folder's free space; this schedule uses "
+                         f"{', '.join(folders)}: give every state the same nvme(\"FOLDER\") for this benchmark")
+    return on_nvme, read, written, folders[0] if folders else ""
 MEMORY_LINE = re.compile(r"^\s*memory\s+host\b.*$", re.MULTILINE)
 
 
