@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from zdsl import env
 from zdsl.cache import cache_dir
 from zdsl.ir import BUFFER_KINDS
 from zdsl.ir import TaskGraph
@@ -59,10 +60,11 @@ class Machine:
     """What this machine offers the ranks: bytes of memory available now, cores this process may use."""
     available: int | None       # None: unknown (no /proc/meminfo)
     cores: int
+    cuda_devices: int | None = None     # NVIDIA GPUs the ranks may use; None: not counted (ROCm)
 
     @classmethod
     def this(cls) -> "Machine":
-        return cls(available_memory(), usable_cores())
+        return cls(available_memory(), usable_cores(), visible_cuda_devices())
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class Needs:
     ram_per_rank: int           # planned peak bytes in RAM per rank
     nvme_per_rank: int          # bytes of swap files per rank, all folders
     swap: tuple[SwapNeed, ...] = ()     # per swap folder, in the order the placements name them
+    device: str = "auto"        # the schedule's `ranks N on DEVICE`: cuda needs a device per rank
 
     def ram(self, floor: TorchFloor, ranks: int | None = None, ram_per_rank: int | None = None) -> int:
         n = self.ranks if ranks is None else ranks
@@ -133,7 +136,7 @@ def needs_of(graph: TaskGraph, memory: dict) -> Needs:
     if any(through_shared_memory(graph, op, in_ram) for op in graph.ops):
         ram += SHARED_MEMORY_OUTBOX
     swap = swap_needs(graph)
-    return Needs(graph.ranks, ram, sum(n.per_rank for n in swap), swap)
+    return Needs(graph.ranks, ram, sum(n.per_rank for n in swap), swap, graph.config.get("device", "auto"))
 
 
 def folder_room(folder: str, statvfs: Callable = os.statvfs) -> FolderRoom:
@@ -216,6 +219,11 @@ def judge(needs: Needs, machine: Machine, floor: TorchFloor, swap_room: dict[str
         fit.warnings.append(f"{n} ranks share {cores} cores: each rank gets {cores / n:.2g} of a core, "
                             f"so the run is slower than with at most {cores} ranks")
     fit.refusals += swap_refusals(needs, fit.swap_room)
+    if needs.device == "cuda" and machine.cuda_devices is not None and machine.cuda_devices < n:
+        fit.refusals.append(
+            f"`ranks {n} on cuda` needs a CUDA device per rank on this machine, which has "
+            f"{machine.cuda_devices}: write `ranks {n} on cpu` (--set 'ranks={n} on cpu'), or run where each "
+            f"rank has a GPU")
     return fit
 
 
@@ -255,6 +263,23 @@ def most_ranks(fits: Callable[[int], bool], upper: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def visible_cuda_devices(gpus: str = "/proc/driver/nvidia/gpus", kfd: str = "/dev/kfd") -> int | None:
+    """The NVIDIA GPUs this machine's ranks may use, without torch: the driver's count, narrowed by
+    CUDA_VISIBLE_DEVICES; None where an AMD GPU's driver is present (torch calls ROCm cuda too)."""
+    if os.path.exists(kfd):
+        return None
+    try:
+        count = len(os.listdir(gpus))
+    except OSError:
+        count = 0
+    visible = env.raw("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return count
+    listed = [d for d in visible.split(",") if d.strip()]
+    listed = listed[:next((i for i, d in enumerate(listed) if d.strip() == "-1"), len(listed))]
+    return min(count, len(listed))
 
 
 def free_bytes(folder: str | os.PathLike, statvfs: Callable = os.statvfs) -> int | None:
