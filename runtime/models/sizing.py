@@ -56,6 +56,12 @@ def unit_specs(model_spec, context: int, base_dir=None, sample=None, masked: boo
     with torch.device("meta"):
         model = build_model(model_spec, seed=0, base_dir=base_dir)
     where = f'model hf("{model_spec.path}")' if model_spec.kind == "hf" else f'model "{model_spec.factory}"'
+    return model_unit_specs(model, where, context, sample=sample, masked=masked)
+
+
+def model_unit_specs(model, where: str, context: int, sample=None, masked: bool = False) -> list[UnitSpec]:
+    """:func:`unit_specs` of a model already built on the meta device (``where`` names it in
+    errors and warnings); the Python API sizes a user's model object so, from a meta copy."""
     units = check_model(model, where)
     uses = tied_uses(model, len(units))
     specs = [UnitSpec(name=f"unit.{i}", params=[(n, tuple(p.shape)) for n, p in u.named_parameters()],
@@ -210,12 +216,18 @@ def units_for_user_model(spec, context: int | None = None, base_dir=None, data=N
     """A user's model (``ModelSpec`` kind "user") as the compiler's units. The sequence length
     for flops and activations is ``context``, else the factory's ``context`` argument, else 64;
     with ``data python(...)`` (a ``DataSpec``), one row of what its function returns."""
+    context, sample, masked = sizing_inputs(data, context, spec.args.get("context"))
+    return unit_specs(spec, context, base_dir=base_dir, sample=sample, masked=masked)
+
+
+def sizing_inputs(data, context: int | None = None, fallback=None) -> tuple[int, tuple | None, bool]:
+    """What a built model is sized with: (context, sample, masked) for :func:`model_unit_specs`.
+    ``context``, else ``fallback`` (a factory's ``context`` argument), else 64; with ``data
+    python(...)``, one row of what its function returns; ``masked`` for ``jsonl(...)``'s rows."""
     if context is None:
-        value = spec.args.get("context")
-        context = value if isinstance(value, int) and value > 0 else DEFAULT_CONTEXT
+        context = fallback if isinstance(fallback, int) and fallback > 0 else DEFAULT_CONTEXT
     sample = None
     if data is not None and data.kind == "python":
         from zdsl.runtime.data.python_source import meta_sample
         sample = meta_sample(data)
-    masked = data is not None and data.kind == "jsonl"
-    return unit_specs(spec, context, base_dir=base_dir, sample=sample, masked=masked)
+    return context, sample, data is not None and data.kind == "jsonl"
