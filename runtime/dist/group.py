@@ -1,4 +1,5 @@
-"""Joining and leaving the process group: the one rank start-up of `zdsl run`, calibrate and tests."""
+"""Joining and leaving the process group: the one rank start-up of `zdsl run`, calibrate, tests and
+the Python API (which joins from the launcher's variables, or alone, when the script has not)."""
 from __future__ import annotations
 
 import datetime
@@ -40,3 +41,23 @@ def leave_group() -> None:
     shm.release_all()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def launched_rank() -> tuple[int, int] | None:
+    """This process's (rank, world): the default group's where one is joined, else the launcher's
+    variables (torchrun's, ``zdsl run``'s: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), else None
+    (a plain ``python script.py``)."""
+    from zdsl import env
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if all(env.raw(key) is not None for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return int(env.raw("RANK")), int(env.raw("WORLD_SIZE"))
+    return None
+
+
+def join_alone(device: torch.device, timeout_s: float) -> None:
+    """A group of this process alone (a plain ``python script.py`` of a one-rank schedule), its
+    rendezvous on a free loopback port."""
+    from zdsl.runtime.dist.spawn import MASTER_ADDR
+    from zdsl.runtime.dist.spawn import free_port
+    init_group(0, 1, device, timeout_s, init_method=f"tcp://{MASTER_ADDR}:{free_port()}")

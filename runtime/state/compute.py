@@ -31,6 +31,12 @@
   reads (see ``runtime/state/optim.py``), after unscaling (fp16) and clipping; an fp16 overflow
   skips every unit's update. The fp32 master copy is there when the graph says so
   (``UnitInfo.master``).
+* In a user's own loop (``user_loop``, the Python API: ``runtime/api/``) the last unit's output
+  is no loss of zdsl's: its forward leaves the output in ``outputs[micro]`` (detached, for the
+  user's loss) and divides nothing, and its backward starts from ``grad_outs[micro]``, the
+  gradient the API computed from the user's loss (scaled for accumulation and the loss scale
+  there, so the units see what ``zdsl run`` gives them); the micro-batches come one at a time
+  (:meth:`Compute.feed`); the losses are the user's, kept by the API (``step_end``'s is nan).
 """
 from __future__ import annotations
 
@@ -116,28 +122,41 @@ class Compute:
         self._plan: StepPlan | None = None
         self.step_index = 0
         self.evaluating = False             # inside evaluation(): forward passes without autograd
+        self.user_loop = False              # the Python API drives the steps (see the module docstring)
+        self.outputs: dict[int, torch.Tensor] = {}      # user loop: micro-batch -> the last unit's output
+        self.grad_outs: dict[int, torch.Tensor] = {}    # user loop: micro-batch -> its gradient
 
     # -- step frame ----------------------------------------------------------------
-    def step_begin(self, step: int, batches: list[Batch]) -> None:
+    def step_begin(self, step: int, batches: list[Batch] | None) -> None:
         """Start a step: one ``Batch`` per micro-batch for this rank (moved to the device here, then
-        given to the model's ``prepare``; the caller's objects are left as they are)."""
-        if len(batches) != self.accumulate:
-            raise StateError(f"rank {self.table.rank}: step {step} got {len(batches)} micro-batches, "
+        given to the model's ``prepare``; the caller's objects are left as they are). None, in a
+        user loop: the micro-batches come one at a time through :meth:`feed`."""
+        if batches is None and self.user_loop:
+            batches = [None] * self.accumulate
+        elif batches is None or len(batches) != self.accumulate:
+            raise StateError(f"rank {self.table.rank}: step {step} got {len(batches or ())} micro-batches, "
                              f"the graph accumulates {self.accumulate}")
-        wrong = next((type(b).__name__ for b in batches if not isinstance(b, Batch)), None)
+        wrong = next((type(b).__name__ for b in batches if not isinstance(b, Batch)
+                      and not (b is None and self.user_loop)), None)
         if wrong is not None:
             raise StateError(f"rank {self.table.rank}: step {step} got a {wrong} for a micro-batch; "
                              f"step_begin takes Batch objects (Batch.of(idx, targets) wraps a pair)")
         self.step_index = step
         self.drop_extras()
-        self.batches = [b.to(self.device, non_blocking=True) for b in batches]
+        self.batches = [b if b is None else b.to(self.device, non_blocking=True) for b in batches]
         self.losses = []
+        self.outputs.clear()
+        self.grad_outs.clear()
         self._plan = None
         self._pending_tied.clear()
         for slot in self.table.slots.values():
             if slot.buf.kind == "grad_full" and slot.buf.persistent and slot.live:
                 slot.tensor.zero_()
                 slot.clean = True
+
+    def feed(self, micro: int, batch: Batch) -> None:
+        """User loop: micro-batch ``micro`` of the step (before its first forward may start)."""
+        self.batches[micro] = batch.to(self.device, non_blocking=True)
 
     def step_end(self) -> dict:
         """Finish a step: ``loss`` (this rank's mean over micro-batches), ``skipped``
@@ -153,14 +172,15 @@ class Compute:
 
     # -- evaluation frame (runtime/run/evaluate.py runs a forward-only graph inside it) -----------
     @contextlib.contextmanager
-    def evaluation(self):
+    def evaluation(self, eval_mode: bool = True):
         """Forward passes that leave training as it was: units in eval mode (no dropout draw, no
-        running statistics updated), no autograd, the random generators put back afterwards, so
-        the next step has the bits it would have had without evaluating."""
+        running statistics updated; ``eval_mode=False`` keeps their modes: a user's forward under
+        ``torch.no_grad()`` in train mode), no autograd, the random generators put back afterwards,
+        so the next step has the bits it would have had without evaluating."""
         modes = [(m, m.training) for unit in self.modules for m in unit.modules()]
         rng = rng_state(self.device)
         for m, _ in modes:
-            m.training = False
+            m.training = m.training and not eval_mode
         self.evaluating = True
         try:
             yield
@@ -171,6 +191,7 @@ class Compute:
             self.evaluating = False
             self.drop_extras()
             self.batches, self.losses = [], []
+            self.outputs.clear()
 
     def eval_begin(self, batch: Batch) -> None:
         """Start one forward-only pass over ``batch`` (inside :meth:`evaluation`)."""
@@ -181,7 +202,13 @@ class Compute:
         self.losses = []
 
     def eval_end(self) -> torch.Tensor:
-        """The pass's loss: the last unit's output (a mean over the batch's counted labels), fp32."""
+        """The pass's loss: the last unit's output (a mean over the batch's counted labels), fp32;
+        in a user loop, the last unit's output as it is."""
+        if self.user_loop and 0 in self.outputs:
+            out = self.outputs.pop(0)
+            self.drop_extras()
+            self.batches, self.losses = [], []
+            return out
         if not self.losses:
             raise StateError(f"rank {self.table.rank}: an evaluation pass ended without a loss "
                              f"(the graph never ran the last unit's forward)")
@@ -219,6 +246,8 @@ class Compute:
     def drop_extras(self, micro: int | None = None) -> None:
         """Let go of micro-batch ``micro``'s extras (None: every micro-batch's): its units are done."""
         for m in range(len(self.batches)) if micro is None else (micro,):
+            if self.batches[m] is None:         # a user loop's micro-batch not fed yet
+                continue
             self.batches[m].extras.clear()
             self.table.meter.release(f"extras[{m}]")
         if micro is None:
@@ -257,7 +286,7 @@ class Compute:
         with torch.set_grad_enabled(grad and not self.evaluating), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = call_unit(module, x, batch, last=u == self.last)
-            if u == self.last:
+            if u == self.last and not self.user_loop:
                 self.losses.append(out.detach().float())
                 out = out / self.accumulate if self.accumulate > 1 else out
         optr = out.untyped_storage().data_ptr()
@@ -290,7 +319,11 @@ class Compute:
             table.meter.release(slot.buf.name)
         slot.record, slot.live = ActRecord(x_in, out, op.micro, nbytes, rng), True
         table.meter.hold(slot.buf.name, slot.buf.tier, "act", "working", nbytes)
-        if u == self.last and "loss" in table.slots:
+        if u == self.last and self.user_loop:
+            self.outputs[op.micro] = user_output(out, trains=not self.evaluating and u in self.has_backward)
+            if "loss" in table.slots and out.numel() == 1:
+                table.write("loss", op).copy_(out.detach().reshape(()))
+        elif u == self.last and "loss" in table.slots:
             table.write("loss", op).copy_(self.losses[-1])
 
     def _recompute(self, op: Op) -> None:
@@ -327,6 +360,10 @@ class Compute:
         rec = table.read(f"act_inner[{u}]" if self.graph.units[u].recompute else f"act[{u}]", op).record
         if u < self.last:
             grad_out = table.read(f"act_grad[{u + 1}]", op).tensor
+        elif self.user_loop:
+            grad_out = self.grad_outs.pop(op.micro, None)
+            if grad_out is None:
+                raise table.error(op, f"no gradient for micro-batch {op.micro}'s output (engine.backward not called)")
         else:
             # a fill on the device, not a pageable host-to-device copy per micro-batch
             grad_out = (torch.full((), self.scaler.scale, dtype=rec.output.dtype, device=rec.output.device)
@@ -489,6 +526,15 @@ class Compute:
                 dest[d].copy_(s)
         else:
             dest.copy_(src)
+
+
+def user_output(out: torch.Tensor, trains: bool) -> torch.Tensor:
+    """The last unit's output as the user's loop gets it: detached from the units' graph (their
+    backward is zdsl's), a leaf that requires grad when a backward follows (``trains``; a
+    recomputed unit's forward ran without autograd), so the user's loss can be differentiated
+    with respect to it."""
+    leaf = out.detach()
+    return leaf.requires_grad_(True) if trains and leaf.is_floating_point() else leaf
 
 
 def upcast_on_host(pool, t: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:

@@ -215,10 +215,10 @@ class RankState:
         (fp16 overflow), ``grad_norm`` (when computed), ``loss_scale``."""
         return self.compute.step_end()
 
-    def evaluation(self):
+    def evaluation(self, eval_mode: bool = True):
         """A context for forward-only passes (an evaluation graph's ops) that leave the training
-        exactly as it was: see ``Compute.evaluation``."""
-        return self.compute.evaluation()
+        exactly as it was: see ``Compute.evaluation`` (``eval_mode=False``: units keep their modes)."""
+        return self.compute.evaluation(eval_mode)
 
     def eval_begin(self, batch: Batch) -> None:
         """Start one forward-only pass over ``batch``, inside :meth:`evaluation`."""

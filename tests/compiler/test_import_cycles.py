@@ -29,6 +29,9 @@ DELEGATIONS = {
     # a user's own torch model is sized by building it on the meta device, which needs torch;
     # check and plan of the built-in GPT never get there (tests/compiler/test_no_torch.py)
     ("zdsl.compile.models", "zdsl.runtime.models.sizing"),
+    # zdsl.initialize and zdsl.units are the Python API's entry points, a user's first import;
+    # they bring in the runtime (torch) only when called, so `import zdsl` stays torch-free
+    ("zdsl", "zdsl.runtime.api"),
 }
 
 

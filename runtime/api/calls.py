@@ -1,0 +1,76 @@
+"""The ranks agree on each call of the engine before it takes effect.
+
+Every call of the engine that touches the step graph or collectives (``engine(x)``, ``backward``,
+``step`` at the boundary, an evaluation, ``gathered``, ``state_dict``, checkpoints) first
+all-gathers a row ``(call, step, micro-batch, problem?)`` over a gloo group of its own (so it
+never interleaves with the step's collectives on the default group, which run meanwhile on the
+engine's trio thread). Then, on every rank alike:
+
+* a rank that found a problem with its own call (a misuse, a failed step) makes every rank
+  raise its message, named with its rank: no rank goes on to wait for one that will not come;
+* ranks making different calls (one calls ``backward`` while another calls ``engine(x)``)
+  raise a message that names each rank and its call;
+* a rank that makes no call within the collective timeout (stopped, or stuck in its own code)
+  makes the others raise after that timeout, saying so.
+
+In each case the call has had no effect on any rank. A world of one rank checks nothing.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from zdsl.runtime.api.errors import ZdslApiError
+
+# the calls, by code (the row's first number)
+CALLS = ("engine(x)", "engine(x) without gradients", "engine.backward(loss)", "engine.step()",
+         "engine.gathered()", "engine.state_dict()", "engine.save_checkpoint()", "engine.load_checkpoint()")
+
+
+class CallCheck:
+    """One rank's side of the agreement (module docstring)."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) \
+            if world > 1 else None
+
+    def close(self) -> None:
+        """Destroy the group (when the default group is still there: leaving it destroys every group)."""
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
+
+    def agree(self, call: str, step: int, micro: int, problem: str | None = None) -> None:
+        """Return when every rank makes ``call`` at ``step``/``micro`` without a problem; else raise
+        (:class:`ZdslApiError`) on every rank, as the module docstring says."""
+        if self.group is None:
+            if problem:
+                raise ZdslApiError(problem)
+            return
+        mine = torch.tensor([CALLS.index(call), step, micro, int(bool(problem))], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(self.world)]
+        try:
+            dist.all_gather(rows, mine, group=self.group)
+        except RuntimeError as exc:
+            raise ZdslApiError(f"rank {self.rank}: {call} (step {step}, micro-batch {micro}): another rank made "
+                               f"no call of the engine within {self.timeout_s:g} s (it stopped, or is stuck in its "
+                               f"own code or another call): {str(exc).splitlines()[0]}") from None
+        rows = [r.tolist() for r in rows]
+        if any(r[3] for r in rows):
+            raise ZdslApiError(self._problems(problem, rows))
+        if any(r[:3] != rows[0][:3] for r in rows):
+            said = "; ".join(f"rank {r} called {CALLS[row[0]]} (step {row[1]}, micro-batch {row[2]})"
+                             for r, row in enumerate(rows))
+            raise ZdslApiError(f"the ranks made different calls of the engine: {said}; every rank makes the "
+                               f"same calls in the same order (the same loop over the same number of batches)")
+
+    def _problems(self, problem: str | None, rows: list[list[int]]) -> str:
+        """Every rank's problem (one more all-gather, on the ranks that all know one is coming)."""
+        said: list[str | None] = [None] * self.world
+        dist.all_gather_object(said, problem, group=self.group)
+        if problem:
+            return problem
+        return "; ".join(f"rank {r}: {text}" for r, text in enumerate(said) if text)
