@@ -38,11 +38,11 @@ class ModelSpec:
 
 @dataclass
 class DataSpec:
-    kind: str                              # "corpus", "tokens", "text" or "synthetic"
-    source: str | None = None              # corpus: "stdlib" or a path; tokens, text: the file/folder (absolute)
-    args: dict = field(default_factory=dict)   # context=..., vocab=...
-    dtype: str | None = None               # tokens: the file's integer type, a key of TOKEN_DTYPES
-    tokenizer: str | None = None           # text: tokenizer.json or the folder holding it (absolute)
+    kind: str                              # a source's kind, registered in zdsl/sources/__init__.py
+    source: str | None = None              # its first argument, checked: "stdlib", a file or folder (absolute), a function
+    args: dict = field(default_factory=dict)   # context=..., vocab=..., and the kind's own settings
+    dtype: str | None = None               # tokens: the file's integer type (zdsl/sources/tokens.py)
+    tokenizer: str | None = None           # text, jsonl: tokenizer.json or the folder holding it (absolute)
 
     def to_config(self) -> dict:
         """Plain JSON; ``dtype`` and ``tokenizer`` only where set, so other sources keep their graph digest."""
@@ -51,11 +51,6 @@ class DataSpec:
             if raw[key] is None:
                 del raw[key]
         return raw
-
-
-# ``data tokens("FILE", dtype=...)``: a flat file of little-endian token ids (nanoGPT's train.bin
-# is uint16) -> bytes per token.
-TOKEN_DTYPES = {"uint16": 2, "uint32": 4}
 
 
 @dataclass

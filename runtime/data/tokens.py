@@ -30,7 +30,7 @@ import numpy as np
 
 from zdsl.cache import cache_dir
 from zdsl.runtime.io.atomic import renamed_into_place
-from zdsl.schedule import TOKEN_DTYPES
+from zdsl.sources.tokens import TOKEN_DTYPES
 
 CHUNK_TOKENS = 1 << 24          # tokens per max() during the check: 32 MiB of uint16
 CHECK_SUFFIX = ".zdsl-check.json"

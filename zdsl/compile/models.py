@@ -17,6 +17,7 @@ from zdsl.schedule import Schedule
 from zdsl.compile.units import GPT_DEFAULTS
 from zdsl.compile.units import UnitSpec
 from zdsl.compile.units import gpt_units
+from zdsl.sources import source_of
 
 
 class ModelSizingError(Exception):
@@ -41,8 +42,9 @@ def gpt_mask_elems(tokens: int) -> int:
 def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[UnitSpec]:
     """The ordered units of the model ``spec`` describes, with parameter shapes and the costs
     of one sequence of ``context`` tokens (default: the model's own context, see run_context).
-    ``data``: a ``data python(...)`` source, whose function gives a built model its input shapes, or a
-    ``jsonl(...)`` one, whose padded or packed rows make the built-in GPT hold an attention mask."""
+    ``data``: a source that takes part in the sizing (``zdsl.sources.sizing_data``): one whose own
+    tensors give a built model its input shapes (``python(...)``), or one whose padded or packed rows
+    make the built-in GPT hold an attention mask (``jsonl(...)``)."""
     if spec.kind == "gpt":
         unknown = sorted(set(spec.args) - set(GPT_DEFAULTS))
         if unknown:
@@ -56,7 +58,7 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
             raise ModelSizingError(
                 f"gpt(width={args['width']}) must be a multiple of heads={args['heads']}")
         units = gpt_units(**args, tokens=context)
-        if data is not None and data.kind == "jsonl":
+        if data is not None and source_of(data.kind).masked:
             units[0].extras_elems_per_seq += gpt_mask_elems(context or args["context"])
         return units
     if spec.kind in ("user", "hf"):

@@ -2,9 +2,9 @@
 same model skips it.
 
 Sizing a ``model hf(...)`` or ``model "file.py:build"(...)`` builds it on torch's meta device, which
-needs torch (and transformers): on a 2-core machine their import is ~4-6 s of every ``zdsl check``,
-``plan`` or ``run`` launcher, before any rank starts, against ~0.1 s for the sizing itself. The units
-of a model are a pure function of what the key holds, so a hit is the same list a fresh sizing gives:
+needs torch (and transformers), whose import takes every ``zdsl check``, ``plan`` or ``run`` launcher
+far longer than the sizing itself, before any rank starts. The units of a model are a pure function
+of what the key holds, so a hit is the same list a fresh sizing gives:
 
 - hf: the folder, its ``config.json``'s bytes and every other file's name, size and mtime (weights
   whose headers the sizing checks on meta);
@@ -18,7 +18,8 @@ of a model are a pure function of what the key holds, so a hit is the same list 
   runtime (name, size, mtime): an edit or an upgrade sizes afresh.
 
 Only a sizing that warned about nothing is kept (an estimate is said every time), and nothing for
-``data python(...)``, whose sample row comes from the user's function, or for a factory named as
+a source whose rows are its own tensors (``data python(...)``: the sample row comes from the user's
+function, which the key cannot hold), or for a factory named as
 ``package.module:build`` (where its code lies is known only by importing it). A cache that cannot be
 read or written is a miss, never an error. Torch-free.
 """
@@ -38,6 +39,7 @@ from pathlib import Path
 
 from zdsl.cache import cache_dir
 from zdsl.compile.units import UnitSpec
+from zdsl.sources import source_of
 
 FORMAT = 2          # of the files written; an older or newer one is a miss (2: a user's sources)
 _code: str | None = None
@@ -49,7 +51,7 @@ _NOT_FILES = ("/proc/", "/sys/", "/dev/")
 def sizing_key(spec, context: int | None, data) -> str | None:
     """The key of ``spec``'s sizing (a ``ModelSpec`` of kind "hf", or "user" with a file factory), or
     None where it is not kept."""
-    if data is not None and data.kind == "python":
+    if data is not None and not source_of(data.kind).token_ids:     # sized from a row of its own tensors
         return None
     try:
         if spec.kind == "hf":
@@ -66,7 +68,7 @@ def sizing_key(spec, context: int | None, data) -> str | None:
     except OSError:          # a file gone while listed: no key, sized afresh
         return None
     facts = {"format": FORMAT, **model, "args": sorted((k, repr(v)) for k, v in spec.args.items()),
-             "context": context, "masked": data is not None and data.kind == "jsonl", "python": sys.version,
+             "context": context, "masked": data is not None and source_of(data.kind).masked, "python": sys.version,
              "torch": _version("torch"), "transformers": _version("transformers"), "code": code}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
