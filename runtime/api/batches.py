@@ -36,10 +36,10 @@ class Compiled:
             from zdsl.runtime.models.sizing import sizing_inputs
             _, (inputs, labels), _ = sizing_inputs(data)
             return cls(rows, tuple(inputs.shape[1:]), inputs.dtype, tuple(labels.shape[1:]), labels.dtype,
-                       f'the rows of data python("{data.source}")')
+                       f'each row as data python("{data.source}") gives it')
         context = run_context(schedule)
         return cls(rows, (context,), torch.int64, (context,), torch.int64,
-                   f"{context} token ids (the data's context)")
+                   f"each row {context} token ids (the data's context)")
 
     def describe(self) -> str:
         shape = lambda row: tuple([self.rows, *row])   # noqa: E731
@@ -58,8 +58,8 @@ class Compiled:
             got = f"inputs {dtype_name(x.dtype)} {tuple(x.shape)}"
             want = self.describe()
         return (f"rank {rank}: {call}: a batch of {got}, but the schedule was compiled for {want} (train batch="
-                f"{self.rows} rows of {self.source}); feed batches of that shape, or change `train batch=` or "
-                f"the data statement to the batches you feed")
+                f"{self.rows}, {self.source}); feed batches of that shape, or change `train batch=` or the data "
+                f"statement to the batches you feed")
 
 
 def same_kind(a: torch.dtype, b: torch.dtype) -> bool:
