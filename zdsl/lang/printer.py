@@ -18,6 +18,7 @@ from zdsl.schedule import (ALL_OVERLAPS, MACHINE_OPTIONS, OVERLAP_VERBS, PHASES,
                        Pipeline, Placement, PipeStmt, Ref, Schedule)
 from zdsl.lang.sizes import format_size
 from zdsl.ir import TIERS
+from zdsl.sources import source_of
 
 _PREPOSITIONS = {"read": "from", "write": "to", "copy": "to", "step": "on"}
 _UNIT_VERBS = ("compute", "recompute", "step")
@@ -196,17 +197,12 @@ def _data(s: Schedule) -> str:
 
 
 def _data_text(d) -> str:
-    args = list(d.args.items())
-    if d.kind in ("text", "jsonl"):   # its vocab is the tokenizer's, found again when checked
-        args = [("tokenizer", d.tokenizer or "")] + [(k, v) for k, v in args if k != "vocab"]
-    if d.kind in ("corpus", "tokens", "text", "jsonl"):
-        if d.dtype:
-            args.insert(0, ("dtype", _Raw(d.dtype)))
-        inner = ", ".join([string_text(d.source or "stdlib")] + ([_kwargs(args)] if args else []))
-        return f"{d.kind}({inner})"
-    if d.kind == "python":            # the function, then the settings it is called with
-        return f"python({', '.join([string_text(d.source or '')] + ([_kwargs(args)] if args else []))})"
-    return f"{d.kind}({_kwargs(args)})"
+    """``KIND("ARGUMENT", key=value...)`` as the source writes itself back."""
+    source = source_of(d.kind)
+    argument, settings = source.written(d)
+    settings = [(k, _Raw(v) if k in source.bare else v) for k, v in settings]
+    parts = ([string_text(argument)] if argument is not None else []) + ([_kwargs(settings)] if settings else [])
+    return f"{d.kind}({', '.join(parts)})"
 
 
 def _optimizer(o: OptimizerSpec) -> str:
