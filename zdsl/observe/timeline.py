@@ -243,27 +243,66 @@ def _merge(sources: list[tuple[str, object, int | None]]):
     return bars, lanes, curves, spans, chosen
 
 
-def render_svg(trace, title: str | None = None, step: int | None = None, compare=None,
-               labels: tuple[str, str] = ("measured", "predicted"), critical=None) -> str:
-    """The SVG text for one step of ``trace`` (see the module docstring for the format).
+@dataclass
+class _Layout:
+    """Where one picture's parts go: the merged traces, each bar's sub-row, each lane's and
+    rank group's top, the memory bands and the legend, all in pixels (µs mapped by :meth:`x_of`)."""
+    sources: list[tuple[str, object, int | None]]
+    compare: bool
+    bars: list[Bar]
+    lanes: list[tuple]
+    curves: dict
+    spans: list[float]
+    chosen: int | None
+    span: float
+    critical: set | dict | None
+    by_lane: dict[tuple, list[Bar]]
+    level: dict[int, int]                   # id(bar) -> its sub-row in its lane
+    levels: dict[tuple, int]                # lane -> how many sub-rows it has
+    lane_h: dict[tuple, float]
+    lane_y: dict[tuple, float]
+    rank_y: dict[tuple, float]              # group -> the top of its header
+    lanes_bottom: float
+    tiers: list[str]
+    colours: dict[str, str]
+    mem_top: float
+    mem_bottom: float
+    legend_items: list[tuple[str, str]]
+    legend_top: float
+    per_row: int
+    legend_rows: int
+    height: float
+    plot_w: int = WIDTH - LEFT - RIGHT
 
-    ``compare``: a second trace (e.g. the planner's prediction) drawn under
-    the first on the same time axis, its groups labelled ``labels[1]``.
-    ``critical``: op ids to outline (``zdsl.observe.overlap``'s critical path), for
-    every rank of the first trace, or a dict rank -> op ids.
-    """
-    sources = [(labels[0], trace, step)] + ([(labels[1], compare, None)] if compare is not None else [])
-    bars, lanes, curves, spans, chosens = _merge(sources)
-    span = max(spans) or 1.0
-    chosen = chosens[0]
+    def x_of(self, us: float) -> float:
+        return LEFT + self.plot_w * us / self.span
 
-    def group_label(group) -> str:
+    def group_label(self, group) -> str:
         i, r = group
-        return f"{sources[i][0]} · rank {r}" if compare is not None else f"rank {r}"
-    plot_w = WIDTH - LEFT - RIGHT
-    x_of = lambda us: LEFT + plot_w * us / span  # noqa: E731
+        return f"{self.sources[i][0]} · rank {r}" if self.compare else f"rank {r}"
 
-    # Ops of a lane that overlap in time (collectives in flight together) go on sub-rows.
+    def on_critical(self, b: Bar) -> bool:
+        """Whether ``b`` is outlined: only the first trace's ops are on its critical path."""
+        return _on_critical(self.critical, b)
+
+
+def _critical_ids(critical) -> set | dict | None:
+    """The user's ``critical`` (op ids, or rank -> op ids) as sets."""
+    if critical is None:
+        return None
+    return {r: set(v) for r, v in critical.items()} if isinstance(critical, dict) else set(critical)
+
+
+def _on_critical(critical, b: Bar) -> bool:
+    if critical is None or b.op is None or b.rank[0] != 0:
+        return False
+    ids = critical.get(b.rank[1], ()) if isinstance(critical, dict) else critical
+    return b.op in ids
+
+
+def _sub_rows(bars: list[Bar], span: float, plot_w: int):
+    """Ops of a lane that overlap in time (collectives in flight together) go on sub-rows:
+    the bars by lane, each bar's sub-row (by ``id``) and each lane's count of sub-rows."""
     by_lane: dict[tuple, list[Bar]] = {}
     for b in bars:
         by_lane.setdefault((b.rank, b.lane), []).append(b)
@@ -279,11 +318,13 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
             ends[lvl] = b.start + b.dur
             level[id(b)] = lvl
         levels[key] = max(1, len(ends))
-    lane_h = {key: ROW if levels.get(key, 1) == 1 else levels[key] * SUB_ROW + 6 for key in lanes}
+    return by_lane, level, levels
 
-    # Vertical positions of the rank groups and lanes.
-    lane_y: dict[tuple[int, str], float] = {}
-    rank_y: dict[int, float] = {}
+
+def _lane_tops(lanes: list[tuple], lane_h: dict[tuple, float]):
+    """Each lane's top and each rank group's header top, and where the last lane ends."""
+    lane_y: dict[tuple, float] = {}
+    rank_y: dict[tuple, float] = {}
     y = TOP
     for rank, lane in lanes:
         if rank not in rank_y:
@@ -293,97 +334,124 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
             y += RANK_HEAD
         lane_y[(rank, lane)] = y
         y += lane_h[(rank, lane)]
-    lanes_bottom = y
+    return lane_y, rank_y, y
+
+
+def _tier_colours(curves: dict) -> tuple[list[str], dict[str, str]]:
+    """The memory tiers drawn, in tier order, and the colour of each."""
     tiers = sorted({t for _, t in curves}, key=lambda t: (TIERS.index(t) if t in TIERS else 9, t))
     colours = {t: TIER_COLOURS.get(t, EXTRA_TIER_COLOURS[i % len(EXTRA_TIER_COLOURS)])
                for i, t in enumerate(tiers)}
-    mem_top = lanes_bottom + 44
-    mem_bottom = mem_top + len(tiers) * (MEM_BAND + MEM_GAP) - (MEM_GAP if tiers else 0)
+    return tiers, colours
+
+
+def _legend_items(bars: list[Bar], critical) -> list[tuple[str, str]]:
+    """(label, fill) of each op kind drawn, in ``KIND_STYLE`` order, then other and the outline."""
     kinds_seen = [k for k in KIND_STYLE if any(b.kind == k for b in bars)]
     has_other = any(b.kind not in KIND_STYLE for b in bars)
-    legend_items = [KIND_STYLE[k] for k in kinds_seen] + ([OTHER_STYLE] if has_other else [])
+    items = [KIND_STYLE[k] for k in kinds_seen] + ([OTHER_STYLE] if has_other else [])
+    if critical and any(_on_critical(critical, b) for b in bars):
+        items.append(("critical path", "outline"))
+    return items
 
-    def on_critical(b: Bar) -> bool:
-        if critical is None or b.op is None or b.rank[0] != 0:
-            return False
-        ids = critical.get(b.rank[1], ()) if isinstance(critical, dict) else critical
-        return b.op in ids
-    critical = None if critical is None else (
-        {r: set(v) for r, v in critical.items()} if isinstance(critical, dict) else set(critical))
-    if critical and any(on_critical(b) for b in bars):
-        legend_items.append(("critical path", "outline"))
+
+def _layout(sources: list[tuple[str, object, int | None]], compare: bool, critical) -> _Layout:
+    bars, lanes, curves, spans, chosens = _merge(sources)
+    span = max(spans) or 1.0
+    plot_w = WIDTH - LEFT - RIGHT
+    by_lane, level, levels = _sub_rows(bars, span, plot_w)
+    lane_h = {key: ROW if levels.get(key, 1) == 1 else levels[key] * SUB_ROW + 6 for key in lanes}
+    lane_y, rank_y, lanes_bottom = _lane_tops(lanes, lane_h)
+    tiers, colours = _tier_colours(curves)
+    mem_top = lanes_bottom + 44
+    mem_bottom = mem_top + len(tiers) * (MEM_BAND + MEM_GAP) - (MEM_GAP if tiers else 0)
+    critical = _critical_ids(critical)
+    legend_items = _legend_items(bars, critical)
     legend_top = mem_bottom + 40
-    per_row = max(1, (WIDTH - LEFT - RIGHT) // 124)
+    per_row = max(1, plot_w // 124)
     legend_rows = math.ceil(len(legend_items) / per_row) if legend_items else 0
     height = legend_top + 18 * (legend_rows + (1 if curves and len(rank_y) > 1 else 0)) + 10
+    return _Layout(sources, compare, bars, lanes, curves, spans, chosens[0], span, critical,
+                   by_lane, level, levels, lane_h, lane_y, rank_y, lanes_bottom, tiers, colours,
+                   mem_top, mem_bottom, legend_items, legend_top, per_row, legend_rows, height, plot_w)
 
-    out: list[str] = []
-    w = out.append
-    w(f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0f}" '
-      f'viewBox="0 0 {WIDTH} {height:.0f}" {FONT} font-size="10">')
-    w(f'<rect x="0" y="0" width="{WIDTH}" height="{height:.0f}" fill="#ffffff"/>')
+
+def _draw_heading(w, lay: _Layout, title: str | None) -> None:
+    """The svg element, its white ground, the title and a line of what the picture shows."""
+    w(f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{lay.height:.0f}" '
+      f'viewBox="0 0 {WIDTH} {lay.height:.0f}" {FONT} font-size="10">')
+    w(f'<rect x="0" y="0" width="{WIDTH}" height="{lay.height:.0f}" fill="#ffffff"/>')
     heading = title or "zdsl timeline"
     w(f'<text x="{LEFT}" y="24" font-size="16" font-weight="bold" fill="#1a1a1a">{escape(heading)}</text>')
-    ranks = sorted(rank_y)
-    n_ranks = len({r for _, r in ranks})
-    sub = [f"step {chosen}" if chosen is not None else "one step"]
-    if compare is not None:
-        sub += [f"{label} {sp / 1000:.2f} ms" for (label, _, _), sp in zip(sources, spans)]
+    n_ranks = len({r for _, r in lay.rank_y})
+    sub = [f"step {lay.chosen}" if lay.chosen is not None else "one step"]
+    if lay.compare:
+        sub += [f"{label} {sp / 1000:.2f} ms" for (label, _, _), sp in zip(lay.sources, lay.spans)]
     else:
-        sub.append(f"{span / 1000:.2f} ms")
-    sub += [f"{n_ranks} rank{'s' if n_ranks != 1 else ''}", f"{len(bars)} ops drawn (frees hidden)"]
+        sub.append(f"{lay.span / 1000:.2f} ms")
+    sub += [f"{n_ranks} rank{'s' if n_ranks != 1 else ''}", f"{len(lay.bars)} ops drawn (frees hidden)"]
     w(f'<text x="{LEFT}" y="42" font-size="11" fill="#555555">{escape(" · ".join(sub))}</text>')
 
-    # Rank headers and lane rows.
-    for rank, ry in rank_y.items():
+
+def _draw_lanes(w, lay: _Layout) -> None:
+    """A header per rank group, then a row per lane: its name and its busy share."""
+    for rank, ry in lay.rank_y.items():
         w(f'<text x="8" y="{ry + 14}" font-size="12" font-weight="bold" fill="#1a1a1a">'
-          f'{escape(group_label(rank))}</text>')
+          f'{escape(lay.group_label(rank))}</text>')
         w(f'<line x1="8" y1="{ry + RANK_HEAD - 2}" x2="{WIDTH - RIGHT}" y2="{ry + RANK_HEAD - 2}" '
           f'stroke="#bbbbbb" stroke-width="0.5"/>')
-    for i, key in enumerate(lanes):
-        ly, h = lane_y[key], lane_h[key]
+    for i, key in enumerate(lay.lanes):
+        ly, h = lay.lane_y[key], lay.lane_h[key]
         if i % 2 == 0:
-            w(f'<rect x="{LEFT}" y="{ly}" width="{plot_w}" height="{h}" fill="#f6f7f9"/>')
-        share = _busy(by_lane.get(key, [])) / (spans[key[0][0]] or 1.0)
+            w(f'<rect x="{LEFT}" y="{ly}" width="{lay.plot_w}" height="{h}" fill="#f6f7f9"/>')
+        share = _busy(lay.by_lane.get(key, [])) / (lay.spans[key[0][0]] or 1.0)
         w(f'<text x="20" y="{ly + h / 2 + 4:.1f}" font-size="11" fill="#1a1a1a" '
-          f'class="lane" data-source="{escape(sources[key[0][0]][0])}" data-rank="{key[0][1]}" '
+          f'class="lane" data-source="{escape(lay.sources[key[0][0]][0])}" data-rank="{key[0][1]}" '
           f'data-lane="{escape(key[1])}">{escape(key[1])}</text>')
         w(f'<text x="{LEFT - 8}" y="{ly + h / 2 + 4:.1f}" text-anchor="end" fill="#777777">'
           f'{share:.0%} busy</text>')
 
-    # Time grid and axis labels (top of lanes and memory panel).
-    tick = _nice_step(span, 12)
-    ticks = [i * tick for i in range(int(span / tick) + 1)]
-    grid_bottom = mem_bottom if curves else lanes_bottom
+
+def _draw_time_axis(w, lay: _Layout) -> None:
+    """The time grid, down through the memory bands, and millisecond labels above and below the lanes."""
+    tick = _nice_step(lay.span, 12)
+    ticks = [i * tick for i in range(int(lay.span / tick) + 1)]
+    grid_bottom = lay.mem_bottom if lay.curves else lay.lanes_bottom
     w('<g stroke="#e6e6e6" stroke-width="1">')
     for t in ticks:
-        x = x_of(t)
+        x = lay.x_of(t)
         w(f'<line x1="{x:.1f}" y1="{TOP - 6}" x2="{x:.1f}" y2="{grid_bottom:.1f}"/>')
     w('</g>')
     w('<g fill="#555555" text-anchor="middle">')
     for t in ticks:
-        w(f'<text x="{x_of(t):.1f}" y="{TOP - 10}">{_fmt_ms(t, tick)}</text>')
-        w(f'<text x="{x_of(t):.1f}" y="{lanes_bottom + 14:.1f}">{_fmt_ms(t, tick)}</text>')
+        w(f'<text x="{lay.x_of(t):.1f}" y="{TOP - 10}">{_fmt_ms(t, tick)}</text>')
+        w(f'<text x="{lay.x_of(t):.1f}" y="{lay.lanes_bottom + 14:.1f}">{_fmt_ms(t, tick)}</text>')
     w('</g>')
     w(f'<text x="{LEFT - 24}" y="{TOP - 10}" text-anchor="end" fill="#555555">ms</text>')
-    w(f'<text x="{LEFT - 24}" y="{lanes_bottom + 14:.1f}" text-anchor="end" fill="#555555">ms</text>')
+    w(f'<text x="{LEFT - 24}" y="{lay.lanes_bottom + 14:.1f}" text-anchor="end" fill="#555555">ms</text>')
 
-    # Bars, then their labels on top (a label never hides under the next bar).
+
+def _bar_box(lay: _Layout, b: Bar) -> tuple[float, float]:
+    """The bar's top and height: centred in its lane, or in its sub-row where the lane has several."""
+    key = (b.rank, b.lane)
+    if lay.levels[key] == 1:
+        return lay.lane_y[key] + (ROW - BAR) / 2, BAR
+    return lay.lane_y[key] + 3 + lay.level[id(b)] * SUB_ROW + (SUB_ROW - SUB_BAR) / 2, SUB_BAR
+
+
+def _draw_bars(w, lay: _Layout) -> None:
+    """A bar per op with its tooltip, then their labels on top (a label never hides under the next bar)."""
     labels = []
     w('<g class="bars">')
-    for b in sorted(bars, key=lambda b: (b.rank, b.start)):
+    for b in sorted(lay.bars, key=lambda b: (b.rank, b.start)):
         label, fill = KIND_STYLE.get(b.kind, OTHER_STYLE)
-        x = x_of(b.start)
-        bw = max(0.6, plot_w * b.dur / span)
-        key = (b.rank, b.lane)
-        if levels[key] == 1:
-            y0, bh = lane_y[key] + (ROW - BAR) / 2, BAR
-        else:
-            y0, bh = lane_y[key] + 3 + level[id(b)] * SUB_ROW + (SUB_ROW - SUB_BAR) / 2, SUB_BAR
+        x = lay.x_of(b.start)
+        bw = max(0.6, lay.plot_w * b.dur / lay.span)
+        y0, bh = _bar_box(lay, b)
         tip = f"{b.name} · {label} · {_fmt_dur(b.dur)} at {b.start / 1000:.3f} ms"
         if b.bytes:
             tip += f" · {human_bytes(b.bytes)}"
-        if on_critical(b):
+        if lay.on_critical(b):
             stroke, sw = "#111111", 1.6
             tip += " · on the critical path"
         else:
@@ -401,46 +469,58 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
         w(f'<text x="{x:.1f}" y="{y0:.1f}" fill="{colour}">{escape(text)}</text>')
     w('</g>')
 
-    # Memory: one band per tier, each on its own scale (device MiB next to nvme GiB stays legible).
-    if curves:
-        w(f'<text x="8" y="{mem_top - 10:.1f}" font-size="12" font-weight="bold" fill="#1a1a1a">'
-          f'memory held</text>')
-        for i, tier in enumerate(tiers):
-            band_bottom = mem_top + (i + 1) * MEM_BAND + i * MEM_GAP
-            tier_pts = {r: pts for (r, t), pts in curves.items() if t == tier}
-            peak = max(v for pts in tier_pts.values() for _, v in pts)
-            ymax = _nice_ceiling_bytes(peak)
-            y_of = lambda v, b=band_bottom, m=ymax: b - (MEM_BAND - 4) * v / m  # noqa: E731
-            w(f'<rect x="{LEFT}" y="{band_bottom - MEM_BAND:.1f}" width="{plot_w}" height="{MEM_BAND}" '
-              f'fill="none" stroke="#cccccc" stroke-width="0.5"/>')
-            w(f'<line x1="{LEFT}" y1="{y_of(ymax):.1f}" x2="{WIDTH - RIGHT}" y2="{y_of(ymax):.1f}" '
-              f'stroke="#eeeeee"/>')
-            w(f'<text x="20" y="{band_bottom - MEM_BAND / 2 + 4:.1f}" font-size="11" fill="{colours[tier]}" '
-              f'font-weight="bold">{escape(tier)}</text>')
-            w(f'<text x="20" y="{band_bottom - MEM_BAND / 2 + 17:.1f}" fill="#777777">'
-              f'peak {escape(human_bytes(peak))}</text>')
-            w(f'<text x="{LEFT - 6}" y="{y_of(ymax) + 3.5:.1f}" text-anchor="end" fill="#555555">'
-              f'{escape(human_bytes(ymax))}</text>')
-            w(f'<text x="{LEFT - 6}" y="{band_bottom:.1f}" text-anchor="end" fill="#555555">0</text>')
-            for rank, pts in sorted(tier_pts.items()):
-                d = f"M{x_of(pts[0][0]):.1f},{y_of(pts[0][1]):.1f}" + "".join(
-                    f"H{x_of(t):.1f}V{y_of(v):.1f}" for t, v in pts[1:]) + f"H{x_of(span):.1f}"
-                first = rank == ranks[0]
-                if first:   # shade under the first rank's curve so the band reads as "held"
-                    w(f'<path d="{d}V{band_bottom:.1f}H{x_of(0):.1f}Z" fill="{colours[tier]}" '
-                      f'fill-opacity="0.12" stroke="none"/>')
-                dash = "" if first else ' stroke-dasharray="5,3"'
-                rpeak = max(v for _, v in pts)
-                w(f'<path class="memory" data-tier="{escape(tier)}" data-source="{escape(sources[rank[0]][0])}" '
-                  f'data-rank="{rank[1]}" d="{d}" fill="none" stroke="{colours[tier]}" stroke-width="1.6"{dash}>'
-                  f'<title>{escape(f"{group_label(rank)} {tier}: peak {human_bytes(rpeak)}")}</title></path>')
 
-    # Legend: op kinds, then memory tiers with their peaks.
-    ly = legend_top
-    col_w = (WIDTH - LEFT - RIGHT) / per_row
-    for i, (label, fill) in enumerate(legend_items):
-        x = LEFT + (i % per_row) * col_w
-        yy = ly + (i // per_row) * 18
+def _draw_memory(w, lay: _Layout) -> None:
+    """One band per tier, each on its own scale (device MiB next to nvme GiB stays legible)."""
+    if not lay.curves:
+        return
+    w(f'<text x="8" y="{lay.mem_top - 10:.1f}" font-size="12" font-weight="bold" fill="#1a1a1a">'
+      f'memory held</text>')
+    for i, tier in enumerate(lay.tiers):
+        _draw_memory_band(w, lay, tier, lay.mem_top + (i + 1) * MEM_BAND + i * MEM_GAP)
+
+
+def _draw_memory_band(w, lay: _Layout, tier: str, band_bottom: float) -> None:
+    """One tier's band: its frame, scale and peak, and a step curve per rank group."""
+    tier_pts = {r: pts for (r, t), pts in lay.curves.items() if t == tier}
+    peak = max(v for pts in tier_pts.values() for _, v in pts)
+    ymax = _nice_ceiling_bytes(peak)
+    y_of = lambda v: band_bottom - (MEM_BAND - 4) * v / ymax  # noqa: E731
+    colour = lay.colours[tier]
+    w(f'<rect x="{LEFT}" y="{band_bottom - MEM_BAND:.1f}" width="{lay.plot_w}" height="{MEM_BAND}" '
+      f'fill="none" stroke="#cccccc" stroke-width="0.5"/>')
+    w(f'<line x1="{LEFT}" y1="{y_of(ymax):.1f}" x2="{WIDTH - RIGHT}" y2="{y_of(ymax):.1f}" '
+      f'stroke="#eeeeee"/>')
+    w(f'<text x="20" y="{band_bottom - MEM_BAND / 2 + 4:.1f}" font-size="11" fill="{colour}" '
+      f'font-weight="bold">{escape(tier)}</text>')
+    w(f'<text x="20" y="{band_bottom - MEM_BAND / 2 + 17:.1f}" fill="#777777">'
+      f'peak {escape(human_bytes(peak))}</text>')
+    w(f'<text x="{LEFT - 6}" y="{y_of(ymax) + 3.5:.1f}" text-anchor="end" fill="#555555">'
+      f'{escape(human_bytes(ymax))}</text>')
+    w(f'<text x="{LEFT - 6}" y="{band_bottom:.1f}" text-anchor="end" fill="#555555">0</text>')
+    x_of = lay.x_of
+    first_group = sorted(lay.rank_y)[0]
+    for rank, pts in sorted(tier_pts.items()):
+        d = f"M{x_of(pts[0][0]):.1f},{y_of(pts[0][1]):.1f}" + "".join(
+            f"H{x_of(t):.1f}V{y_of(v):.1f}" for t, v in pts[1:]) + f"H{x_of(lay.span):.1f}"
+        first = rank == first_group
+        if first:   # shade under the first rank's curve so the band reads as "held"
+            w(f'<path d="{d}V{band_bottom:.1f}H{x_of(0):.1f}Z" fill="{colour}" '
+              f'fill-opacity="0.12" stroke="none"/>')
+        dash = "" if first else ' stroke-dasharray="5,3"'
+        rpeak = max(v for _, v in pts)
+        w(f'<path class="memory" data-tier="{escape(tier)}" data-source="{escape(lay.sources[rank[0]][0])}" '
+          f'data-rank="{rank[1]}" d="{d}" fill="none" stroke="{colour}" stroke-width="1.6"{dash}>'
+          f'<title>{escape(f"{lay.group_label(rank)} {tier}: peak {human_bytes(rpeak)}")}</title></path>')
+
+
+def _draw_legend(w, lay: _Layout) -> None:
+    """Op kinds in rows of ``per_row``; with several rank groups, which memory line is which."""
+    ly = lay.legend_top
+    col_w = (WIDTH - LEFT - RIGHT) / lay.per_row
+    for i, (label, fill) in enumerate(lay.legend_items):
+        x = LEFT + (i % lay.per_row) * col_w
+        yy = ly + (i // lay.per_row) * 18
         if fill == "outline":
             w(f'<rect x="{x:.1f}" y="{yy - 9}" width="14" height="11" fill="#ffffff" stroke="#111111" '
               f'stroke-width="1.6"/>')
@@ -448,17 +528,39 @@ def render_svg(trace, title: str | None = None, step: int | None = None, compare
             w(f'<rect x="{x:.1f}" y="{yy - 9}" width="14" height="11" fill="{fill}"/>')
         w(f'<text x="{x + 19:.1f}" y="{yy}" font-size="11" fill="#1a1a1a">{escape(label)}</text>')
     w(f'<text x="8" y="{ly}" font-size="11" fill="#555555">ops</text>')
-    if curves and len(ranks) > 1:
-        yy = ly + 18 * legend_rows
-        w(f'<text x="8" y="{yy}" font-size="11" fill="#555555">memory</text>')
-        w(f'<line x1="{LEFT}" y1="{yy - 4}" x2="{LEFT + 22}" y2="{yy - 4}" stroke="#555555" stroke-width="1.6"/>')
-        w(f'<text x="{LEFT + 27}" y="{yy}" font-size="11" fill="#1a1a1a">{escape(group_label(ranks[0]))}</text>')
-        other_x = LEFT + 40 + len(group_label(ranks[0])) * 6.4
-        w(f'<line x1="{other_x:.1f}" y1="{yy - 4}" x2="{other_x + 22:.1f}" y2="{yy - 4}" stroke="#555555" '
-          f'stroke-width="1.6" stroke-dasharray="5,3"/>')
-        w(f'<text x="{other_x + 27:.1f}" y="{yy}" font-size="11" fill="#1a1a1a">'
-          f'{"the others" if compare is not None else "other ranks"}</text>')
-    w('</svg>')
+    if not (lay.curves and len(lay.rank_y) > 1):
+        return
+    first = lay.group_label(min(lay.rank_y))
+    yy = ly + 18 * lay.legend_rows
+    w(f'<text x="8" y="{yy}" font-size="11" fill="#555555">memory</text>')
+    w(f'<line x1="{LEFT}" y1="{yy - 4}" x2="{LEFT + 22}" y2="{yy - 4}" stroke="#555555" stroke-width="1.6"/>')
+    w(f'<text x="{LEFT + 27}" y="{yy}" font-size="11" fill="#1a1a1a">{escape(first)}</text>')
+    other_x = LEFT + 40 + len(first) * 6.4
+    w(f'<line x1="{other_x:.1f}" y1="{yy - 4}" x2="{other_x + 22:.1f}" y2="{yy - 4}" stroke="#555555" '
+      f'stroke-width="1.6" stroke-dasharray="5,3"/>')
+    w(f'<text x="{other_x + 27:.1f}" y="{yy}" font-size="11" fill="#1a1a1a">'
+      f'{"the others" if lay.compare else "other ranks"}</text>')
+
+
+def render_svg(trace, title: str | None = None, step: int | None = None, compare=None,
+               labels: tuple[str, str] = ("measured", "predicted"), critical=None) -> str:
+    """The SVG text for one step of ``trace`` (see the module docstring for the format).
+
+    ``compare``: a second trace (e.g. the planner's prediction) drawn under
+    the first on the same time axis, its groups labelled ``labels[1]``.
+    ``critical``: op ids to outline (``zdsl.observe.overlap``'s critical path), for
+    every rank of the first trace, or a dict rank -> op ids.
+    """
+    sources = [(labels[0], trace, step)] + ([(labels[1], compare, None)] if compare is not None else [])
+    lay = _layout(sources, compare is not None, critical)
+    out: list[str] = []
+    _draw_heading(out.append, lay, title)
+    _draw_lanes(out.append, lay)
+    _draw_time_axis(out.append, lay)
+    _draw_bars(out.append, lay)
+    _draw_memory(out.append, lay)
+    _draw_legend(out.append, lay)
+    out.append('</svg>')
     return "\n".join(out) + "\n"
 
 
