@@ -288,7 +288,7 @@ def measure_compute_rate(schedule, graph) -> dict | None:
 
 
 def union(intervals: list[tuple[float, float]]) -> float:
-    from zdsl.planner.lanes import union_length
+    from zdsl.sim.lanes import union_length
     return union_length(intervals)
 
 
@@ -399,7 +399,7 @@ def main(argv=None) -> int:
 
     from zdsl.planner import profile_cache
     from zdsl.planner import traffic
-    from zdsl.planner import rates
+    from zdsl.sim import rates
     from zdsl.planner.machine_fit import schedule_fit
     from zdsl.compile.units import gpt_parameter_count
     from zdsl.lang.sizes import human_bytes

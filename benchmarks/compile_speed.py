@@ -84,7 +84,7 @@ def stages(path: str) -> dict[str, float]:
     from zdsl.driver import memo_units_for
     from zdsl.planner.report import build_plan
     from zdsl.planner.report import render_plan
-    from zdsl.planner.simulate import simulate
+    from zdsl.sim.simulate import simulate
     from zdsl.compile.verify import verify
     units_for = memo_units_for()
     out = {}

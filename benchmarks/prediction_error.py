@@ -77,7 +77,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.host_load import OutsideLoad             # noqa: E402
 from zdsl.driver import compile_file                       # noqa: E402
-from zdsl.planner.simulate import machine_of, simulate   # noqa: E402
+from zdsl.sim.simulate import machine_of, simulate   # noqa: E402
 
 TARGET = 0.15
 # A quiet round: every run of the reference beside the programs within this of the step calibrate

@@ -28,6 +28,11 @@ class Span:
     end_column: int | None = None
 
 
+# ``gpt(...)``'s sizes where a schedule leaves them out: the language's defaults, read by the
+# checker, the overrides, the sizing and the cost model alike.
+GPT_DEFAULTS = dict(layers=4, width=128, heads=4, vocab=256, context=64)
+
+
 @dataclass
 class ModelSpec:
     kind: str                              # "gpt", "user" or "hf"
@@ -182,13 +187,13 @@ class MachineProfile:
     comm_under_load: float = 0.0           # with cores: a collective's rate while compute fills them; 0: fair share
     wake_latency: float = 0.0              # seconds an op starts after an input made on another lane ended
     loop_overhead: float = 0.0             # the runtime's event loop's CPU seconds per op (a free's whole cost)
-    # 0 below: derived from the fields above (zdsl.planner.simulate.collective_seconds, rated_duration)
+    # 0 below: derived from the fields above (zdsl.sim.simulate.collective_seconds, rated_duration)
     scatter_bandwidth: float = 0.0         # reduce-scatter; 0: link_bandwidth
     scatter_latency: float = 0.0           # reduce-scatter; 0: link_latency
     reduce_bandwidth: float = 0.0          # all-reduce; 0: a ring, reduce-scatter then all-gather
     reduce_latency: float = 0.0            # all-reduce; 0: as above
     host_memory_bandwidth: float = 0.0     # the optimizer step on the host; 0: memory_bandwidth
-    # By the schedule's shape (zdsl.planner.rates): empty or 0, ``flops`` and ``disk_*`` as given
+    # By the schedule's shape (zdsl.sim.rates): empty or 0, ``flops`` and ``disk_*`` as given
     flops_widths: tuple[float, ...] = ()   # model widths the per-precision compute rates were measured at
     flops_fp32: tuple[float, ...] = ()     # a block's forward+backward rate at each of flops_widths, fp32
     flops_bf16: tuple[float, ...] = ()     # the same in bf16
@@ -253,7 +258,7 @@ MACHINE_OPTIONS = (
 # ``flops_bf16=(5e10, 2e11, 3e11)``.
 MACHINE_TUPLES = ("flops_widths", "flops_fp32", "flops_bf16", "flops_fp16",
                   "flops_alone_fp32", "flops_alone_bf16", "flops_alone_fp16")
-# The fields that give a rate by the schedule's shape (zdsl.planner.rates); unset: rates as given.
+# The fields that give a rate by the schedule's shape (zdsl.sim.rates); unset: rates as given.
 MACHINE_SHAPE_FIELDS = (*MACHINE_TUPLES, "compute_ranks", "disk_ranks", "disk_read_alone", "disk_write_alone")
 # Scalar fields added after graph digests were kept: left out of the config where 0 (to_config).
 MACHINE_LATER_FIELDS = ("loop_overhead",)

@@ -4,7 +4,7 @@ A folder that does not exist yet is created by the swapper (with any missing par
 matters is its nearest existing ancestor: the filesystem the swap files will land on (its
 ``st_dev``: folders on one device share its free space and its rate) and whether a folder can be
 made there. Torch-free: the pre-flight (``zdsl.planner.machine_fit``), the planner's disk rates
-(``zdsl.planner.rates``) and the runtime's swapper all ask here.
+(``zdsl.sim.rates``) and the runtime's swapper all ask here.
 """
 from __future__ import annotations
 

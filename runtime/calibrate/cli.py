@@ -1,6 +1,6 @@
 """Measure this machine for the planner's cost model: ``zdsl calibrate``.
 
-The planner (``zdsl.planner.simulate.op_duration``) prices every op with a
+The planner (``zdsl.sim.simulate.op_duration``) prices every op with a
 handful of rates from :class:`zdsl.schedule.MachineProfile`. Its predictions
 are only as good as those rates, so each is measured here *the way the
 planner uses it*, under the conditions of a real run:
@@ -16,7 +16,7 @@ planner uses it*, under the conditions of a real run:
 * ``flops_widths``, ``flops_fp32``/``flops_bf16`` (and ``flops_fp16`` on CUDA):
   a GPT block's forward+backward at a few widths in each precision
   (``measure_compute_table``), so that one profile prices a schedule of
-  another size or precision (``zdsl.planner.rates``); the default block
+  another size or precision (``zdsl.sim.rates``); the default block
   (width 64, fp32) is its first entry, the same number as ``flops``.
   Measured by every rank at once, each on its share of the cores
   (``compute_ranks`` of them), and then by rank 0 alone with every core
@@ -113,7 +113,7 @@ from zdsl.schedule import MachineProfile
 
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.calibration_fit import LATENCY_FIELDS, compute_excess, fit_overhead, scaled_latencies
-from zdsl.planner.simulate import simulate
+from zdsl.sim.simulate import simulate
 from zdsl.runtime.calibrate.measure import (COLLECTIVES, DISK_SIZES, TABLE_CONTEXT, CalibrationError, Settings,
                                             compute_dtype, measure_collectives, measure_compute,
                                             measure_compute_table, measure_copy, measure_disk, measure_optimizer,
@@ -596,7 +596,7 @@ def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:
         raise CalibrationError(f"cannot read {path}: {e.strerror}") from None
     shape: dict = {}
     if schedule.model.kind == "gpt":
-        from zdsl.compile.units import GPT_DEFAULTS
+        from zdsl.schedule import GPT_DEFAULTS
         args = {**GPT_DEFAULTS, **schedule.model.args}
         shape.update(width=args["width"], heads=args["heads"], context=args["context"],
                      layers=args["layers"], vocab=args["vocab"])

@@ -160,7 +160,7 @@ def measure_compute(device, s: Settings, dtype) -> dict:
     return out
 
 
-# The compute-rate table (zdsl.planner.rates prices a unit at its precision's rate, interpolated at
+# The compute-rate table (zdsl.sim.rates prices a unit at its precision's rate, interpolated at
 # its width): widths, sequences per batch at each (fewer at the largest, to keep a quick calibration
 # short) and precisions. fp16 on a CPU runs a fallback kernel, orders of magnitude below bf16: not
 # measured there, a schedule in it is told so by zdsl plan.
@@ -420,7 +420,7 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
     rounds and alone once more after the last; a round's share is ``1 - alone / beside`` with
     ``alone`` the mean of the alone times on either side of it, and each direction's share the
     median of its rounds' (load from outside that moves between rounds cancels in a round's
-    ratio; zdsl.planner.simulate.transfer_demand turns it into the cores a transfer needs). The
+    ratio; zdsl.sim.simulate.transfer_demand turns it into the cores a transfer needs). The
     swapper's threads make system calls for each request and checksum each block; on one core
     they do not keep their rate beside compute, and a transfer beside a block's forward+backward
     takes up to a few times its time alone."""

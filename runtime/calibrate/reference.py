@@ -9,7 +9,7 @@ import tempfile
 import time
 
 from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_compute, lane_ops, wake_delays
-from zdsl.planner.lanes import slots_of
+from zdsl.sim.lanes import slots_of
 from zdsl.schedule import MachineProfile
 from zdsl.runtime.calibrate.measure import CalibrationError, Settings
 

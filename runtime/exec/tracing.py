@@ -15,7 +15,7 @@ import numpy as np
 import torch.distributed as dist
 
 from zdsl.ir import TaskGraph
-from zdsl.planner.memory import memory_timeline
+from zdsl.sim.memory import memory_timeline
 from zdsl.observe.trace import TraceCounter
 from zdsl.observe.trace import TraceSpan
 from zdsl.observe.trace import chrome_trace

@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from zdsl.compile.units import GPT_DEFAULTS
+from zdsl.schedule import GPT_DEFAULTS
 
 from zdsl.compile.units import UnitSpec
 
@@ -44,6 +44,10 @@ from zdsl.runtime.models.protocol import check_model
 from zdsl.runtime.models.protocol import prepare_batch
 
 from zdsl.runtime.models.protocol import tied_uses
+
+from zdsl.runtime.data import runtime_source
+
+from zdsl.sources import source_of
 
 
 def unit_specs(model_spec, context: int, base_dir=None, sample=None, masked: bool = False) -> list[UnitSpec]:
@@ -222,12 +226,11 @@ def units_for_user_model(spec, context: int | None = None, base_dir=None, data=N
 
 def sizing_inputs(data, context: int | None = None, fallback=None) -> tuple[int, tuple | None, bool]:
     """What a built model is sized with: (context, sample, masked) for :func:`model_unit_specs`.
-    ``context``, else ``fallback`` (a factory's ``context`` argument), else 64; with ``data
-    python(...)``, one row of what its function returns; ``masked`` for ``jsonl(...)``'s rows."""
+    ``context``, else ``fallback`` (a factory's ``context`` argument), else 64; where the data's
+    rows are its own tensors (``python(...)``), one row of them; ``masked`` where its rows come
+    padded or packed (``jsonl(...)``)."""
     if context is None:
         context = fallback if isinstance(fallback, int) and fallback > 0 else DEFAULT_CONTEXT
-    sample = None
-    if data is not None and data.kind == "python":
-        from zdsl.runtime.data.python_source import meta_sample
-        sample = meta_sample(data)
-    return context, sample, data is not None and data.kind == "jsonl"
+    if data is None:
+        return context, None, False
+    return context, runtime_source(data.kind).meta_sample(data), source_of(data.kind).masked

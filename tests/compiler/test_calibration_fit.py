@@ -10,9 +10,9 @@ from test_cost_model_knobs import graph
 from zdsl.planner.calibration_fit import fit_overhead
 from zdsl.planner.calibration_fit import lane_ops
 from zdsl.planner.calibration_fit import scaled_latencies
-from zdsl.planner.simulate import UNIT_COMPUTE_KINDS
-from zdsl.planner.simulate import rated_duration
-from zdsl.planner.simulate import simulate
+from zdsl.sim.simulate import UNIT_COMPUTE_KINDS
+from zdsl.sim.simulate import rated_duration
+from zdsl.sim.simulate import simulate
 
 TRUTH = dataclasses.replace(CPU, cores=0.0, comm_overhead=3e-4, scatter_overhead=3e-4)
 
@@ -71,7 +71,7 @@ def test_compute_excess_is_what_units_took_beyond_their_rate_and_fixed_costs():
     already charges them: the excess is 0.25 (the fixed costs not counted twice, the other
     compute ops ignored); units no slower than their rate give 0, never less."""
     from zdsl.planner.calibration_fit import compute_excess
-    from zdsl.planner.simulate import op_fixed
+    from zdsl.sim.simulate import op_fixed
     g = graph(prefetch=1)
     units = [i for i, op in enumerate(g.ops) if op.kind in UNIT_COMPUTE_KINDS and op.flops]
     assert len(units) >= 4

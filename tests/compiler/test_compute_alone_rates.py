@@ -1,6 +1,6 @@
 """A schedule of fewer ranks than the profile was measured by has more cores each: its compute is
 priced at the tables one rank measured alone with every core (``flops_alone_*``,
-zdsl/planner/rates.compute_tables); as many ranks keep the shared tables; a profile without
+zdsl/sim/rates.compute_tables); as many ranks keep the shared tables; a profile without
 them plans as before."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from tests.compiler.test_rates_by_shape import graph_of
 from tests.compiler.test_rates_by_shape import schedule
 from tests.compiler.test_rates_by_shape import seconds
-from zdsl.planner.rates import for_graph
-from zdsl.planner.rates import gaps
-from zdsl.planner.simulate import simulate
+from zdsl.sim.rates import for_graph
+from zdsl.sim.rates import gaps
+from zdsl.sim.simulate import simulate
 from zdsl.schedule import MachineProfile
 
 # As calibrate writes it on a 2-core node at 2 ranks: each rank's tables on one core, and rank 0's

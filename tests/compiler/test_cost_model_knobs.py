@@ -20,8 +20,8 @@ from zdsl.ir import TaskGraph
 from zdsl.ir import UnitInfo
 from zdsl.planner.calibration_fit import wake_delays
 from zdsl.planner.comm import comm_plan
-from zdsl.planner.simulate import collective_seconds
-from zdsl.planner.simulate import simulate
+from zdsl.sim.simulate import collective_seconds
+from zdsl.sim.simulate import simulate
 from zdsl.schedule import MachineProfile
 from zdsl.schedule import OptimizerSpec
 from zdsl.schedule import Schedule
@@ -191,7 +191,7 @@ def test_the_collective_cost_fitted_beside_a_measured_wake_is_what_the_hops_leav
     the step, so the fit returns the collective's own cost, not the hops folded into it."""
     from zdsl.planner.calibration_fit import fit_overhead
     from zdsl.planner.calibration_fit import lane_ops
-    from zdsl.planner.simulate import rated_duration
+    from zdsl.sim.simulate import rated_duration
     g = graph(prefetch=1)
     truth = dataclasses.replace(CPU, cores=0.0, wake_latency=2e-4, comm_overhead=4e-4, scatter_overhead=4e-4)
     lane_op_s = {i: rated_duration(g, g.ops[i], truth) + truth.op_overhead + g.ops[i].kernels * truth.kernel_overhead
@@ -209,7 +209,7 @@ def test_the_collective_cost_fitted_beside_the_loops_cost_per_op_is_what_the_fre
     the cost per collective, so the frees' cost is not folded into the collectives'."""
     from zdsl.planner.calibration_fit import fit_overhead
     from zdsl.planner.calibration_fit import lane_ops
-    from zdsl.planner.simulate import rated_duration
+    from zdsl.sim.simulate import rated_duration
     g = graph(prefetch=1)
     assert sum(op.kind == "mem.free" for op in g.ops) > 0
     truth = dataclasses.replace(CPU, cores=0.0, loop_overhead=1e-4, comm_overhead=4e-4, scatter_overhead=4e-4)

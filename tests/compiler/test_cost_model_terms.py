@@ -6,9 +6,9 @@ import pytest
 
 from zdsl.compile.units import gpt_units
 from zdsl.driver import compile_schedule
-from zdsl.planner.simulate import collective_payload
-from zdsl.planner.simulate import op_duration
-from zdsl.planner.simulate import op_fixed
+from zdsl.sim.simulate import collective_payload
+from zdsl.sim.simulate import op_duration
+from zdsl.sim.simulate import op_fixed
 from zdsl.schedule import MachineProfile
 from zdsl.schedule import OptimizerSpec
 from zdsl.schedule import Schedule

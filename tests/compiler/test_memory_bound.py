@@ -24,9 +24,9 @@ from zdsl.ir import UnitInfo
 from zdsl.planner.bound import max_closure
 from zdsl.planner.bound import tier_weights
 from zdsl.planner.bound import worst_working
-from zdsl.planner.memory import working_intervals
-from zdsl.planner.graph_index import predecessors
-from zdsl.planner.simulate import simulate
+from zdsl.sim.memory import working_intervals
+from zdsl.sim.graph_index import predecessors
+from zdsl.sim.simulate import simulate
 from zdsl.schedule import OptimizerSpec
 from zdsl.schedule import Schedule
 from zdsl.schedule import TrainSpec

@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-MODULES = "zdsl, zdsl.cli, zdsl.check.checker, zdsl.compile.lower, zdsl.compile.verify, zdsl.planner.simulate"
+MODULES = "zdsl, zdsl.cli, zdsl.check.checker, zdsl.compile.lower, zdsl.compile.verify, zdsl.sim.simulate"
 
 
 def leaked(code: str) -> str:

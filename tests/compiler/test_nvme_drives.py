@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from zdsl.driver import compile_file
-from zdsl.planner import rates
+from zdsl.sim import rates
 from zdsl.planner.report import build_plan
 from zdsl.planner.report import render_plan
-from zdsl.planner.simulate import rated_duration
+from zdsl.sim.simulate import rated_duration
 from zdsl.schedule import MachineProfile
 
 NVME = Path(__file__).parents[2] / "programs" / "nvme.zs"

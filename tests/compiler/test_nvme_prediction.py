@@ -6,8 +6,8 @@ import os
 import pytest
 
 from zdsl.driver import compile_file
-from zdsl.planner.simulate import machine_of
-from zdsl.planner.simulate import simulate
+from zdsl.sim.simulate import machine_of
+from zdsl.sim.simulate import simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # a profile of this host's shape (2 ranks, a core each), its figures rounded from a quick calibration

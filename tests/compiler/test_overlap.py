@@ -215,7 +215,7 @@ def test_a_lane_of_two_threads_bounds_nothing_by_its_busy_time():
 def test_two_cpu_ranks_run_their_collectives_one_at_a_time(ranks, name, want):
     """2 cpu ranks' collectives go through their pair's shared memory, one worker thread, whatever
     gloo's thread count (``comm_slots``); more ranks, or another device, keep the profile's."""
-    from zdsl.planner.lanes import comm_slots
+    from zdsl.sim.lanes import comm_slots
     g = graph_of([op(0, "comm.all_gather", "comm", 0)], ranks=ranks)
     g.config = {"machine": {"comm_slots": 2, "name": name}}
     assert comm_slots(g) == want

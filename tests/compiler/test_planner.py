@@ -16,12 +16,12 @@ from zdsl.ir import TaskGraph
 from zdsl.ir import UnitInfo
 from zdsl.planner.comm import comm_plan
 from zdsl.planner.comm import zero_comm_elements
-from zdsl.planner.memory import model_states
-from zdsl.planner.memory import zero_model_states
+from zdsl.sim.memory import model_states
+from zdsl.sim.memory import zero_model_states
 from zdsl.planner.report import build_plan
 from zdsl.planner.report import render_plan
-from zdsl.planner.simulate import op_duration
-from zdsl.planner.simulate import simulate
+from zdsl.sim.simulate import op_duration
+from zdsl.sim.simulate import simulate
 from zdsl.schedule import MachineProfile
 from zdsl.schedule import OptimizerSpec
 from zdsl.schedule import Placement
@@ -212,7 +212,7 @@ def test_list_scheduling_overlaps_lanes_and_honours_deps():
 def gloo_bytes(seconds: float) -> float:
     """Full-tensor bytes a collective of 3 ranks moves in ``seconds`` at 1 B/s (2/3 of them). The
     hand graphs of gloo's threads are of 3 ranks: 2 cpu ranks' collectives go through shared
-    memory, one at a time (zdsl.planner.lanes.slots_of)."""
+    memory, one at a time (zdsl.sim.lanes.slots_of)."""
     return seconds * 3 / 2
 
 

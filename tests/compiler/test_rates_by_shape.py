@@ -1,4 +1,4 @@
-"""One profile plans schedules of other shapes (zdsl/planner/rates.py): a unit's compute at its
+"""One profile plans schedules of other shapes (zdsl/sim/rates.py): a unit's compute at its
 precision's rate interpolated at its width, NVMe transfers at the rate of as many ranks as the
 schedule runs; a profile without those fields plans as before; ``zdsl plan`` says what it lacks."""
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 from zdsl.cli import main
 from zdsl.driver import compile_file
 from zdsl.planner import profile_cache
-from zdsl.planner.rates import flops_at
-from zdsl.planner.rates import gaps
-from zdsl.planner.rates import unit_widths
-from zdsl.planner.simulate import rated_durations
-from zdsl.planner.simulate import simulate
+from zdsl.sim.rates import flops_at
+from zdsl.sim.rates import gaps
+from zdsl.sim.rates import unit_widths
+from zdsl.sim.simulate import rated_durations
+from zdsl.sim.simulate import simulate
 from zdsl.schedule import MachineProfile
 
 # A profile as calibrate writes it at 2 ranks: each rank's share of the disk, and one rank alone.

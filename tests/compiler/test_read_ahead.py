@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zdsl.driver import compile_file
-from zdsl.planner.simulate import simulate
+from zdsl.sim.simulate import simulate
 
 ROOT = Path(__file__).parents[2]
 GIB = 1 << 30

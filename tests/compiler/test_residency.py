@@ -18,7 +18,7 @@ from zdsl.compile.step_graph import build_step
 from zdsl.compile.units import gpt_units
 from zdsl.compile.verify import verify
 from zdsl.driver import compile_schedule
-from zdsl.planner.simulate import simulate
+from zdsl.sim.simulate import simulate
 from zdsl.schedule import OptimizerSpec
 from zdsl.schedule import Placement
 from zdsl.schedule import Schedule

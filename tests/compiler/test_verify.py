@@ -189,7 +189,7 @@ def test_device_budget_points_at_prefetch_when_gathered_parameters_dominate():
     prefetch_span = Span(FILE, 7, 1)
     s = schedule(stage=3, prefetch=4, spans={"prefetch": prefetch_span, "memory": Span(FILE, 9, 1)})
     g = compile_schedule(s, units)
-    from zdsl.planner.simulate import simulate
+    from zdsl.sim.simulate import simulate
     peak = simulate(g).memory.peak("device")
     s.memory = {"device": peak - 1}
     errs = errors(verify(g, s))

@@ -42,7 +42,7 @@ def test_the_allocators_peaks_against_the_plan_and_no_growth(tmp_path, gpus, off
     tensors, a pool per stream); after the first step the peaks do not grow."""
     from zdsl.driver import compile_file
     from zdsl.planner.bound import worst_working
-    from zdsl.planner.simulate import simulate
+    from zdsl.sim.simulate import simulate
     schedule = write_schedule(tmp_path, ranks=gpus, stage=3, optimizer=ADAMW, offload=offload, steps=5)
     graph = compile_file(str(schedule), {}, simulate=False).graph
     planned = simulate(graph).memory.tiers["device"].model_states + worst_working(graph).get("device", 0)

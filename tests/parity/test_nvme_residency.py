@@ -19,7 +19,7 @@ from test_state_vs_ddp import BATCH, MODEL, STEPS, make_schedule, zdsl_train
 
 from zdsl.compile.units import gpt_units
 from zdsl.driver import compile_schedule
-from zdsl.planner.simulate import simulate
+from zdsl.sim.simulate import simulate
 
 pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
 

@@ -127,7 +127,7 @@ def test_measured_memory_against_the_plan(two_ranks, name):
     """Model states equal the planner's figure; working buffers stay within its worst-order peak
     (the simulated order is one of many: lanes running with other timings can peak elsewhere)."""
     from zdsl.planner.bound import worst_working
-    from zdsl.planner.simulate import simulate
+    from zdsl.sim.simulate import simulate
 
     stage, accumulate, clip, offload, bucket, prefetch, optimizer = TWO_RANKS[name]
     schedule = make_schedule(2, stage, accumulate=accumulate, clip=clip, offload=offload, bucket_bytes=bucket)

@@ -78,7 +78,7 @@ def test_quick_profile_parses(tmp_path, capsys, monkeypatch):
         assert measured_on["shared"] < cores and measured_on["alone"] == cores
         assert tables[0][0] < cores and tables[1][0] == cores
     assert profile_errors(out) == []
-    # the rates by shape (zdsl/planner/rates.py): compute by width in fp32 and bf16, the disk alone
+    # the rates by shape (zdsl/sim/rates.py): compute by width in fp32 and bf16, the disk alone
     statement = machine_statement(out)
     for key in ("flops_widths=(64, 512, 2048)", "flops_fp32=(", "flops_bf16=(", "disk_ranks=2",
                 "disk_read_alone=", "disk_write_alone=", "compute_ranks=2", "flops_alone_fp32=(",
@@ -152,7 +152,7 @@ def test_the_disk_test_runs_the_swapper_and_fits_each_direction(tmp_path):
 
 
 def test_the_per_op_overhead_fit_recovers_a_known_one():
-    from zdsl.planner.simulate import simulate
+    from zdsl.sim.simulate import simulate
     profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
     graph = reference_graph(2, "cpu").graph
     truth = 7e-4
@@ -170,8 +170,8 @@ def test_the_fit_recovers_lane_kernel_and_collective_costs(op_cost, comm_cost, k
     step the known costs predict: the fit returns them (the lane ops pin the first two, the step
     the third)."""
     import dataclasses
-    from zdsl.planner.simulate import rated_duration
-    from zdsl.planner.simulate import simulate
+    from zdsl.sim.simulate import rated_duration
+    from zdsl.sim.simulate import simulate
     from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
                              scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=cores)
@@ -189,7 +189,7 @@ def test_the_fit_recovers_lane_kernel_and_collective_costs(op_cost, comm_cost, k
 
 def test_the_lane_cost_line_stands_noise():
     """Each lane op 10% off its fixed costs either way: the costs come back within 10%."""
-    from zdsl.planner.simulate import rated_duration
+    from zdsl.sim.simulate import rated_duration
     from zdsl.planner.calibration_fit import lane_costs
     from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
@@ -202,7 +202,7 @@ def test_the_lane_cost_line_stands_noise():
 
 
 def test_the_lane_cost_line_never_starts_below_zero():
-    from zdsl.planner.simulate import rated_duration
+    from zdsl.sim.simulate import rated_duration
     from zdsl.planner.calibration_fit import lane_costs
     from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
@@ -215,7 +215,7 @@ def test_the_lane_cost_line_never_starts_below_zero():
 
 
 def test_lane_ops_faster_than_their_rate_give_no_negative_cost():
-    from zdsl.planner.simulate import rated_duration
+    from zdsl.sim.simulate import rated_duration
     from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
     graph = reference_graph(2, "cpu").graph
@@ -285,8 +285,8 @@ def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took
     """Collectives whose service times exceed their rated times by a fixed cost, reduce-scatters by
     ``scatter_extra`` more, and the step the three costs predict: the fit returns all three."""
     import dataclasses
-    from zdsl.planner.simulate import rated_duration
-    from zdsl.planner.simulate import simulate
+    from zdsl.sim.simulate import rated_duration
+    from zdsl.sim.simulate import simulate
     from zdsl.planner.calibration_fit import comm_ops
     from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
@@ -353,8 +353,8 @@ def test_the_time_compute_ran_beside_a_collective_is_counted_once_and_only_insid
 
 def test_a_scatter_extra_that_alone_overshoots_the_step_is_fitted_to_it():
     import dataclasses
-    from zdsl.planner.simulate import rated_duration
-    from zdsl.planner.simulate import simulate
+    from zdsl.sim.simulate import rated_duration
+    from zdsl.sim.simulate import simulate
     from zdsl.planner.calibration_fit import comm_ops
     from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
@@ -374,8 +374,8 @@ def test_a_collectives_rate_under_load_is_fitted_from_the_time_compute_ran_besid
     """Collectives that took their rated time plus a fixed cost plus (1 - a) of the seconds compute
     ran beside them: the fit returns a, and the fixed cost then matches the step."""
     import dataclasses
-    from zdsl.planner.simulate import rated_duration
-    from zdsl.planner.simulate import simulate
+    from zdsl.sim.simulate import rated_duration
+    from zdsl.sim.simulate import simulate
     from zdsl.planner.calibration_fit import comm_ops
     from zdsl.planner.calibration_fit import lane_ops
     profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
@@ -397,7 +397,7 @@ def test_a_collectives_rate_under_load_is_fitted_from_the_time_compute_ran_besid
 
 
 def test_collectives_slower_than_waiting_out_the_compute_floor_the_rate():
-    from zdsl.planner.simulate import rated_duration
+    from zdsl.sim.simulate import rated_duration
     from zdsl.planner.calibration_fit import comm_ops
     from zdsl.planner.calibration_fit import rate_under_load
     profile = MachineProfile(link_bandwidth=1.3e9, link_latency=3.5e-4, cores=1)

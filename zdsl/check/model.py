@@ -20,7 +20,7 @@ from zdsl.compile.hf_folder import HfModelError
 from zdsl.compile.hf_folder import find_folder
 from zdsl.compile.hf_folder import read_config
 from zdsl.compile.hf_folder import transformers_installed
-from zdsl.compile.units import GPT_DEFAULTS
+from zdsl.schedule import GPT_DEFAULTS
 from zdsl.compile.units import UnitSpec
 from zdsl.compile.units import gpt_units
 from zdsl.lang import ast

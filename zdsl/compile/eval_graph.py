@@ -92,7 +92,7 @@ def eval_findings(train: TaskGraph, evaluation: TaskGraph, schedule: Schedule, w
     (findings, simulation or None)."""
     from zdsl.compile.verify import Finding
     from zdsl.compile.verify import findings
-    from zdsl.planner.simulate import simulate
+    from zdsl.sim.simulate import simulate
     unbudgeted = dataclasses.replace(schedule, memory={})      # budgets: checked below, with the held states
     found, sim = findings(evaluation, unbudgeted, want_sim=False)
     for f in found:

@@ -61,7 +61,7 @@ class Built:
     @property
     def sim(self):
         if self._sim is None:
-            from zdsl.planner.simulate import simulate
+            from zdsl.sim.simulate import simulate
             self._sim = simulate(self.graph, self.machine)
         return self._sim
 

@@ -14,7 +14,7 @@ from zdsl.compile import sizing_cache
 from zdsl.schedule import ModelSpec
 
 from zdsl.schedule import Schedule
-from zdsl.compile.units import GPT_DEFAULTS
+from zdsl.schedule import GPT_DEFAULTS
 from zdsl.compile.units import UnitSpec
 from zdsl.compile.units import gpt_units
 from zdsl.sources import source_of

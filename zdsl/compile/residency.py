@@ -13,7 +13,7 @@ MIN). The step's access sequence is read off the graph built without residency:
   saves nothing: the data is dead;
 * the **room** a gap may use is the host budget (``memory host``) less the host model states
   and the working buffers the simulated step holds at each moment (the verifier's memory
-  timeline, :mod:`zdsl.planner.memory`);
+  timeline, :mod:`zdsl.sim.memory`);
 * :func:`belady` sweeps the reread gaps by start time, admits each and, wherever the room is
   exceeded, evicts the held copy whose next use is furthest in the future (possibly the new
   one). :func:`lru` runs a recency cache of the same room on the same sequence, holding every

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from zdsl.schedule import GPT_DEFAULTS
+
 
 @dataclass
 class UnitSpec:
@@ -44,7 +46,6 @@ class UnitSpec:
         return sum(math.prod(shape) for _, shape in self.params)
 
 
-GPT_DEFAULTS = dict(layers=4, width=128, heads=4, vocab=256, context=64)
 
 # Kernels (aten ops) per unit of runtime/models/gpt.py, forward and backward, counted by
 # runtime/models/kernel_count.py (the same for every size; tests/runtime/test_gpt_units.py recounts them).

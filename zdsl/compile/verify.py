@@ -27,10 +27,10 @@ from zdsl.lang.sizes import human_bytes
 from zdsl.ir import LANES
 from zdsl.ir import OP_LANES
 from zdsl.ir import TaskGraph
-from zdsl.planner.graph_index import CyclicGraphError
-from zdsl.planner.simulate import Simulation
-from zdsl.planner.graph_index import index_graph
-from zdsl.planner.simulate import simulate
+from zdsl.sim.graph_index import CyclicGraphError
+from zdsl.sim.simulate import Simulation
+from zdsl.sim.graph_index import index_graph
+from zdsl.sim.simulate import simulate
 from zdsl.schedule import Schedule
 from zdsl.schedule import Span
 

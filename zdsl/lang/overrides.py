@@ -18,7 +18,7 @@ from zdsl.lang.errors import did_you_mean
 from zdsl.lang.errors import error
 from zdsl.schedule import MACHINE_OPTIONS
 from zdsl.schedule import STATES
-from zdsl.compile.units import GPT_DEFAULTS
+from zdsl.schedule import GPT_DEFAULTS
 from zdsl.ir import TIERS
 
 OVERRIDE_FILE = "--set"

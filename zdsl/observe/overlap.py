@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from zdsl.ir import TaskGraph
-from zdsl.planner.graph_index import topological_order
-from zdsl.planner.lanes import BackendThreads
-from zdsl.planner.lanes import comm_slots
-from zdsl.planner.lanes import union_length
+from zdsl.sim.graph_index import topological_order
+from zdsl.sim.lanes import BackendThreads
+from zdsl.sim.lanes import comm_slots
+from zdsl.sim.lanes import union_length
 
 Times = Mapping[int, tuple[float, float]]
 

@@ -96,7 +96,7 @@ def chrome_trace(spans: list[TraceSpan], deps: dict[int, list[int]] | None = Non
 
 
 def predicted_trace(graph: TaskGraph, sim, ranks: int | None = None) -> dict:
-    """The simulated step (``zdsl.planner.simulate.Simulation``) for every rank (SPMD: all alike)."""
+    """The simulated step (``zdsl.sim.simulate.Simulation``) for every rank (SPMD: all alike)."""
     ranks = graph.ranks if ranks is None else ranks
     spans, counters = [], []
     base = [(op, float(sim.start[i]), float(sim.end[i])) for i, op in enumerate(graph.ops)]

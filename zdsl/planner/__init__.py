@@ -1,8 +1,9 @@
-"""The planner: what a task graph costs before it runs, on a machine profile.
+"""The planner: what a compiled schedule costs and whether it fits, as ``zdsl plan`` says it.
 
-graph_index (each op's predecessors, one topological order) and lanes (how a lane runs its
-ops) are the model the others share; memory (bytes per tier over time), bound (the working
-peak over every order), comm (volume per collective) and simulate (the step's timeline) price
-the graph; report renders ``zdsl plan``; machine_fit says whether the ranks fit this machine;
-calibration_fit inverts the simulator for ``zdsl calibrate``.
+On the cost model (``zdsl/sim/``): bound (the working peak over every order), comm (volume per
+collective), traffic (bytes per tier path against ZeRO-Infinity's minimum), freeze_plan and
+eval_plan (what freezing and evaluation cost), machine_fit (whether the ranks fit this machine),
+profile_cache and this_machine (which machine profile plans, calibrated once and cached),
+calibration_fit (the simulator inverted for ``zdsl calibrate``), and report (what ``zdsl plan``
+prints).
 """

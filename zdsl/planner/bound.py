@@ -1,6 +1,6 @@
 """The worst working-memory peak over every execution order the graph allows.
 
-Why: the simulated peak (:mod:`zdsl.planner.memory`) comes from one timeline,
+Why: the simulated peak (:mod:`zdsl.sim.memory`) comes from one timeline,
 but the runtime runs lanes concurrently with real timings, so a lane can run
 further ahead than the simulation says and hold more at once. A figure the
 measured peak must stay within has to cover every order.
@@ -27,9 +27,9 @@ from __future__ import annotations
 from zdsl.ir import TIERS
 
 from zdsl.ir import TaskGraph
-from zdsl.planner.memory import working_intervals
-from zdsl.planner.graph_index import CyclicGraphError
-from zdsl.planner.graph_index import index_graph
+from zdsl.sim.memory import working_intervals
+from zdsl.sim.graph_index import CyclicGraphError
+from zdsl.sim.graph_index import index_graph
 
 
 def tier_weights(graph: TaskGraph) -> dict[str, list[int]]:

@@ -12,9 +12,9 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from zdsl.planner.lanes import BackendThreads
-from zdsl.planner.lanes import union_length
-from zdsl.planner.simulate import UNIT_COMPUTE_KINDS, op_fixed, rated_duration, simulate
+from zdsl.sim.lanes import BackendThreads
+from zdsl.sim.lanes import union_length
+from zdsl.sim.simulate import UNIT_COMPUTE_KINDS, op_fixed, rated_duration, simulate
 from zdsl.schedule import MachineProfile
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from zdsl.ir import COLLECTIVE_KINDS
 
 from zdsl.ir import TaskGraph
-from zdsl.planner.simulate import collective_payload
+from zdsl.sim.simulate import collective_payload
 from zdsl.ir import DTYPE_BYTES
 
 

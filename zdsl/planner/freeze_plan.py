@@ -15,7 +15,7 @@ from zdsl.ir import TIERS
 from zdsl.ir import TaskGraph
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.comm import comm_plan
-from zdsl.planner.memory import model_states
+from zdsl.sim.memory import model_states
 
 
 @dataclass

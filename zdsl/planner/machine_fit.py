@@ -130,7 +130,7 @@ def swap_needs(graph: TaskGraph) -> tuple[SwapNeed, ...]:
 def needs_of(graph: TaskGraph, memory: dict) -> Needs:
     """``memory``: the plan's per-tier JSON (``Simulation.memory.to_json()``); plus the outbox of
     shared memory a rank writes where its collectives go through one (runtime/dist/shm.py)."""
-    from zdsl.planner.simulate import through_shared_memory
+    from zdsl.sim.simulate import through_shared_memory
     in_ram = device_in_ram(graph.config.get("device", "auto"))
     ram = memory["host"]["peak"] + (memory["device"]["peak"] if in_ram else 0)
     if any(through_shared_memory(graph, op, in_ram) for op in graph.ops):
@@ -337,7 +337,7 @@ def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: Torch
     when not given. ``local_ranks``: the ranks on this host, where
     another launcher spreads them over several (then how many would fit is not searched)."""
     from zdsl.driver import compile_file
-    from zdsl.planner.simulate import simulate
+    from zdsl.sim.simulate import simulate
 
     graph = compiled.graph
     sim = compiled.sim or simulate(graph, compiled.schedule.machine)

@@ -31,7 +31,7 @@ from zdsl.schedule import MachineProfile
 
 QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the default profile is used
 # What a cached profile holds; one of an older format is measured again once. 2: compute rates by
-# precision and width, disk rates alone and shared (zdsl.planner.rates); 3: the compute rates of one
+# precision and width, disk rates alone and shared (zdsl.sim.rates); 3: the compute rates of one
 # rank alone with every core too (flops_alone_*, compute_ranks); 4: the collectives of 2 ranks of one
 # host through shared memory (zdsl.runtime.dist.shm: 2-3x gloo's TCP rates), and disk rates timed in
 # interleaved rounds; 5: disk rates into huge-page buffers, where the runtime's transfers now land

@@ -22,15 +22,15 @@ from zdsl.planner.comm import comm_plan
 from zdsl.planner.comm import zero_comm_elements
 from zdsl.planner.freeze_plan import FreezePlan
 from zdsl.planner.freeze_plan import freeze_plan
-from zdsl.planner.memory import STATES
-from zdsl.planner.memory import zero_model_states
+from zdsl.sim.memory import STATES
+from zdsl.sim.memory import zero_model_states
 from zdsl.planner.profile_cache import calibrated_source
 from zdsl.planner.profile_cache import rates_line
-from zdsl.planner.rates import drives
-from zdsl.planner.rates import gaps as rate_gaps
-from zdsl.planner.rates import nvme_lines
-from zdsl.planner.simulate import Simulation
-from zdsl.planner.simulate import simulate
+from zdsl.sim.rates import drives
+from zdsl.sim.rates import gaps as rate_gaps
+from zdsl.sim.rates import nvme_lines
+from zdsl.sim.simulate import Simulation
+from zdsl.sim.simulate import simulate
 from zdsl.planner.traffic import traffic_json
 from zdsl.schedule import Schedule
 from zdsl.schedule import nvme_placements

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import math
 
-from zdsl.compile.units import GPT_DEFAULTS
+from zdsl.schedule import GPT_DEFAULTS
 from zdsl.ir import BUFFER_KINDS
 from zdsl.ir import TaskGraph
 from zdsl.lang.sizes import human_bytes

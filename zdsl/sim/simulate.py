@@ -23,17 +23,17 @@ from zdsl.ir import LANES
 from zdsl.ir import DTYPE_BYTES
 from zdsl.ir import TaskGraph
 from zdsl.schedule import MachineProfile
-from zdsl.planner.graph_index import CyclicGraphError
-from zdsl.planner.graph_index import GraphIndex
-from zdsl.planner.graph_index import index_graph
-from zdsl.planner.lanes import lane_slots
-from zdsl.planner.lanes import shared_memory_pair
-from zdsl.planner.lanes import union_length
-from zdsl.planner.memory import MemoryTimeline
-from zdsl.planner.memory import memory_timeline
-from zdsl.planner.rates import device_flops
-from zdsl.planner.rates import disk_drives
-from zdsl.planner.rates import for_graph
+from zdsl.sim.graph_index import CyclicGraphError
+from zdsl.sim.graph_index import GraphIndex
+from zdsl.sim.graph_index import index_graph
+from zdsl.sim.lanes import lane_slots
+from zdsl.sim.lanes import shared_memory_pair
+from zdsl.sim.lanes import union_length
+from zdsl.sim.memory import MemoryTimeline
+from zdsl.sim.memory import memory_timeline
+from zdsl.sim.rates import device_flops
+from zdsl.sim.rates import disk_drives
+from zdsl.sim.rates import for_graph
 
 
 @dataclass
@@ -120,7 +120,7 @@ UNIT_COMPUTE_KINDS = ("compute.forward", "compute.backward", "compute.recompute"
 def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: list[float] | None = None,
                    resolved: bool = False) -> float:
     """Seconds one op takes from the machine's rates alone, at the graph's shape
-    (zdsl.planner.rates: the compute rate of its precision at its unit's width, the disk's at its
+    (zdsl.sim.rates: the compute rate of its precision at its unit's width, the disk's at its
     ranks). ``unit_flops`` and ``resolved``: that done already (:func:`rated_durations`)."""
     n = graph.ranks
     kind = op.kind
