@@ -397,11 +397,11 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the sizes, the plan and the disk check, do not run")
     args = p.parse_args(argv)
 
-    from zdsl.planner import profile_cache
+    from zdsl.sim import profile_cache
     from zdsl.planner import traffic
     from zdsl.sim import rates
     from zdsl.planner.machine_fit import schedule_fit
-    from zdsl.compile.units import gpt_parameter_count
+    from zdsl.model.units import gpt_parameter_count
     from zdsl.lang.sizes import human_bytes
     profile_cache.enable()      # plan as `zdsl plan` does: the cached calibrated profile
     sets = auto_size(args.schedule, args.sets, args.keep_free, args.headroom) if args.size == "auto" else args.sets

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from zdsl.compile.layout import flat_layout
+from zdsl.model.layout import flat_layout
 from zdsl.runtime.checkpoint.stformat import CHECKSUM
 from zdsl.runtime.checkpoint import (checkpoint_path, load_for_rank, owned_shard, unit_metas, write_index,
                                      write_rank_shards)
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 
 GB = 1e9
 

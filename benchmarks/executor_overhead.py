@@ -18,7 +18,7 @@ from zdsl.runtime.exec.executor import Executor
 from zdsl.schedule import Placement
 from zdsl.schedule import Schedule
 from zdsl.schedule import TrainSpec
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 
 
 class DoneWork:

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             ["model.layers=4", "model.width=768", "model.heads=12", "model.context=64", "data.context=64",
              "batch=16"])
     base = base + [f"steps={args.steps}"]
-    from zdsl.compile.units import gpt_parameter_count
+    from zdsl.model.units import gpt_parameter_count
     print(f"schedule {args.schedule.name} --set {' '.join(base)}; prefetch {depths}; {args.reps} reps; "
           f"MALLOC_MMAP_THRESHOLD_=65536", flush=True)
     times: dict[tuple[int, str], list[float]] = {}

@@ -122,7 +122,7 @@ def calibrate(out: str, disk: str | None = None, quiet: bool = False, quick: boo
 def cached_profile() -> tuple[str, float | None] | None:
     """(the machine statement ``zdsl plan`` uses, on one line, as :func:`machine_statement` gives
     it; the reference step it was fitted to, None where the cache does not say); None without a cache."""
-    from zdsl.planner.profile_cache import profile_path
+    from zdsl.sim.profile_cache import profile_path
     try:
         cached = json.loads(profile_path().read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from zdsl.driver import memo_units_for  # noqa: E402
-from zdsl.planner import profile_cache  # noqa: E402
+from zdsl.sim import profile_cache  # noqa: E402
 from zdsl.tune import noise  # noqa: E402
 from zdsl.tune.measure import RunFailed, measure_each, measure_round  # noqa: E402
 from zdsl.tune.rounds import (DEFAULT_BUDGET_S, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP,  # noqa: E402

@@ -440,7 +440,7 @@ def prepare_model(cfg: BenchConfig, workdir: Path) -> int:
               f"intermediate={kw['intermediate_size']} vocab={cfg.vocab} context={cfg.context}: "
               f"{params:,} parameters ({params / 1e6:.1f}M), saved to {cfg.hf_dir}")
         return params
-    from zdsl.compile.units import gpt_parameter_count
+    from zdsl.model.units import gpt_parameter_count
     params = gpt_parameter_count(**cfg.model_kwargs())
     print(f"GPT layers={cfg.layers} width={cfg.width} heads={cfg.heads} vocab={cfg.vocab} "
           f"context={cfg.context}: {params:,} parameters ({params / 1e6:.1f}M)")

@@ -27,8 +27,9 @@ from zdsl.driver import load
 from zdsl.driver import memo_units_for
 from zdsl.driver import report
 from zdsl.driver import status_of
+from zdsl.lang.overrides import parse_sets
 from zdsl.log import configure_logging
-from zdsl.planner import profile_cache
+from zdsl.sim import profile_cache
 
 DELEGATED = {                         # subcommand -> the module whose main(argv) runs it
     "run": "zdsl.runtime.run.cli",
@@ -46,16 +47,6 @@ DELEGATED_HELP = {
 }
 
 # -- subcommands -------------------------------------------------------------------
-
-def parse_sets(items: list[str] | None, parser: argparse.ArgumentParser) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items or []:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            parser.error(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
-
 
 def cmd_check(args, parser) -> int:
     overrides = parse_sets(args.set, parser)
@@ -129,7 +120,7 @@ def traced_ranks(ops: int, ranks: int, budget: int = 60_000) -> int:
 def print_lowered(path: str, overrides, units_for) -> int:
     """The pipelines a policy file expands to, as valid .zs."""
     from zdsl.compile.lower import lower_policies
-    from zdsl.lang.printer import print_schedule
+    from zdsl.check.printer import print_schedule
     from zdsl.sources import sizing_data
     compiled = load(path, overrides, units_for)
     if compiled.ok:

@@ -70,7 +70,7 @@ def load(path: str, overrides: dict[str, str] | None, units_for=None) -> Compile
     from zdsl.check.checker import load_schedule
     from zdsl.lang.errors import UsageError
     from zdsl.lang.errors import ZsError
-    from zdsl.planner.profile_cache import calibrated_for
+    from zdsl.sim.profile_cache import calibrated_for
     out = Compiled(path)
     try:
         out.schedule, diags = load_schedule(path, overrides, units_for or memo_units_for())

@@ -140,7 +140,7 @@ class UnitInfo:
     numel: int                # parameters owned by this unit
     padded_numel: int         # numel padded so every part splits evenly over ranks
     shard_numel: int          # padded_numel // ranks
-    parts: int = 1            # bucket parts (see zdsl.compile.layout)
+    parts: int = 1            # bucket parts (see zdsl.model.layout)
     uses: list[int] = field(default_factory=list)   # other units whose parameters it reads (tied weights)
     recompute: bool = False
     persistent: bool = False  # stays gathered for the whole step (persistence threshold)
@@ -148,15 +148,15 @@ class UnitInfo:
     input_bytes: int = 0      # bytes of the unit's input per micro-batch
     fwd_flops: float = 0.0    # per micro-batch
     master: bool = False      # its optimizer state holds an fp32 master copy of its parameters
-    # element ranges of its flat parameters that weight decay applies to (zdsl/compile/decay.py);
+    # element ranges of its flat parameters that weight decay applies to (zdsl/model/decay.py);
     # None: all of them (left out of the JSON then, so graphs without no_decay hash as before)
     decay: list[tuple[int, int]] | None = None
     # its parameters (indices, registration order) that ``freeze`` keeps frozen: no gradient, no
-    # optimizer state, never updated (zdsl/compile/freeze.py); None: none
+    # optimizer state, never updated (zdsl/model/freeze.py); None: none
     frozen: list[int] | None = None
     # some parameter of it trains: only then has it gradients, optimizer state, reductions and a step
     trains: bool = True
-    # a partly frozen unit's layout (zdsl/compile/layout.py): its last ``frozen_parts`` parts of
+    # a partly frozen unit's layout (zdsl/model/layout.py): its last ``frozen_parts`` parts of
     # ``frozen_part_numel`` hold the frozen parameters; ``runs`` maps registration order to the buffer
     frozen_parts: int = 0
     frozen_part_numel: int = 0
@@ -165,14 +165,6 @@ class UnitInfo:
     # fields left out of the JSON at these values, so graphs without them hash as before
     OMITTED = {"decay": None, "frozen": None, "trains": True, "frozen_parts": 0, "frozen_part_numel": 0,
                "runs": None}
-
-    def layout(self, ranks: int):
-        """Its flat layout (zdsl.compile.layout.FlatLayout)."""
-        from zdsl.compile.layout import FlatLayout
-        trainable = self.parts - self.frozen_parts
-        part_numel = (self.padded_numel - self.frozen_parts * self.frozen_part_numel) // trainable
-        return FlatLayout(self.numel, ranks, self.parts, part_numel, self.frozen_parts, self.frozen_part_numel,
-                          tuple(tuple(r) for r in self.runs or ()))
 
 
 @dataclass

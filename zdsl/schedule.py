@@ -81,7 +81,7 @@ class OptimizerSpec:
     decay: str = "constant"                # "constant", "linear", "cosine"
     min_lr: float = 0.0
     decay_steps: int | None = None         # None: every step after warmup
-    # parameters exempt from weight_decay (zdsl/compile/decay.py): classes and name globs
+    # parameters exempt from weight_decay (zdsl/model/decay.py): classes and name globs
     no_decay: tuple[str, ...] = ()         # "biases", "norms", "embeddings"
     no_decay_names: tuple[str, ...] = ()   # fnmatch globs over "unit.param" names
 

@@ -150,7 +150,7 @@ class Calibration:
 
     def to_zs(self) -> str:
         """The text of ``machine.zs``: comments saying how, then one statement, a setting a line."""
-        from zdsl.lang.printer import wrap_statement
+        from zdsl.check.printer import wrap_statement
         lines = [f"# {line}" for line in self.details.get("notes", [])]
         return "\n".join(lines + wrap_statement(self.machine_statement())) + "\n"
 
@@ -574,7 +574,7 @@ def _usual_reference(ranks: int) -> float | None:
     ``cache_profile`` writes (none where the cache is off)."""
     if env.get("ZDSL_CALIBRATE") == "0":
         return None
-    from zdsl.planner.profile_cache import usual_reference
+    from zdsl.sim.profile_cache import usual_reference
     usual = usual_reference(ranks)
     return usual[0] if usual else None
 
@@ -616,8 +616,8 @@ def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:
 
 
 def cache_profile(cal: Calibration) -> str:
-    """Cache the profile where ``zdsl plan`` finds it (zdsl.planner.profile_cache); says where, or why not."""
-    from zdsl.planner.profile_cache import add_reference, profile_path, read_profile, write_profile
+    """Cache the profile where ``zdsl plan`` finds it (zdsl.sim.profile_cache); says where, or why not."""
+    from zdsl.sim.profile_cache import add_reference, profile_path, read_profile, write_profile
     if env.get("ZDSL_CALIBRATE") == "0":
         return "not cached for zdsl plan: ZDSL_CALIBRATE=0"
     reference = cal.details.get("reference")

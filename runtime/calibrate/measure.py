@@ -103,7 +103,7 @@ def _block_fwd_bwd(block, batch: int, context: int, width: int):
 def measure_compute(device, s: Settings, dtype) -> dict:
     """Matmul ceiling at the block's shapes, and the block's forward+backward rate."""
     import torch
-    from zdsl.compile.units import gpt_units
+    from zdsl.model.units import gpt_units
 
     shape = _model_shape(s, device)
     d, tokens = shape["width"], shape["batch"] * shape["context"]
@@ -183,7 +183,7 @@ def measure_compute_table(device, s: Settings, fixed_s: float = 0.0, known: dict
     prices large units far too fast.
     ``known``: rates already measured at this shape, by (precision, width)."""
     import torch
-    from zdsl.compile.units import gpt_units
+    from zdsl.model.units import gpt_units
     from zdsl.runtime.models.gpt import Block
     from zdsl.runtime.state.precision import DTYPES
     kind = "cpu" if device.type == "cpu" else "cuda"

@@ -8,7 +8,7 @@ seconds later run it at the usual speed; a profile fitted to such a pair plans e
 program that much slow until the next calibration.
 
 So where the reference step is slower than this machine's usual one (the median of its latest
-cached calibrations, ``zdsl.planner.profile_cache.usual_reference``) by more than
+cached calibrations, ``zdsl.sim.profile_cache.usual_reference``) by more than
 ``reference.SLOW_SPELL``, or as far faster (``reference.is_off_usual``: the host's fast moments,
 which a profile fitted to would plan every program as short), :func:`remeasure` measures the
 reference set ``reference.REMEASURES`` more times in new rank processes, each after a pause (in

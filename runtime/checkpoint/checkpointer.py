@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from zdsl.ir import TaskGraph
-from zdsl.compile.layout import FlatLayout
+from zdsl.model.layout import FlatLayout
+from zdsl.model.layout import unit_layout
 
 from zdsl.runtime.checkpoint import (CheckpointError, apply_retention, checkpoint_path, latest_complete, load_for_rank,
                          parse_shard_key, read_index, remove_incomplete, unit_metas, write_index,
@@ -40,7 +41,7 @@ class SaveCost:
 
 
 def graph_layouts(graph: TaskGraph) -> list[FlatLayout]:
-    return [u.layout(graph.ranks) for u in graph.units]
+    return [unit_layout(u, graph.ranks) for u in graph.units]
 
 
 def data_position(graph: TaskGraph, next_step: int) -> dict:

@@ -68,7 +68,7 @@ def not_hf_error(kind: str) -> CheckpointError:
 
 def hf_model_on_meta(model_spec: dict):
     """The ``model hf`` that ``model_spec`` (a ``ModelSpec`` as JSON) names, sized on the meta device."""
-    from zdsl.compile.hf_folder import HfModelError
+    from zdsl.model.hf_folder import HfModelError
     from zdsl.runtime.models.hf import load
     from zdsl.schedule import ModelSpec
     if model_spec.get("kind") != "hf":

@@ -8,7 +8,7 @@ use the shards without the ranks that wrote them: per unit its name, the
 module prefix of its parameters in the model's state dict, the parameters'
 names, shapes and dtype, the flat layout (numel, padding, parts, rank
 count; a partly frozen unit's frozen parts and the runs that place its
-parameters, see zdsl/compile/layout.py); the step, the schedule's hash, the data position, the loss scaler;
+parameters, see zdsl/model/layout.py); the step, the schedule's hash, the data position, the loss scaler;
 and per file its size and a CRC-32 per tensor. The index carries a SHA-256
 digest of its own content, so an edited index is refused too.
 
@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zdsl.compile.layout import FlatLayout
+from zdsl.model.layout import FlatLayout
 from zdsl.runtime.checkpoint.errors import CheckpointError
 
 FORMAT = "zdsl-checkpoint"
@@ -79,7 +79,7 @@ def default_prefix(unit_name: str) -> str:
 @dataclass
 class UnitMeta:
     """One unit as the checkpoint records it."""
-    name: str                                   # as in zdsl.compile.units (``embedding``, ``block.0``, ``head``)
+    name: str                                   # as in zdsl.model.units (``embedding``, ``block.0``, ``head``)
     prefix: str                                 # module prefix in the state dict (``blocks.0``)
     params: list[tuple[str, tuple[int, ...]]]   # registration order = order in the flat buffer
     numel: int
@@ -87,7 +87,7 @@ class UnitMeta:
     part_numel: int
     ranks: int
     dtype: str = "float32"                      # dtype of the model's parameters (the export default)
-    # a partly frozen unit's layout (zdsl/compile/layout.py): frozen parts last, ``runs`` from
+    # a partly frozen unit's layout (zdsl/model/layout.py): frozen parts last, ``runs`` from
     # registration order to the flat buffer; absent for the plain order
     frozen_parts: int = 0
     frozen_part_numel: int = 0
@@ -100,7 +100,7 @@ class UnitMeta:
 
     @staticmethod
     def from_spec(spec, layout: FlatLayout, prefix: str | None = None, dtype: str = "float32") -> "UnitMeta":
-        """From a zdsl.compile.units.UnitSpec (or anything with ``name`` and ``params``) and its layout."""
+        """From a zdsl.model.units.UnitSpec (or anything with ``name`` and ``params``) and its layout."""
         params = [(n, tuple(int(s) for s in shape)) for n, shape in spec.params]
         numel = sum(math.prod(s) for _, s in params)
         if numel != layout.numel:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from zdsl.compile.layout import FlatLayout
+from zdsl.model.layout import FlatLayout
 
 from zdsl.runtime.checkpoint.index import INDEX_NAME
 

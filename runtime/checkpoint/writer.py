@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from zdsl.compile.layout import FlatLayout
+from zdsl.model.layout import FlatLayout
 
 from zdsl.runtime.checkpoint.errors import CheckpointError
 from zdsl.runtime.checkpoint.index import (INDEX_NAME, FileRecord, Index, UnitMeta, checkpoint_path,
@@ -71,7 +71,7 @@ def owned_shard(full: torch.Tensor, layout: FlatLayout, rank: int) -> torch.Tens
 
 def unit_metas(specs, layouts: list[FlatLayout], prefixes: list[str] | None = None,
                dtype: str = "float32") -> list[UnitMeta]:
-    """Index entries for units (zdsl.compile.units.UnitSpec list) with their layouts and state-dict prefixes."""
+    """Index entries for units (zdsl.model.units.UnitSpec list) with their layouts and state-dict prefixes."""
     if len(specs) != len(layouts):
         raise CheckpointError(f"{len(specs)} units but {len(layouts)} layouts")
     return [UnitMeta.from_spec(s, l, None if prefixes is None else prefixes[i], dtype)
@@ -83,7 +83,7 @@ def write_rank_shards(root, step: int, rank: int, ranks: int, shards: dict,
     """Write one rank's host tensors as ``ROOT/step-N/rank-R-of-W.safetensors`` and its done marker.
 
     ``shards``: ``u{i}.{kind}`` flat shards (this rank's owned slices, see
-    zdsl.compile.layout.FlatLayout.owned_full_ranges) and per-rank state such as
+    zdsl.model.layout.FlatLayout.owned_full_ranges) and per-rank state such as
     ``rng.cpu`` (uint8). A value may be a :class:`LazyShard` (shape, dtype,
     fetch) for state that lives on NVMe or the device: it is fetched right
     before it is written, so host memory holds one at a time. Synchronous;

@@ -13,7 +13,7 @@ through one additive mask per micro-batch that every block's attention shares (s
 :func:`attention_mask`). A batch with neither takes the plain causal kernel (no mask at
 all), bit for bit as before masks existed.
 Parameter names and order per unit are exactly
-``zdsl.compile.units.gpt_units`` (a test holds them together).
+``zdsl.model.units.gpt_units`` (a test holds them together).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ LAZY_ABOVE = 1 << 30
 
 
 def parameter_count(layers: int, width: int, vocab: int, context: int) -> int:
-    """Parameters of this GPT (as zdsl.compile.units.gpt_parameter_count), without building it."""
+    """Parameters of this GPT (as zdsl.model.units.gpt_parameter_count), without building it."""
     block = 12 * width * width + 13 * width
     return vocab * width + context * width + layers * block + 2 * width
 

@@ -1,6 +1,6 @@
 """Sizing a model for the planner without allocating it: units on torch's meta device.
 
-The compiler works on ``list[zdsl.compile.units.UnitSpec]``: per unit, its
+The compiler works on ``list[zdsl.model.units.UnitSpec]``: per unit, its
 parameters (names and shapes, registration order), the units it reads tied
 parameters from, and per-sequence forward flops, saved-activation elements
 and input elements, and the kernels (aten ops) its forward and backward
@@ -27,9 +27,9 @@ import torch
 
 from zdsl.schedule import GPT_DEFAULTS
 
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 
 from zdsl.runtime.models.batch import Batch
 

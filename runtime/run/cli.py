@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(argv: list[str] | None) -> int:
     from zdsl.driver import compile_file
-    from zdsl.cli import parse_sets
+    from zdsl.lang.overrides import parse_sets
     from zdsl.driver import report
     from zdsl.driver import status_of
 
@@ -100,7 +100,7 @@ def run_command(argv: list[str] | None) -> int:
             return code
         leave(code)
     if args.trace and rank is None:               # the launcher: the traced run beside calibrated rates
-        from zdsl.planner import profile_cache
+        from zdsl.sim import profile_cache
         profile_cache.enable()
     compiled = compile_file(args.file, overrides, simulate=False)
     if rank in (None, "0") or not compiled.ok:

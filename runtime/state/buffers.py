@@ -79,7 +79,7 @@ class BufferTable:
             return lay.padded_numel
         if buf.kind == "param_shard":
             return lay.shard_numel
-        if buf.kind == "grad_full":      # gradients cover the trainable parts (zdsl/compile/layout.py)
+        if buf.kind == "grad_full":      # gradients cover the trainable parts (zdsl/model/layout.py)
             return lay.trainable_numel
         if buf.kind == "grad_shard":
             return lay.trainable_shard_numel

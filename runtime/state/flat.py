@@ -3,7 +3,7 @@
 A unit's parameters are laid end to end in one flat buffer of ``padded_numel``
 elements, in registration order (a partly frozen unit: trainable ones first),
 cut into ``parts`` parts (one collective each, the bucket split of
-``zdsl.compile.layout``); each part splits evenly over the ranks and rank r's
+``zdsl.model.layout``); each part splits evenly over the ranks and rank r's
 shard is the concatenation of its slice of every part. Every parameter's
 ``.data`` is a view into the full buffer, and every trainable parameter's
 gradient a view into the flat gradient buffer (the trainable parts only), so:
@@ -30,8 +30,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zdsl.compile.layout import FlatLayout
-from zdsl.compile.layout import to_flat
+from zdsl.model.layout import FlatLayout
+from zdsl.model.layout import to_flat
+from zdsl.model.layout import unit_layout
 
 from zdsl.runtime.dist import collectives
 
@@ -40,7 +41,7 @@ def layout_of(numel: int, padded_numel: int, parts: int, ranks: int, info=None) 
     """The layout the compiler chose (``UnitInfo``: its fields, or ``info`` itself for a partly
     frozen unit's two regions), checked for consistency."""
     if info is not None and info.frozen_parts:
-        lay = info.layout(ranks)
+        lay = unit_layout(info, ranks)
         sizes = (lay.part_numel, lay.frozen_part_numel)
     else:
         lay = FlatLayout(numel, ranks, parts, padded_numel // parts)

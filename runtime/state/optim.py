@@ -21,7 +21,7 @@ seven kernels); the step count stays in the torch optimizer's state.
 
 The rate is set before every step from the schedule's formula (``set_lr``,
 zdsl/lr.py). Weight decay applies where the task graph says (``UnitInfo.decay``,
-zdsl/compile/decay.py): the shard is cut at the edges of those ranges into
+zdsl/model/decay.py): the shard is cut at the edges of those ranges into
 pieces, one Parameter each, in two param groups (decay and ``weight_decay=0``),
 which gives the bits of a torch optimizer with the same two groups over whole
 parameters. Frozen parameters (``UnitInfo.frozen``) are cut out the same way and get no piece:

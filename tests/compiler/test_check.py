@@ -9,7 +9,7 @@ from zdsl.check.checker import load_schedule
 from zdsl.lang.errors import UsageError
 from zdsl.lang.errors import ZsError
 from zdsl.schedule import ModelSpec
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 
 HEADER = "model gpt(layers=2, width=64, heads=4, vocab=256, context=32)\n"
 

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.driver import compile_schedule
 from zdsl.ir import DTYPE_BYTES
 from zdsl.sim.rates import for_graph

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.driver import compile_schedule
 from zdsl.ir import Buffer
 from zdsl.ir import Op

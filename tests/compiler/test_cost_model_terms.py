@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.driver import compile_schedule
 from zdsl.sim.simulate import collective_payload
 from zdsl.sim.simulate import op_duration

@@ -5,7 +5,7 @@ import pytest
 
 from zdsl.check.checker import check_text
 from zdsl.lang.errors import ZsError
-from zdsl.lang.printer import print_schedule
+from zdsl.check.printer import print_schedule
 
 BASE = """schedule t
 model gpt(layers=2, width=64, heads=4)

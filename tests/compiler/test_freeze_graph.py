@@ -10,9 +10,10 @@ import math
 import pytest
 
 from zdsl.check.checker import check_text
+from zdsl.model.layout import unit_layout
 from zdsl.compile.instantiate import LoweringError
-from zdsl.compile.units import UnitSpec
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import UnitSpec
+from zdsl.model.units import gpt_units
 from zdsl.driver import compile_schedule
 from zdsl.planner.report import build_plan
 
@@ -84,7 +85,7 @@ def test_a_partly_frozen_unit_holds_and_reduces_only_its_trainable_parts(stage):
     spec, unit = UNITS[1], g.units[1]
     frozen = [i for i, (n, _) in enumerate(spec.params) if n.endswith(".bias") or n.startswith("ln_")]
     assert all(u.trains for u in g.units[1:3]) and not g.units[3].trains and unit.frozen == frozen
-    lay, plain_lay = unit.layout(2), plain.units[1].layout(2)
+    lay, plain_lay = unit_layout(unit, 2), unit_layout(plain.units[1], 2)
     trainable = sum(math.prod(spec.params[i][1]) for i in range(len(spec.params)) if i not in frozen)
     assert lay.frozen_parts >= 1 and trainable <= lay.trainable_numel < plain_lay.padded_numel
     assert lay.padded_numel < plain_lay.padded_numel + 2 * 4096    # two regions: at most a part more padding
@@ -107,7 +108,7 @@ def test_a_partly_frozen_unit_holds_and_reduces_only_its_trainable_parts(stage):
 def test_decay_ranges_follow_the_frozen_layout():
     _, g = graph_of('freeze "*.ln_?.weight"', 3, "optimizer adamw(weight_decay=0.1, no_decay=(biases))")
     unit, spec = g.units[1], UNITS[1]
-    lay = unit.layout(2)
+    lay = unit_layout(unit, 2)
     offsets, logical = {}, 0
     for i, (name, shape) in enumerate(spec.params):
         for lo, flat, n in lay.runs:

@@ -1,4 +1,5 @@
-"""No import cycles in zdsl/ and runtime/, and the compiler never imports the runtime.
+"""No import cycles in zdsl/ and runtime/, the compiler's packages import one way (``LAYERS``), and
+the compiler never imports the runtime.
 
 The modules are read with ``ast``, never imported, so the test sees every import
 statement: at module level and inside functions (a lazy import that closes a cycle
@@ -34,6 +35,31 @@ DELEGATIONS = {
     ("zdsl", "zdsl.runtime.api"),
 }
 
+
+# The compiler's packages, lowest first (ARCHITECTURE.md draws them): a module imports its own
+# layer and those below, never one above; top-level modules not listed are the foundation.
+LAYERS = (
+    ("zdsl.lang",),                    # text to AST: parse, overrides, sizes, errors
+    ("zdsl.model",),                   # the model as units, without torch: sizes, layout, freeze, decay
+    ("zdsl.sim",),                     # the cost model: a graph's step simulated on a machine profile
+    ("zdsl.check", "zdsl.sources"),    # AST to Schedule; a data source's settings and checks
+    ("zdsl.compile",),                 # Schedule to a verified TaskGraph
+    ("zdsl.driver",),                  # the pipeline every command calls
+    ("zdsl.planner", "zdsl.observe"),  # what `zdsl plan` says; traces and timelines
+    ("zdsl.tune",),                    # measured choices between schedules
+    ("zdsl.cli", "zdsl"),              # the commands; the package's entry points
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of a compiler module's package (0 before them: the foundation, i.e.
+    zdsl.ir, zdsl.schedule, zdsl.env ...); None for the runtime."""
+    if module == "zdsl.runtime" or module.startswith("zdsl.runtime."):
+        return None
+    for i, packages in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in packages if p != "zdsl") or module in packages:
+            return i + 1
+    return 0
 
 def module_files() -> dict[str, Path]:
     """Dotted module name -> source file, for every module of zdsl/ and runtime/."""
@@ -155,6 +181,20 @@ def test_the_compiler_never_imports_the_runtime():
     assert not bad, "the compiler imports the runtime (name it at run time, or list it in DELEGATIONS " \
         "with the reason):\n  " + "\n  ".join(bad)
     assert DELEGATIONS <= found, f"DELEGATIONS lists imports that are gone: {sorted(DELEGATIONS - found)}"
+
+
+def test_the_compiler_imports_downward_only():
+    graph = import_graph()
+    up = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                if layer_of(m) is not None and layer_of(t) is not None and layer_of(t) > layer_of(m))
+    assert not up, "imports against LAYERS (move the shared piece down, or the importer up):\n  " + "\n  ".join(up)
+
+
+def test_layers_name_every_compiler_package():
+    packages = {m.split(".")[1] for m in import_graph() if m.count(".") >= 2 and layer_of(m) is not None}
+    listed = {p.split(".")[1] for layer in LAYERS for p in layer if p != "zdsl"}
+    assert packages <= listed, f"packages of zdsl/ in no layer: {sorted(packages - listed)}"
+    assert layer_of("zdsl.ir") == 0 and layer_of("zdsl.cli") == len(LAYERS) and layer_of("zdsl.sim.simulate") == 3
 
 
 def test_a_cycle_is_found_and_printed():

@@ -10,7 +10,7 @@ from zdsl.schedule import OptimizerSpec
 from zdsl.schedule import Placement
 from zdsl.schedule import Schedule
 from zdsl.schedule import TrainSpec
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 
 UNITS = gpt_units(layers=2, width=32, heads=4, vocab=64, context=8)
 

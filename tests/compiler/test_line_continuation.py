@@ -12,10 +12,10 @@ import pytest
 from zdsl.check.checker import check_text
 from zdsl.lang.errors import ZsError
 from zdsl.lang.parse import parse_text
-from zdsl.lang.printer import WIDTH
-from zdsl.lang.printer import print_schedule
-from zdsl.lang.printer import without_spans
-from zdsl.lang.printer import wrap_statement
+from zdsl.check.printer import WIDTH
+from zdsl.check.printer import print_schedule
+from zdsl.check.printer import without_spans
+from zdsl.check.printer import wrap_statement
 
 HEADER = "model gpt(layers=2, width=64, heads=4, vocab=256, context=32)\n"
 PROGRAMS = sorted((Path(__file__).resolve().parents[2] / "programs").glob("*.zs"))

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from zdsl.check.checker import check_text
-from zdsl.compile.decay import decay_groups
-from zdsl.compile.units import gpt_units
+from zdsl.model.decay import decay_groups
+from zdsl.model.units import gpt_units
 from zdsl.driver import compile_file
 from zdsl.lang.errors import ZsError
 from zdsl.lr import LrSchedule

@@ -30,7 +30,7 @@ from zdsl.sim.simulate import simulate
 from zdsl.schedule import OptimizerSpec
 from zdsl.schedule import Schedule
 from zdsl.schedule import TrainSpec
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -6,7 +6,7 @@ import pytest
 
 from zdsl.check.checker import check_text
 from zdsl.lang.errors import ZsError
-from zdsl.lang.printer import print_schedule
+from zdsl.check.printer import print_schedule
 from zdsl.schedule import NVME_BLOCK
 from zdsl.schedule import NVME_DEPTH
 from zdsl.schedule import Placement

@@ -14,8 +14,8 @@ from zdsl.lang.parse import grammar_text
 from zdsl.lang.parse import parse_file
 from zdsl.lang.parse import parse_text
 from zdsl.lang.parse import parser
-from zdsl.lang.printer import print_schedule
-from zdsl.lang.printer import without_spans
+from zdsl.check.printer import print_schedule
+from zdsl.check.printer import without_spans
 from zdsl.schedule import Pipeline
 from zdsl.schedule import PipeStmt
 from zdsl.schedule import Ref
@@ -52,7 +52,7 @@ def _fake_units_for(spec, data=None):
     """Sizes a user's model without torch: 4 units of 10 parameters. A Hugging Face model is sized
     for real (its parameter names are what a program's `freeze` names)."""
     from zdsl.check.checker import default_units_for
-    from zdsl.compile.units import UnitSpec
+    from zdsl.model.units import UnitSpec
     if spec.kind == "hf":
         from zdsl.compile.models import units_for
         return units_for(spec, data=data)
@@ -247,6 +247,6 @@ def test_every_example_in_the_language_reference_parses():
 def test_front_end_imports_no_torch():
     import subprocess
     import sys
-    code = ("import sys, zdsl.check.checker, zdsl.lang.printer, zdsl.lang.parse, zdsl.lang.errors, zdsl.lang.sizes; "
+    code = ("import sys, zdsl.check.checker, zdsl.check.printer, zdsl.lang.parse, zdsl.lang.errors, zdsl.lang.sizes; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

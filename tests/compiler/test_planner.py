@@ -30,7 +30,7 @@ from zdsl.schedule import TrainSpec
 from zdsl.observe.trace import predicted_trace
 from zdsl.observe.trace import read_trace
 from zdsl.observe.trace import write_trace
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = gpt_units(layers=3, width=63, heads=7, vocab=97, context=17)   # odd sizes: shards need padding
@@ -149,8 +149,8 @@ def test_durations_follow_the_machine_profile():
 
 def test_compute_ops_carry_their_units_kernels():
     """Forward and recompute: the unit's forward kernels; backward: its backward kernels (the
-    GPT's, zdsl.compile.units.GPT_KERNELS); no other op has any."""
-    from zdsl.compile.units import GPT_KERNELS
+    GPT's, zdsl.model.units.GPT_KERNELS); no other op has any."""
+    from zdsl.model.units import GPT_KERNELS
     from pathlib import Path
     from zdsl.driver import compile_file
     program = Path(__file__).resolve().parents[2] / "programs" / "pipelines.zs"    # recomputes its blocks

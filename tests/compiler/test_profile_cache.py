@@ -9,7 +9,7 @@ import pytest
 import helpers
 
 from zdsl.cli import main
-from zdsl.planner import profile_cache
+from zdsl.sim import profile_cache
 from zdsl.schedule import MachineProfile
 
 SMALL = helpers.SMALL

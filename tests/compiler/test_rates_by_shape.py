@@ -11,7 +11,7 @@ import pytest
 
 from zdsl.cli import main
 from zdsl.driver import compile_file
-from zdsl.planner import profile_cache
+from zdsl.sim import profile_cache
 from zdsl.sim.rates import flops_at
 from zdsl.sim.rates import gaps
 from zdsl.sim.rates import unit_widths

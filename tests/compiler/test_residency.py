@@ -15,7 +15,7 @@ from zdsl.compile.lower import lower_policies
 from zdsl.compile.residency import Gap
 from zdsl.compile.residency import Room
 from zdsl.compile.step_graph import build_step
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.compile.verify import verify
 from zdsl.driver import compile_schedule
 from zdsl.sim.simulate import simulate

@@ -3,7 +3,7 @@ optimizer buffer is sized by that same fact (the runtime reads it, it does not r
 import pytest
 
 from zdsl.driver import compile_schedule
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.ir import TaskGraph
 from zdsl.ir import optimizer_bytes_per_param
 from zdsl.schedule import OptimizerSpec

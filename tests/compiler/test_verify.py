@@ -15,7 +15,7 @@ from zdsl.schedule import Placement
 from zdsl.schedule import Schedule
 from zdsl.schedule import Span
 from zdsl.schedule import TrainSpec
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.compile.verify import verify
 
 UNITS = gpt_units(layers=2, width=32, heads=4, vocab=64, context=8)

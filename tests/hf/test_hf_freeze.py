@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hf_tiny import save_tiny
-from zdsl.compile.freeze import FreezeError
-from zdsl.compile.freeze import frozen_params
+from zdsl.model.freeze import FreezeError
+from zdsl.model.freeze import frozen_params
 from zdsl.compile.models import units_for
 from zdsl.schedule import ModelSpec
 

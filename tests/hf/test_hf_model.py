@@ -6,7 +6,7 @@ import pytest
 import torch
 from hf_tiny import CONFIGS, CONTEXT, VOCAB, save_tiny, transformers_loss, transformers_model
 
-from zdsl.compile.hf_folder import HF_FAMILIES, HfModelError
+from zdsl.model.hf_folder import HF_FAMILIES, HfModelError
 from zdsl.runtime.models.batch import Batch
 from zdsl.runtime.models.hf import FAMILIES, load
 from zdsl.schedule import ModelSpec

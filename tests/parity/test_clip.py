@@ -19,7 +19,7 @@ import torch
 from ddp_reference import ddp_train, spawn
 from test_state_vs_ddp import BATCH, MODEL, make_schedule
 
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.driver import compile_schedule
 from zdsl.runtime.state.optim import clip_coefficient
 

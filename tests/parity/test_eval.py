@@ -20,7 +20,7 @@ from test_state_vs_ddp import BATCH
 from test_state_vs_ddp import MODEL
 from test_state_vs_ddp import make_schedule
 
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.driver import compile_eval
 from zdsl.driver import compile_schedule
 from zdsl.schedule import DataSpec

@@ -38,7 +38,7 @@ def zdsl_fp16(schedule, rank: int, world: int, scale: float, growth_interval: in
     from zdsl.driver import compile_schedule
     from zdsl.runtime.models.gpt import GPT
     from zdsl.runtime.state.rank import RankState
-    from zdsl.compile.units import gpt_units
+    from zdsl.model.units import gpt_units
 
     graph = compile_schedule(schedule, gpt_units(**MODEL))
     state = RankState(graph, GPT(**MODEL, seed=schedule.train.seed), rank, world, device="cpu")

@@ -18,7 +18,7 @@ from fnmatch import fnmatchcase
 import pytest
 import torch
 
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.driver import compile_schedule
 from zdsl.schedule import DataSpec
 from zdsl.schedule import ModelSpec
@@ -53,7 +53,7 @@ def make_schedule(world: int, stage: int, freeze: tuple[str, ...], clip=None, of
 
 
 def frozen_names(freeze: tuple[str, ...]) -> set[str]:
-    """The model's names of the parameters ``freeze`` matches (as zdsl/compile/param_names.py matches)."""
+    """The model's names of the parameters ``freeze`` matches (as zdsl/model/param_names.py matches)."""
     out = set()
     for spec in gpt_units(**MODEL):
         for name, _ in spec.params:

@@ -85,7 +85,7 @@ def make_schedule(model: ModelSpec, world: int, stage: int, accumulate: int, rec
 
 
 def run_case(rank: int, world: int, model, stage, accumulate, recompute, make) -> dict:
-    from zdsl.compile.units import gpt_units
+    from zdsl.model.units import gpt_units
     from zdsl.driver import compile_schedule
     from zdsl.runtime.models.protocol import build_model
     from zdsl.runtime.models.sizing import units_for_user_model

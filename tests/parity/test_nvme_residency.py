@@ -17,7 +17,7 @@ import torch
 from ddp_reference import ddp_train, spawn
 from test_state_vs_ddp import BATCH, MODEL, STEPS, make_schedule, zdsl_train
 
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.driver import compile_schedule
 from zdsl.sim.simulate import simulate
 

@@ -16,7 +16,7 @@ from ddp_reference import ddp_train, run_steps, spawn
 from test_state_vs_ddp import MODEL, make_schedule
 
 from zdsl.driver import compile_schedule
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 
 pytestmark = pytest.mark.slow     # spawns ranks: deselect with -m 'not slow'
 

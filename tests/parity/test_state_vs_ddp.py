@@ -28,7 +28,7 @@ from zdsl.schedule import OptimizerSpec
 from zdsl.schedule import Placement
 from zdsl.schedule import Schedule
 from zdsl.schedule import TrainSpec
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 
 from ddp_reference import ddp_train, spawn
 from zdsl.runtime.models.gpt import GPT

@@ -1,4 +1,4 @@
-"""``zdsl calibrate`` refreshes the profile ``zdsl plan`` uses by default (zdsl.planner.profile_cache)."""
+"""``zdsl calibrate`` refreshes the profile ``zdsl plan`` uses by default (zdsl.sim.profile_cache)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from zdsl.planner import profile_cache
+from zdsl.sim import profile_cache
 from zdsl.runtime.calibrate.cli import Calibration
 from zdsl.runtime.calibrate.cli import cache_profile
 from zdsl.schedule import MachineProfile

@@ -14,12 +14,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from zdsl.compile.layout import flat_layout
+from zdsl.model.layout import flat_layout
 from zdsl.runtime.checkpoint import (CheckpointError, LazyShard, apply_retention, check_checkpoint, checkpoint_path,
                                      export, inspect, latest_complete, list_checkpoints, load_for_rank,
                                      owned_shard, read_index, remove_incomplete, state_dict_aliases, unit_metas, unit_prefixes, write_index, write_rank_shards)
-from zdsl.compile.units import UnitSpec
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import UnitSpec
+from zdsl.model.units import gpt_units
 from zdsl.runtime.io import checksum
 
 CFG = dict(layers=2, width=32, heads=2, vocab=64, context=16)
@@ -325,12 +325,12 @@ def test_retention_keeps_last_complete(tmp_path, model):
 
 CHILD = """
 import sys, time, torch
-from zdsl.compile.layout import flat_layout
+from zdsl.model.layout import flat_layout
 from zdsl.runtime.checkpoint import LazyShard
 from zdsl.runtime.checkpoint import unit_metas
 from zdsl.runtime.checkpoint import write_index
 from zdsl.runtime.checkpoint import write_rank_shards
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 root, n = sys.argv[1], int(sys.argv[2])
 units, lay = [UnitSpec("big", [("w", (n,))])], [flat_layout(n, 2)]
 shard = lay[0].shard_numel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.driver import compile_schedule
 from zdsl.runtime.state import buffers
 from zdsl.runtime.state.flat import can_lend

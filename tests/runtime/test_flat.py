@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zdsl.compile.layout import flat_layout
+from zdsl.model.layout import flat_layout
 from zdsl.runtime.dist import collectives
 from zdsl.runtime.state.flat import FlatParam
 from zdsl.runtime.state.flat import alloc_storage

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zdsl.schedule import ModelSpec
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.runtime.models.gpt import GPT
 from zdsl.runtime.models.protocol import ModelProtocolError
 from zdsl.runtime.models.protocol import build_model
@@ -162,7 +162,7 @@ def test_a_user_model_file_loads_builds_and_sizes_on_meta(model_file):
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_the_gpt_kernel_counts_are_what_its_units_dispatch(cfg, device):
-    """zdsl.compile.units.GPT_KERNELS against a count of the runtime's GPT, run on CPU, and on meta as a
+    """zdsl.model.units.GPT_KERNELS against a count of the runtime's GPT, run on CPU, and on meta as a
     user's model is sized (where attention must count as the fused kernel a run dispatches)."""
     from zdsl.runtime.models.kernel_count import model_kernels
     with torch.device(device):

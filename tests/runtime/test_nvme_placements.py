@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import gpt_units
 from zdsl.driver import compile_schedule
 from zdsl.schedule import Placement
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zdsl.check.draft import Draft
-from zdsl.compile.hf_folder import model_sizes
+from zdsl.model.hf_folder import model_sizes
 from zdsl.lang import ast
 from zdsl.schedule import DataSpec
 from zdsl.schedule import EvalSpec

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zdsl.check.values import Reader
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 from zdsl.schedule import Schedule
 from zdsl.schedule import Span
 

@@ -12,17 +12,17 @@ from pathlib import Path
 from typing import Callable
 
 from zdsl.check.draft import Draft
-from zdsl.compile.freeze import FreezeError
-from zdsl.compile.freeze import frozen_params
-from zdsl.compile.hf_folder import ATTENTION_CHOICES
-from zdsl.compile.hf_folder import ATTENTION_KEY
-from zdsl.compile.hf_folder import HfModelError
-from zdsl.compile.hf_folder import find_folder
-from zdsl.compile.hf_folder import read_config
-from zdsl.compile.hf_folder import transformers_installed
+from zdsl.model.freeze import FreezeError
+from zdsl.model.freeze import frozen_params
+from zdsl.model.hf_folder import ATTENTION_CHOICES
+from zdsl.model.hf_folder import ATTENTION_KEY
+from zdsl.model.hf_folder import HfModelError
+from zdsl.model.hf_folder import find_folder
+from zdsl.model.hf_folder import read_config
+from zdsl.model.hf_folder import transformers_installed
 from zdsl.schedule import GPT_DEFAULTS
-from zdsl.compile.units import UnitSpec
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import UnitSpec
+from zdsl.model.units import gpt_units
 from zdsl.lang import ast
 from zdsl.lang.errors import ZsError
 from zdsl.lang.errors import did_you_mean

@@ -29,7 +29,7 @@ from zdsl.compile.finish import finish_ops
 from zdsl.compile.homes import UnitHomes
 from zdsl.compile.phases import run_phase
 from zdsl.compile.step_graph import graph_of
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 from zdsl.lang.sizes import human_bytes
 from zdsl.schedule import Pipeline
 from zdsl.schedule import Schedule

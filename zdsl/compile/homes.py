@@ -14,11 +14,11 @@ from __future__ import annotations
 import functools
 import math
 
-from zdsl.compile.freeze import FreezeError
-from zdsl.compile.freeze import frozen_params
-from zdsl.compile.layout import flat_layout
+from zdsl.model.freeze import FreezeError
+from zdsl.model.freeze import frozen_params
+from zdsl.model.layout import flat_layout
 from zdsl.compile.lowering_error import LoweringError
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 from zdsl.ir import DTYPE_BYTES
 from zdsl.ir import buffer_name
 from zdsl.schedule import STATES
@@ -42,7 +42,7 @@ class UnitHomes:
         self.last_micro = schedule.train.accumulate - 1
         bucket_elems = schedule.bucket_bytes // self.elem_bytes if schedule.bucket_bytes else 0
         self.frozen = frozen_of(schedule, units)
-        # a partly frozen unit lays its trainable parameters first (zdsl/compile/layout.py)
+        # a partly frozen unit lays its trainable parameters first (zdsl/model/layout.py)
         self.layouts = [flat_layout(spec.numel, self.ranks, bucket_elems, [math.prod(s) for _, s in spec.params], row)
                         for spec, row in zip(units, self.frozen)]
         self.tiers = {state: self._unit_tiers(state) for state in STATES}
@@ -147,7 +147,7 @@ def home_name(kind: str, u: int, tier: str) -> str:
 
 
 def frozen_of(schedule: Schedule, units: list[UnitSpec]) -> list[list[bool]]:
-    """Per unit, per parameter: frozen by ``freeze`` (see zdsl/compile/freeze.py)."""
+    """Per unit, per parameter: frozen by ``freeze`` (see zdsl/model/freeze.py)."""
     if not schedule.freeze:
         return [[False] * len(spec.params) for spec in units]
     try:

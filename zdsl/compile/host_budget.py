@@ -25,7 +25,7 @@ from zdsl.compile import residency
 from zdsl.compile.step_graph import HostChoices
 from zdsl.compile.step_graph import StepBuild
 from zdsl.compile.step_graph import build_step
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 from zdsl.ir import TaskGraph
 from zdsl.schedule import Pipeline
 from zdsl.schedule import Schedule

@@ -28,7 +28,7 @@ Rules (the language reference repeats them for users):
   reductions, gradient and optimizer moves and step, and its backward when no
   unit before it trains; a partly frozen unit's gradients, reductions, optimizer
   state and stage 1-2 gather after the step cover its trainable parts only
-  (``zdsl/compile/layout.py``).
+  (``zdsl/model/layout.py``).
 * **Overlap policy.** A ``verb/phase`` pair missing from ``overlap`` puts
   those ops and the phase's compute in one chain (through a zero-byte
   ``token`` buffer), so they never run at the same time.
@@ -59,7 +59,7 @@ from __future__ import annotations
 from zdsl.compile.host_budget import fit_host_budget
 from zdsl.compile.lowering_error import LoweringError
 from zdsl.compile.step_graph import build_step
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 from zdsl.ir import TaskGraph
 from zdsl.schedule import Pipeline
 from zdsl.schedule import Schedule

@@ -62,7 +62,7 @@ from zdsl.schedule import Ref
 from zdsl.schedule import Schedule
 
 from zdsl.schedule import Span
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 
 
 def lower_policies(schedule: Schedule, units: list[UnitSpec]) -> dict[str, Pipeline]:

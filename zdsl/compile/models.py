@@ -15,8 +15,8 @@ from zdsl.schedule import ModelSpec
 
 from zdsl.schedule import Schedule
 from zdsl.schedule import GPT_DEFAULTS
-from zdsl.compile.units import UnitSpec
-from zdsl.compile.units import gpt_units
+from zdsl.model.units import UnitSpec
+from zdsl.model.units import gpt_units
 from zdsl.sources import source_of
 
 

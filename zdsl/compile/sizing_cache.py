@@ -38,7 +38,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from zdsl.cache import cache_dir
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 from zdsl.sources import source_of
 
 FORMAT = 2          # of the files written; an older or newer one is a miss (2: a user's sources)

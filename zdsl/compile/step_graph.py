@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zdsl.compile.buffers import BufferTable
-from zdsl.compile.decay import NoDecayError
-from zdsl.compile.decay import decay_groups
+from zdsl.model.decay import NoDecayError
+from zdsl.model.decay import decay_groups
 from zdsl.compile.emission import OpStream
 from zdsl.compile.finish import finish_ops
 from zdsl.compile.homes import UnitHomes
-from zdsl.compile.layout import flat_ranges
+from zdsl.model.layout import flat_ranges
 from zdsl.compile.lowering_error import LoweringError
 from zdsl.compile.phases import run_step_phases
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 from zdsl.ir import Op
 from zdsl.ir import TaskGraph
 from zdsl.ir import UnitInfo
@@ -82,7 +82,7 @@ def unit_infos(homes: UnitHomes) -> list[UnitInfo]:
 
 
 def decay_ranges(homes: UnitHomes) -> list[list[tuple[int, int]] | None]:
-    """Per unit, the ranges weight decay applies to (None: all; see zdsl/compile/decay.py)."""
+    """Per unit, the ranges weight decay applies to (None: all; see zdsl/model/decay.py)."""
     o = homes.schedule.optimizer
     if not (o.no_decay or o.no_decay_names):
         return [None] * homes.n_units

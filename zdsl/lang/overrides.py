@@ -191,3 +191,15 @@ def _merge_args(statements, keyword, new, get_args, with_args, missing=None):
         callee = ast.Name("synthetic" if keyword == "data" else base, new.call.callee.span)
         new = dataclasses.replace(new, call=dataclasses.replace(new.call, callee=callee))
     return statements + [new]
+
+
+def parse_sets(items: list[str] | None, parser) -> dict[str, str]:
+    """``--set key=value`` arguments as a dict; a malformed one ends the command through
+    ``parser.error`` (an ``argparse.ArgumentParser``'s usage error)."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            parser.error(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out

@@ -42,9 +42,9 @@ from zdsl.cache import cache_dir
 from zdsl.ir import BUFFER_KINDS
 from zdsl.ir import TaskGraph
 from zdsl.lang.sizes import human_bytes
-from zdsl.planner.this_machine import device_in_ram
-from zdsl.planner.this_machine import installed_torch
-from zdsl.planner.this_machine import usable_cores
+from zdsl.sim.this_machine import device_in_ram
+from zdsl.sim.this_machine import installed_torch
+from zdsl.sim.this_machine import usable_cores
 from zdsl.schedule import SHARED_MEMORY_OUTBOX
 from zdsl.schedule import nvme_placements
 from zdsl.swap_folders import device_of

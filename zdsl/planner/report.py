@@ -24,8 +24,8 @@ from zdsl.planner.freeze_plan import FreezePlan
 from zdsl.planner.freeze_plan import freeze_plan
 from zdsl.sim.memory import STATES
 from zdsl.sim.memory import zero_model_states
-from zdsl.planner.profile_cache import calibrated_source
-from zdsl.planner.profile_cache import rates_line
+from zdsl.sim.profile_cache import calibrated_source
+from zdsl.sim.profile_cache import rates_line
 from zdsl.sim.rates import drives
 from zdsl.sim.rates import gaps as rate_gaps
 from zdsl.sim.rates import nvme_lines

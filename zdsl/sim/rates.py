@@ -79,7 +79,7 @@ def micro_batch_shape(graph: TaskGraph) -> tuple[int, int]:
 
 def unit_widths(graph: TaskGraph) -> list[float]:
     """Per unit, the width of the GPT block whose forward does as many flops per token (24 w^2
-    for its 12 w^2 weights, 2 T w for causal attention over T tokens: zdsl/compile/units.py): the
+    for its 12 w^2 weights, 2 T w for causal attention over T tokens: zdsl/model/units.py): the
     size of its matrix products, which sets how near the machine's peak they run. A block's is
     its width; a head of vocabulary V, about sqrt(width V / 12)."""
     batch, context = micro_batch_shape(graph)

@@ -130,10 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prune must be 1 or more (1: measure only the best predicted; e.g. --prune 1.5)")
     from zdsl.driver import compile_file
     from zdsl.driver import memo_units_for
-    from zdsl.cli import parse_sets
+    from zdsl.lang.overrides import parse_sets
     from zdsl.driver import report
     from zdsl.driver import status_of
-    from zdsl.planner import profile_cache
+    from zdsl.sim import profile_cache
     profile_cache.enable()                         # predictions with this machine's calibrated rates
     base = parse_sets(args.set, parser)
     if "steps" in base or "train.steps" in base:

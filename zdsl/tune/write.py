@@ -3,7 +3,7 @@
 :func:`write_schedule_text` returns text that re-checks to the same task graph
 as ``zdsl plan FILE --set ...`` with the winner's overrides: the file's own
 lines edited where each override is a whole statement (comments kept), else
-the checked schedule printed (``zdsl.lang.printer``). Imports no torch.
+the checked schedule printed (``zdsl.check.printer``). Imports no torch.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def write_schedule_text(path: str, overrides: dict[str, str], out_path: str, not
     1. **edit the text**: each overridden statement's line is replaced (comments and
        layout elsewhere kept; the old line stays as a comment); keys that are not a
        whole statement, or statements that live in an included file, skip to 2.
-    2. **print the checked schedule** (``zdsl.lang.printer``): always valid, loses comments.
+    2. **print the checked schedule** (``zdsl.check.printer``): always valid, loses comments.
 
     Paths relative to the schedule (includes) are rewritten for ``out_path``'s folder.
     Returns (text, how); raises ValueError when neither way reproduces the graph.
@@ -119,7 +119,7 @@ def _edited_text(path: str, overrides: dict[str, str], out_path: str) -> str | N
     from zdsl.lang.errors import ZsError
     from zdsl.lang.overrides import statement_text
     from zdsl.lang.parse import parse_file
-    from zdsl.lang.printer import string_text
+    from zdsl.check.printer import string_text
     try:
         program = parse_file(path)
         source = Path(path).read_text(encoding="utf-8-sig")
@@ -178,7 +178,7 @@ def _statement_lines(program, stmt, lines: list[str]) -> tuple[int, int]:
 
 
 def _printed_text(compiled, out_path: str) -> str:
-    from zdsl.lang.printer import print_schedule
+    from zdsl.check.printer import print_schedule
     schedule = copy.deepcopy(compiled.schedule)
     factory = schedule.model.factory
     if factory and ".py:" in factory:       # "my_model.py:build" is relative to the schedule

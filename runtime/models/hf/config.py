@@ -1,7 +1,7 @@
 """An HF model folder's config as transformers' config class, with the schedule's overrides.
 
 Finding the folder and reading ``config.json`` are the compiler's (torch-free,
-``zdsl.compile.hf_folder``); here the overrides are checked against the
+``zdsl.model.hf_folder``); here the overrides are checked against the
 family's own config class (every field it has, not only those config.json
 lists) and applied. Loading is local only: transformers never goes to the hub.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from zdsl.compile.hf_folder import ATTENTION_CHOICES
-from zdsl.compile.hf_folder import ATTENTION_KEY
-from zdsl.compile.hf_folder import OVERRIDE_ALIASES
-from zdsl.compile.hf_folder import HfModelError
-from zdsl.compile.hf_folder import config_field
-from zdsl.compile.hf_folder import read_config
-from zdsl.compile.hf_folder import transformers_installed
+from zdsl.model.hf_folder import ATTENTION_CHOICES
+from zdsl.model.hf_folder import ATTENTION_KEY
+from zdsl.model.hf_folder import OVERRIDE_ALIASES
+from zdsl.model.hf_folder import HfModelError
+from zdsl.model.hf_folder import config_field
+from zdsl.model.hf_folder import read_config
+from zdsl.model.hf_folder import transformers_installed
 
 DEFAULT_ATTENTION = "sdpa"    # transformers' own default where torch has it
 

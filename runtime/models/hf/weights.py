@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from zdsl.compile.hf_folder import HfModelError
+from zdsl.model.hf_folder import HfModelError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

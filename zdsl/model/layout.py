@@ -151,3 +151,11 @@ def flat_ranges(layout: FlatLayout, logical: list[tuple[int, int]]) -> list[tupl
         else:
             merged.append((a, b))
     return merged
+
+
+def unit_layout(unit, ranks: int) -> FlatLayout:
+    """The flat layout of a graph's unit (``zdsl.ir.UnitInfo``) over ``ranks`` shards."""
+    trainable = unit.parts - unit.frozen_parts
+    part_numel = (unit.padded_numel - unit.frozen_parts * unit.frozen_part_numel) // trainable
+    return FlatLayout(unit.numel, ranks, unit.parts, part_numel, unit.frozen_parts, unit.frozen_part_numel,
+                      tuple(tuple(r) for r in unit.runs or ()))

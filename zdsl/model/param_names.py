@@ -1,6 +1,6 @@
 """Parameter-name globs, as ``no_decay=("*.glob")`` and ``freeze PATTERN`` write them.
 
-The compiler sees each unit's parameter names (:class:`~zdsl.compile.units.UnitSpec`).
+The compiler sees each unit's parameter names (:class:`~zdsl.model.units.UnitSpec`).
 A glob (``fnmatch``, case-sensitive) matches a parameter if it matches its name
 within the unit (``ln_1.weight``), its name with the unit's in front
 (``block.0.ln_1.weight``), or one of its other names (``UnitSpec.aliases``): the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from fnmatch import fnmatchcase
 
-from zdsl.compile.units import UnitSpec
+from zdsl.model.units import UnitSpec
 
 
 def glob_matches(glob: str, spec: UnitSpec, name: str) -> bool:

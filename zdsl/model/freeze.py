@@ -1,14 +1,14 @@
 """Which parameters ``freeze PATTERN, ...`` keeps frozen, decided once from names.
 
-Globs match as :mod:`zdsl.compile.param_names` says. A frozen parameter has no
+Globs match as :mod:`zdsl.model.param_names` says. A frozen parameter has no
 gradient, no optimizer state and no gradient traffic; it is still gathered
 for forward and backward (later units' gradients flow through it).
 """
 from __future__ import annotations
 
-from zdsl.compile.param_names import closest_names
-from zdsl.compile.param_names import glob_matches
-from zdsl.compile.units import UnitSpec
+from zdsl.model.param_names import closest_names
+from zdsl.model.param_names import glob_matches
+from zdsl.model.units import UnitSpec
 
 
 class FreezeError(ValueError):

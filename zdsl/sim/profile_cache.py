@@ -24,9 +24,9 @@ from pathlib import Path
 
 from zdsl import env
 from zdsl.cache import cache_dir
-from zdsl.planner.this_machine import device_in_ram
-from zdsl.planner.this_machine import installed_torch
-from zdsl.planner.this_machine import usable_cores
+from zdsl.sim.this_machine import device_in_ram
+from zdsl.sim.this_machine import installed_torch
+from zdsl.sim.this_machine import usable_cores
 from zdsl.schedule import MachineProfile
 
 QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the default profile is used

@@ -2,7 +2,7 @@
 
 ``optimizer adamw(weight_decay=0.1, no_decay=(biases, norms, embeddings, "*.glob"))``
 exempts parameters by class or by name. The compiler sees only each unit's
-parameter names and shapes (:class:`~zdsl.compile.units.UnitSpec`), so the
+parameter names and shapes (:class:`~zdsl.model.units.UnitSpec`), so the
 classes are rules over those, the same for the built-in GPT, Hugging Face
 models and a user's model:
 
@@ -14,7 +14,7 @@ models and a user's model:
   or is ``wte`` / ``wpe`` (GPT-2's names), e.g. ``wte.weight``,
   ``embed_tokens.weight``. A head tied to it is the same parameter.
 
-A glob matches parameter names as :mod:`zdsl.compile.param_names` says; a
+A glob matches parameter names as :mod:`zdsl.model.param_names` says; a
 glob that matches nothing is an error. The result
 travels in the task graph: per unit, the element ranges of its flat
 parameters (registration order) that decay; the runtime applies decay on
@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zdsl.compile.param_names import closest_names
-from zdsl.compile.param_names import glob_matches
-from zdsl.compile.units import UnitSpec
+from zdsl.model.param_names import closest_names
+from zdsl.model.param_names import glob_matches
+from zdsl.model.units import UnitSpec
 
 NO_DECAY_CLASSES = ("biases", "norms", "embeddings")
 
