@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from zdsl.runtime.data import make_batch
-from zdsl.runtime.data import sample_keys
+from zdsl.runtime.data.keys import sample_keys
 from zdsl.runtime.data import tokens as tokens_module
 from zdsl.runtime.data.tokens import check_token_file
 from zdsl.schedule import DataSpec

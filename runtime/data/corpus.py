@@ -5,7 +5,8 @@
 ``os.__file__``, without ``site-packages``), in sorted path order. Files are
 read once per process and cached; a cap keeps start-up quick (the first
 ``STDLIB_CAP`` bytes in that order are plenty for the models zdsl trains on
-a laptop). Tokens are bytes (vocab 256).
+a laptop). Tokens are bytes (vocab 256). The sample with key ``k`` is the window of
+``context + 1`` bytes starting at ``k mod (n - context - 1)`` for a corpus of ``n`` bytes.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import functools
 import os
 from pathlib import Path
 
-import torch
-
+from zdsl.runtime.data.source import TokenWindows
+from zdsl.sources.corpus import BYTES
+from zdsl.sources.text import STDLIB
 from zdsl.sources.text import STDLIB_CAP
 from zdsl.sources.text import stdlib_files
 
@@ -45,9 +47,10 @@ def _read_files(files: list[Path], cap: int | None) -> bytes:
 
 
 @functools.lru_cache(maxsize=4)
-def corpus_tokens(source: str) -> torch.Tensor:
+def corpus_tokens(source: str):
     """The corpus as a uint8 tensor (cached per process)."""
-    if source == "stdlib":
+    import torch            # here, not at the top: the launcher's pre-flight imports this module
+    if source == STDLIB:
         blob = _read_files(stdlib_files(), STDLIB_CAP)
         where = f"the standard library at {Path(os.__file__).parent}"
     else:
@@ -68,3 +71,24 @@ def corpus_tokens(source: str) -> torch.Tensor:
     if not blob:
         raise CorpusError(f"corpus {where} holds no readable text")
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+class CorpusSource(TokenWindows):
+    kind = "corpus"
+
+    def vocab(self, spec) -> int:
+        return BYTES
+
+    def rows(self, spec, keys, context: int, next_keys):
+        import numpy as np
+        import torch
+        tokens = corpus_tokens(spec.source or STDLIB)
+        span = tokens.numel() - context - 1
+        if span <= 0:
+            raise CorpusError(f"corpus {spec.source!r} holds {tokens.numel()} bytes; "
+                              f"context={context} needs at least {context + 2}")
+        starts = torch.from_numpy((keys % np.uint64(span)).astype(np.int64))
+        return tokens[starts[:, None] + torch.arange(context + 1)].long()
+
+
+SOURCE = CorpusSource()

@@ -20,7 +20,7 @@ a prompt token. A record longer than ``context + 1`` tokens keeps its first ``co
   of its records in rows of their own. The rest of the row is padding.
 
 Row ``keys[i] % rows`` serves global sample ``i``: a row is a pure function of (seed, step,
-micro-batch, global sample), as every source's is (runtime/data/__init__.py).
+micro-batch, global sample), as every source's is (runtime/data/keys.py).
 """
 from __future__ import annotations
 
@@ -35,12 +35,15 @@ import numpy as np
 import torch
 
 from zdsl.cache import cache_dir
-from zdsl.sources.jsonl import JsonlSourceError
-from zdsl.sources.jsonl import file_key
-from zdsl.sources.jsonl import records
+from zdsl.runtime.data.keys import step_keys
+from zdsl.runtime.data.source import RuntimeSource
+from zdsl.runtime.data.source import positive_setting
 from zdsl.runtime.io.atomic import renamed_into_place
 from zdsl.runtime.models.batch import IGNORE_INDEX
 from zdsl.runtime.models.batch import Batch
+from zdsl.sources.jsonl import JsonlSourceError
+from zdsl.sources.jsonl import file_key
+from zdsl.sources.jsonl import records
 from zdsl.sources.text import TextSourceError
 from zdsl.sources.text import end_of_text
 from zdsl.sources.text import id_count
@@ -218,10 +221,6 @@ def sft_rows(spec) -> SftRows:
     return _rows(spec.source, spec.tokenizer, a["prompt"], a["response"], a["context"], bool(a["pack"]))
 
 
-def jsonl_batch(spec, keys: np.ndarray) -> Batch:
-    return sft_rows(spec).batch(keys)
-
-
 def jsonl_problem(spec) -> tuple[str | None, str | None]:
     """``data jsonl(...)``'s start-up: tokenise (or find the cache). ``(the reason it cannot train or
     None, a note on the records the context truncates or None)``."""
@@ -241,3 +240,19 @@ def jsonl_problem(spec) -> tuple[str | None, str | None]:
     return None, (f"jsonl {spec.source}: {rows.truncated} of {records} records are longer than "
                   f"context={rows.context} (a record of n tokens fills n - 1 positions) and are truncated to "
                   f"it: their tokens past it are not trained on{lost}")
+
+
+class JsonlSource(RuntimeSource):
+    kind = "jsonl"
+
+    def prepare(self, spec, schedule, progress: bool = False) -> tuple[str | None, str | None]:
+        """Tokenised once (under a lock); the records the context truncates are said once, here."""
+        return jsonl_problem(spec)
+
+    def batch(self, spec, seed: int, step: int, micro: int, rank: int, ranks: int, batch: int) -> Batch:
+        """A :class:`Batch` with labels -100 on prompts and masks for padding and packing."""
+        positive_setting(spec, "context")
+        return sft_rows(spec).batch(step_keys(seed, step, micro, rank, ranks, batch))
+
+
+SOURCE = JsonlSource()

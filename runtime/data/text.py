@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from zdsl.cache import cache_dir
+from zdsl.runtime.data.source import TokenWindows
+from zdsl.runtime.data.tokens import token_file_rows
 from zdsl.runtime.io.atomic import renamed_into_place
 from zdsl.sources.text import STDLIB
 from zdsl.sources.text import TextSourceError
@@ -183,3 +185,18 @@ def text_problem(spec, progress: bool = False) -> str | None:
     except OSError as exc:
         return f"data text({spec.source}): {exc.strerror or exc}"
     return None
+
+
+class TextSource(TokenWindows):
+    kind = "text"
+
+    def prepare(self, spec, schedule, progress: bool = False) -> tuple[str | None, str | None]:
+        """Tokenised once (under a lock), before the ranks train."""
+        return text_problem(spec, progress=progress), None
+
+    def rows(self, spec, keys, context: int, next_keys):
+        path, dtype = text_token_file(spec)        # read as tokens(FILE) reads its file
+        return token_file_rows(path, dtype, self.vocab(spec), keys, context, next_keys)
+
+
+SOURCE = TextSource()

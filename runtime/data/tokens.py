@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from zdsl.cache import cache_dir
+from zdsl.runtime.data.source import TokenWindows
 from zdsl.runtime.io.atomic import renamed_into_place
 from zdsl.sources.tokens import TOKEN_DTYPES
 
@@ -176,8 +177,6 @@ def check_token_file(path: str, dtype: str, vocab: int, context: int | None = No
 
 def token_file_problem(spec) -> str | None:
     """``data tokens(...)``'s check for start-up: the reason it cannot train, or None."""
-    if spec.kind != "tokens":
-        return None
     try:
         check_token_file(spec.source, spec.dtype, spec.args["vocab"], spec.args.get("context"))
     except TokenFileError as exc:
@@ -185,3 +184,34 @@ def token_file_problem(spec) -> str | None:
     except OSError as exc:
         return f"token file {spec.source}: {exc.strerror or exc}"
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def _checked(path: str, dtype: str, vocab: int, context: int) -> None:
+    """Once per process: the launcher's check left its verdict beside the file, so this reads it."""
+    check_token_file(path, dtype, vocab, context)
+
+
+def token_file_rows(path: str, dtype: str, vocab: int, keys: np.ndarray, context: int, next_keys):
+    """The windows of ``keys`` (:meth:`TokenFile.rows`) as a tensor, the file checked once per process;
+    the kernel starts reading the next step's windows (``next_keys()``) during this step."""
+    import torch
+    _checked(path, dtype, vocab, context)
+    tokens = open_token_file(path, dtype)
+    rows = torch.from_numpy(tokens.rows(keys, context))
+    tokens.prefetch(next_keys(), context)
+    return rows
+
+
+class TokensSource(TokenWindows):
+    kind = "tokens"
+
+    def prepare(self, spec, schedule, progress: bool = False) -> tuple[str | None, str | None]:
+        """Ids below the vocab: one scan, its verdict cached."""
+        return token_file_problem(spec), None
+
+    def rows(self, spec, keys, context: int, next_keys):
+        return token_file_rows(spec.source, spec.dtype, self.vocab(spec), keys, context, next_keys)
+
+
+SOURCE = TokensSource()

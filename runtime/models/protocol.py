@@ -25,7 +25,7 @@ The batch (:class:`zdsl.runtime.models.batch.Batch`)
     ``input_ids`` is whatever unit 0 takes and ``labels`` whatever the last unit scores: token
     ids and their next tokens from the built-in data sources, but ``data python(...)`` gives
     any pair of tensors with the micro-batch's rows first (float features and class labels,
-    images, ...; zdsl/runtime/data/python_source.py), under these same two names. zdsl moves
+    images, ...; zdsl/runtime/data/python.py), under these same two names. zdsl moves
     them to the device as they are and never differentiates them: a float input arrives in the
     dtype the data made it (fp32, typically), so under bf16/fp16 unit 0 casts it to its weights'
     dtype (``x.to(self.fc.weight.dtype)``, as a DeepSpeed user writes ``inputs.half()``), and the

@@ -14,7 +14,7 @@
   longer than the context are counted: one warning here, not one per rank or step.
 - ``data python(...)``'s function is called as rank 0 (twice: the same tensors?) and as the
   last rank (the same shapes?) at step 0, and for the built-in GPT or an ``hf`` model what it
-  returns must be token ids within the vocab and context (:mod:`zdsl.runtime.data.python_source`).
+  returns must be token ids within the vocab and context (:mod:`zdsl.runtime.data.python`).
 - An ``eval`` source is prepared and checked in the same way, after the training data.
 
 Under another launcher (torchrun: RANK set, not by ``zdsl run``) the ranks already
@@ -106,36 +106,11 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
 def data_problem(data, schedule, rank: str | None) -> int | None:
     """Prepare and check one data source (the training's, or ``eval``'s) before the ranks start;
     None to go on, else the exit status (already explained on rank 0 or the launcher)."""
-    if data.kind == "text":        # tokenised once (under a lock), before the ranks train
-        from zdsl.runtime.data.text import text_problem
-        problem = text_problem(data, progress=rank in (None, "0"))
-        if problem:
-            if rank in (None, "0"):
-                print(f"zdsl: error: {problem}", file=sys.stderr)
-            return EXIT_INVALID
-    if data.kind == "jsonl":       # tokenised once (under a lock); truncation reported once
-        from zdsl.runtime.data.jsonl import jsonl_problem
-        problem, note = jsonl_problem(data)
-        if rank in (None, "0") and (problem or note):
-            print(f"zdsl: {'error' if problem else 'warning'}: {problem or note}", file=sys.stderr)
-        if problem:
-            return EXIT_INVALID
-    if data.kind == "tokens":      # ids below the vocab: one scan, its verdict cached
-        from zdsl.runtime.data.tokens import token_file_problem     # (imports torch: only when needed)
-        problem = token_file_problem(data)
-        if problem:
-            if rank in (None, "0"):
-                print(f"zdsl: error: {problem}", file=sys.stderr)
-            return EXIT_INVALID
-    if data.kind == "python":      # a broken contract stops here, not inside a rank
-        from zdsl.runtime.data.python_source import python_problem
-        train = schedule.train
-        problem = python_problem(data, train.seed, schedule.ranks, train.batch, model=schedule.model)
-        if problem:
-            if rank in (None, "0"):
-                print(f"zdsl: error: {problem}", file=sys.stderr)
-            return EXIT_INVALID
-    return None
+    from zdsl.runtime.data import prepare       # imports torch only for a source that needs it
+    problem, note = prepare(data, schedule, progress=rank in (None, "0"))
+    if rank in (None, "0") and (problem or note):
+        print(f"zdsl: {'error' if problem else 'warning'}: {problem or note}", file=sys.stderr)
+    return EXIT_INVALID if problem else None
 
 
 def refuse_unfit(fit: Fit, ignore_limits: bool) -> int | None:

@@ -35,7 +35,7 @@ from sft_data import train_tokenizer
 from sft_data import write_jsonl
 
 from zdsl.runtime.data import jsonl as jsonl_module
-from zdsl.runtime.data import sample_keys
+from zdsl.runtime.data.keys import sample_keys
 from zdsl.runtime.data.jsonl import sft_rows
 from zdsl.runtime.models.gpt import GPT
 from zdsl.runtime.models.protocol import run_units
@@ -176,7 +176,7 @@ def sft_schedule(spec, world: int):
 def zdsl_and_ddp(rank: int, world: int, spec) -> dict:
     from ddp_reference import ddp_train, run_steps
 
-    from zdsl.compile.units import gpt_units
+    from zdsl.model.units import gpt_units
     from zdsl.driver import compile_schedule
     from zdsl.runtime.models.protocol import build_model
     from zdsl.runtime.state.rank import RankState

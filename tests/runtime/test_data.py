@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from zdsl.schedule import DataSpec
-from zdsl.runtime.data import CorpusError
+from zdsl.runtime.data.corpus import CorpusError
 from zdsl.runtime.data import make_batch
 from zdsl.runtime.data import make_batches
 from zdsl.runtime.data import vocab_size

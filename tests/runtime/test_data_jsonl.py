@@ -20,7 +20,7 @@ from zdsl.sources.jsonl import JsonlSourceError
 from zdsl.sources.jsonl import check_jsonl
 from zdsl.runtime.data import jsonl as jsonl_module
 from zdsl.runtime.data import make_batch
-from zdsl.runtime.data import sample_keys
+from zdsl.runtime.data.keys import sample_keys
 from zdsl.runtime.data.jsonl import jsonl_problem
 from zdsl.runtime.data.jsonl import jsonl_tokens
 from zdsl.runtime.data.jsonl import sft_rows

@@ -15,7 +15,7 @@ from zdsl.lang.errors import ZsError
 from zdsl.sources.python import PythonDataError
 from zdsl.sources.python import defines
 from zdsl.runtime.data import make_batch
-from zdsl.runtime.data.python_source import python_problem
+from zdsl.runtime.data.python import python_problem
 from zdsl.schedule import DataSpec
 from zdsl.schedule import ModelSpec
 

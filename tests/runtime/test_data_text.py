@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zdsl.runtime.data import make_batch
-from zdsl.runtime.data import sample_keys
+from zdsl.runtime.data.keys import sample_keys
 from zdsl.runtime.data import text as text_module
 from zdsl.runtime.data.text import text_problem
 from zdsl.runtime.data.text import text_tokens

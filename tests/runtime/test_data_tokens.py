@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from zdsl.runtime.data import TokenFileError
+from zdsl.runtime.data.tokens import TokenFileError
 from zdsl.runtime.data import make_batch
-from zdsl.runtime.data import sample_keys
+from zdsl.runtime.data.keys import sample_keys
 from zdsl.runtime.data import tokens as tokens_module
 from zdsl.runtime.data.tokens import CHECK_SUFFIX
 from zdsl.runtime.data.tokens import check_record_paths
@@ -187,7 +187,7 @@ def test_each_batch_asks_the_kernel_for_the_next_steps_windows(tmp_path, monkeyp
 
 def test_sample_keys_are_the_splitmix_chain_over_seed_step_micro_then_sample():
     """The keys every source draws from, against the hash written out with numpy scalars."""
-    from zdsl.runtime.data import _splitmix64
+    from zdsl.runtime.data.keys import _splitmix64
 
     def reference(seed, step, micro, first, count):
         key = np.uint64(seed & 0xFFFFFFFF)
