@@ -61,6 +61,90 @@ OP_LANES = {
 COLLECTIVE_KINDS = ("comm.all_gather", "comm.reduce_scatter", "comm.all_reduce")
 
 
+# The ranks a collective runs over (``Op.group``), the same string on every rank:
+#   "all"         every rank;
+#   "within:S"    the S consecutive ranks holding this rank (ranks [r//S*S, r//S*S+S)): a node is
+#                 within:per_node, MiCS's group(K) within:K;
+#   "across:S"    the ranks with this rank's index within its S-group (r' % S == r % S): the
+#                 replicas of one shard (the all-reduce of HSDP's and MiCS's gradient shards).
+# A group of every rank is always "all" (within:world is never written), so a flat schedule's
+# graph is the graph it was before groups existed.
+ALL = "all"
+
+
+def within(size: int, world: int) -> str:
+    """The group of ``size`` consecutive ranks ("all" when that is every rank)."""
+    return ALL if size >= world else f"within:{size}"
+
+
+def across(size: int) -> str:
+    """The replicas of one shard of a ``size``-rank shard group."""
+    return f"across:{size}"
+
+
+def parse_group(group: str) -> tuple[str, int]:
+    """("all", 0), ("within", S) or ("across", S); ValueError for anything else."""
+    if group == ALL:
+        return ALL, 0
+    kind, _, size = group.partition(":")
+    if kind not in ("within", "across") or not size.isdigit() or int(size) < 1:
+        raise ValueError(f"not a collective group: {group!r}")
+    return kind, int(size)
+
+
+def group_size(group: str, world: int) -> int:
+    """How many ranks ``group`` holds in a run of ``world``."""
+    kind, size = parse_group(group)
+    return world if kind == ALL else size if kind == "within" else world // size
+
+
+def group_ranks(group: str, rank: int, world: int) -> list[int]:
+    """The ranks of ``rank``'s ``group`` in a run of ``world``, in rank order."""
+    kind, size = parse_group(group)
+    if kind == ALL:
+        return list(range(world))
+    if kind == "within":
+        first = rank // size * size
+        return list(range(first, first + size))
+    return list(range(rank % size, world, size))
+
+
+def group_members(group: str, world: int) -> list[list[int]]:
+    """Every member set of ``group`` (each rank in exactly one), in the order of their lowest rank:
+    the order every rank creates their process groups in."""
+    kind, size = parse_group(group)
+    if kind == ALL:
+        return [list(range(world))]
+    if kind == "within":
+        return [list(range(first, first + size)) for first in range(0, world, size)]
+    return [list(range(first, world, size)) for first in range(size)]
+
+
+def crosses_nodes(group: str, world: int, per_node: int) -> bool:
+    """Some member set of ``group`` lies on more than one node (``per_node`` ranks each, in rank
+    order; 0: one node holds every rank)."""
+    if not per_node or per_node >= world:
+        return False
+    kind, size = parse_group(group)
+    if kind == ALL:
+        return True
+    if kind == "within":
+        return any(first // per_node != (first + size - 1) // per_node for first in range(0, world, size))
+    return any(first // per_node != (first + world - size) // per_node for first in range(size))
+
+
+def resolve_over(over: str | None, world: int, per_node: int | None) -> str:
+    """A schedule's shard group (``all``, ``node``, ``group(K)``; None: all) as an op's group:
+    a node is ``per_node`` consecutive ranks (all of them where ``per_node`` is unset)."""
+    if over in (None, ALL):
+        return ALL
+    if over == "node":
+        return within(per_node or world, world)
+    if over.startswith("group(") and over.endswith(")") and over[6:-1].isdigit():
+        return within(int(over[6:-1]), world)
+    raise ValueError(f"not a shard group: {over!r}")
+
+
 def buffer_name(kind: str, unit: int | None = None, tier: str | None = None) -> str:
     """``param_full[3]``, ``grad_shard[3]@host``, ``norm``."""
     name = kind if unit is None else f"{kind}[{unit}]"
@@ -126,6 +210,7 @@ class Op:
     parts: int = 1
     accumulate: bool = False  # reduce_scatter / backward: add into the destination instead of overwrite
     span: tuple[int, int] | None = None  # (line, column) of the .zs statement that emitted it
+    group: str = ALL          # collectives: the ranks it runs over (see ``ALL``)
 
     @property
     def is_collective(self) -> bool:
@@ -179,6 +264,7 @@ class TaskGraph:
     buffers: dict[str, Buffer]
     ops: list[Op]
     config: dict = field(default_factory=dict)  # the checked schedule as plain JSON (train, optimizer, offload, ...)
+    per_node: int = 0         # ranks per node; 0: one node holds every rank
 
     # -- serialisation -------------------------------------------------------
     def to_json(self) -> str:
@@ -190,6 +276,7 @@ class TaskGraph:
         for buf in raw["buffers"].values():
             if buf["pinned"]:
                 del buf["pinned"]
+        omit_one_level(raw)
         return json.dumps(raw, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -215,3 +302,13 @@ class TaskGraph:
 
     def collectives(self) -> list[Op]:
         return [op for op in self.ops if op.is_collective]
+
+
+def omit_one_level(raw: dict) -> None:
+    """Leave the node layout out of a graph's JSON where it is one level (``per_node`` 0, a
+    collective's group "all"), so a flat schedule's graph hashes as it did before nodes existed."""
+    if raw.get("per_node") == 0:
+        del raw["per_node"]
+    for op in raw["ops"]:
+        if op.get("group") == ALL:
+            del op["group"]
