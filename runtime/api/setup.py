@@ -59,11 +59,10 @@ def model_statement(path: str) -> str | None:
     None also when it does not parse (compiling then says why)."""
     from zdsl.lang.include import expand_includes
     from zdsl.lang.parse import parse_file
-    from zdsl.lang.errors import ZsError
     try:
         program = parse_file(path)
         statements = expand_includes(program, {program.file: program.source})
-    except (ZsError, OSError):
+    except Exception:       # noqa: BLE001 - compile_file then reports it, positioned
         return None
     found = next((s for s in statements if getattr(s, "keyword", None) == "model"), None)
     return None if found is None else f"{found.span.file}:{found.span.line}:{found.span.column}"
