@@ -60,7 +60,6 @@ OP_LANES = {
 
 COLLECTIVE_KINDS = ("comm.all_gather", "comm.reduce_scatter", "comm.all_reduce")
 
-
 # The ranks a collective runs over (``Op.group``), the same string on every rank:
 #   "all"         every rank;
 #   "within:S"    the S consecutive ranks holding this rank (ranks [r//S*S, r//S*S+S)): a node is
@@ -182,8 +181,7 @@ class Buffer:
     persistent: bool = False  # model state: live for the whole step, never freed
     dtype: str = "fp32"       # "fp32", "bf16", "fp16"
     # a host buffer is page-locked where the device is CUDA (fast, asynchronous copies) unless the
-    # placement that put it there says ``pinned=false``; left out of the JSON when True, so graphs
-    # from before the field hash and load as they did
+    # placement that put it there says ``pinned=false``
     pinned: bool = True
 
     @property
@@ -234,7 +232,7 @@ class UnitInfo:
     fwd_flops: float = 0.0    # per micro-batch
     master: bool = False      # its optimizer state holds an fp32 master copy of its parameters
     # element ranges of its flat parameters that weight decay applies to (zdsl/model/decay.py);
-    # None: all of them (left out of the JSON then, so graphs without no_decay hash as before)
+    # None: all of them
     decay: list[tuple[int, int]] | None = None
     # its parameters (indices, registration order) that ``freeze`` keeps frozen: no gradient, no
     # optimizer state, never updated (zdsl/model/freeze.py); None: none
@@ -246,10 +244,6 @@ class UnitInfo:
     frozen_parts: int = 0
     frozen_part_numel: int = 0
     runs: list[list[int]] | None = None
-
-    # fields left out of the JSON at these values, so graphs without them hash as before
-    OMITTED = {"decay": None, "frozen": None, "trains": True, "frozen_parts": 0, "frozen_part_numel": 0,
-               "runs": None}
 
 
 @dataclass
@@ -269,13 +263,6 @@ class TaskGraph:
     # -- serialisation -------------------------------------------------------
     def to_json(self) -> str:
         raw = dataclasses.asdict(self)
-        for unit in raw["units"]:
-            for key, default in UnitInfo.OMITTED.items():
-                if unit[key] == default:
-                    del unit[key]
-        for buf in raw["buffers"].values():
-            if buf["pinned"]:
-                del buf["pinned"]
         omit_one_level(raw)
         return json.dumps(raw, sort_keys=True, separators=(",", ":"))
 

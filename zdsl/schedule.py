@@ -50,12 +50,7 @@ class DataSpec:
     tokenizer: str | None = None           # text, jsonl: tokenizer.json or the folder holding it (absolute)
 
     def to_config(self) -> dict:
-        """Plain JSON; ``dtype`` and ``tokenizer`` only where set, so other sources keep their graph digest."""
-        raw = dataclasses.asdict(self)
-        for key in ("dtype", "tokenizer"):
-            if raw[key] is None:
-                del raw[key]
-        return raw
+        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -86,19 +81,11 @@ class OptimizerSpec:
     no_decay_names: tuple[str, ...] = ()   # fnmatch globs over "unit.param" names
 
     def to_config(self) -> dict:
-        """Plain JSON; the rate schedule and decay groups only when set, so a schedule without
-        them keeps the graph digest it had before they existed."""
-        raw = dataclasses.asdict(self)
-        raw["betas"] = list(self.betas)
-        for key in OPTIONAL_OPTIMIZER_KEYS:
-            if raw[key] == getattr(OptimizerSpec, key):
-                del raw[key]
-            elif isinstance(raw[key], tuple):
-                raw[key] = list(raw[key])
-        return raw
+        """Plain JSON (tuples as lists)."""
+        return {key: list(value) if isinstance(value, tuple) else value
+                for key, value in dataclasses.asdict(self).items()}
 
 
-OPTIONAL_OPTIMIZER_KEYS = ("warmup", "decay", "min_lr", "decay_steps", "no_decay", "no_decay_names")
 
 
 # O_DIRECT moves whole 4 KiB blocks: an nvme block size, a swap file's size, a checkpoint's offsets.
@@ -132,21 +119,14 @@ class Placement:
         self.paths = (self.paths,) if isinstance(self.paths, str) else tuple(self.paths)
 
     def to_config(self) -> dict:
-        """Plain JSON: one folder as ``path`` (None without one), as before several folders were
-        allowed, so such a schedule keeps its graph digest; several as ``paths`` (``path`` None)."""
-        raw = dataclasses.asdict(self)
-        paths = raw.pop("paths")
-        raw["path"] = paths[0] if len(paths) == 1 else None
-        if len(paths) > 1:
-            raw["paths"] = list(paths)
-        return raw
+        """Plain JSON (the folders as a list)."""
+        return {**dataclasses.asdict(self), "paths": list(self.paths)}
 
     @classmethod
     def of_config(cls, raw: dict) -> "Placement":
         """The inverse of :meth:`to_config` (what the runtime and the planner read a graph's config with)."""
-        paths = raw.get("paths") or ([raw["path"]] if raw.get("path") else [])
         fields = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__ and k != "paths"}
-        return cls(**fields, paths=tuple(paths))
+        return cls(**fields, paths=tuple(raw.get("paths", ())))
 
     @property
     def swap_key(self) -> tuple:
@@ -363,11 +343,6 @@ class Schedule:
         raw["data"] = self.data.to_config()
         raw["machine"] = self.machine.to_config()
         raw["placement"] = {state: p.to_config() for state, p in self.placement.items()}
-        for key in ("freeze", "eval"):      # only where set, so other schedules keep their graph digest
-            if not getattr(self, key):
-                del raw[key]
-        if self.eval is not None:
-            raw["eval"] = self.eval.to_config()
-        if self.freeze:
-            raw["freeze"] = list(self.freeze)
+        raw["eval"] = self.eval.to_config() if self.eval is not None else None
+        raw["freeze"] = list(self.freeze)
         return raw

@@ -78,7 +78,7 @@ def test_sized_at_the_eval_context():
 
 def test_no_eval_no_graph():
     c = compile_file(str(ROOT / "programs" / "quickstart.zs"), {})
-    assert c.ok and c.eval_graph is None and "eval" not in c.graph.config
+    assert c.ok and c.eval_graph is None and c.graph.config["eval"] is None
 
 
 def test_a_missing_eval_source_is_a_positioned_error(tmp_path):

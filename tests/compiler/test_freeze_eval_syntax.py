@@ -57,9 +57,9 @@ def test_eval_errors_are_positioned():
     assert d.span.line == 5 and "tokens" in (d.hint or "")
 
 
-def test_unset_statements_leave_the_config_alone():
+def test_unset_statements_are_empty_in_the_config():
     config = check("").to_config()
-    assert "freeze" not in config and "eval" not in config
+    assert config["freeze"] == [] and config["eval"] is None
 
 
 def test_printed_back_and_set_from_the_command_line():

@@ -34,15 +34,14 @@ def test_each_state_keeps_its_own_folders_block_and_depth():
     assert places == {"parameters": s.placement["parameters"], "optimizer": s.placement["optimizer"]}
 
 
-def test_one_folder_is_as_before_in_the_config_and_defaults_come_from_one_home():
+def test_the_config_lists_the_folders_and_defaults_come_from_one_home():
     s = checked('offload parameters -> nvme("/mnt/a")\noffload optimizer -> cpu\n')
     p = s.placement["parameters"]
     assert (p.paths, p.block_bytes, p.queue_depth) == (("/mnt/a",), NVME_BLOCK, NVME_DEPTH)
     config = s.to_config()["placement"]
-    assert config["parameters"]["path"] == "/mnt/a" and "paths" not in config["parameters"]
-    assert config["optimizer"]["path"] is None and "paths" not in config["optimizer"]
+    assert config["parameters"]["paths"] == ["/mnt/a"] and config["optimizer"]["paths"] == []
     several = Placement("nvme", ("/a", "/b")).to_config()
-    assert several["paths"] == ["/a", "/b"] and several["path"] is None
+    assert several["paths"] == ["/a", "/b"]
     assert Placement.of_config(several) == Placement("nvme", ("/a", "/b"))
 
 
@@ -89,5 +88,5 @@ def test_the_nvme_defaults_have_one_home():
                  "runtime/offload/run_folder.py"):
         found = [line for line in (root / path).read_text().splitlines() if literal.search(line)]
         assert found == [], (path, found)
-    assert Placement.of_config({"tier": "nvme", "path": "/a"}) == Placement("nvme", ("/a",), block_bytes=NVME_BLOCK,
+    assert Placement.of_config({"tier": "nvme", "paths": ["/a"]}) == Placement("nvme", ("/a",), block_bytes=NVME_BLOCK,
                                                                             queue_depth=NVME_DEPTH)
