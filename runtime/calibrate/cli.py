@@ -355,16 +355,31 @@ def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:
     shape["batch"] = schedule.train.batch
     shape["precision"] = schedule.train.precision
     folder = None
-    for placement in schedule.placement.values():
-        if placement.tier == "nvme":
-            shape.update(block=placement.block_bytes, depth=placement.queue_depth)
-            folder = placement.paths[0]     # one drive's rate: the planner adds up distinct drives
+    places = [(state, p) for state, p in schedule.placement.items() if p.tier == "nvme"]
+    if places:
+        state, measured = places[0]
+        shape.update(block=measured.block_bytes, depth=measured.queue_depth)
+        folder = measured.paths[0]     # one drive's rate: the planner adds up distinct drives
+        others = [f"the {possessive(s)} ({describe_nvme(p)})" for s, p in places[1:]
+                  if (p.paths[0], p.block_bytes, p.queue_depth) != (folder, measured.block_bytes, measured.queue_depth)]
+        if others:
+            print(f"zdsl calibrate: the profile holds one disk rate, measured with the {possessive(state)} placement "
+                  f"({describe_nvme(measured)}); it plans {', '.join(others)} too", file=sys.stderr)
     if folder and not os.path.isdir(folder):
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError:
             folder = None
     return shape, schedule.ranks, folder
+
+
+def possessive(state: str) -> str:
+    return f"{state}'" if state.endswith("s") else f"{state}'s"
+
+
+def describe_nvme(place) -> str:
+    """An NVMe placement as calibrate names it: its first folder, block and depth."""
+    return f"{place.paths[0]}, block {place.block_bytes >> 10} KiB, depth {place.queue_depth}"
 
 
 def cache_profile(cal: Calibration) -> str:

@@ -544,3 +544,24 @@ def test_a_calibration_rank_gives_its_process_the_cores_and_threads_back(monkeyp
     with joined(0, 2, 0, Settings(backend="gloo"), "gloo") as me:
         assert os.sched_getaffinity(0) < cores and me.unbound == cores
     assert os.sched_getaffinity(0) == cores and torch.get_num_threads() == threads
+
+
+def test_placements_on_other_disk_settings_are_said_to_share_the_one_measured_rate(tmp_path, capsys):
+    """The profile holds one disk rate: calibrate measures it with the first NVMe placement's folder,
+    block and depth, and says which other placements the plan prices at that rate."""
+    from zdsl.runtime.calibrate.cli import shape_of_schedule
+    head = ('schedule t "t"\nmodel gpt(layers=1, width=64, heads=4, vocab=256, context=32)\n'
+            'data synthetic(vocab=256, context=32)\ntrain steps=1, batch=2\noptimizer adamw(lr=1e-3)\n'
+            'ranks 1 on cpu\nzero 3\n')
+    a, b = tmp_path / "a", tmp_path / "b"
+    path = tmp_path / "two.zs"
+    path.write_text(head + f'offload parameters -> nvme("{a}", block=1MiB, depth=8)\n'
+                           f'offload optimizer -> nvme("{b}", block=256KiB, depth=2)\n')
+    shape, _, folder = shape_of_schedule(str(path))
+    assert (shape["block"], shape["depth"], folder) == (1 << 20, 8, str(a))
+    assert capsys.readouterr().err == (
+        f"zdsl calibrate: the profile holds one disk rate, measured with the parameters' placement ({a}, block "
+        f"1024 KiB, depth 8); it plans the optimizer's ({b}, block 256 KiB, depth 2) too\n")
+    path.write_text(head + f'offload parameters -> nvme("{a}")\noffload optimizer -> nvme("{a}")\n')
+    shape_of_schedule(str(path))
+    assert capsys.readouterr().err == ""
