@@ -107,8 +107,47 @@ verdicts: each round runs every candidate once, back to back in one launch, in a
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``zdsl tune``: EXIT_OK with the winner written; EXIT_INVALID where every combination was
+    rejected, no measured run finished or a file cannot be written; the file's own status where it
+    does not check; a usage error exits 2."""
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = _parse_arguments(parser, sys.argv[1:] if argv is None else argv)
+    from zdsl.driver import compile_file
+    from zdsl.driver import memo_units_for
+    from zdsl.driver import report
+    from zdsl.driver import status_of
+    from zdsl.sim import profile_cache
+    profile_cache.enable()                         # predictions with this machine's calibrated rates
+    base, vary = _overrides(parser, args)
+    units_for = memo_units_for()
+    first = compile_file(args.file, base, units_for, simulate=False)
+    if first.schedule is None:                     # the file itself (or --set) does not check
+        report(first)
+        return status_of(first)
+    try:
+        validate_values(args.file, base, vary, units_for)
+    except TuneUsageError as exc:
+        parser.error(str(exc))
+    cands, survivors, distinct = _plan(args, base, vary, first, units_for)
+    to_measure = distinct[:args.measure]
+    if not survivors:
+        print_table(cands, None, "", args, title(args, cands, None))
+        print("zdsl tune: error: every combination was rejected; nothing to run", file=sys.stderr)
+        return EXIT_INVALID
+    result = _measure(args, to_measure) if to_measure else None
+    if to_measure and not any(c.rounds for c in to_measure):
+        print_table(cands, None, "", args, title(args, cands, result))
+        print("zdsl tune: error: no measured run finished; see the verdicts above", file=sys.stderr)
+        return EXIT_INVALID
+    winner, why = _choose_winner(args, to_measure, distinct, vary, units_for)
+    if not _report(args, cands, to_measure, winner, why, result):
+        return EXIT_INVALID
+    return _write_winner(args, winner, units_for)
+
+
+def _parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The arguments, each measuring option in its range (a usage error, exit 2, where not)."""
+    args = parser.parse_args(argv)
     if args.file is None:                          # `--vary a=1,2 FILE`: --vary took the file too
         stray = [v for v in args.vary if "=" not in v]
         if len(stray) != 1:
@@ -128,13 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be at least {noise.MIN_ROUNDS}: a verdict needs that many rounds")
     if not args.prune >= 1:
         parser.error("--prune must be 1 or more (1: measure only the best predicted; e.g. --prune 1.5)")
-    from zdsl.driver import compile_file
-    from zdsl.driver import memo_units_for
+    return args
+
+
+def _overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict, list]:
+    """The fixed ``--set`` overrides and the ``--vary`` keys with their values; a usage error where
+    one names the run's length, both name one key, or the file is missing."""
     from zdsl.lang.overrides import parse_sets
-    from zdsl.driver import report
-    from zdsl.driver import status_of
-    from zdsl.sim import profile_cache
-    profile_cache.enable()                         # predictions with this machine's calibrated rates
     base = parse_sets(args.set, parser)
     if "steps" in base or "train.steps" in base:
         parser.error("set the measured run length with --steps, not --set steps")
@@ -149,67 +188,70 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{clash[0]} is both --set and --vary")
     if not Path(args.file).is_file():
         parser.error(f"no such schedule file: {args.file}")
-    units_for = memo_units_for()
-    first = compile_file(args.file, base, units_for, simulate=False)
-    if first.schedule is None:                     # the file itself (or --set) does not check
-        report(first)
-        return status_of(first)
-    try:
-        validate_values(args.file, base, vary, units_for)
-    except TuneUsageError as exc:
-        parser.error(str(exc))
+    return base, vary
 
-    combos = combinations(vary)
+
+def _plan(args: argparse.Namespace, base: dict, vary: list, first, units_for) -> tuple[list, list, list]:
+    """Every combination predicted; those left after pruning; and of those, one per task graph in
+    predicted order, the ones to measure (``first``: the file as given, whose graph one may repeat)."""
     t0 = time.perf_counter()
-    cands = predict(args.file, base, combos, units_for)
+    cands = predict(args.file, base, combinations(vary), units_for)
     plan_s = time.perf_counter() - t0
     survivors = prune(cands, args.prune)
     rejected = sum(1 for c in cands if c.rejected)
     pruned = sum(1 for c in cands if c.pruned)
     distinct = same_runs(survivors, run_identity(first.graph)[1] if first.graph is not None else (), dict(vary))
-    to_measure = distinct[:args.measure]
     alike = len(survivors) - len(distinct)
     print(f"zdsl tune: {len(cands)} combination(s) planned in {plan_s:.2f} s; {rejected} rejected by the "
           f"planner, {pruned} pruned (predicted over {args.prune:g}x the best)"
           + (f", {alike} the same task graph as another (run once)" if alike else "")
-          + f"; measuring {len(to_measure)}", file=sys.stderr)
-    if not survivors:
-        print_table(cands, None, "", args, title(args, cands, None))
-        print("zdsl tune: error: every combination was rejected; nothing to run", file=sys.stderr)
-        return EXIT_INVALID
+          + f"; measuring {len(distinct[:args.measure])}", file=sys.stderr)
+    return cands, survivors, distinct
 
-    result = None
-    if to_measure:
-        result = race(to_measure,
-                      lambda cs: measure_round(args.file, cs, args.steps, args.warmup, args.timeout),
-                      args.budget or DEFAULT_BUDGET_S, args.rounds,
-                      stretch_s=DEFAULT_STRETCH_S if args.budget is None else 0.0)
-        print(f"zdsl tune: stopped after {result.rounds} round(s), {result.seconds:.0f} s: {result.stopped}",
-              file=sys.stderr)
-    if to_measure and not any(c.rounds for c in to_measure):
-        print_table(cands, None, "", args, title(args, cands, result))
-        print("zdsl tune: error: no measured run finished; see the verdicts above", file=sys.stderr)
-        return EXIT_INVALID
-    if to_measure:
-        for cand in noise.undominated(to_measure):     # only ties need "simpler"
-            cand.changes = count_changes(args.file, cand, units_for)
-        winner, why = noise.choose_winner(to_measure, dict(vary))
-    else:
-        winner, why = distinct[0], "predicted; not measured"
+
+def _measure(args: argparse.Namespace, to_measure: list):
+    """The candidates raced in interleaved rounds of short runs; the race's rounds and why it stopped."""
+    result = race(to_measure,
+                  lambda cs: measure_round(args.file, cs, args.steps, args.warmup, args.timeout),
+                  args.budget or DEFAULT_BUDGET_S, args.rounds,
+                  stretch_s=DEFAULT_STRETCH_S if args.budget is None else 0.0)
+    print(f"zdsl tune: stopped after {result.rounds} round(s), {result.seconds:.0f} s: {result.stopped}",
+          file=sys.stderr)
+    return result
+
+
+def _choose_winner(args: argparse.Namespace, to_measure: list, distinct: list, vary: list, units_for):
+    """The measured winner and why (ties broken by the simpler schedule), or the best predicted."""
+    if not to_measure:
+        return distinct[0], "predicted; not measured"
+    for cand in noise.undominated(to_measure):     # only ties need "simpler"
+        cand.changes = count_changes(args.file, cand, units_for)
+    return noise.choose_winner(to_measure, dict(vary))
+
+
+def _report(args: argparse.Namespace, cands: list, to_measure: list, winner, why: str, result) -> bool:
+    """The table, where the cost model missed, whether the profile the plans used is off, and
+    the ``--json`` file; False where that file cannot be written."""
+    from zdsl.sim import profile_cache
     print_table(cands, winner, why, args, title(args, cands, result))
     for line in noise.model_gaps(cands):
         print(line)
     off = noise.profile_off(to_measure)
     if off is not None:
         print(f"{off}; {profile_advice(profile_cache.rates_line())}")
-    if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(as_json(cands, winner, why, args, result), indent=1) + "\n",
-                                       encoding="utf-8")
-        except OSError as exc:
-            print(f"zdsl tune: error: cannot write {args.json}: {exc}", file=sys.stderr)
-            return EXIT_INVALID
+    if not args.json:
+        return True
+    try:
+        Path(args.json).write_text(json.dumps(as_json(cands, winner, why, args, result), indent=1) + "\n",
+                                   encoding="utf-8")
+    except OSError as exc:
+        print(f"zdsl tune: error: cannot write {args.json}: {exc}", file=sys.stderr)
+        return False
+    return True
 
+
+def _write_winner(args: argparse.Namespace, winner, units_for) -> int:
+    """The winner written as a .zs file (``--out``, or FILE's stem + ``.tuned.zs``) that re-checks."""
     out = args.out or str(Path(args.file).with_suffix("").as_posix() + ".tuned.zs")
     how_measured = (f"measured {winner.measured_s * 1e3:.2f} ms/step, spread {table_spread(winner)} ms "
                     f"over {len(winner.rounds)} round(s)" if winner.rounds
