@@ -152,28 +152,68 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
     runtime spent time outside any op (it should count against efficiency).
     """
     ops = graph.ops
-    n = len(ops)
-    index = {op.id: i for i, op in enumerate(ops)}
-    if isinstance(times, Mapping):
-        get = times.get
-    else:
-        seq = times
-        get = lambda k: seq[k] if 0 <= k < len(seq) else None  # noqa: E731
-    dur = [0.0] * n
-    lane_intervals: dict[str, list[tuple[float, float]]] = {}
-    lane_end: dict[str, float] = {}
     slots = comm_slots(graph)
+    own = _own_times(ops, _time_of(times), slots)
+    span = own.last - own.first if own.last >= own.first else 0.0
+    step = span if step_time is None else float(step_time)
+    dep_preds, lane_preds, lane_gate = _predecessors(ops, own.gate, slots)
+    dep_chain, _ = _longest_path(_ordered(topological_order(dep_preds)), dep_preds, own.dur)
+    crit_len, crit_path = _longest_path(_ordered(topological_order(dep_preds, lane_gate)), lane_preds, own.dur)
+    lane_busy = {lane: union_length(iv) for lane, iv in own.lane_intervals.items()}
+    busiest = max(lane_busy, key=lane_busy.__getitem__) if lane_busy else "compute"
+    lane_share = {lane: (b / step if step > 0 else 0.0) for lane, b in lane_busy.items()}
+    lower, bound_by = _lower_bound(ops, own.dur, slots, dep_chain)
+    by_kind: dict[str, float] = {}
+    for i in crit_path:
+        by_kind[ops[i].kind] = by_kind.get(ops[i].kind, 0.0) + own.dur[i]
+    efficiency = min(1.0, lower / step) if step > 0 else 1.0
+    return OverlapReport(step_time=step, lane_busy=lane_busy, lane_share=lane_share,
+                         busiest_lane=busiest, dep_chain=dep_chain, critical_length=crit_len,
+                         critical_path=[ops[i].id for i in crit_path], critical_by_kind=by_kind,
+                         lower_bound=lower, efficiency=efficiency, rank=rank, ops=len(ops),
+                         notes=own.notes(), bound_by=bound_by)
+
+
+def _time_of(times: Times | Sequence[tuple[float, float] | None]):
+    """Op id -> its (start, end), or None, from either form :func:`analyze` takes."""
+    if isinstance(times, Mapping):
+        return times.get
+    return lambda k: times[k] if 0 <= k < len(times) else None
+
+
+@dataclass
+class _OwnTimes:
+    """Each op's own time (the part of it after its lane let it start) and what the lanes held."""
+    dur: list[float]                                 # by graph position
+    gate: list[int | None]                           # comm ops of k slots: the op whose end freed its slot
+    lane_intervals: dict[str, list[tuple[float, float]]]
+    first: float = float("inf")                      # the earliest start and latest end of any op
+    last: float = float("-inf")
+    missing: int = 0                                 # ops other than frees without a time
+    queued: int = 0                                  # ops issued before their lane could start them
+
+    def notes(self) -> list[str]:
+        notes = []
+        if self.missing:
+            notes.append(f"{self.missing} ops had no time and counted as zero length")
+        if self.queued:
+            notes.append(f"{self.queued} ops were issued before the previous op of their lane ended; "
+                         f"their time in the queue is not counted as theirs")
+        return notes
+
+
+def _own_times(ops: Sequence, get, slots: int) -> _OwnTimes:
+    """Each op's own time from ``get`` (op id -> (start, end) or None); ``slots``: the comm lane's."""
+    n = len(ops)
+    own = _OwnTimes(dur=[0.0] * n, gate=[None] * n, lane_intervals={})
+    lane_end: dict[str, float] = {}
     held: dict[str, BackendThreads] = {}            # a lane that runs k ops at once
-    gate: list[int | None] = [None] * n             # there: the op whose end freed the slot an op took
-    first, last = float("inf"), float("-inf")
-    missing = 0
-    queued = 0
     for i, op in enumerate(ops):
         t = get(op.id)
-        lane_intervals.setdefault(op.lane, [])
+        own.lane_intervals.setdefault(op.lane, [])
         if t is None:
             if op.kind != "mem.free":
-                missing += 1
+                own.missing += 1
             continue
         s, e = float(t[0]), float(t[1])
         if e < s:
@@ -186,17 +226,20 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
         if k == 1:
             own_start = max(s, lane_end.get(op.lane, s))
         else:
-            own_start, gate[i] = held.setdefault(op.lane, BackendThreads(k)).take(s, e, i)
+            own_start, own.gate[i] = held.setdefault(op.lane, BackendThreads(k)).take(s, e, i)
         if own_start > s:
-            queued += 1
-        dur[i] = max(0.0, e - own_start)
+            own.queued += 1
+        own.dur[i] = max(0.0, e - own_start)
         lane_end[op.lane] = max(lane_end.get(op.lane, e), e)
-        lane_intervals[op.lane].append((s, e))
-        first, last = min(first, s), max(last, e)
-    span = last - first if last >= first else 0.0
-    step = span if step_time is None else float(step_time)
+        own.lane_intervals[op.lane].append((s, e))
+        own.first, own.last = min(own.first, s), max(own.last, e)
+    return own
 
-    # Predecessors: deps (data), then deps + the previous op of the same lane.
+
+def _predecessors(ops: Sequence, gate: list[int | None], slots: int):
+    """By graph position: the deps (data), the deps and the previous op of the same lane (for a comm
+    lane of several slots, the op that freed its slot: ``gate``), and that one lane predecessor (-1: none)."""
+    index = {op.id: i for i, op in enumerate(ops)}
     dep_preds: list[list[int]] = []
     for op in ops:
         try:
@@ -204,46 +247,28 @@ def analyze(graph: TaskGraph, times: Times | Sequence[tuple[float, float] | None
         except KeyError as e:
             raise ValueError(f"op {op.id} ({op.kind}) depends on unknown op {e.args[0]}") from None
     lane_preds: list[list[int]] = []
-    lane_gate: list[int] = []                       # the one lane predecessor of each op, -1 for none
+    lane_gate: list[int] = []
     prev_in_lane: dict[str, int] = {}
     for i, op in enumerate(ops):
         p = prev_in_lane.get(op.lane) if not (slots > 1 and op.lane == "comm") else gate[i]
         lane_preds.append(dep_preds[i] + [p] if p is not None else dep_preds[i])
         lane_gate.append(-1 if p is None else p)
         prev_in_lane[op.lane] = i
+    return dep_preds, lane_preds, lane_gate
 
-    dep_chain, _ = _longest_path(_ordered(topological_order(dep_preds)), dep_preds, dur)
-    crit_len, crit_path = _longest_path(_ordered(topological_order(dep_preds, lane_gate)), lane_preds, dur)
 
-    lane_busy = {lane: union_length(iv) for lane, iv in lane_intervals.items()}
-    busiest = max(lane_busy, key=lane_busy.__getitem__) if lane_busy else "compute"
-    lane_share = {lane: (b / step if step > 0 else 0.0) for lane, b in lane_busy.items()}
-    # A serial lane's own op times all lie on one path of the critical path's graph (lane order),
-    # so their sum never exceeds the critical path; a lane of several threads is left out.
+def _lower_bound(ops: Sequence, dur: list[float], slots: int, dep_chain: float) -> tuple[float, str]:
+    """The step's lower bound and what sets it: the busiest serial lane's own op times, or the
+    dependency chain. A serial lane's own op times all lie on one path of the critical path's graph
+    (lane order), so their sum never exceeds the critical path; a lane of several threads is left out."""
     serial_work: dict[str, float] = {}
     for i, op in enumerate(ops):
         if not (slots > 1 and op.lane == "comm"):
             serial_work[op.lane] = serial_work.get(op.lane, 0.0) + dur[i]
     bound_lane = max(serial_work, key=serial_work.__getitem__) if serial_work else None
-    lower = dep_chain
-    bound_by = "dependency chain"
     if bound_lane is not None and serial_work[bound_lane] > dep_chain:
-        lower, bound_by = serial_work[bound_lane], "lane " + bound_lane
-    by_kind: dict[str, float] = {}
-    for i in crit_path:
-        by_kind[ops[i].kind] = by_kind.get(ops[i].kind, 0.0) + dur[i]
-    notes = []
-    if missing:
-        notes.append(f"{missing} ops had no time and counted as zero length")
-    if queued:
-        notes.append(f"{queued} ops were issued before the previous op of their lane ended; "
-                     f"their time in the queue is not counted as theirs")
-    efficiency = min(1.0, lower / step) if step > 0 else 1.0
-    return OverlapReport(step_time=step, lane_busy=lane_busy, lane_share=lane_share,
-                         busiest_lane=busiest, dep_chain=dep_chain, critical_length=crit_len,
-                         critical_path=[ops[i].id for i in crit_path], critical_by_kind=by_kind,
-                         lower_bound=lower, efficiency=efficiency, rank=rank, ops=n, notes=notes,
-                         bound_by=bound_by)
+        return serial_work[bound_lane], "lane " + bound_lane
+    return dep_chain, "dependency chain"
 
 
 def typical(reports: Iterable[OverlapReport]) -> OverlapReport | None:
