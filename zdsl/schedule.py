@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from zdsl.ir import resolve_over
+
 STATES = ("optimizer", "gradients", "parameters")   # ZeRO's order
 OVERLAP_VERBS = ("gather", "scatter", "reduce", "read", "write", "copy")
 PHASES = ("forward", "backward", "step")
@@ -314,7 +316,12 @@ class Schedule:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     ranks: int = 1
     device: str = "auto"
+    per_node: int | None = None            # ranks on each node (``ranks 16, 8 per node``); None: one node
     stage: int = 0                         # 0..3: how many of STATES are sharded
+    # state -> the group its shards span: "all", "node" (within each node, replicated across nodes:
+    # HSDP) or "group(K)" (K consecutive ranks: MiCS); one group for every sharded state (the checker)
+    shard_over: dict[str, str] = field(default_factory=lambda: dict.fromkeys(STATES, "all"))
+    secondary: str | None = None           # "node": a node-local second shard of the parameters (ZeRO++'s hpZ)
     placement: dict[str, Placement] = field(default_factory=dict)   # state -> where; missing = device
     prefetch: int = 1                      # units ahead for parameter gathers (and nvme reads)
     bucket_bytes: int = 0                  # max bytes per collective; 0 = one per unit
@@ -332,6 +339,15 @@ class Schedule:
     def placed(self, state: str) -> Placement:
         return self.placement.get(state, Placement())
 
+    def shard_group(self) -> str:
+        """The group the sharded states' shards span, as an op's group (``zdsl.ir``: "all" or
+        "within:S"); one group for every sharded state."""
+        return resolve_over(self.shard_over[STATES[0]] if self.stage else None, self.ranks, self.per_node)
+
+    def secondary_group(self) -> str | None:
+        """The group the backward gathers parameters within (hpZ's node), or None."""
+        return None if self.secondary is None else resolve_over(self.secondary, self.ranks, self.per_node)
+
     def to_config(self) -> dict:
         """Plain-JSON view for TaskGraph.config (what the runtime reads)."""
         raw = dataclasses.asdict(self)
@@ -343,6 +359,13 @@ class Schedule:
         raw["data"] = self.data.to_config()
         raw["machine"] = self.machine.to_config()
         raw["placement"] = {state: p.to_config() for state, p in self.placement.items()}
+        for key, one_level in HIERARCHY_DEFAULTS.items():   # left out where flat: flat graphs keep their digest
+            if raw[key] == one_level:
+                del raw[key]
         raw["eval"] = self.eval.to_config() if self.eval is not None else None
         raw["freeze"] = list(self.freeze)
         return raw
+
+
+# The hierarchical settings at their one-level values, left out of ``Schedule.to_config`` there.
+HIERARCHY_DEFAULTS = {"per_node": None, "shard_over": dict.fromkeys(STATES, "all"), "secondary": None}

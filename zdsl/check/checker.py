@@ -25,6 +25,9 @@ from typing import Callable
 from zdsl.check.data import DataChecks
 from zdsl.check.draft import Draft
 from zdsl.check.draft import where
+from zdsl.check.hierarchy import check_hierarchy
+from zdsl.check.hierarchy import check_per_node
+from zdsl.check.hierarchy import check_secondary
 from zdsl.check.machine import check_machine
 from zdsl.check.machine import check_ranks
 from zdsl.check.machine import machine_for_device
@@ -55,7 +58,7 @@ from zdsl.schedule import Span
 
 # data before model: a model built to be sized takes python(...) data's tensors
 STATEMENT_ORDER = ("schedule", "data", "model", "train", "optimizer", "ranks", "machine", "zero",
-                   "shard", "offload", "prefetch", "bucket", "overlap", "recompute", "persist",
+                   "shard", "secondary", "offload", "prefetch", "bucket", "overlap", "recompute", "persist",
                    "memory", "checkpoint", "freeze", "eval")
 
 
@@ -108,8 +111,12 @@ def check_program(program: ast.Program, overrides: dict[str, str],
     data = DataChecks(draft)
     checks = _statement_checks(draft, data, units_for)
     for keyword in STATEMENT_ORDER:
+        if keyword == "shard" and "shard" in by_key:     # several `shard ... over` statements are one sharding
+            checks[keyword](by_key[keyword])
+            continue
         for stmt in by_key.get(keyword, []):
             checks[keyword](stmt)
+    check_hierarchy(draft)
     if "model" not in by_key:
         draft.report.error(Span(program.file, 1, 1), "the schedule has no model statement",
                            hint="add e.g. `model gpt(layers=2, width=64, heads=4)`")
@@ -140,8 +147,10 @@ def _statement_checks(draft: Draft, data: DataChecks, units_for: UnitsFor) -> di
     return {"schedule": lambda st: _schedule(draft, st), "data": data.check_data,
             "model": lambda st: check_model(draft, st, units_for),
             "train": lambda st: check_train(draft, st), "optimizer": lambda st: check_optimizer(draft, st),
-            "ranks": lambda st: check_ranks(draft, st), "machine": lambda st: check_machine(draft, st),
-            **{k: getattr(placement, f"_{k}") for k in ("zero", "shard", "offload", "prefetch", "bucket",
+            "ranks": lambda st: (check_ranks(draft, st), check_per_node(draft, st)),
+            "machine": lambda st: check_machine(draft, st), "shard": placement._shards,
+            "secondary": lambda st: check_secondary(draft, st),
+            **{k: getattr(placement, f"_{k}") for k in ("zero", "offload", "prefetch", "bucket",
                                                         "overlap", "recompute", "persist", "memory")},
             "checkpoint": lambda st: check_checkpoint(draft, st), "freeze": lambda st: check_freeze(draft, st),
             "eval": data.check_eval}
@@ -160,6 +169,9 @@ def _by_keyword(statements: list[ast.Stmt], report: Reader) -> dict[str, list[as
             key = f"offload.{stmt.state.value}"
         elif key == "shard":
             key = "zero"
+            if _more_groups(stmt, by_key.get("shard", []), seen.get(key)):
+                by_key["shard"].append(stmt)     # a state sharded over another group
+                continue
         elif isinstance(stmt, ast.PipelineStmt):
             key = f"pipeline.{stmt.keyword}"
         if key in seen and key != "memory":
@@ -174,6 +186,13 @@ def _by_keyword(statements: list[ast.Stmt], report: Reader) -> dict[str, list[as
         seen[key] = stmt
         by_key.setdefault(group, []).append(stmt)
     return by_key
+
+
+def _more_groups(stmt: ast.Stmt, shards: list[ast.Stmt], first: ast.Stmt | None) -> bool:
+    """A second ``shard ... over`` statement after others that all say ``over`` (and no ``zero``):
+    the states each names are sharded over its group."""
+    return first is not None and stmt.over is not None and bool(shards) and first is shards[0] \
+        and all(s.over is not None for s in shards)
 
 
 def _schedule(draft: Draft, st: ast.ScheduleStmt) -> None:

@@ -1,6 +1,7 @@
 """Checking where model state lives and how it moves: the ZeRO policies.
 
-``zero``/``shard`` (which states are sharded), ``offload`` (which tier holds
+``zero``/``shard`` (which states are sharded; the groups they are sharded over are
+:mod:`zdsl.check.hierarchy`'s), ``offload`` (which tier holds
 them, with DeepSpeed's rules: parameters only at stage 3, gradients from
 stage 2 and only to the host, the optimizer from stage 1), ``prefetch``,
 ``bucket``, ``overlap``, ``recompute``, ``persist`` and ``memory``. A mixin
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 
 from zdsl.check.draft import StatementChecks
+from zdsl.check.hierarchy import check_over
 from zdsl.lang import ast
 from zdsl.lang.errors import did_you_mean
 from zdsl.schedule import ALL_OVERLAPS
@@ -35,33 +37,53 @@ class PlacementChecks(StatementChecks):
             self.s.stage = stage
         self.span("zero", st.span)
 
-    def _shard(self, st: ast.ShardStmt) -> None:
-        self.span("zero", st.span)
-        self.span("shard", st.span)
-        names = [n.value for n in st.states]
-        if names == ["none"]:
-            self.s.stage = 0
-            return
+    def _shards(self, statements: list[ast.ShardStmt]) -> None:
+        """``shard STATES [over GROUP]``; several only where each says ``over`` (the checker's
+        ``_by_keyword``), together sharding a prefix of ZeRO's order, each state named once."""
         seen: list[str] = []
-        for n in st.states:
-            if n.value not in STATES:
-                self.r.error(n.span, f"unknown state {n.value!r}",
-                             hint=did_you_mean(n.value, STATES, what="states are"))
+        for st in statements:
+            self.span("zero", st.span)
+            self.span("shard", st.span)
+            if [n.value for n in st.states] == ["none"]:
+                if st.over is not None:
+                    self.r.error(st.over.span, "nothing is sharded here, so nothing is sharded over a group",
+                                 hint="shard optimizer, gradients, parameters over node")
+                self.s.stage = 0
                 return
-            if n.value in seen:
-                self.r.error(n.span, f"{n.value} is listed twice")
+            names = self._state_names(st, seen)
+            if names is None:
                 return
-            seen.append(n.value)
+            group = "all" if st.over is None else check_over(self.draft, st.over)
+            if group is None:
+                return
+            for name, n in zip(names, st.states):
+                self.s.shard_over[name] = group
+                self.span(f"shard.{name}", st.over.span if st.over is not None else n.span)
+            seen += names
         stage = len(seen)
         if set(seen) != set(STATES[:stage]):
             needed = STATES[:max(STATES.index(x) for x in seen) + 1]
-            first, last = st.states[0].span, st.states[-1].span
+            first, last = statements[-1].states[0].span, statements[-1].states[-1].span
             self.r.error(Span(first.file, first.line, first.column, last.end_column),
                          "sharding must follow ZeRO's order: optimizer, then gradients, "
                          "then parameters",
                          hint=f"shard {', '.join(needed)}  (= zero {len(needed)})")
             return
         self.s.stage = stage
+
+    def _state_names(self, st: ast.ShardStmt, seen: list[str]) -> list[str] | None:
+        """The states one ``shard`` statement names (None after an error)."""
+        names: list[str] = []
+        for n in st.states:
+            if n.value not in STATES:
+                self.r.error(n.span, f"unknown state {n.value!r}",
+                             hint=did_you_mean(n.value, STATES, what="states are"))
+                return None
+            if n.value in seen or n.value in names:
+                self.r.error(n.span, f"{n.value} is listed twice")
+                return None
+            names.append(n.value)
+        return names
 
     def _offload(self, st: ast.OffloadStmt) -> None:
         state = st.state.value

@@ -143,8 +143,10 @@ def _policies(s: Schedule) -> list[str]:
                                         ("accumulate", t.accumulate),
                                         ("precision", _Raw(t.precision)), ("seed", t.seed)]))
     out.append(f"optimizer {_optimizer(s.optimizer)}")
-    out.append(f"ranks     {s.ranks} on {s.device}")
-    out.append(f"zero      {s.stage}")
+    out.append(f"ranks     {s.ranks} on {s.device}" + (f", {s.per_node} per node" if s.per_node else ""))
+    out.append(_sharding(s))
+    if s.secondary:
+        out.append(f"secondary parameters over {s.secondary}")
     for state in STATES:
         p = s.placement.get(state)
         if p is not None and p.tier != "device":
@@ -176,6 +178,16 @@ def _policies(s: Schedule) -> list[str]:
         e = s.eval
         out.append(f"eval      every {e.every} steps on {_data_text(e.data)} batches={e.batches}")
     return out
+
+
+def _sharding(s: Schedule) -> str:
+    """``zero N``, or ``shard STATES over GROUP`` where the sharded states span a smaller group
+    (the checker gives them one)."""
+    sharded = STATES[:s.stage]
+    group = s.shard_over[sharded[0]] if sharded else "all"
+    if group == "all":
+        return f"zero      {s.stage}"
+    return f"shard     {', '.join(sharded)} over {group}"
 
 
 def _pattern(glob: str) -> str:

@@ -89,6 +89,8 @@ class TrainStmt(Stmt):
 class RanksStmt(Stmt):
     count: Num = None
     device: Name | None = None
+    per_node: Num | None = None    # ``ranks 16 on cuda, 8 per node``: ranks on each node
+    per_word: Name | None = None   # the word after ``per`` (``node``)
 
 
 @dataclass
@@ -97,8 +99,24 @@ class ZeroStmt(Stmt):
 
 
 @dataclass
+class Over:
+    """A shard group: ``all``, ``node`` or ``group(K)`` (``size`` set)."""
+    kind: Name
+    size: Num | None
+    span: Span
+
+
+@dataclass
 class ShardStmt(Stmt):
     states: list[Name] = field(default_factory=list)
+    over: Over | None = None       # ``shard STATES over node``; None: over all
+
+
+@dataclass
+class SecondaryStmt(Stmt):
+    """``secondary parameters over node``: a second, node-local shard of the parameters (hpZ)."""
+    state: Name = None
+    over: Over = None
 
 
 @dataclass

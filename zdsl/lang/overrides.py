@@ -29,7 +29,7 @@ OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "clip", "war
 MACHINE_KEYS = tuple(key for key, _ in MACHINE_OPTIONS)
 OFFLOAD_KEYS = ("pinned", "ratio", "block", "depth")
 # Statements replaced whole by ``--set KEYWORD=REST`` (the rest of the statement's line).
-STATEMENT_KEYS = ("model", "data", "optimizer", "ranks", "zero", "shard", "prefetch", "bucket",
+STATEMENT_KEYS = ("model", "data", "optimizer", "ranks", "zero", "shard", "secondary", "prefetch", "bucket",
                   "overlap", "recompute", "persist", "memory", "machine", "checkpoint", "freeze", "eval")
 CALL_STATEMENTS = ("model", "data", "optimizer", "machine")
 
@@ -37,7 +37,7 @@ CALL_STATEMENTS = ("model", "data", "optimizer", "machine")
 def known_keys() -> list[str]:
     keys = list(TRAIN_KEYS) + [f"train.{k}" for k in TRAIN_KEYS]
     keys += list(OPTIMIZER_KEYS) + [f"optimizer.{k}" for k in OPTIMIZER_KEYS]
-    keys += list(STATEMENT_KEYS) + ["device"]
+    keys += list(STATEMENT_KEYS) + ["device", "per_node"]
     keys += [f"offload.{s}" for s in STATES]
     keys += [f"offload.{s}.{k}" for s in STATES for k in OFFLOAD_KEYS]
     keys += [f"memory.{t}" for t in TIERS]
@@ -82,6 +82,8 @@ def statement_text(key: str, value: str) -> str:
         return f"{head} _({parts[1]}={value})"
     if key == "device":
         return f"ranks 1 on {value}"
+    if key == "per_node":
+        return f"ranks 1, {value} per node"
     if head == "offload" and len(parts) == 2 and parts[1] in STATES:
         return f"offload {parts[1]} -> {value}"
     if head == "offload" and len(parts) == 3 and parts[1] in STATES and parts[2] in OFFLOAD_KEYS:
@@ -119,10 +121,11 @@ def _splice(statements: list[ast.Stmt], key: str, new: ast.Stmt) -> list[ast.Stm
                            lambda s, args: dataclasses.replace(
                                s, call=dataclasses.replace(s.call, args=args, has_parens=True)),
                            missing=lambda: _missing(keyword, key))
-    if key == "device":
+    if key in ("device", "per_node"):       # one part of the ranks statement
+        part = {"device": new.device} if key == "device" else {"per_node": new.per_node, "per_word": new.per_word}
         for i, s in enumerate(statements):
             if isinstance(s, ast.RanksStmt):
-                statements[i] = dataclasses.replace(s, device=new.device)
+                statements[i] = dataclasses.replace(s, **part)
                 return statements
         return statements + [new]
     if isinstance(new, ast.OffloadStmt):
@@ -153,10 +156,12 @@ def _splice(statements: list[ast.Stmt], key: str, new: ast.Stmt) -> list[ast.Stm
             else:
                 out.append(s)
         return out + [new]
-    if isinstance(new, ast.RanksStmt):
+    if isinstance(new, ast.RanksStmt):      # --set ranks=N keeps the device and the ranks per node
         old = next((s for s in statements if isinstance(s, ast.RanksStmt)), None)
         if old is not None and new.device is None:
             new = dataclasses.replace(new, device=old.device)
+        if old is not None and new.per_node is None:
+            new = dataclasses.replace(new, per_node=old.per_node, per_word=old.per_word)
     replaced = {"zero", "shard"} if new.keyword in ("zero", "shard") else {new.keyword}
     return [s for s in statements if s.keyword not in replaced] + [new]
 

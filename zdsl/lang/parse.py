@@ -251,7 +251,7 @@ def _unclosed_hint(paren: Token, found: Token, text: str) -> str:
     return hint
 
 
-_STATEMENTS = ("schedule", "model", "data", "train", "optimizer", "ranks", "zero", "shard",
+_STATEMENTS = ("schedule", "model", "data", "train", "optimizer", "ranks", "zero", "shard", "secondary",
                "offload", "prefetch", "bucket", "overlap", "recompute", "persist", "memory",
                "machine", "include", "checkpoint", "freeze", "eval", "forward", "backward", "step")
 _PIPELINE_VERBS = ("gather", "scatter", "reduce", "read", "write", "copy", "compute", "free")
@@ -395,14 +395,24 @@ class _ToAst(Transformer):
         return self._stmt(ast.TrainStmt, "train", meta, args=children[0])
 
     def ranks(self, meta, children):
-        count, device = children
-        return self._stmt(ast.RanksStmt, "ranks", meta, count=count, device=self.name(device))
+        count, device, per_node, per_word = children
+        return self._stmt(ast.RanksStmt, "ranks", meta, count=count, device=self.name(device),
+                          per_node=per_node, per_word=self.name(per_word))
 
     def zero(self, meta, children):
         return self._stmt(ast.ZeroStmt, "zero", meta, stage=children[0])
 
     def shard(self, meta, children):
-        return self._stmt(ast.ShardStmt, "shard", meta, states=[self.name(t) for t in children])
+        *states, over = children
+        return self._stmt(ast.ShardStmt, "shard", meta, states=[self.name(t) for t in states], over=over)
+
+    def secondary(self, meta, children):
+        state, over = children
+        return self._stmt(ast.SecondaryStmt, "secondary", meta, state=self.name(state), over=over)
+
+    def over(self, meta, children):
+        kind, size = children
+        return ast.Over(self.name(kind), size, self.mspan(meta))
 
     def offload(self, meta, children):
         state, target = children
