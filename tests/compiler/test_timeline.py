@@ -138,3 +138,15 @@ def test_critical_path_is_outlined():
     root = parse(render_svg(trace, critical={1: ops}))
     assert len([r for r in root.iter(SVG + "rect") if r.get("stroke") == "#111111"
                 and r.find(SVG + "title") is not None]) == 3
+
+
+def test_a_step_of_frees_alone_still_draws_its_memory():
+    """Frees are hidden, so such a step has no lane to draw; its memory curve is still drawn."""
+    from zdsl.observe.timeline import render_svg
+    trace = {"traceEvents": [
+        {"ph": "X", "name": "free", "ts": 0, "dur": 1, "pid": 0, "tid": "compute",
+         "args": {"op": 0, "unit": 0, "kind": "mem.free", "bytes": 0}},
+        {"ph": "C", "name": "memory.host", "ts": 0, "pid": 0, "args": {"bytes": 100}},
+        {"ph": "C", "name": "memory.host", "ts": 1, "pid": 0, "args": {"bytes": 0}}]}
+    svg = render_svg(trace)
+    assert svg.count('class="memory"') == 1 and 'data-tier="host"' in svg

@@ -499,7 +499,7 @@ def _draw_memory_band(w, lay: _Layout, tier: str, band_bottom: float) -> None:
       f'{escape(human_bytes(ymax))}</text>')
     w(f'<text x="{LEFT - 6}" y="{band_bottom:.1f}" text-anchor="end" fill="#555555">0</text>')
     x_of = lay.x_of
-    first_group = sorted(lay.rank_y)[0]
+    first_group = min(lay.rank_y, default=min(tier_pts))   # a trace of frees alone has no lanes drawn
     for rank, pts in sorted(tier_pts.items()):
         d = f"M{x_of(pts[0][0]):.1f},{y_of(pts[0][1]):.1f}" + "".join(
             f"H{x_of(t):.1f}V{y_of(v):.1f}" for t, v in pts[1:]) + f"H{x_of(lay.span):.1f}"
