@@ -142,7 +142,6 @@ def test_critical_path_is_outlined():
 
 def test_a_step_of_frees_alone_still_draws_its_memory():
     """Frees are hidden, so such a step has no lane to draw; its memory curve is still drawn."""
-    from zdsl.observe.timeline import render_svg
     trace = {"traceEvents": [
         {"ph": "X", "name": "free", "ts": 0, "dur": 1, "pid": 0, "tid": "compute",
          "args": {"op": 0, "unit": 0, "kind": "mem.free", "bytes": 0}},
