@@ -8,8 +8,9 @@ What changes against the original: ``deepspeed.initialize(model, optimizer, conf
 ``zdsl.initialize("deepspeed_seed.zs", model=model)`` (the config is the schedule beside this
 file; the optimizer is the schedule's ``optimizer`` statement, so no placeholder optimizer);
 the data is drawn from a generator seeded by the rank (every rank the same model, its own
-batch), on the CPU; ``zero_to_fp32_state_dict`` is ``engine.state_dict()``. ``batches`` gives
-the schedule the shape of a batch (its ``data python(...)``), and the script its data.
+batch), on the CPU; ``zero_to_fp32_state_dict`` is ``engine.state_dict()``. ``build`` and
+``batches`` are the schedule's model and data (``zdsl check``, ``zdsl plan`` and ``zdsl run``
+use them); ``batches`` also gives the script its data.
 """
 import torch
 import torch.nn as nn
@@ -43,6 +44,12 @@ def batches(seed, step, micro, rank, world, batch):
     """A rank's batch: ``batch`` random inputs and class labels, from a generator seeded by the rank."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     return torch.randn(batch, input_size, generator=g), torch.randint(0, output_size, (batch,), generator=g)
+
+
+def build():
+    """The schedule's model: SimpleModel in two units, the loss in the last (``zdsl run`` trains it so)."""
+    return zdsl.units(SimpleModel(input_size, hidden_size, output_size), [["fc1", "relu"], "fc2"],
+                      loss=nn.CrossEntropyLoss())
 
 
 def main():

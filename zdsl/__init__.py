@@ -16,8 +16,9 @@ def initialize(schedule, model=None, **options):
     return initialize_engine(schedule, model, **options)
 
 
-def units(model, groups):
+def units(model, groups, loss=None):
     """``model`` split into the units ``groups`` lists (module names, or lists of them, in the
-    order they run), for ``initialize(..., model=...)``. See ``zdsl.runtime.api.given``."""
+    order they run), for ``initialize(..., model=...)``; with ``loss(output, labels)`` the last
+    unit returns the loss, as a schedule's own model does. See ``zdsl.runtime.api.given``."""
     from zdsl.runtime.api import units as split_units
-    return split_units(model, groups)
+    return split_units(model, groups, loss)

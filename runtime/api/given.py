@@ -9,6 +9,8 @@
   unit before it (the first ones to the unit after);
 * ``units(m, [...])`` says the split: module names (dotted paths allowed) or lists of them, one
   item per unit, run in that order; the caller vouches that ``m``'s forward is that chain.
+  ``units(m, [...], loss=fn)`` makes the last unit return ``fn(output, labels)``: a model of the
+  unit protocol, which a schedule's ``model "file.py:build"`` can name for ``zdsl run``.
 
 Anything else is a :class:`ZdslApiError` that says how to list its units. A split model's units
 take the batch (``takes_batch``) and return what their last child returns: the last unit's output
@@ -16,8 +18,11 @@ is the model's, for the user's own loss. Parameter names stay the model's own (`
 so ``engine.state_dict()`` loads into the model, and checkpoints name them so.
 
 Sizing: the compiler sizes the model through ``units_for`` (``zdsl/driver.py``'s hook); a schedule
-trained with ``model=`` names :data:`GIVEN_FACTORY` as its model (``--set model=...``), which
-:func:`sizing_hook` answers with a meta-device copy of the object (no memory, no init).
+without a model statement trained with ``model=`` names :data:`GIVEN_FACTORY` as its model
+(``--set model=...``), which :func:`sizing_hook` answers with a meta-device copy of the object (no
+memory, no init). A schedule that names a model trains the object only where both are the same
+model (:func:`differences`: each unit's parameter names and shapes), the statement honoured and
+the object's weights trained; else initialize refuses.
 """
 from __future__ import annotations
 
@@ -41,11 +46,12 @@ class Chain(nn.Module):
     """One unit of a split model: its modules under their names in the model, run in order."""
     takes_batch = True
 
-    def __init__(self, named: list[tuple[str, nn.Module]]):
+    def __init__(self, named: list[tuple[str, nn.Module]], loss=None):
         super().__init__()
         self.order = [m for _, m in named]
         for name, module in named:
             place(self, name, module)
+        self.loss = loss            # the last unit's: fn(output, labels) -> the loss
 
     def forward(self, x, batch=None):
         first = next(itertools.chain.from_iterable(m.parameters() for m in self.order), None)
@@ -53,17 +59,17 @@ class Chain(nn.Module):
             x = x.to(first.dtype)       # bf16/fp16 weights: the data's fp32 features cast, as DeepSpeed users do
         for module in self.order:
             x = module(x)
-        return x
+        return x if self.loss is None else self.loss(x, batch.labels)
 
 
 class UnitModel(nn.Module):
     """A model of :class:`Chain` units; the user's modules keep their names (``state_dict`` keys)."""
 
-    def __init__(self, model: nn.Module, groups: list[list[tuple[str, nn.Module]]]):
+    def __init__(self, model: nn.Module, groups: list[list[tuple[str, nn.Module]]], loss=None):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
-        self.chains = [Chain(g) for g in groups]
+        self.chains = [Chain(g, loss if i == len(groups) - 1 else None) for i, g in enumerate(groups)]
         self.given = type(model).__name__
 
     def units(self) -> list[nn.Module]:
@@ -98,9 +104,10 @@ def as_unit_model(model) -> nn.Module:
     return split(model, [[name] for name in order], joined=True)
 
 
-def units(model: nn.Module, groups) -> UnitModel:
+def units(model: nn.Module, groups, loss=None) -> UnitModel:
     """``model`` split as ``groups`` says: each item a module name (or the module) or a list of
-    them, one unit per item, run in this order (``zdsl.units``)."""
+    them, one unit per item, run in this order (``zdsl.units``); ``loss(output, labels)``, the
+    last unit's loss, where the split is to follow the unit protocol (``zdsl run``)."""
     if not isinstance(model, nn.Module):
         raise ZdslApiError(f"zdsl.units takes a torch.nn.Module, got {type(model).__name__}")
     names = {id(m): n for n, m in model.named_modules() if n}
@@ -110,7 +117,7 @@ def units(model: nn.Module, groups) -> UnitModel:
         listed.append([member_name(model, names, m) for m in members])
     if not listed or not all(listed):
         raise ZdslApiError("zdsl.units: give one item (a module name or a list of them) per unit")
-    return split(model, listed, joined=False)
+    return split(model, listed, joined=False, loss=loss)
 
 
 def member_name(model: nn.Module, names: dict, member) -> str:
@@ -127,7 +134,7 @@ def member_name(model: nn.Module, names: dict, member) -> str:
     return str(member)
 
 
-def split(model: nn.Module, listed: list[list[str]], joined: bool) -> UnitModel:
+def split(model: nn.Module, listed: list[list[str]], joined: bool, loss=None) -> UnitModel:
     """The units of ``listed`` (module names per unit); ``joined``: a unit without parameters is
     merged into its neighbour (the one before it; the first ones into the one after)."""
     groups = [[(n, model.get_submodule(n)) for n in names] for names in listed]
@@ -141,7 +148,7 @@ def split(model: nn.Module, listed: list[list[str]], joined: bool) -> UnitModel:
     if len(groups) < 2:
         raise ZdslApiError(f"model={type(model).__name__}: its parameters are in one unit, and zdsl needs at "
                            f"least two (a unit is what a gather, an offload and a prefetch move); {HOW_TO_LIST}")
-    return UnitModel(model, groups)
+    return UnitModel(model, groups, loss)
 
 
 def join_parameter_free(groups: list[list]) -> list[list]:
@@ -230,3 +237,18 @@ def size_given(given: nn.Module, context: int | None, data) -> list:
     context, sample, masked = sizing_inputs(data, context, data.args.get("context") if data is not None else None)
     name = getattr(given, "given", type(given).__name__)
     return model_unit_specs(meta_copy(given), f"model={name}", context, sample=sample, masked=masked)
+
+
+def differences(units: list, given: nn.Module) -> str | None:
+    """Where ``given``'s units differ from the compiler's ``units`` (a schedule's model), in
+    parameter names and shapes, or None when they are the same model."""
+    mine = [[(n, tuple(p.shape)) for n, p in u.named_parameters()] for u in given.units()]
+    theirs = [[(n, tuple(shape)) for n, shape in spec.params] for spec in units]
+    if len(mine) != len(theirs):
+        return f"model= has {len(mine)} units, the schedule's model {len(theirs)}"
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            diff = next(((x, y) for x, y in itertools.zip_longest(a, b) if x != y))
+            show = lambda p: "nothing" if p is None else f"{p[0]} {p[1]}"   # noqa: E731
+            return f"unit {i} holds {show(diff[0])} in model=, {show(diff[1])} in the schedule's model"
+    return None

@@ -14,6 +14,7 @@ from pathlib import Path
 from zdsl.runtime.api.errors import ZdslApiError
 from zdsl.runtime.api.given import GIVEN_FACTORY
 from zdsl.runtime.api.given import as_unit_model
+from zdsl.runtime.api.given import differences
 from zdsl.runtime.api.given import sizing_hook
 from zdsl.runtime.run.train import RunOptions
 
@@ -24,7 +25,7 @@ def initialize(schedule, model=None, *, overrides: dict | None = None,
 
     ``model``: None trains the schedule's ``model``; a module is trained itself (``given.py``:
     the unit protocol, a chain of children, or ``zdsl.units``), and then the schedule names no
-    model. ``overrides``: ``--set``'s ``{key: value}``. ``timeout_s``: the longest any collective
+    model, or the same one (the same units' parameter names and shapes). ``overrides``: ``--set``'s ``{key: value}``. ``timeout_s``: the longest any collective
     or call of the engine waits for the other ranks."""
     given = as_unit_model(model) if model is not None else None
     compiled = compile_for(str(schedule), overrides, given)
@@ -37,20 +38,23 @@ def compile_for(path: str, overrides: dict | None, given):
     from zdsl.driver import compile_file
     from zdsl.driver import memo_units_for
     overrides = {str(k): str(v) for k, v in (overrides or {}).items()}
-    units_for = None
+    units_for, named = None, None
     if given is not None:
-        named = model_statement(path)
-        if named is not None:
-            raise ZdslApiError(f"{named}: the schedule names a model and initialize() was given model="
-                               f"{getattr(given, 'given', type(given).__name__)}: one model only; remove the "
-                               f"model statement to train the object, or leave out model= to train the schedule's")
         if "model" in overrides:
             raise ZdslApiError("initialize(): overrides set `model` and model= gives one: one model only")
-        overrides["model"] = f'"{GIVEN_FACTORY}"()'
-        units_for = sizing_hook(given, memo_units_for())
+        named = model_statement(path)
+        if named is None:
+            overrides["model"] = f'"{GIVEN_FACTORY}"()'
+            units_for = sizing_hook(given, memo_units_for())
     compiled = compile_file(path, overrides, units_for, simulate=False)
     if not compiled.ok:
         raise ZdslApiError(f"{path} does not compile:\n{diagnostics_text(compiled)}")
+    differ = differences(compiled.units, given) if named is not None else None
+    if differ is not None:
+        raise ZdslApiError(f"{named}: the schedule names a model and initialize() was given model="
+                           f"{getattr(given, 'given', type(given).__name__)}, another one ({differ}): one model "
+                           f"only; remove the model statement to train the object, or leave out model= to train "
+                           f"the schedule's")
     return compiled
 
 

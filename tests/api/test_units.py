@@ -3,8 +3,9 @@
 Guards: a chain of children (nn.Sequential, or a forward that calls its children in order, checked
 by tracing) is split with parameter-free children joined to a neighbour and the model's own
 parameter names kept; anything else is refused with how to list its units; zdsl.units lists them;
-a schedule that names a model while model= gives one is refused; the given model is sized from
-the schedule's data (its units' shapes are the object's).
+a schedule that names another model than model= is refused, the same model accepted (the
+statement honoured, the object trained); the given model is sized from the schedule's data (its
+units' shapes are the object's).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from api_models import Mlp, Residual, schedule, sequential
 from zdsl.runtime.api import ZdslApiError
 from zdsl.runtime.api.given import as_unit_model
 from zdsl.runtime.api.setup import compile_for
+from zdsl.runtime.models.batch import Batch
 
 
 def unit_names(model) -> list[list[str]]:
@@ -71,11 +73,33 @@ def test_a_given_model_is_sized_from_the_schedule_data(tmp_path):
     assert compiled.units[0].fwd_flops_per_seq > 0
 
 
-def test_a_schedule_that_names_a_model_while_model_is_given_is_refused(tmp_path):
-    zs = schedule(tmp_path, model='gpt(layers=2, width=32, heads=4, vocab=64, context=8)')
-    with pytest.raises(ZdslApiError, match=r"api\.zs:2:1: the schedule names a model and initialize\(\) was "
-                                           r"given model=Mlp: one model only"):
-        compile_for(str(zs), None, as_unit_model(Mlp()))
+def build_mlp(hidden: int = 16):
+    """A schedule's model "test_units.py:build_mlp": Mlp as zdsl.units splits it, its loss in the last unit."""
+    return zdsl.units(Mlp(hidden=hidden), [["fc1", "relu"], "fc2"], loss=torch.nn.CrossEntropyLoss())
+
+
+def test_a_schedule_that_names_another_model_than_model_is_refused(tmp_path):
+    for model, differ in (("gpt(layers=2, width=32, heads=4, vocab=64, context=8)", "model= has 2 units, the "
+                           "schedule's model 4"),
+                          (f'"{__file__}:build_mlp"(hidden=8)', r"unit 0 holds fc1\.weight \(16, 12\) in model=, "
+                           r"fc1\.weight \(8, 12\) in the schedule's model")):
+        zs = schedule(tmp_path, model=model)
+        with pytest.raises(ZdslApiError, match=r"api\.zs:2:1: the schedule names a model and initialize\(\) was "
+                                               r"given model=Mlp, another one \(" + differ + r"\): one model only"):
+            compile_for(str(zs), None, as_unit_model(Mlp()))
+
+
+def test_a_schedule_that_names_the_same_model_trains_the_object(tmp_path):
+    zs = schedule(tmp_path, model=f'"{__file__}:build_mlp"()')
+    compiled = compile_for(str(zs), None, as_unit_model(Mlp()))
+    assert compiled.schedule.model.factory.endswith("test_units.py:build_mlp")
+    x, y = torch.randn(3, 12), torch.tensor([0, 1, 2])
+    torch.manual_seed(0)
+    split = build_mlp()
+    torch.manual_seed(0)
+    want = torch.nn.functional.cross_entropy(Mlp()(x), y)
+    first, last = split.units()
+    assert torch.equal(last(first(x, Batch.of(x, y)), Batch.of(x, y)), want)   # the loss unit zdsl run calls
 
 
 def test_a_schedule_that_does_not_compile_says_where(tmp_path):
