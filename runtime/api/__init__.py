@@ -44,6 +44,13 @@ step frame (``RankRun.begin_step``/``run_step``/``end_step``). What differs is w
   user's next call as a :class:`ZdslApiError` naming the rank, the op and the cause. Every wait
   of the user's thread is bounded by the collective timeout.
 
+* **The random generators.** A step's units draw from torch's global generators on the loop's
+  threads (dropout; a recompute replays them), as in ``zdsl run``; a loop that draws from them
+  between ``engine(x)`` and ``engine.step()`` races with the step: draw from a
+  ``torch.Generator`` of its own (as a ``DataLoader`` with a seeded generator does).
+* **Closing.** ``engine.close()`` (or leaving ``with``; else at exit) ends a step still running,
+  removes the NVMe files and leaves the process group the engine joined.
+
 Files: ``setup.py`` (``initialize``), ``engine.py`` (the surface), ``flow.py`` (the trio side of a
 step), ``background.py`` (the loop), ``calls.py`` (agreement), ``batches.py`` (what ``engine(x)``
 takes and the compiled shape), ``saving.py`` (gathered parameters, state dict, checkpoints),

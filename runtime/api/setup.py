@@ -8,7 +8,9 @@ script.py`` for a schedule of ``ranks 1``; a script that joined its own process 
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import weakref
 from pathlib import Path
 
 from zdsl.runtime.api.errors import ZdslApiError
@@ -105,13 +107,21 @@ def start(compiled, given, timeout_s: float):
         loop = Background(f"zdsl-engine-rank{rank}")
         stack.callback(loop.close)
         flow = StepFlow(run, loop.nursery, timeout_s)
-        return Engine(run, stack, loop, flow, calls, Compiled.of(schedule), eval_executor)
+        engine = Engine(run, stack, loop, flow, calls, Compiled.of(schedule), eval_executor)
     except LaunchError as exc:
         stack.close()
         raise ZdslApiError(str(exc)) from None
     except BaseException:
         stack.close()
         raise
+    atexit.register(close_at_exit, weakref.ref(engine))    # its NVMe files go even if the script forgets close()
+    return engine
+
+
+def close_at_exit(ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
 
 
 def join(graph, stack: contextlib.ExitStack, timeout_s: float):

@@ -62,6 +62,11 @@ How zdsl calls a unit
     Running the units in order (:func:`run_units` does it for a batch), so the model stays
     usable as a plain module (DDP, FSDP2, DeepSpeed, export). zdsl itself calls the units.
 
+A model object given to ``zdsl.initialize(..., model=m)`` (the Python API) may also be a plain
+``nn.Sequential`` or a module whose ``forward`` calls its top-level children in order: it is
+split into units there (``runtime/api/given.py``), or by ``zdsl.units(m, [...], loss=...)``,
+which also gives a factory named in a schedule a model of this protocol from such a module.
+
 Loading
 -------
 A user's model is named in a schedule as ``model "file.py:build"(k=v)`` (a file, relative to

@@ -237,3 +237,12 @@ def test_step_is_a_no_op_before_the_accumulation_boundary(tmp_path, one_rank_gro
         with pytest.raises(ZdslApiError, match="the engine is closed"):
             engine.close()
             engine(x)
+
+
+def test_closing_in_the_middle_of_a_step_ends_it_and_a_new_engine_trains(tmp_path, one_rank_group):
+    ref_losses, _ = torch_loop(mlp(), 1, 4, 0.0)
+    engine = zdsl.initialize(schedule(tmp_path, zero=3), model=mlp())
+    engine(batches(0, 0, 0, 0, 1, 4)[0])          # the step's backward waits at its gate
+    engine.close()
+    with zdsl.initialize(schedule(tmp_path, zero=3), model=mlp()) as engine:
+        assert [user_loop_at(engine, 0)] == ref_losses

@@ -2,9 +2,10 @@
 
 Guards: the API loop with the model's own loss reproduces `zdsl run` of the same schedule bit for
 bit (each step's loss, the final weights) at stages 0-3, accumulating, with host and NVMe offload,
-bf16 and clipping; a checkpoint the API saves at 2 ranks is one `zdsl run --resume` continues at
-1 rank, and the API continuing it at 1 rank trains the same bits; a user's label-smoothed
-cross-entropy on a given model trains DDP's bits with the same loss, init and data.
+bf16, fp16 (its loss scale), clipping and a warmup-cosine learning rate; a checkpoint the API
+saves at 2 ranks is one `zdsl run --resume` continues at 1 rank, and the API continuing it at 1
+rank trains the same bits; a user's label-smoothed cross-entropy on a given model trains DDP's
+bits with the same loss, init and data.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ NVME = 'offload parameters -> nvme("{folder}", block=64KiB)\noffload optimizer -
 HOST = "offload parameters -> cpu\noffload optimizer -> cpu"
 # name: (zero, accumulate, precision, clip, offload)
 CASES = {
-    "zero0_accumulate": (0, 2, "fp32", None, ""),
+    "zero0_accumulate_lr_schedule": (0, 2, "fp32", None, ""),
+    "zero3_fp16": (3, 1, "fp16", None, ""),
     "zero1_clip": (1, 1, "fp32", 0.05, ""),
     "zero2_bf16": (2, 1, "bf16", None, ""),
     "zero3_host_offload_clip": (3, 1, "fp32", 0.05, HOST),
@@ -45,8 +47,9 @@ CASES = {
 def write_case(folder, name: str, steps: int = 3):
     zero, acc, precision, clip, offload = CASES[name]
     path = folder / f"{name}.zs"
+    schedule_lr = ", warmup=1, decay=cosine, min_lr=1e-3" if "lr_schedule" in name else ""
     path.write_text(GPT_ZS.format(steps=steps, acc=acc, precision=precision, zero=zero,
-                                  clip=f", clip={clip}" if clip else "",
+                                  clip=(f", clip={clip}" if clip else "") + schedule_lr,
                                   offload=offload.format(folder=folder / f"nvme_{name}")))
     return path
 
