@@ -4,9 +4,9 @@
 :mod:`zdsl.check.hierarchy`'s), ``offload`` (which tier holds
 them, with DeepSpeed's rules: parameters only at stage 3, gradients from
 stage 2 and only to the host, the optimizer from stage 1), ``prefetch``,
-``bucket``, ``overlap``, ``recompute``, ``persist`` and ``memory``. A mixin
-of :class:`zdsl.check.checker.Checker`: each method reads one statement into
-``self.s`` (the Schedule being built) and reports through ``self.r``.
+``bucket``, ``overlap``, ``recompute``, ``persist`` and ``memory``. Each method
+reads one statement into the draft (:class:`zdsl.check.draft.StatementChecks`):
+``self.s`` is the schedule being filled, ``self.r`` the reporter.
 """
 from __future__ import annotations
 
