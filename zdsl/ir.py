@@ -30,6 +30,7 @@ LANES = ("compute", "comm", "h2d", "d2h", "nvme", "host")
 BUFFER_KINDS = {
     "param_shard": "parameters",   # this rank's shard of a unit's parameters (compute dtype)
     "param_full": "parameters",    # a unit's gathered parameters (model state at stages 0-2, working at 3)
+    "param_sec": "parameters",     # hpZ: this rank's node-local slice of a unit's gathered parameters
     "grad_full": "gradients",      # a unit's full gradient (model state at stages 0-1, working at 2-3)
     "grad_shard": "gradients",     # this rank's reduced gradient shard
     "optim": "optimizer",          # fp32 master shard (mixed precision) and moments

@@ -5,6 +5,7 @@ Contract: ``BufferTable.get(name)`` gives the one ``Buffer`` of that name (``kin
 schedule's precision: parameters padded for the ranks, gradients and optimizer state for the
 trainable parts only, an activation with what autograd saves for the backward. The buffers
 named at construction are the model states (persistent: live the whole step, never freed).
+Shards are of the unit's shard group (``UnitHomes.shard_ranks``), the secondary shard of hpZ's node.
 ``forward_only`` (the eval graph) sizes an activation as the unit's input alone, nothing saved.
 """
 from __future__ import annotations
@@ -47,6 +48,8 @@ class BufferTable:
             return layout.padded_numel * elem_bytes, homes.precision
         if kind == "param_shard":
             return layout.shard_numel * elem_bytes, homes.precision
+        if kind == "param_sec":       # hpZ: this rank's slice of the unit within its node
+            return layout.padded_numel // homes.secondary_ranks * elem_bytes, homes.precision
         if kind == "grad_full":       # gradients and optimizer state: the trainable parts only
             return layout.trainable_numel * elem_bytes, homes.precision
         if kind == "grad_shard":

@@ -98,6 +98,7 @@ def step(stream: OpStream, u: int, micro: int, stmt: PipeStmt) -> None:
         if not homes.has_master(u) or carries:
             reads.append(buffer_name("param_full", u) if stage < 3 else homes.home_param(u))
         stream.stale.add(buffer_name("param_full", u))
+        stream.stale.add(buffer_name("param_sec", u))      # hpZ's copy of the parameters before the step
     writes.append(dest)
     layout = homes.layouts[u]
     numel = layout.trainable_numel if stage == 0 else layout.trainable_shard_numel
@@ -137,4 +138,5 @@ def norm(stream: OpStream, micro: int) -> None:
                      flops=2.0 * homes.layouts[u].trainable_shard_numel)
     stream.issue("compute.norm", None, [parts[u] for u in training], ["norm"], "step", micro, None,
                  lane=lane, flops=float(len(training)))
-    stream.issue("comm.all_reduce", None, ["norm"], ["norm"], "step", micro, None, bytes=4)
+    # within the shard group: after the all-reduce across replicas each of them holds the same shards
+    stream.issue("comm.all_reduce", None, ["norm"], ["norm"], "step", micro, None, bytes=4, group=homes.shard_group)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from zdsl.compile.buffers import BufferTable
 from zdsl.compile.homes import UnitHomes
+from zdsl.ir import ALL
 from zdsl.ir import OP_LANES
 from zdsl.ir import buffer_name
 from zdsl.ir import parse_buffer_name
@@ -40,6 +41,7 @@ class Draft:
     accumulate: bool = False
     span: tuple[int, int] | None = None
     fresh: set[str] = field(default_factory=set)   # writes that start a new instance of the buffer
+    group: str = ALL                               # a collective's ranks (zdsl.ir.ALL)
 
 
 class OpStream:
@@ -79,14 +81,20 @@ class OpStream:
         """Holds data now: persistent model state, or a live working buffer."""
         return name in self.buffers.persistent or (name in self.live and name not in self.resting)
 
-    def collective(self, kind, u, reads, writes, phase, micro, stmt, accumulate=False, trained=False):
-        """One op per part: every part for a gather, the trainable ones for a gradient reduction
-        or a gather of what a step updated (``trained``)."""
+    def collective(self, kind, u, reads, writes, phase, micro, stmt, accumulate=False, trained=False,
+                   group=ALL, shard=False) -> int:
+        """One op per part over ``group``: every part for a gather, the trainable ones for a
+        gradient reduction or a gather of what a step updated (``trained``). Each moves its part of
+        the full buffer, or with ``shard`` its part of the shard (an all-reduce across replicas).
+        Returns the position of the first."""
         layout = self.homes.layouts[u]
         parts = layout.parts if kind == "comm.all_gather" and not trained else layout.trainable_parts
+        first = len(self.drafts)
         for part in range(parts):
-            self.issue(kind, u, reads, writes, phase, micro, stmt, bytes=layout.part_size(part) * self.homes.elem_bytes,
-                       part=part, parts=parts, accumulate=accumulate)
+            numel = layout.part_size(part) // (self.homes.shard_ranks if shard else 1)
+            self.issue(kind, u, reads, writes, phase, micro, stmt, bytes=numel * self.homes.elem_bytes,
+                       part=part, parts=parts, accumulate=accumulate, group=group)
+        return first
 
     def consume(self, name: str, phase: str, micro: int) -> None:
         """A staging copy of a shard is used up by the copy or collective that reads it."""

@@ -51,6 +51,7 @@ def instantiate_eval(schedule: Schedule, units: list[UnitSpec], pipelines: dict[
     training graph; ``units`` sized at :func:`eval_context`. The training's parts, asked for the
     forward phase of one micro-batch only."""
     homes = UnitHomes(schedule, units)
+    homes.secondary = None        # hpZ keeps its node-local shard for a backward; a pass has none
     params = [homes.home_param(u) for u in range(homes.n_units)]
     stream = OpStream(homes, BufferTable(homes, params + ["loss"], forward_only=True))
     run_phase(stream, pipelines["forward"], "forward", 0)

@@ -110,5 +110,5 @@ def derive_deps(drafts: list[Draft]) -> list[Op]:
         ops.append(Op(id=i, kind=draft.kind, lane=draft.lane, unit=draft.unit, reads=draft.reads,
                       writes=draft.writes, bytes=draft.bytes, flops=draft.flops, kernels=draft.kernels,
                       deps=sorted(deps), micro=draft.micro, phase=draft.phase, part=draft.part,
-                      parts=draft.parts, accumulate=draft.accumulate, span=draft.span))
+                      parts=draft.parts, accumulate=draft.accumulate, span=draft.span, group=draft.group))
     return ops

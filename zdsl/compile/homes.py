@@ -19,8 +19,11 @@ from zdsl.model.freeze import frozen_params
 from zdsl.model.layout import flat_layout
 from zdsl.compile.lowering_error import LoweringError
 from zdsl.model.units import UnitSpec
+from zdsl.ir import ALL
 from zdsl.ir import DTYPE_BYTES
+from zdsl.ir import across
 from zdsl.ir import buffer_name
+from zdsl.ir import group_size
 from zdsl.schedule import STATES
 from zdsl.schedule import Schedule
 
@@ -35,6 +38,11 @@ class UnitHomes:
         self.specs = units
         self.n_units = len(units)
         self.ranks = schedule.ranks
+        # the group every sharded state's shards span ("all" flat; HSDP, MiCS: within a node, a group)
+        # and, with zero 3's hpZ, the node the backward gathers the parameters within (else None)
+        self.shard_group = schedule.shard_group()
+        self.shard_ranks = group_size(self.shard_group, self.ranks)
+        self.secondary = schedule.secondary_group() if schedule.stage == 3 else None
         self.stage = schedule.stage
         self.precision = schedule.train.precision
         self.elem_bytes = DTYPE_BYTES[self.precision]
@@ -43,7 +51,7 @@ class UnitHomes:
         bucket_elems = schedule.bucket_bytes // self.elem_bytes if schedule.bucket_bytes else 0
         self.frozen = frozen_of(schedule, units)
         # a partly frozen unit lays its trainable parameters first (zdsl/model/layout.py)
-        self.layouts = [flat_layout(spec.numel, self.ranks, bucket_elems, [math.prod(s) for _, s in spec.params], row)
+        self.layouts = [flat_layout(spec.numel, self.shard_ranks, bucket_elems, [math.prod(s) for _, s in spec.params], row)
                         for spec, row in zip(units, self.frozen)]
         self.tiers = {state: self._unit_tiers(state) for state in STATES}
         self.rehome = rehome             # (state, unit) on NVMe held on the host through the cycle (residency)
@@ -66,6 +74,17 @@ class UnitHomes:
             return ["device"] * self.n_units
         offloaded = max(1, round(placed.ratio * self.n_units)) if placed.ratio < 1 else self.n_units
         return ["device" if i < self.n_units - offloaded else tier for i in range(self.n_units)]
+
+    @property
+    def replicas(self) -> str | None:
+        """The group that all-reduces a gradient shard across the replicas of its shard group, or
+        None where the shards span every rank (nothing to all-reduce)."""
+        return None if self.shard_group == ALL else across(self.shard_ranks)
+
+    @property
+    def secondary_ranks(self) -> int:
+        """Ranks of the secondary shard's group (hpZ's node)."""
+        return group_size(self.secondary, self.ranks)
 
     def optim_tier(self, u: int) -> str:
         return self.tiers["optimizer"][u]

@@ -59,8 +59,10 @@ def build_step(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, P
 
 def graph_of(homes: UnitHomes, buffers: BufferTable, ops: list[Op], accumulate: int, config: dict) -> TaskGraph:
     schedule = homes.schedule
+    per_node = schedule.per_node if schedule.per_node and schedule.per_node < homes.ranks else 0
     return TaskGraph(schedule=schedule.name, ranks=homes.ranks, stage=schedule.stage, precision=homes.precision,
-                     accumulate=accumulate, units=unit_infos(homes), buffers=buffers.by_name, ops=ops, config=config)
+                     accumulate=accumulate, units=unit_infos(homes), buffers=buffers.by_name, ops=ops, config=config,
+                     per_node=per_node)
 
 
 def unit_infos(homes: UnitHomes) -> list[UnitInfo]:

@@ -72,25 +72,43 @@ def need_state(state: str, want: str, stmt: PipeStmt) -> None:
 
 
 def gather(stream: OpStream, u: int, phase: str, micro: int, stmt: PipeStmt) -> None:
-    """Stage 3: all-gather a unit's parameters (and those it ties to) unless gathered and not
-    since updated. Stages 1-2: all-gather the shard a step just updated."""
+    """Stage 3: all-gather a unit's parameters (and those it ties to) within its shard group
+    unless gathered and not since updated; with hpZ from the secondary shard within the node
+    where one is held. Stages 1-2: all-gather the shard a step just updated."""
     homes = stream.homes
     full = buffer_name("param_full", u)
     if homes.stage == 0:
         return
     if homes.stage == 3:
         if not (stream.is_valid(full) and full not in stream.stale):
-            src = device_shard(stream, u, phase, micro, stmt)
-            stream.collective("comm.all_gather", u, [src], [full], phase, micro, stmt)
-            stream.consume(src, phase, micro)
+            gather_unit(stream, u, phase, micro, stmt)
         for j in homes.specs[u].uses:
             gather(stream, j, phase, micro, stmt)
             stream.waiting_users.setdefault(j, set()).add(u)
         return
     src = buffer_name("param_shard", u)   # stages 1-2: the shard a step just updated
     if src in stream.live:                # (its trainable parts: the frozen ones never change)
-        stream.collective("comm.all_gather", u, [src], [full], phase, micro, stmt, trained=True)
+        stream.collective("comm.all_gather", u, [src], [full], phase, micro, stmt, trained=True,
+                          group=homes.shard_group)
         stream.consume(src, phase, micro)
+
+
+def gather_unit(stream: OpStream, u: int, phase: str, micro: int, stmt: PipeStmt) -> None:
+    """Stage 3's all-gather of one unit. With hpZ (``secondary parameters over node``) the gather
+    from the primary shard also keeps this rank's slice of the result within its node, the
+    secondary shard (a working buffer, freed after its last use), and every later gather before
+    the step (the backward's, a later micro-batch's forward) reads it within the node instead."""
+    homes = stream.homes
+    full, sec = buffer_name("param_full", u), buffer_name("param_sec", u)
+    if homes.secondary is not None and stream.is_valid(sec) and sec not in stream.stale:
+        stream.collective("comm.all_gather", u, [sec], [full], phase, micro, stmt, group=homes.secondary)
+        return
+    src = device_shard(stream, u, phase, micro, stmt)
+    writes = [full] if homes.secondary is None else [full, sec]
+    first = stream.collective("comm.all_gather", u, [src], writes, phase, micro, stmt, group=homes.shard_group)
+    if homes.secondary is not None:     # the first part starts the secondary shard's new instance
+        stream.drafts[first].fresh.add(sec)
+    stream.consume(src, phase, micro)
 
 
 def free_stmt(stream: OpStream, state: str, u: int, phase: str, micro: int, stmt: PipeStmt) -> None:
@@ -103,8 +121,11 @@ def free_stmt(stream: OpStream, state: str, u: int, phase: str, micro: int, stmt
 
 
 def scatter(stream: OpStream, u: int, phase: str, micro: int, stmt: PipeStmt) -> None:
-    """Reduce-scatter a unit's full gradient into its shard; at stage 1 only on the last
-    micro-batch (full gradients accumulate locally until then)."""
+    """Reduce-scatter a unit's full gradient into its shard within its shard group; at stage 1
+    only on the last micro-batch (full gradients accumulate locally until then). Where the shard
+    group is smaller than the ranks (HSDP, MiCS), the shard is then all-reduced across its
+    replicas: once, on the last micro-batch, where shards accumulate on the device; after every
+    reduce-scatter where each is copied to the host to accumulate there."""
     homes = stream.homes
     stage = homes.stage
     if stage == 0:
@@ -114,11 +135,12 @@ def scatter(stream: OpStream, u: int, phase: str, micro: int, stmt: PipeStmt) ->
         return
     dst = buffer_name("grad_shard", u)
     accumulate = stage >= 2 and micro > 0 and homes.grad_home(u) == "device"
-    first = len(stream.drafts)
-    stream.collective("comm.reduce_scatter", u, [buffer_name("grad_full", u)], [dst], phase, micro, stmt,
-                      accumulate=accumulate)
+    first = stream.collective("comm.reduce_scatter", u, [buffer_name("grad_full", u)], [dst], phase, micro, stmt,
+                              accumulate=accumulate, group=homes.shard_group)
     if not accumulate:      # the first part starts the shard's new instance; the others fill it
         stream.drafts[first].fresh.add(dst)
+    if homes.replicas is not None and (micro == homes.last_micro or homes.grad_home(u) != "device"):
+        stream.collective("comm.all_reduce", u, [dst], [dst], phase, micro, stmt, group=homes.replicas, shard=True)
 
 
 def reduce(stream: OpStream, u: int, phase: str, micro: int, stmt: PipeStmt) -> None:

@@ -8,9 +8,11 @@ Checks, each reported at the .zs statement that caused it:
   and every pair of conflicting accesses to a buffer (write/read, read/write,
   write/write, anything/free) is ordered, by lane order or a chain of deps.
   Ops on different lanes with no such chain run in either order: a race;
-* **collectives**: each must be ordered before the next one in graph order
-  (on one lane, or through deps), so every rank issues them in the same
-  order. Two collectives that could swap places on one rank hang the job;
+* **collectives**: each must be ordered before the next one of its group
+  (``Op.group``) in graph order (on one lane, or through deps), so every rank
+  of the group issues them in the same order. Two collectives of one group
+  that could swap places on one rank hang the job; collectives of different
+  groups run on different process groups, which need no order between them;
 * **memory**: the simulated peak of every tier fits the schedule's
   ``memory`` budget. The error names the tier, the peak, the budget, and
   points at the statement that set the prefetch depth or the placement.
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 
 from zdsl.lang.errors import Diagnostic
 from zdsl.lang.sizes import human_bytes
+from zdsl.ir import ALL
+from zdsl.ir import parse_group
 from zdsl.ir import LANES
 from zdsl.ir import OP_LANES
 from zdsl.ir import TaskGraph
@@ -35,6 +39,7 @@ from zdsl.schedule import Schedule
 from zdsl.schedule import Span
 
 STATE_WORDS = {"param_full": "gathered parameters", "param_shard": "parameter shards",
+               "param_sec": "secondary parameter shards",
                "grad_full": "unreduced gradients", "grad_shard": "gradient shards",
                "optim": "optimizer state", "act": "activations", "act_inner": "recomputed activations",
                "act_grad": "activation gradients"}
@@ -54,6 +59,7 @@ OP_WORDS = {"compute.forward": "forward", "compute.backward": "backward", "compu
             "copy.h2d": "copy to device", "copy.d2h": "copy to host", "nvme.read": "nvme read",
             "nvme.write": "nvme write", "mem.free": "free"}
 BUFFER_WORDS = {"param_full": "gathered parameters", "param_shard": "parameter shard",
+                "param_sec": "secondary parameter shard",
                 "grad_full": "full gradients", "grad_shard": "gradient shard", "optim": "optimizer state",
                 "act": "activations", "act_inner": "recomputed activations", "act_grad": "activation gradients"}
 
@@ -62,7 +68,8 @@ def describe(op) -> str:
     """``forward of unit 3 (op 17, lane compute)``: what a user's statement became."""
     unit = "" if op.unit is None else f" of unit {op.unit}"
     micro = f", micro-batch {op.micro}" if op.micro else ""
-    return f"{OP_WORDS.get(op.kind, op.kind)}{unit} (op {op.id}, lane {op.lane}{micro})"
+    group = f", group {op.group}" if op.is_collective and op.group != ALL else ""
+    return f"{OP_WORDS.get(op.kind, op.kind)}{unit} (op {op.id}, lane {op.lane}{micro}{group})"
 
 
 def plain(name: str) -> str:
@@ -118,12 +125,27 @@ class GraphVerifier:
                 self.error(f"unknown lane {op.lane!r} in {describe(op)}", self.op_span(op),
                            f"lanes are {', '.join(LANES)}")
                 ok = False
+            if op.is_collective and not self.group_fits(op):
+                ok = False
             missing = [d for d in op.deps if d not in ids]
             if missing:
                 self.error(f"{describe(op)} depends on op {missing[0]}, which is not in the graph",
                            self.op_span(op))
                 ok = False
         return ok
+
+    def group_fits(self, op) -> bool:
+        """A collective's group is one of zdsl.ir's and tiles the graph's ranks."""
+        try:
+            _, size = parse_group(op.group)
+        except ValueError as exc:
+            self.error(f"{describe(op)}: {exc}", self.op_span(op), "groups are all, within:S and across:S")
+            return False
+        if size and (size > self.graph.ranks or self.graph.ranks % size):
+            self.error(f"{describe(op)} runs over {op.group}, which does not divide the {self.graph.ranks} ranks "
+                       f"into groups", self.op_span(op))
+            return False
+        return True
 
     def check_cycles(self) -> list[int] | None:
         self.index = index_graph(self.graph)
@@ -283,16 +305,22 @@ class GraphVerifier:
 
     # -- collectives -------------------------------------------------------------------
     def check_collectives(self) -> None:
+        """One issue order per group: each collective before the next of its group."""
         ops = self.graph.ops
-        coll = [i for i, op in enumerate(ops) if op.is_collective]
-        for a, b in zip(coll, coll[1:]):
-            if not self.before(a, b):
-                self.error(f"collective {describe(ops[b])} may be issued before {describe(ops[a])}: "
-                           f"they are on lanes {ops[b].lane} and {ops[a].lane} with no dependency "
-                           f"between them, so ranks could issue them in different orders and hang",
-                           self.op_span(ops[b]),
-                           "put every collective on the comm lane, or make each depend on the previous one")
-                return
+        by_group: dict[str, list[int]] = {}
+        for i, op in enumerate(ops):
+            if op.is_collective:
+                by_group.setdefault(op.group, []).append(i)
+        for group, coll in by_group.items():
+            for a, b in zip(coll, coll[1:]):
+                if not self.before(a, b):
+                    where = "" if group == ALL else f" of group {group}"
+                    self.error(f"collective {describe(ops[b])} may be issued before {describe(ops[a])}{where}: "
+                               f"they are on lanes {ops[b].lane} and {ops[a].lane} with no dependency "
+                               f"between them, so ranks could issue them in different orders and hang",
+                               self.op_span(ops[b]),
+                               "put every collective on the comm lane, or make each depend on the previous one")
+                    return
 
     # -- memory ---------------------------------------------------------------------------
     def check_memory(self, sim: Simulation) -> None:
