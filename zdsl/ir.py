@@ -291,6 +291,22 @@ class TaskGraph:
     def collectives(self) -> list[Op]:
         return [op for op in self.ops if op.is_collective]
 
+    # -- hierarchical sharding (the schedule's shard_over and secondary, in ``config``) ----------
+    def shard_group(self) -> str:
+        """The group every sharded state's shards span: "all", or "within:S" for HSDP and MiCS. A
+        unit's layout has a shard per rank of it (``UnitInfo.shard_numel``)."""
+        over = (self.config.get("shard_over") or {}).get("optimizer") if self.stage else None
+        return resolve_over(over, self.ranks, self.per_node)
+
+    def shard_ranks(self) -> int:
+        """The ranks of :meth:`shard_group`: how many shards a unit's layout has."""
+        return group_size(self.shard_group(), self.ranks)
+
+    def secondary_group(self) -> str | None:
+        """hpZ's node, where the backward gathers the parameters from their secondary shard; or None."""
+        over = self.config.get("secondary") if self.stage == 3 else None
+        return None if over is None else resolve_over(over, self.ranks, self.per_node)
+
 
 def omit_one_level(raw: dict) -> None:
     """Leave the node layout out of a graph's JSON where it is one level (``per_node`` 0, a

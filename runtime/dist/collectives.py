@@ -45,6 +45,10 @@ program's graph for it).
 
 Where a backend refuses a flat reduce-scatter altogether, the fallback is an
 all-reduce as above; it is logged once and counted in ``FALLBACKS``.
+
+``group`` is a process group of some of the ranks (``runtime/dist/group.py``: a node, a shard
+group, the replicas of a shard) or None, the default group of every rank. A subgroup of this rank
+alone (a node of one rank) is served by a copy: its result, with no call into the backend.
 """
 from __future__ import annotations
 
@@ -143,6 +147,8 @@ def _backend(group) -> str:
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Gather every rank's ``inp`` into ``out`` (rank-major, one flat tensor)."""
+    if _alone(group):
+        return _finish(_copied(out, inp), async_op)
     backend = _backend(group)
     pair = _shm_pair(group, backend, GLOO_ALL_GATHER, out, inp)
     if pair is not None:
@@ -159,6 +165,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``inp`` over ranks and leave this rank's slice in ``out``. ``inp`` may be overwritten."""
+    if _alone(group):
+        return _finish(_copied(out, inp), async_op)
     backend = _backend(group)
     pair = _shm_pair(group, backend, GLOO_REDUCE_SCATTER, out, inp)
     if pair is not None:
@@ -217,6 +225,20 @@ def _shm_pair(group, backend: str, algorithm: str, out: torch.Tensor, inp: torch
     return shm.pair_of(group)
 
 
+def _alone(group) -> bool:
+    """A subgroup of this rank alone."""
+    return group is not None and dist.get_world_size(group) == 1
+
+
+def _copied(out: torch.Tensor, inp: torch.Tensor) -> Pending:
+    """A one-rank collective, done: ``out`` holds ``inp``."""
+    if out.data_ptr() != inp.data_ptr():
+        out.copy_(inp)
+    done = torch.futures.Future()
+    done.set_result(None)
+    return Pending(done)
+
+
 def _small(full: torch.Tensor) -> bool:
     return full.numel() * full.element_size() < GLOO_NATIVE_BELOW
 
@@ -229,6 +251,8 @@ def _global_rank(group, group_rank: int) -> int:
 
 def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``tensor`` over ranks in place."""
+    if _alone(group):
+        return _finish(_copied(tensor, tensor), async_op)
     pair = _shm_pair(group, _backend(group), GLOO_ALL_REDUCE, tensor, tensor)
     if pair is not None:
         return _finish(Pending(pair.all_reduce(tensor)), async_op)

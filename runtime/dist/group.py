@@ -1,5 +1,6 @@
 """Joining and leaving the process group: the one rank start-up of `zdsl run`, calibrate, tests and
-the Python API (which joins from the launcher's variables, or alone, when the script has not)."""
+the Python API (which joins from the launcher's variables, or alone, when the script has not); and
+the process groups of a graph's collectives (:class:`CollectiveGroups`)."""
 from __future__ import annotations
 
 import datetime
@@ -7,6 +8,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from zdsl.ir import ALL
+from zdsl.ir import group_members
 from zdsl.runtime.dist import shm
 from zdsl.runtime.dist.affinity import calm_gloo_loops
 
@@ -34,6 +37,47 @@ def init_group(rank: int, world: int, device: torch.device, timeout_s: float, *,
     dist.init_process_group(**kwargs)
     if backend == "gloo":
         calm_gloo_loops()
+
+
+class CollectiveGroups:
+    """One process group per distinct group of a graph's collectives (``Op.group``, ``zdsl.ir``):
+    ``of(name)`` is the one holding this rank; "all" is the default group (None).
+
+    c10d's ``new_group`` is a collective over every rank, members or not, so every rank creates
+    every instance of every group (``within:2`` at 8 ranks: {0,1}, {2,3}, {4,5}, {6,7}), in one
+    order: the names sorted, each name's instances by their lowest rank. Created once, before the
+    first step, with the default group's timeout: a dead peer fails a subgroup's collective as
+    soon as the default group's."""
+
+    def __init__(self, names, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.by_name: dict[str, object] = {ALL: None}
+        wanted = sorted(set(names) - {ALL})
+        if not wanted:
+            return
+        timeout = datetime.timedelta(seconds=shm.group_timeout(dist.group.WORLD))
+        for name in wanted:
+            for members in group_members(name, world):
+                made = dist.new_group(members, timeout=timeout)
+                if rank in members:
+                    self.by_name[name] = made
+        if dist.get_backend() == "gloo":
+            calm_gloo_loops(wait_s=0.1)       # the new groups' event-loop threads too
+
+    @classmethod
+    def of_graph(cls, graph, rank: int, world: int) -> "CollectiveGroups":
+        """The groups ``graph``'s collectives run over, and its shards' (checkpoints and exports
+        gather within the shard group even where no op of a step does)."""
+        names = {op.group for op in graph.ops if op.is_collective} | {graph.shard_group()}
+        secondary = graph.secondary_group()
+        return cls(names | ({secondary} if secondary else set()), rank, world)
+
+    def of(self, name: str):
+        """The process group of this rank's instance of ``name`` (None: the default group)."""
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise ValueError(f"rank {self.rank}: no process group was made for {name!r}") from None
 
 
 def leave_group() -> None:

@@ -290,7 +290,7 @@ def _set_up(pg) -> Pair | None:
     if not all(both):
         return None
     peer_rank = 1 - rank if pg is dist.group.WORLD else dist.get_global_rank(pg, 1 - rank)
-    return Pair(rank, peer_rank, peer_pid, mine, peer, _timeout_s(pg))
+    return Pair(rank, peer_rank, peer_pid, mine, peer, group_timeout(pg))
 
 
 def _all_gather_object(pg, obj) -> list:
@@ -299,7 +299,8 @@ def _all_gather_object(pg, obj) -> list:
     return every
 
 
-def _timeout_s(pg) -> float:
+def group_timeout(pg) -> float:
+    """Seconds a collective of ``pg`` waits for a peer (the group's own timeout)."""
     try:
         return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     except (AttributeError, RuntimeError):   # a torch without the private field: gloo's default

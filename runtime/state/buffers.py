@@ -79,6 +79,8 @@ class BufferTable:
             return lay.padded_numel
         if buf.kind == "param_shard":
             return lay.shard_numel
+        if buf.kind == "param_sec":      # hpZ's node-local shard
+            return self.flats[buf.unit].secondary.shard_numel
         if buf.kind == "grad_full":      # gradients cover the trainable parts (zdsl/model/layout.py)
             return lay.trainable_numel
         if buf.kind == "grad_shard":

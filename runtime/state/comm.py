@@ -2,8 +2,11 @@
 
 Gradients are averaged as DDP does: multiplied by 1/world just before they are reduced, then
 summed. :func:`plan_prescale` reads from the graph where each 1/world factor goes (after a
-backward, or inside a collective); the backward and :class:`Collectives` apply it. Collectives
-run on the default process group, issued with ``async_op=True``.
+backward, or inside a collective); the backward and :class:`Collectives` apply it. Where a
+gradient is reduce-scattered within a shard group and its shard then all-reduced across the
+group's replicas (HSDP, MiCS), the 1/world factor before the reduce-scatter is the only one: the
+two sums together are the sum over every rank. Each collective runs on the process group of its
+op's group (``Op.group``), issued with ``async_op=True``.
 """
 from __future__ import annotations
 
@@ -100,39 +103,58 @@ def plan_prescale(graph: TaskGraph, world: int, error: Callable[[Op, str], State
 
 
 class Collectives:
-    """Issues one rank's collectives on its buffers."""
+    """Issues one rank's collectives on its buffers, each over its op's group (``groups``: the
+    process groups of ``runtime/dist/group.py``; None: every collective on the default group)."""
 
-    def __init__(self, table: BufferTable, world: int, prescale: Prescale):
-        self.table, self.world, self.prescale = table, world, prescale
+    def __init__(self, table: BufferTable, world: int, prescale: Prescale, groups=None):
+        self.table, self.world, self.prescale, self.groups = table, world, prescale, groups
+
+    def group_of(self, op: Op):
+        return None if self.groups is None else self.groups.of(op.group)
 
     def start(self, op: Op) -> Collective:
-        table = self.table
         if op.kind == "comm.all_reduce":
-            name = op.writes[0] if op.writes else op.reads[0]
-            slot = table.read(name, op)
-            if slot.buf.kind == "norm":
-                return Collective(collectives.all_reduce(slot.tensor, async_op=True))
-            t = slot.tensor
-            if slot.buf.kind != "grad_full":
-                raise table.error(op, f"all-reduce of {name} is not defined")
-            a, b = table.flats[op.unit].layout.full_range(op.part)
-            if op.id in self.prescale.in_collective:
-                t[a:b].mul_(1.0 / self.world)
-            return Collective(collectives.all_reduce(t[a:b], async_op=True))
-        src_name = next(n for n in op.reads if n != "token")
-        dst_name = next(n for n in op.writes if n != "token")
-        src = table.read(src_name, op).tensor
-        fp = table.flats[op.unit]
+            return self.all_reduce(op)
+        table = self.table
+        src = table.read(next(n for n in op.reads if n != "token"), op)
+        writes = [n for n in op.writes if n != "token"]
+        fp, group = table.flats[op.unit], self.group_of(op)
         if op.kind == "comm.all_gather":
-            dst = table.write(dst_name, op)
-            return Collective(fp.gather(op.part, dst, src, None, async_op=True))
+            dst = table.write(writes[0], op)
+            if src.buf.kind == "param_sec":      # hpZ: within the node, from the secondary shard
+                return Collective(fp.gather_secondary(op.part, dst, src.tensor, group, async_op=True))
+            work = fp.gather(op.part, dst, src.tensor, group, async_op=True)
+            if len(writes) == 1:
+                return Collective(work)
+            sec = table.write(writes[1], op)     # hpZ: keep this rank's node-local slice of the result
+            return Collective(work, lambda: fp.keep_secondary(op.part, dst, sec))
         if op.kind == "comm.reduce_scatter":
-            dst = table.write(dst_name, op)
-            if not op.accumulate:
-                return Collective(fp.reduce_scatter(op.part, dst, src, None, async_op=True))
-            c, d = fp.layout.shard_range(op.part)
-            tmp = torch.empty(d - c, dtype=dst.dtype, device=dst.device)
-            work = collectives.reduce_scatter(tmp, src[slice(*fp.layout.full_range(op.part))],
-                                              async_op=True)
-            return Collective(work, lambda: dst[c:d].add_(tmp))
+            return self.reduce_scatter(op, fp, src.tensor, table.write(writes[0], op), group)
         raise table.error(op, "not a collective")
+
+    def all_reduce(self, op: Op) -> Collective:
+        """The norm; a full gradient (stage 0, as DDP); a gradient shard across its replicas."""
+        table, group = self.table, self.group_of(op)
+        name = op.writes[0] if op.writes else op.reads[0]
+        slot = table.read(name, op)
+        t = slot.tensor
+        if slot.buf.kind == "norm":
+            return Collective(collectives.all_reduce(t, group=group, async_op=True))
+        if slot.buf.kind == "grad_shard":
+            c, d = table.flats[op.unit].layout.shard_range(op.part)
+            return Collective(collectives.all_reduce(t[c:d], group=group, async_op=True))
+        if slot.buf.kind != "grad_full":
+            raise table.error(op, f"all-reduce of {name} is not defined")
+        a, b = table.flats[op.unit].layout.full_range(op.part)
+        if op.id in self.prescale.in_collective:
+            t[a:b].mul_(1.0 / self.world)
+        return Collective(collectives.all_reduce(t[a:b], group=group, async_op=True))
+
+    def reduce_scatter(self, op: Op, fp, src, dst, group) -> Collective:
+        if not op.accumulate:
+            return Collective(fp.reduce_scatter(op.part, dst, src, group, async_op=True))
+        c, d = fp.layout.shard_range(op.part)
+        tmp = torch.empty(d - c, dtype=dst.dtype, device=dst.device)
+        work = collectives.reduce_scatter(tmp, src[slice(*fp.layout.full_range(op.part))], group=group,
+                                          async_op=True)
+        return Collective(work, lambda: dst[c:d].add_(tmp))

@@ -21,6 +21,10 @@ Frozen parameters (``freeze``, ``UnitInfo.frozen``) stay in the flat buffer (gat
 the rest) but do not require grad, so autograd never computes their gradient, and have no
 gradient view.
 
+Shards are of the unit's shard group (``TaskGraph.shard_group``: every rank, or HSDP's node,
+MiCS's group): ``rank`` is this rank's index in it and ``group`` its process group. hpZ's
+secondary shard is the same parts cut over the node (:meth:`FlatParam.set_secondary`).
+
 Tied parameters (a unit reading another unit's parameter) need nothing here:
 the user's module reads the owner's parameter object, whose view points into
 the owner's buffer; the state routes the user's gradient to the owner.
@@ -99,13 +103,16 @@ class FlatParam:
     """
 
     def __init__(self, module: nn.Module, layout: FlatLayout, rank: int, dtype: torch.dtype,
-                 grad_dtype: torch.dtype, device: torch.device, frozen: list[int] | None = None):
+                 grad_dtype: torch.dtype, device: torch.device, frozen: list[int] | None = None, group=None):
         self.names = [n for n, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
         numel = sum(p.numel() for p in self.params)
         if numel != layout.numel:
             raise ValueError(f"the module has {numel} parameters, the compiled graph expects {layout.numel}")
-        self.layout, self.rank, self.dtype = layout, rank, dtype
+        self.layout, self.rank, self.dtype = layout, rank, dtype     # rank: this rank's shard, in its group
+        self.group = group                  # the shard group's process group (None: every rank)
+        self.secondary: FlatLayout | None = None                    # hpZ: the layout over the node
+        self.secondary_rank = 0
         self.offsets, logical = [], 0
         for p in self.params:
             self.offsets.append(to_flat(layout, logical, p.numel()))
@@ -156,15 +163,38 @@ class FlatParam:
         """This rank's shard of a full-size flat buffer, as a new contiguous tensor."""
         return torch.cat(self.owned(flat))
 
+    def set_secondary(self, ranks: int, rank: int) -> None:
+        """hpZ: the secondary shard is the same parts cut over ``ranks`` (the node); ``rank`` is this
+        rank's index there."""
+        self.secondary = FlatLayout(self.layout.numel, ranks, self.layout.parts, self.layout.part_numel,
+                                    self.layout.frozen_parts, self.layout.frozen_part_numel, self.layout.runs)
+        self.secondary_rank = rank
+
+    def keep_secondary(self, part: int, full: torch.Tensor, secondary: torch.Tensor) -> None:
+        """Copy this rank's node-local slice of one gathered part of ``full`` into ``secondary``."""
+        lay = self.secondary
+        a, b = lay.full_range(part)
+        n = (b - a) // lay.ranks
+        c, _ = lay.shard_range(part)
+        secondary[c:c + n].copy_(full[a + self.secondary_rank * n:a + (self.secondary_rank + 1) * n])
+
     # -- collectives ---------------------------------------------------------------
+    # ``group`` None is the unit's shard group (``self.group``): what every gather and reduce-scatter
+    # of its primary shard runs over.
     def gather(self, part: int, out: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
-        """All-gather one part of ``shard`` (every rank's) into ``out`` (full size)."""
+        """All-gather one part of ``shard`` (every rank's of the group) into ``out`` (full size)."""
         a, b = self.layout.full_range(part)
         c, d = self.layout.shard_range(part)
-        return collectives.all_gather(out[a:b], shard[c:d], group=group, async_op=async_op)
+        return collectives.all_gather(out[a:b], shard[c:d], group=group or self.group, async_op=async_op)
+
+    def gather_secondary(self, part: int, out: torch.Tensor, secondary: torch.Tensor, group, async_op: bool):
+        """hpZ: all-gather one part of the node's secondary shards into ``out`` (full size)."""
+        a, b = self.secondary.full_range(part)
+        c, d = self.secondary.shard_range(part)
+        return collectives.all_gather(out[a:b], secondary[c:d], group=group, async_op=async_op)
 
     def reduce_scatter(self, part: int, out_shard: torch.Tensor, grad: torch.Tensor, group, async_op: bool):
         """Reduce-scatter one part of the full gradient ``grad`` into ``out_shard``'s part."""
         a, b = self.layout.full_range(part)
         c, d = self.layout.shard_range(part)
-        return collectives.reduce_scatter(out_shard[c:d], grad[a:b], group=group, async_op=async_op)
+        return collectives.reduce_scatter(out_shard[c:d], grad[a:b], group=group or self.group, async_op=async_op)

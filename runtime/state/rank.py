@@ -31,6 +31,8 @@ import torch.nn as nn
 from zdsl.ir import Buffer
 from zdsl.ir import Op
 from zdsl.ir import TaskGraph
+from zdsl.ir import group_size
+from zdsl.runtime.dist.group import CollectiveGroups
 from zdsl.runtime.models.batch import Batch
 from zdsl.runtime.models.protocol import tied_indices
 from zdsl.runtime.state.buffers import ACT_KINDS
@@ -85,6 +87,7 @@ class RankState:
                     raise StateError(f"rank {rank}: unit {user} reads a parameter of unit {owner} (tied), "
                                      f"but the graph does not list that use")
         check_step_outputs(graph, self.table.error)
+        self.groups = CollectiveGroups.of_graph(graph, rank, world)     # before any unit gathers
         self._build_units(model, modules)
         for module in (model, *modules):   # non-parameter buffers (masks, tables) go where the compute runs
             for sub in module.modules():
@@ -93,7 +96,7 @@ class RankState:
                         sub._buffers[key] = value.to(self.device)
 
         self.prescale = plan_prescale(graph, world, self.table.error)
-        self.collectives = Collectives(self.table, world, self.prescale)
+        self.collectives = Collectives(self.table, world, self.prescale, self.groups)
         self.compute = Compute(graph, self.table, self.transfers, modules, tied, world, self.prescale,
                                self.opt_config.get("clip"), prepare=getattr(model, "prepare", None))
 
@@ -104,6 +107,9 @@ class RankState:
         a lazily built model (too large for host memory) gets its values one unit at a time
         here, so start-up then holds one unit beyond the state."""
         graph, rank, world = self.graph, self.rank, self.world
+        # a unit has a shard per rank of its shard group (HSDP's node, MiCS's group, else every rank)
+        shards, secondary = graph.shard_ranks(), graph.secondary_group()
+        shard, group = rank % shards, self.groups.of(graph.shard_group())
         grad_dtypes = {}
         for b in graph.buffers.values():
             if b.kind in ("grad_full", "grad_shard") and b.unit is not None:
@@ -112,20 +118,22 @@ class RankState:
         for info, module in zip(graph.units, modules):
             if lazy:
                 model.materialize_unit(info.index)
-            lay = layout_of(info.numel, info.padded_numel, info.parts, world, info)
+            lay = layout_of(info.numel, info.padded_numel, info.parts, shards, info)
             try:
-                fp = FlatParam(module, lay, rank, self.dtype, grad_dtypes.get(info.index, self.dtype), self.device,
-                               frozen=info.frozen)
+                fp = FlatParam(module, lay, shard, self.dtype, grad_dtypes.get(info.index, self.dtype), self.device,
+                               frozen=info.frozen, group=group)
             except ValueError as exc:
                 raise StateError(f"rank {rank}: unit {info.index} ({info.name}): {exc}") from None
+            if secondary is not None:
+                fp.set_secondary(group_size(secondary, world), rank % group_size(secondary, world))
             self.table.flats.append(fp)
             trainable = range(lay.trainable_parts if info.trains else 0)       # frozen: no optimizer state
             ranges = ([lay.full_range(p) for p in trainable] if self.stage == 0   # stage 0: whole unit
                       else [lay.shard_range(p) for p in trainable])
             whole = self.stage == 0
             opt = UnitOptimizer(self.opt_config, ranges, master=info.master,
-                                decay=segment_decay(info.decay, lay, rank, whole),
-                                frozen=segment_decay(fp.frozen_ranges(), lay, rank, whole) if info.frozen else None)
+                                decay=segment_decay(info.decay, lay, shard, whole),
+                                frozen=segment_decay(fp.frozen_ranges(), lay, shard, whole) if info.frozen else None)
             for p in opt.params:    # placeholders (each step points them at the real slices): a
                 p.data = torch.empty(0)   # shard-size fp32 zero per unit would be 4 bytes/param held
             self.table.optims.append(opt)
