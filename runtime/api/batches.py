@@ -33,7 +33,7 @@ class Compiled:
         rows = schedule.train.batch
         data = schedule.data
         if data is not None and data.kind == "python":
-            from zdsl.runtime.models.sizing import sizing_inputs
+            from zdsl.runtime.sizing import sizing_inputs
             _, (inputs, labels), _ = sizing_inputs(data)
             return cls(rows, tuple(inputs.shape[1:]), inputs.dtype, tuple(labels.shape[1:]), labels.dtype,
                        f'each row as data python("{data.source}") gives it')

@@ -232,8 +232,8 @@ def sizing_hook(given: nn.Module, units_for):
 
 def size_given(given: nn.Module, context: int | None, data) -> list:
     """The compiler's units of ``given``: a meta copy traced as a named model would be."""
-    from zdsl.runtime.models.sizing import model_unit_specs
-    from zdsl.runtime.models.sizing import sizing_inputs
+    from zdsl.runtime.sizing import model_unit_specs
+    from zdsl.runtime.sizing import sizing_inputs
     context, sample, masked = sizing_inputs(data, context, data.args.get("context") if data is not None else None)
     name = getattr(given, "given", type(given).__name__)
     return model_unit_specs(meta_copy(given), f"model={name}", context, sample=sample, masked=masked)

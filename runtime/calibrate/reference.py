@@ -143,7 +143,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     import torch
     import trio
 
-    from zdsl.runtime.run.guard import run_stoppable
+    from zdsl.runtime.proc.guard import run_stoppable
     compiled = reference_graph(world, device.type, width, True, 3)
     graph = compiled.graph
     state, step = _stepper(compiled, device, rank, world)
@@ -195,7 +195,7 @@ def measure_variants(device, s: Settings, rank: int, world: int, steps: int) -> 
     name (the reference's: ``"reference"``)."""
     import trio
 
-    from zdsl.runtime.run.guard import run_stoppable
+    from zdsl.runtime.proc.guard import run_stoppable
     kinds = (("reference", True, 3), *VARIANTS)
     steppers = {name: _stepper(reference_graph(world, device.type, REFERENCE_WIDTH, clip, stage), device, rank,
                               world)[1]

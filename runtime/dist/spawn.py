@@ -7,7 +7,7 @@ its group from the environment. Its return value, or its error and traceback, co
 through a file, so a rank that fails is named with its own words.
 
 A rank never outlives its parent: it guards itself as every zdsl rank does
-(:func:`zdsl.runtime.run.guard.guard_rank`: SIGTERM, SIGHUP or its parent gone, even by
+(:func:`zdsl.runtime.proc.guard.guard_rank`: SIGTERM, SIGHUP or its parent gone, even by
 SIGKILL, stop it within seconds), and the ranks still running when the caller leaves
 :class:`LocalRanks`, or after one failed, are stopped.
 
@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 
 from zdsl import env
-from zdsl.runtime.run.guard import guard_rank
+from zdsl.runtime.proc.guard import guard_rank
 
 MASTER_ADDR = "127.0.0.1"
 STOP_WAIT_S = 4.0        # after SIGTERM to a rank, before SIGKILL (the launcher's too)

@@ -24,7 +24,7 @@ A ``TorchDispatchMode`` stamps every aten op's storage reads and writes (written
 the schema marks mutable, and fresh outputs; read: the other tensor arguments; views: neither)
 on the simulated stream of the thread that runs it; a collective's (``c10d``) on NCCL's stream.
 The host's own accesses (NVMe transfers, the native AdamW step) come through
-``runtime/exec/host_access.py``. The buffer table's allocations and frees feed the allocator
+``runtime/io/host_access.py``. The buffer table's allocations and frees feed the allocator
 model, and its ``record_current_stream`` calls are the streams recorded on a freed block
 (``record_streams=False`` models a free path without them).
 
@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zdsl import env
 from zdsl.ir import Op
 from zdsl.ir import TaskGraph
-from zdsl.runtime.exec import host_access
+from zdsl.runtime.io import host_access
 from zdsl.runtime.exec.errors import describe_op
 from zdsl.runtime.exec.hb_model import Block
 from zdsl.runtime.exec.hb_model import Clocks
@@ -251,7 +251,7 @@ class HBChecker:
             self._stamp(reads, writes, fresh)
 
     def stamp_host(self, reads, writes) -> None:
-        """runtime/exec/host_access.py's observer: the host itself reads/writes these tensors."""
+        """runtime/io/host_access.py's observer: the host itself reads/writes these tensors."""
         self._stamp(list(reads), list(writes), [])
 
     def _stamp(self, reads, writes, fresh, agent: str | None = None) -> None:
@@ -496,33 +496,3 @@ def run_streams(graph: TaskGraph, device: torch.device, state, rank: int, timing
     with HBChecker(graph, state, rank) as checker:
         checker.timing = timing
         yield checker
-
-
-def check_steps(graph: TaskGraph, schedule, rank: int = 0, world: int = 1, steps: int = 1,
-                record_streams: bool = True, seen_as: TaskGraph | None = None) -> HBChecker:
-    """Run ``steps`` steps of ``graph`` on this CPU rank (its process group joined) under the
-    checker, as ``zdsl run`` would with ``ZDSL_HB_CHECK=1``; raises :class:`HBRaceError` at the
-    first step with a race. ``seen_as``: the graph the checker orders by, if not ``graph``."""
-    import trio
-    from zdsl.runtime.data import make_batch
-    from zdsl.runtime.exec.executor import Executor
-    from zdsl.runtime.models.batch import as_batch
-    from zdsl.runtime.models.protocol import build_model
-    from zdsl.runtime.state.rank import RankState
-    from zdsl.runtime.run.guard import run_stoppable
-    train = graph.config["train"]
-    torch.manual_seed(train["seed"])
-    model = build_model(schedule.model, seed=train["seed"], lazy=True)
-    state = RankState(graph, model, rank=rank, world=world, device=torch.device("cpu"))
-    try:
-        with HBChecker(seen_as or graph, state, rank, record_streams) as checker:
-            executor = Executor(graph, state, rank, streams=checker)
-            for step in range(steps):
-                batches = [as_batch(make_batch(schedule.data, train["seed"], step, m, rank, world, train["batch"]))
-                           for m in range(train["accumulate"])]
-                state.step_begin(step, batches)
-                trio.run(run_stoppable, executor.run_step)
-                state.step_end()
-    finally:
-        state.close_swap()
-    return checker

@@ -42,7 +42,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import trio
 
-from zdsl.runtime.exec.host_access import host_access
+from zdsl.runtime.io.host_access import host_access
 from zdsl.runtime.io import checksum
 from zdsl.runtime.io.aligned import ALIGN, HUGE_PAGE, AlignedPool, is_aligned, round_up
 from zdsl.runtime.io.directio import TruncatedFile, open_direct, pread_full, pwrite_all

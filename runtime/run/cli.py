@@ -57,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     if env.raw("RANK") is None:
         return run_command(argv)
-    from zdsl.runtime.run.guard import Stopped
-    from zdsl.runtime.run.guard import guard_rank
-    from zdsl.runtime.run.guard import report_stop
+    from zdsl.runtime.proc.guard import Stopped
+    from zdsl.runtime.proc.guard import guard_rank
+    from zdsl.runtime.proc.guard import report_stop
     guard_rank()                  # first, before any thread starts: SIGTERM, SIGHUP, a launcher gone
     try:
         return run_command(argv)
@@ -191,9 +191,9 @@ def leave(code: int) -> None:
 
 
 def run_one_rank(compiled, args) -> int:
-    from zdsl.runtime.run.guard import Stopped
-    from zdsl.runtime.run.guard import report_stop
-    from zdsl.runtime.run.guard import stop_requested
+    from zdsl.runtime.proc.guard import Stopped
+    from zdsl.runtime.proc.guard import report_stop
+    from zdsl.runtime.proc.guard import stop_requested
     from zdsl.runtime.run.progress import Reporter
     from zdsl.runtime.run.train import LaunchError
     from zdsl.runtime.run.train import RunOptions

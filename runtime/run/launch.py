@@ -17,7 +17,7 @@ rank hang or outlive it:
 * SIGTERM, SIGHUP or SIGINT to the launcher stops every rank; the launcher
   says so and exits 128 + the signal.
 
-In a rank, :func:`zdsl.runtime.run.guard.guard_rank` stops the rank cleanly
+In a rank, :func:`zdsl.runtime.proc.guard.guard_rank` stops the rank cleanly
 on SIGTERM or SIGHUP (torchrun's agent forwards them) and when its launcher
 is gone, even by SIGKILL: whatever the rank's main thread is doing, it is gone
 a few seconds later.
@@ -40,14 +40,14 @@ from zdsl.runtime.dist.spawn import describe_exit
 from zdsl.runtime.dist.spawn import free_port
 from zdsl.runtime.dist.spawn import rank_env
 from zdsl.runtime.exec.errors import describe_op
-from zdsl.runtime.exec.board import BOARD_SLOTS
-from zdsl.runtime.exec.board import ISSUED
-from zdsl.runtime.exec.board import FIRST_LANE
-from zdsl.runtime.exec.board import LAST_DONE
-from zdsl.runtime.exec.board import STEP
-from zdsl.runtime.exec.board import STEP_DONE
-from zdsl.runtime.exec.board import new_board
-from zdsl.runtime.run.guard import STOP_SIGNALS
+from zdsl.runtime.proc.board import BOARD_SLOTS
+from zdsl.runtime.proc.board import ISSUED
+from zdsl.runtime.proc.board import FIRST_LANE
+from zdsl.runtime.proc.board import LAST_DONE
+from zdsl.runtime.proc.board import STEP
+from zdsl.runtime.proc.board import STEP_DONE
+from zdsl.runtime.proc.board import new_board
+from zdsl.runtime.proc.guard import STOP_SIGNALS
 
 GRACE_S = 3.0            # after a rank failed: for the others to fail on their own
 POLL_S = 0.05

@@ -28,10 +28,10 @@ from zdsl.runtime.dist.collectives import check_settings
 from zdsl.runtime.dist.group import init_group, leave_group
 from zdsl.runtime.exec.executor import Executor
 from zdsl.runtime.exec.executor import StepRecord
-from zdsl.runtime.exec.board import STEP
-from zdsl.runtime.exec.board import STEP_DONE
-from zdsl.runtime.exec.board import rank_board
-from zdsl.runtime.run.guard import run_stoppable
+from zdsl.runtime.proc.board import STEP
+from zdsl.runtime.proc.board import STEP_DONE
+from zdsl.runtime.proc.board import rank_board
+from zdsl.runtime.proc.guard import run_stoppable
 from zdsl.runtime.exec.hb_check import run_streams
 from zdsl.runtime.offload.host_adam import limit_host_threads
 from zdsl.runtime.models.batch import as_batch

@@ -29,7 +29,7 @@ PACKAGES = {"zdsl": ROOT / "zdsl", "zdsl.runtime": ROOT / "runtime"}   # as pypr
 DELEGATIONS = {
     # a user's own torch model is sized by building it on the meta device, which needs torch;
     # check and plan of the built-in GPT never get there (tests/compiler/test_no_torch.py)
-    ("zdsl.compile.models", "zdsl.runtime.models.sizing"),
+    ("zdsl.compile.models", "zdsl.runtime.sizing"),
     # zdsl.initialize and zdsl.units are the Python API's entry points, a user's first import;
     # they bring in the runtime (torch) only when called, so `import zdsl` stays torch-free
     ("zdsl", "zdsl.runtime.api"),
@@ -49,6 +49,32 @@ LAYERS = (
     ("zdsl.tune",),                    # measured choices between schedules
     ("zdsl.cli", "zdsl"),              # the commands; the package's entry points
 )
+
+# The runtime's packages, lowest first, likewise (a module of runtime/ itself is its own layer).
+RUNTIME_LAYERS = (
+    ("zdsl.runtime.io",),              # aligned buffers, direct I/O, checksums, host access stamps
+    ("zdsl.runtime.proc",),            # a rank's process: guard, progress board, fault injection
+    ("zdsl.runtime.dist",),            # process groups, collectives, the local rank spawner
+    ("zdsl.runtime.models",),          # the unit protocol, the built-in GPT, Hugging Face models
+    ("zdsl.runtime.data",),            # batches from each source kind
+    ("zdsl.runtime.sizing",),          # a model sized on the meta device with a row of its data
+    ("zdsl.runtime.offload",),         # the NVMe swapper, the host AdamW
+    ("zdsl.runtime.state",),           # a rank's buffers and what each op does to them
+    ("zdsl.runtime.exec",),            # lanes as trio tasks, the happens-before checker
+    ("zdsl.runtime.checkpoint",),      # sharded checkpoints and export
+    ("zdsl.runtime.run",),             # zdsl run: launch, pre-flight, the training loop
+    ("zdsl.runtime.calibrate",),       # microbenchmarks that write a machine statement
+    ("zdsl.runtime.api",),             # a user's own loop under a schedule
+)
+
+
+def runtime_layer_of(module: str) -> int | None:
+    """The index in RUNTIME_LAYERS of a runtime module's package; None outside the runtime and for
+    the runtime package's own ``__init__``."""
+    for i, (package,) in enumerate(RUNTIME_LAYERS):
+        if module == package or module.startswith(package + "."):
+            return i
+    return None
 
 
 def layer_of(module: str) -> int | None:
@@ -188,6 +214,21 @@ def test_the_compiler_imports_downward_only():
     up = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
                 if layer_of(m) is not None and layer_of(t) is not None and layer_of(t) > layer_of(m))
     assert not up, "imports against LAYERS (move the shared piece down, or the importer up):\n  " + "\n  ".join(up)
+
+
+def test_the_runtime_imports_downward_only():
+    graph = import_graph()
+    up = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                if runtime_layer_of(m) is not None and runtime_layer_of(t) is not None
+                and runtime_layer_of(t) > runtime_layer_of(m))
+    assert not up, "imports against RUNTIME_LAYERS (move the shared piece down, or the importer up):\n  " + \
+        "\n  ".join(up)
+
+
+def test_runtime_layers_name_every_runtime_package():
+    modules = [m for m in import_graph() if m.startswith("zdsl.runtime.")]
+    unplaced = sorted(m for m in modules if runtime_layer_of(m) is None)
+    assert not unplaced, f"runtime modules in no layer: {unplaced}"
 
 
 def test_layers_name_every_compiler_package():

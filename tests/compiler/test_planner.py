@@ -443,7 +443,7 @@ def test_the_plan_sizes_activations_and_compute_by_the_data_context(tmp_path):
 
 def test_a_user_model_is_sized_at_the_data_context():
     pytest.importorskip("torch")
-    from zdsl.runtime.models.sizing import units_for_user_model
+    from zdsl.runtime.sizing import units_for_user_model
     program = str(ROOT / "programs" / "user_model.zs")
     for context in (8, 32):
         c = compile_file(program, {"data.context": str(context)}, simulate=False)

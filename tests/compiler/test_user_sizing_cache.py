@@ -45,7 +45,7 @@ def spec(folder, factory: str = "build", **args) -> ModelSpec:
 
 def no_runtime_sizing(monkeypatch):
     """Sizing through the runtime fails from here on: what comes back came from the cache."""
-    monkeypatch.setitem(sys.modules, "zdsl.runtime.models.sizing", None)
+    monkeypatch.setitem(sys.modules, "zdsl.runtime.sizing", None)
 
 
 def test_a_second_sizing_of_the_same_factory_is_the_first_ones_units(model, cache, monkeypatch):

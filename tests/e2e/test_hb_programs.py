@@ -21,7 +21,7 @@ def check_programs(rank: int, world: int, names: list[str]) -> dict[str, str | N
     """In each rank: every program's first step under the checker; its race report, or None."""
     from zdsl.driver import compile_file
     from zdsl.runtime.exec.hb_check import HBRaceError
-    from zdsl.runtime.exec.hb_check import check_steps
+    from zdsl.runtime.run.hb_steps import check_steps
     out = {}
     for name in names:
         compiled = compile_file(str(PROGRAMS / name), {"steps": "1", **TINY.get(name, {})}, simulate=False)

@@ -20,10 +20,10 @@ import pytest
 
 from zdsl.runtime.dist.spawn import free_port
 from zdsl.runtime.run import launch
-from zdsl.runtime.exec.board import BOARD_SLOTS
-from zdsl.runtime.exec.board import FIRST_LANE
-from zdsl.runtime.exec.board import STEP_DONE
-from zdsl.runtime.exec.board import map_board
+from zdsl.runtime.proc.board import BOARD_SLOTS
+from zdsl.runtime.proc.board import FIRST_LANE
+from zdsl.runtime.proc.board import STEP_DONE
+from zdsl.runtime.proc.board import map_board
 from zdsl.runtime.run.launch import Watch
 from zdsl.runtime.run.launch import describe_culprit
 from zdsl.runtime.run.launch import peer_lost_text

@@ -82,7 +82,7 @@ def _losses_on_lane_streams(traced: bool) -> list[float]:
     from zdsl.runtime.exec.streams import lane_streams
     from zdsl.runtime.models.batch import Batch
     from zdsl.runtime.models.protocol import build_model
-    from zdsl.runtime.models.sizing import units_for_user_model
+    from zdsl.runtime.sizing import units_for_user_model
     from zdsl.runtime.state.rank import RankState
     from zdsl.schedule import DataSpec, ModelSpec, OptimizerSpec, Schedule, TrainSpec
     spec = ModelSpec("gpt", dict(layers=2, width=64, heads=4, vocab=256, context=32))

@@ -2,7 +2,7 @@
 layers keep some tensors in fp32 (RMSNorm's upcast input and variance, the loss's fp32 logits and
 log-probabilities), which counting the saved elements at 2 bytes missed (a Llama's head: 14404
 planned against 24773 saved). Measured per unit on real bf16 weights with ``saved_tensors_hooks``,
-beside what meta-device sizing (``runtime/models/sizing.py``) reports for bf16."""
+beside what meta-device sizing (``runtime/sizing.py``) reports for bf16."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +15,7 @@ from zdsl.runtime.models.protocol import build_model
 from zdsl.runtime.models.protocol import call_unit
 from zdsl.runtime.models.protocol import check_model
 from zdsl.runtime.models.protocol import prepare_batch
-from zdsl.runtime.models.sizing import unit_specs
+from zdsl.runtime.sizing import unit_specs
 from zdsl.schedule import ModelSpec
 
 CONTEXT = 16

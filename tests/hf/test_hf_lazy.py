@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from zdsl.driver import compile_schedule
 from zdsl.runtime.models.hf import load
-from zdsl.runtime.models.sizing import unit_specs
+from zdsl.runtime.sizing import unit_specs
 from zdsl.runtime.state.rank import RankState
 from zdsl.schedule import DataSpec, ModelSpec, OptimizerSpec, Schedule, TrainSpec
 

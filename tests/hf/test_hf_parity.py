@@ -45,7 +45,7 @@ def make_schedule(folder, stage: int, steps: int, attn: str) -> Schedule:
 
 def zdsl_losses(rank: int, world: int, schedules: dict) -> dict[str, list[float]]:
     from zdsl.runtime.models.protocol import build_model
-    from zdsl.runtime.models.sizing import unit_specs
+    from zdsl.runtime.sizing import unit_specs
     from zdsl.runtime.state.rank import RankState
     out = {}
     for name, schedule in schedules.items():

@@ -27,7 +27,7 @@ def spec(folder, **args) -> ModelSpec:
 
 def no_runtime_sizing(monkeypatch):
     """Sizing through the runtime fails from here on: what comes back came from the cache."""
-    monkeypatch.setitem(sys.modules, "zdsl.runtime.models.sizing", None)
+    monkeypatch.setitem(sys.modules, "zdsl.runtime.sizing", None)
 
 
 def test_a_second_sizing_of_the_same_folder_is_the_first_ones_units(tmp_path, cache, monkeypatch):
@@ -75,7 +75,7 @@ def test_zdsl_check_of_a_sized_folder_imports_neither_torch_nor_transformers(tmp
 
 
 def test_a_sizing_that_fell_back_to_estimates_is_not_kept(tmp_path, cache, monkeypatch):
-    import zdsl.runtime.models.sizing as sizing
+    import zdsl.runtime.sizing as sizing
 
     def cannot_trace(*args, **kwargs):
         raise RuntimeError("data-dependent control flow")

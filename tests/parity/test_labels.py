@@ -88,7 +88,7 @@ def run_case(rank: int, world: int, model, stage, accumulate, recompute, make) -
     from zdsl.model.units import gpt_units
     from zdsl.driver import compile_schedule
     from zdsl.runtime.models.protocol import build_model
-    from zdsl.runtime.models.sizing import units_for_user_model
+    from zdsl.runtime.sizing import units_for_user_model
     from zdsl.runtime.state.rank import RankState
 
     sched = make_schedule(model, world, stage, accumulate, recompute)

@@ -37,7 +37,7 @@ def make_schedule(world: int, stage: int, accumulate: int, recompute) -> Schedul
 def run_case(rank: int, world: int, stage: int, accumulate: int, recompute) -> dict:
     from zdsl.driver import compile_schedule
     from zdsl.runtime.models.protocol import build_model
-    from zdsl.runtime.models.sizing import units_for_user_model
+    from zdsl.runtime.sizing import units_for_user_model
     from zdsl.runtime.state.rank import RankState
 
     sched = make_schedule(world, stage, accumulate, recompute)

@@ -30,7 +30,7 @@ def _gpt_rank(stage: int, clip=None, placement=None):
     """A 2-layer GPT's graph and one rank's state on the CPU."""
     from zdsl.driver import compile_schedule
     from zdsl.runtime.models.protocol import build_model
-    from zdsl.runtime.models.sizing import units_for_user_model
+    from zdsl.runtime.sizing import units_for_user_model
     from zdsl.runtime.state.rank import RankState
     from zdsl.schedule import DataSpec, ModelSpec, OptimizerSpec, Schedule, TrainSpec
     spec = ModelSpec("gpt", dict(layers=2, width=16, heads=2, vocab=64, context=16))

@@ -204,7 +204,7 @@ def test_defines_reads_the_top_level_of_the_source(tmp_path):
 
 
 def test_a_user_model_is_sized_from_one_row_of_the_functions_tensors():
-    from zdsl.runtime.models.sizing import units_for_user_model
+    from zdsl.runtime.sizing import units_for_user_model
     model = ModelSpec("user", dict(features=12, hidden=32, classes=5, layers=1), factory=f"{CLASSIFIER}:build")
     data = DataSpec("python", f"{CLASSIFIER}:batches", {"features": 12, "classes": 5})
     with warnings.catch_warnings():

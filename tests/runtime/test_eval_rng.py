@@ -35,7 +35,7 @@ def train(stage: int, evaluate: bool) -> dict:
     from zdsl.runtime.exec.executor import Executor
     from zdsl.runtime.models.batch import as_batch
     from zdsl.runtime.models.protocol import build_model
-    from zdsl.runtime.models.sizing import units_for_user_model
+    from zdsl.runtime.sizing import units_for_user_model
     from zdsl.runtime.run.evaluate import Evaluator
     from zdsl.runtime.state.rank import RankState
 

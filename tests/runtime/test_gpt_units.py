@@ -13,7 +13,7 @@ from zdsl.runtime.models.protocol import ModelProtocolError
 from zdsl.runtime.models.protocol import build_model
 from zdsl.runtime.models.protocol import check_model
 from zdsl.runtime.models.protocol import load_factory
-from zdsl.runtime.models.sizing import unit_specs
+from zdsl.runtime.sizing import unit_specs
 
 CONFIGS = [dict(layers=2, width=32, heads=2, vocab=64, context=16),
            dict(layers=3, width=48, heads=4, vocab=256, context=24),
@@ -185,7 +185,7 @@ def test_a_user_models_kernels_counted_on_meta_are_those_it_runs_on_cpu(model_fi
 
 
 def test_a_model_whose_backward_cannot_run_on_meta_keeps_its_forward_figures(model_file):
-    from zdsl.runtime.models.sizing import ESTIMATED_KERNELS
+    from zdsl.runtime.sizing import ESTIMATED_KERNELS
     spec = ModelSpec("user", {}, factory=f"{model_file.name}:no_backward")
     with pytest.warns(UserWarning, match="kernel counts are estimates"):
         specs = unit_specs(spec, context=4, base_dir=model_file.parent)
@@ -199,7 +199,7 @@ def test_builtin_gpt_sizing_is_the_analytic_one():
 
 
 def test_the_compiler_entry_point_reads_the_context_from_the_factory_arguments(model_file):
-    from zdsl.runtime.models.sizing import units_for_user_model
+    from zdsl.runtime.sizing import units_for_user_model
     spec = ModelSpec("user", {"hidden": 8}, factory=f"{model_file}:build")
     assert units_for_user_model(spec)[1].input_elems_per_seq == 64 * 8
     assert units_for_user_model(spec, context=4)[1].input_elems_per_seq == 4 * 8

@@ -12,7 +12,7 @@ import torch
 
 from zdsl.ir import TaskGraph
 from zdsl.runtime.exec.hb_check import HBRaceError
-from zdsl.runtime.exec.hb_check import check_steps
+from zdsl.runtime.run.hb_steps import check_steps
 from zdsl.schedule import DataSpec, ModelSpec, OptimizerSpec, Schedule, TrainSpec
 
 ZERO1_GRAPH = Path(__file__).parent.parent / "data" / "zero1_race_graph.json"
@@ -118,7 +118,7 @@ def test_the_test_schedules_have_no_race_as_if_on_cuda(tmp_path, one_rank_group,
 
 def test_host_accesses_outside_aten_are_stamped_only_while_a_checker_runs(tmp_path, one_rank_group):
     """An NVMe read writes its output with no aten op: the hook stamps it on the caller's lane."""
-    from zdsl.runtime.exec import host_access
+    from zdsl.runtime.io import host_access
     from zdsl.runtime.exec.hb_check import HBChecker
     from zdsl.runtime.offload.swap import Swapper
     assert host_access.observer is None

@@ -107,8 +107,8 @@ def test_every_swappers_transfers_are_stamped_for_the_stream_checker(tmp_path, g
     """The CPU stream checker sees each placement's swapper's reads and writes (host_access), and a
     schedule with a swapper per state and a striped one checks clean."""
     from zdsl.driver import compile_file
-    from zdsl.runtime.exec.hb_check import check_steps
-    from zdsl.runtime.exec.host_access import host_access
+    from zdsl.runtime.run.hb_steps import check_steps
+    from zdsl.runtime.io.host_access import host_access
     from zdsl.runtime.offload import swap
     stamped = []
 

@@ -7,7 +7,7 @@ import sys
 
 RANK = """
 import os, signal, time, trio
-from zdsl.runtime.run import guard
+from zdsl.runtime.proc import guard
 
 guard.guard_rank()
 

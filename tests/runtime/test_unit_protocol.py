@@ -70,7 +70,7 @@ def test_batch_positions_default_to_0_to_T_in_every_row_and_move_with_to():
 def _single_rank(spec, stage: int = 0, accumulate: int = 1, recompute=()):
     from zdsl.driver import compile_schedule
     from zdsl.runtime.models.protocol import build_model
-    from zdsl.runtime.models.sizing import units_for_user_model
+    from zdsl.runtime.sizing import units_for_user_model
     from zdsl.runtime.state.rank import RankState
     from zdsl.schedule import DataSpec, OptimizerSpec, Schedule, TrainSpec
     sched = Schedule(name="protocol", model=spec, data=DataSpec("synthetic", None, {"vocab": 64, "context": 16}),
@@ -166,7 +166,7 @@ def test_a_model_taking_the_batch_is_sized_on_meta_with_prepare_as_it_runs():
     import warnings
     from user_models import BATCHED_FACTORY, build_batched
     from zdsl.runtime.models.kernel_count import model_kernels
-    from zdsl.runtime.models.sizing import unit_specs
+    from zdsl.runtime.sizing import unit_specs
     from zdsl.schedule import ModelSpec
     with warnings.catch_warnings():
         warnings.simplefilter("error")      # a unit that cannot run on meta would warn and estimate

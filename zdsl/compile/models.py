@@ -67,10 +67,10 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
         if units is not None:
             return units
         try:   # torch (and transformers for hf): only for models built to be sized
-            from zdsl.runtime.models.sizing import units_for_user_model
+            from zdsl.runtime.sizing import units_for_user_model
         except ImportError as exc:
             raise ModelSizingError(
-                f"sizing this model needs the runtime (zdsl.runtime.models.sizing): {exc}") from exc
+                f"sizing this model needs the runtime (zdsl.runtime.sizing): {exc}") from exc
         if key is None:                   # not kept: sized as it always was, warnings untouched
             return units_for_user_model(spec, context, data=data)
         with warnings.catch_warnings(record=True) as said, sizing_cache.files_read(spec) as read:
