@@ -41,7 +41,17 @@ class SaveCost:
 
 
 def graph_layouts(graph: TaskGraph) -> list[FlatLayout]:
-    return [unit_layout(u, graph.ranks) for u in graph.units]
+    """Each unit's layout, a shard per rank of its shard group (every rank; HSDP's node, MiCS's group)."""
+    return [unit_layout(u, graph.shard_ranks()) for u in graph.units]
+
+
+def replica_shards(shards: dict, rank: int, graph: TaskGraph) -> dict:
+    """What ``rank`` writes of its ``shards``: all of them on the first replica of each shard (ranks
+    below the shard group's size), only its per-rank state (random state, buffers) on the others,
+    so a checkpoint holds each shard once, in the one format a flat run writes."""
+    if rank < graph.shard_ranks():
+        return shards
+    return {key: t for key, t in shards.items() if parse_shard_key(key) is None}
 
 
 def data_position(graph: TaskGraph, next_step: int) -> dict:
@@ -89,7 +99,7 @@ class Checkpointer:
         """Copy shards to host now; write them in the background."""
         t0 = time.perf_counter()
         self.wait()
-        shards = state.shard_state()
+        shards = replica_shards(state.shard_state(), self.rank, self.graph)
         shards[RNG_KEY] = torch.get_rng_state()
         if state.device.type == "cuda":
             shards[CUDA_RNG_KEY] = torch.cuda.get_rng_state(state.device)

@@ -12,6 +12,10 @@ parameters, see zdsl/model/layout.py); the step, the schedule's hash, the data p
 and per file its size and a CRC-32 per tensor. The index carries a SHA-256
 digest of its own content, so an edited index is refused too.
 
+A unit's layout may have fewer shards than the checkpoint has ranks (a shard group: HSDP's
+node, MiCS's group): the first replica of each shard, ranks 0..S-1, write the shards, the other
+ranks only their per-rank state, so the files read as a flat run of S ranks would have written them.
+
 Shard keys inside a rank file: ``u{i}.{kind}`` for flat shards of unit i
 (kind: ``param``, ``exp_avg``, ``exp_avg_sq``, ``momentum``, ``grad_accum``,
 ...; re-cut on load for another layout), anything else (``rng.cpu``,

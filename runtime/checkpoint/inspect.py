@@ -58,6 +58,10 @@ def describe(path: Path, index: Index, verified: bool = True) -> str:
         rows.append([str(i), u.name, u.prefix, str(len(u.params)), str(u.numel), str(u.layout.padded_numel),
                      str(u.parts), str(u.layout.shard_numel), " ".join(kinds.get(i, [])) or "-"])
     lines += ["  " + r for r in _table(rows)]
+    shards = index.units[0].ranks if index.units else index.ranks
+    if shards < index.ranks:
+        writers = "rank 0" if shards == 1 else f"ranks 0-{shards - 1}"
+        lines.append(f"  shards written by {writers}; the other ranks held replicas of them")
     total = sum(f.bytes for f in index.files)
     lines.append(f"  parameters {sum(u.numel for u in index.units)}, files {len(index.files)} "
                  f"({human_bytes(total)}): " + ", ".join(f"{f.name} {human_bytes(f.bytes)}" for f in index.files))

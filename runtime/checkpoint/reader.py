@@ -239,7 +239,8 @@ def iter_rank_shards(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout]
     """Yield (key, tensor) of rank ``rank`` of ``ranks``, unit by unit, re-cut to ``layouts``.
 
     Flat shards ``u{i}.{kind}`` come re-cut (any saved rank count, parts
-    or padding); per-rank state (``rng.*``) comes as saved by the same rank,
+    or padding); a layout of fewer shards than ranks (a shard group: HSDP's
+    node, MiCS's group) gives ``rank`` the shard of its index in its group; per-rank state (``rng.*``) comes as saved by the same rank,
     and is absent when that rank did not exist in the saved run.
     ``kinds`` restricts which state kinds are loaded (default all).
     ``into`` maps keys to preallocated flat CPU tensors (e.g. the runtime's
@@ -254,7 +255,7 @@ def iter_rank_shards(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout]
         if new.numel != meta.numel:
             raise CheckpointError(f"{ckpt_path}: unit {i} ({meta.name}) holds {meta.numel} parameters "
                                   f"in the checkpoint, {new.numel} in the model")
-        if new.ranks != ranks:
+        if ranks % new.ranks:
             raise CheckpointError(f"unit {i}: layout for {new.ranks} ranks given to a load for {ranks}")
     files = open_files(ckpt_path, index)
     try:
@@ -267,7 +268,7 @@ def iter_rank_shards(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout]
             for kind in saved_kinds.get(i, []):
                 if kinds is None or kind in kinds:
                     key = shard_key(i, kind)
-                    yield key, recut(files, index, i, kind, new, rank, verify, (into or {}).get(key))
+                    yield key, recut(files, index, i, kind, new, rank % new.ranks, verify, (into or {}).get(key))
         if rank < index.ranks:
             rec = index.file_for_rank(rank)
             for key, entry in rec.tensors.items():
