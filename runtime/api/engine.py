@@ -199,9 +199,9 @@ class Engine:
         failed = self._failure()
         if failed or self._phase == IDLE:
             return failed
-        return (f"rank {self.rank}: {call} inside step {self.global_step} (micro-batch {self._micro} is {self._phase}); "
-                f"a forward-only pass, gathered(), state_dict() and checkpoints come between steps, after "
-                f"engine.step()")
+        return (f"rank {self.rank}: {call} inside step {self.global_step} (micro-batch {self._micro} is "
+                f"{self._phase}); a forward-only pass, gathered(), state_dict() and checkpoints come between "
+                f"steps, after engine.step()")
 
     def _failure(self) -> str | None:
         if self._closed:

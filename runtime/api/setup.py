@@ -27,8 +27,9 @@ def initialize(schedule, model=None, *, overrides: dict | None = None,
 
     ``model``: None trains the schedule's ``model``; a module is trained itself (``given.py``:
     the unit protocol, a chain of children, or ``zdsl.units``), and then the schedule names no
-    model, or the same one (the same units' parameter names and shapes). ``overrides``: ``--set``'s ``{key: value}``. ``timeout_s``: the longest any collective
-    or call of the engine waits for the other ranks."""
+    model, or the same one (the same units' parameter names and shapes). ``overrides``: ``--set``'s
+    ``{key: value}``. ``timeout_s``: the longest any collective or call of the engine waits for the
+    other ranks."""
     given = as_unit_model(model) if model is not None else None
     compiled = compile_for(str(schedule), overrides, given)
     return start(compiled, given, timeout_s)

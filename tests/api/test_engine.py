@@ -181,7 +181,8 @@ MISUSES = {
     "backward twice": r"engine\.backward\(loss\) twice for one engine\(x\)",
     "backward without forward": r"engine\.backward\(loss\) without engine\(x\)",
     "loss not a scalar": r"engine\.backward\(loss\): the loss must be a scalar tensor, got a tensor of shape \(4,\)",
-    "loss not from the output": r"engine\.backward\(loss\): the loss was not computed from the output of the last engine\(x\)",
+    "loss not from the output": r"engine\.backward\(loss\): the loss was not computed from the output of the "
+                                r"last engine\(x\)",
     "forward twice": r"engine\(x\) again before engine\.backward\(loss\)",
     "batch of another shape": r"engine\(x\): a batch of inputs float32 \(3, 12\), but the schedule was compiled "
                               r"for inputs float32 \(4, 12\) \(train batch=4, each row as data python.*gives it\); "

@@ -66,7 +66,8 @@ CASES = {
     "different calls": [r"the ranks made different calls of the engine: rank 0 called engine\.step\(\) \(step 0, "
                         r"micro-batch 0\); rank 1 called engine\(x\) \(step 0, micro-batch 1\)"] * 2,
     "a loss not a scalar": [r"rank 1: engine\.backward\(loss\): the loss must be a scalar tensor"] * 2,
-    "a rank stops calling": [r"rank 0: engine\.step\(\) \(step 0, micro-batch 0\): another rank made no call", "stopped"],
+    "a rank stops calling": [r"rank 0: engine\.step\(\) \(step 0, micro-batch 0\): another rank made no call",
+                             "stopped"],
     "a rank is stuck": [r"rank 0: engine\.step\(\) \(step 0, micro-batch 0\): another rank made no call of the "
                         r"engine within 8 s", "stuck"],
     "an op fails": [r"rank 0: .*(another rank made no call|peer rank 1 .* is gone)",

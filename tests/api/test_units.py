@@ -43,7 +43,8 @@ def test_a_sequential_splits_each_parametered_child_with_the_activation_after_it
 
 
 def test_a_module_that_is_no_chain_is_refused_with_how_to_list_its_units():
-    with pytest.raises(ZdslApiError, match=r"cannot split it into units: its forward calls <built-in function add>.*zdsl\.units"):
+    with pytest.raises(ZdslApiError, match=r"cannot split it into units: its forward calls <built-in function "
+                                           r"add>.*zdsl\.units"):
         as_unit_model(Residual())
     with pytest.raises(ZdslApiError, match="one unit"):
         as_unit_model(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
