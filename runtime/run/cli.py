@@ -123,6 +123,10 @@ def run_command(argv: list[str] | None) -> int:
         from zdsl.runtime.run.launch import launch_local
         child = ["run", *(argv if argv is not None else sys.argv[2:])]
         return launch_local(child, compiled.graph.ranks, timeout_s=args.timeout, graph=compiled.graph)
+    from zdsl.runtime.run.launch import nodes_problem
+    nodes = nodes_problem(compiled.schedule)
+    if nodes is not None:
+        leave(fail(int(rank), f"rank {rank}: {nodes}"))
     leave(run_one_rank(compiled, args))
 
 

@@ -142,6 +142,28 @@ class Watch:
             self.first_failure = (now, r)
 
 
+def nodes_problem(schedule) -> str | None:
+    """Why the hosts a launcher gave the ranks are not the schedule's nodes, or None.
+
+    ``zdsl run``'s own launcher starts every rank on this machine, so a schedule's nodes
+    (``ranks N, P per node``) are simulated there: any P goes. Under another launcher (torchrun)
+    each host is a node: the ranks it puts on this one (``LOCAL_WORLD_SIZE``) must be the
+    schedule's P, and a schedule that shards over a node with every rank on one must not run
+    on several hosts, where its "node" would span them."""
+    local = env.integer("LOCAL_WORLD_SIZE")
+    if env.get("ZDSL_ERROR_FILE") or local is None:
+        return None
+    ranks, per_node = schedule.ranks, schedule.per_node
+    if per_node is not None and local != per_node:
+        return (f"the schedule puts {per_node} ranks on each node, but the launcher started {local} on this "
+                f"host (LOCAL_WORLD_SIZE): start {per_node} per host (torchrun --nproc-per-node {per_node}), "
+                f"or write `ranks {ranks}, {local} per node`")
+    if per_node is None and local < ranks and "node" in schedule.shard_over.values() and schedule.stage:
+        return (f"the schedule shards over a node and puts all {ranks} ranks on one, but the launcher started "
+                f"{local} on this host (LOCAL_WORLD_SIZE): write `ranks {ranks}, {local} per node`")
+    return None
+
+
 def launch_local(child_argv: list[str], ranks: int, timeout_s: float = 120.0, graph=None) -> int:
     """Run ``zdsl <child_argv>`` as ``ranks`` processes; returns the exit code for the user."""
     port = free_port()
