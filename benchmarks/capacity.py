@@ -426,11 +426,11 @@ def main(argv=None) -> int:
     planned_ram = fit.needs.ram(fit.floor)
     print(f"plan: predicted step {sim.step_s:.1f} s; {profile_cache.rates_line() or 'rates: the schedule'}")
     pm = rates.for_graph(schedule.machine, graph)       # the rates this schedule's ops get (its ranks, width)
-    block_flops = (rates.device_flops(graph, pm) or [pm.flops] * 2)[1]
+    block_flops = (rates.device_flops(graph, pm) or [pm.compute.flops] * 2)[1]
     print(f"  profile, as this schedule is priced: a block's compute {block_flops / 1e9:.1f} G/s "
           f"({schedule.train.precision}, width {rates.unit_widths(graph)[1]:.0f}), disk read "
-          f"{pm.disk_read / 1e9:.2f} GB/s, write {pm.disk_write / 1e9:.2f} GB/s ({graph.ranks} rank(s)), host step "
-          f"{pm.host_memory_bandwidth / 1e9:.1f} GB/s of optimizer bytes")
+          f"{pm.disk.read / 1e9:.2f} GB/s, write {pm.disk.write / 1e9:.2f} GB/s ({graph.ranks} rank(s)), host step "
+          f"{pm.compute.host_memory / 1e9:.1f} GB/s of optimizer bytes")
     for gap in rates.gaps(schedule.machine, graph):
         print(f"  {gap}")
     print(f"plan: host peak {human_bytes(fit.needs.ram_per_rank)} + torch floor {human_bytes(fit.floor.private)} "
@@ -473,7 +473,7 @@ def main(argv=None) -> int:
             print(f"  compute (zdsl calibrate's measurement, one block at width {compute['width']}, batch "
                   f"{compute['batch']}, {compute['dtype']}): {compute['at_batch'] / 1e9:.1f} GFLOP/s at that batch "
                   f"(slope over batches {compute['slope'] / 1e9:.1f}, matmul ceiling {compute['mm'] / 1e9:.1f}; "
-                  f"cached profile {schedule.machine.flops / 1e9:.1f}); at {compute['rate'] / 1e9:.1f} -> "
+                  f"cached profile {schedule.machine.compute.flops / 1e9:.1f}); at {compute['rate'] / 1e9:.1f} -> "
                   f"compute bound {compute['bound_s']:.1f} s", flush=True)
 
     code, rusage, sampler, wall = run_rank(args.schedule, sets, args.out, args.trace, args.timeout)

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import dataclasses
 import functools
 import json
 import os
@@ -202,8 +201,9 @@ def drifted_step(graph, drift: float) -> float:
     profile's time. Without disk ops exactly ``drift`` times the step (every duration scales);
     with them, only the rest of the step moves."""
     m = machine_of(graph)
-    changes = {k: getattr(m, k) / drift for k in DRIFT_RATES} | {k: getattr(m, k) * drift for k in DRIFT_TIMES}
-    return simulate(graph, dataclasses.replace(m, **changes)).step_s
+    given = lambda keys: [k for k in keys if m.value(k) is not None]   # noqa: E731 (a rate not given stays so)
+    changes = {k: m.value(k) / drift for k in given(DRIFT_RATES)} | {k: m.value(k) * drift for k in given(DRIFT_TIMES)}
+    return simulate(graph, m.with_fields(**changes)).step_s
 
 
 def cpu_programs() -> list[Path]:

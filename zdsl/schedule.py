@@ -11,6 +11,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+# The machine profile has its own module; these names are kept here for the schedule's readers.
+from zdsl.machine_profile import MACHINE_MAY_BE_ZERO  # noqa: F401
+from zdsl.machine_profile import MACHINE_OPTIONS  # noqa: F401
+from zdsl.machine_profile import MACHINE_SHAPE_FIELDS  # noqa: F401
+from zdsl.machine_profile import MACHINE_TUPLES  # noqa: F401
+from zdsl.machine_profile import MachineProfile
+
 from zdsl.ir import resolve_over
 
 STATES = ("optimizer", "gradients", "parameters")   # ZeRO's order
@@ -141,115 +148,6 @@ def nvme_placements(config: dict | None) -> dict[str, Placement]:
     reader of the config's placements for the runtime, the planner and the benchmarks."""
     places = ((config or {}).get("placement") or {}).items()
     return {state: Placement.of_config(raw) for state, raw in places if raw.get("tier") == "nvme"}
-
-
-@dataclass
-class MachineProfile:
-    """Rates the cost model uses. Bytes per second and flop per second."""
-    name: str = "cpu"
-    flops: float = 5e10                    # device matmul rate
-    host_flops: float = 5e10               # host compute rate (forward/backward on the host lane)
-    link_bandwidth: float = 2e9            # collective bus bandwidth per rank (all-gather)
-    link_latency: float = 5e-5             # per collective (all-gather)
-    pcie_bandwidth: float = 1e10           # host<->device copies
-    disk_read: float = 1.5e9
-    disk_write: float = 2e9
-    disk_read_latency: float = 0.0         # seconds per transfer (an nvme.read) beyond its bytes' time
-    disk_write_latency: float = 0.0        # the same per nvme.write
-    disk_read_cpu: float = 0.1             # cores an nvme.read keeps busy (system calls, checksums)
-    disk_write_cpu: float = 0.1            # the same for an nvme.write
-    memory_bandwidth: float = 1e10         # elementwise work on the device (optimizer step)
-    op_overhead: float = 0.0               # seconds the runtime spends starting and finishing an op
-    kernel_overhead: float = 0.0           # seconds per kernel (aten op) a compute op dispatches
-    compute_excess: float = 0.0            # the runtime's compute ops take (1 + this) x their rated time
-    comm_overhead: float = -1.0            # the same for a collective; < 0: op_overhead
-    scatter_overhead: float = -1.0         # the same for a reduce-scatter; < 0: comm_overhead
-    cores: float = 0.0                     # CPU cores per rank that lanes share; 0: lanes independent
-    comm_slots: int = 2                    # collectives the backend runs at once (gloo: its 2 threads; NCCL: 1)
-    comm_under_load: float = 0.0           # with cores: a collective's rate while compute fills them; 0: fair share
-    wake_latency: float = 0.0              # seconds an op starts after an input made on another lane ended
-    loop_overhead: float = 0.0             # the runtime's event loop's CPU seconds per op (a free's whole cost)
-    # 0 below: derived from the fields above (zdsl.sim.simulate.collective_seconds, rated_duration)
-    scatter_bandwidth: float = 0.0         # reduce-scatter; 0: link_bandwidth
-    scatter_latency: float = 0.0           # reduce-scatter; 0: link_latency
-    reduce_bandwidth: float = 0.0          # all-reduce; 0: a ring, reduce-scatter then all-gather
-    reduce_latency: float = 0.0            # all-reduce; 0: as above
-    host_memory_bandwidth: float = 0.0     # the optimizer step on the host; 0: memory_bandwidth
-    # By the schedule's shape (zdsl.sim.rates): empty or 0, ``flops`` and ``disk_*`` as given
-    flops_widths: tuple[float, ...] = ()   # model widths the per-precision compute rates were measured at
-    flops_fp32: tuple[float, ...] = ()     # a block's forward+backward rate at each of flops_widths, fp32
-    flops_bf16: tuple[float, ...] = ()     # the same in bf16
-    flops_fp16: tuple[float, ...] = ()     # the same in fp16
-    compute_ranks: int = 0                 # ranks measuring at once (``cores`` each) when the tables above were
-    flops_alone_fp32: tuple[float, ...] = ()   # the fp32 table by one rank alone with every core of the node
-    flops_alone_bf16: tuple[float, ...] = ()   # the same in bf16
-    flops_alone_fp16: tuple[float, ...] = ()   # the same in fp16
-    disk_ranks: int = 0                    # ranks sharing the disk when disk_read/disk_write were measured
-    disk_read_alone: float = 0.0           # one rank reading with the disk to itself
-    disk_write_alone: float = 0.0          # the same writing
-
-    @classmethod
-    def of_config(cls, config: dict | None) -> "MachineProfile":
-        """The profile a compiled graph's config carries (the schedule's ``machine``, as a dict
-        of these fields), else the defaults."""
-        raw = (config or {}).get("machine")
-        if isinstance(raw, dict):
-            return cls.of_fields(raw)
-        return cls()
-
-    def to_config(self) -> dict:
-        """Plain JSON; the shape fields (``flops_widths`` ... ``disk_write_alone``) and
-        :data:`MACHINE_LATER_FIELDS` only where set, so a profile without them keeps the graph
-        digest it had before they existed."""
-        raw = dataclasses.asdict(self)
-        for key in (*MACHINE_SHAPE_FIELDS, *MACHINE_LATER_FIELDS):
-            if not raw[key]:
-                del raw[key]
-            elif key in MACHINE_TUPLES:
-                raw[key] = list(raw[key])
-        return raw
-
-    @classmethod
-    def of_fields(cls, raw: dict) -> "MachineProfile":
-        """A profile from a plain-JSON dict of these fields (unknown ones left out, lists as tuples)."""
-        return cls(**{k: tuple(v) if k in MACHINE_TUPLES else v
-                      for k, v in raw.items() if k in cls.__dataclass_fields__})
-
-
-# ``machine cpu(KEY=...)`` keyword -> MachineProfile field, in the order they are written.
-MACHINE_OPTIONS = (
-    ("flops", "flops"), ("host_flops", "host_flops"),
-    ("link", "link_bandwidth"), ("latency", "link_latency"),
-    ("scatter_link", "scatter_bandwidth"), ("scatter_latency", "scatter_latency"),
-    ("reduce_link", "reduce_bandwidth"), ("reduce_latency", "reduce_latency"),
-    ("pcie", "pcie_bandwidth"), ("disk_read", "disk_read"), ("disk_write", "disk_write"),
-    ("disk_read_latency", "disk_read_latency"), ("disk_write_latency", "disk_write_latency"),
-    ("disk_read_cpu", "disk_read_cpu"), ("disk_write_cpu", "disk_write_cpu"),
-    ("memory_bw", "memory_bandwidth"), ("host_memory_bw", "host_memory_bandwidth"),
-    ("overhead", "op_overhead"), ("kernel_overhead", "kernel_overhead"), ("compute_excess", "compute_excess"),
-    ("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),
-    ("cores", "cores"), ("comm_slots", "comm_slots"), ("comm_under_load", "comm_under_load"),
-    ("wake", "wake_latency"), ("loop", "loop_overhead"),
-    ("flops_widths", "flops_widths"), ("flops_fp32", "flops_fp32"), ("flops_bf16", "flops_bf16"),
-    ("flops_fp16", "flops_fp16"), ("compute_ranks", "compute_ranks"),
-    ("flops_alone_fp32", "flops_alone_fp32"), ("flops_alone_bf16", "flops_alone_bf16"),
-    ("flops_alone_fp16", "flops_alone_fp16"),
-    ("disk_ranks", "disk_ranks"), ("disk_read_alone", "disk_read_alone"), ("disk_write_alone", "disk_write_alone"),
-)
-# Keywords (each its field's name) whose value is a tuple of numbers, one per ``flops_widths``:
-# ``flops_bf16=(5e10, 2e11, 3e11)``.
-MACHINE_TUPLES = ("flops_widths", "flops_fp32", "flops_bf16", "flops_fp16",
-                  "flops_alone_fp32", "flops_alone_bf16", "flops_alone_fp16")
-# The fields that give a rate by the schedule's shape (zdsl.sim.rates); unset: rates as given.
-MACHINE_SHAPE_FIELDS = (*MACHINE_TUPLES, "compute_ranks", "disk_ranks", "disk_read_alone", "disk_write_alone")
-# Scalar fields added after graph digests were kept: left out of the config where 0 (to_config).
-MACHINE_LATER_FIELDS = ("loop_overhead",)
-# Keywords that may be 0 (a fixed cost, sharing off, or "derive it"); other rates must be > 0.
-MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "compute_excess", "comm_overhead", "scatter_overhead", "cores",
-                       "comm_under_load", "wake", "loop",
-                       "scatter_link", "scatter_latency", "reduce_link", "reduce_latency", "host_memory_bw",
-                       "disk_read_latency", "disk_write_latency", "disk_read_cpu", "disk_write_cpu",
-                       "compute_ranks", "disk_ranks", "disk_read_alone", "disk_write_alone")
 
 
 @dataclass

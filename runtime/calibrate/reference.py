@@ -10,7 +10,7 @@ import time
 
 from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_compute, lane_ops, wake_delays
 from zdsl.sim.lanes import slots_of
-from zdsl.schedule import MachineProfile
+from zdsl.machine_profile import MachineProfile
 from zdsl.runtime.calibrate.measure import CalibrationError, Settings
 
 
@@ -173,7 +173,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     del state, step
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    slots = slots_of(graph, MachineProfile(name=device.type, comm_slots=slots))
+    slots = slots_of(graph, MachineProfile.of(name=device.type, comm_slots=slots))
     intervals = [comm_intervals(graph, t, slots) for t in records]       # once a step, for both below
     loaded = [comm_under_compute(graph, t, iv) for t, iv in zip(records, intervals)]
     return {"step_s": statistics.median(t.seconds for t in records), "steps": [t.seconds for t in records],

@@ -13,19 +13,20 @@ import os
 import platform
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from zdsl.lang.sizes import human_bytes
-from zdsl.planner.calibration_fit import LATENCY_FIELDS, compute_excess, fit_overhead, scaled_latencies
+from zdsl.planner.calibration_fit import compute_excess, fit_overhead, scaled_latencies
 from zdsl.runtime.calibrate.measure import COLLECTIVES, DISK_SIZES, Settings
 from zdsl.runtime.calibrate.reference import (REFERENCE_WIDTH, REMEASURE_PAUSE_S, VARIANTS, WIDE_WIDTH,
                                               is_off_usual, off_usual_by, reference_graph, reference_times,
                                               variant_steps)
 from zdsl.runtime.calibrate.slow_spell import kept_try
-from zdsl.schedule import MACHINE_OPTIONS, MACHINE_SHAPE_FIELDS, MachineProfile
+from zdsl.machine_profile import (MACHINE_MAY_BE_ZERO, MACHINE_OPTIONS, MACHINE_SHAPE_FIELDS, NEGATIVE_UNSET,
+                                  MachineProfile)
 from zdsl.sim.simulate import simulate
 
-ZS_KEYS = {field: key for key, field in MACHINE_OPTIONS}   # MachineProfile field -> .zs keyword
+ZS_KEYS = {field: key for key, field in MACHINE_OPTIONS}   # MachineProfile wire field -> .zs keyword
 PRECISIONS = ("fp32", "bf16", "fp16")                      # the compute tables', in the notes' order
 
 
@@ -36,14 +37,20 @@ class Calibration:
     details: dict = field(default_factory=dict)
 
     def fields(self) -> dict:
-        """The MachineProfile fields, as the schedule dataclass names them."""
-        return asdict(self.profile)
+        """The MachineProfile's fields by their wire names (what the cache holds)."""
+        return self.profile.to_config()
 
     def machine_statement(self) -> str:
-        p = self.profile
-        args = ", ".join(f"{ZS_KEYS[k]}={_value(getattr(p, k))}" for k in ZS_KEYS if k not in MACHINE_SHAPE_FIELDS
-                         or getattr(p, k))
-        return f"machine {p.name}({args})"
+        """Every figure (a shape field where measured); a rate not given as the statement says
+        so, 0, and a collective's fixed cost not given left out (its 0 is a cost)."""
+        p, args = self.profile, []
+        for wire, key in ZS_KEYS.items():
+            v = p.value(wire)
+            if v is None and key in MACHINE_MAY_BE_ZERO and wire not in NEGATIVE_UNSET:
+                v = 0.0
+            if v is not None and (v or wire not in MACHINE_SHAPE_FIELDS):
+                args.append(f"{key}={_value(v)}")
+        return f"machine {p.name}({', '.join(args)})"
 
     def to_zs(self) -> str:
         """The text of ``machine.zs``: comments saying how, then one statement, a setting a line."""
@@ -109,10 +116,10 @@ def _shared_rates(raw: list[dict], world: int, block: float) -> MachineProfile:
             for key in ("disk_read", "disk_write", "disk_read_latency", "disk_write_latency",
                         "disk_read_cpu", "disk_write_cpu")}
     host_adam = _mean(raw, lambda r: r["optimizer"]["host_adam_bandwidth"])
-    return MachineProfile(name="cuda" if _on_cuda(first) else "cpu", flops=block, host_flops=host,
-                          pcie_bandwidth=pcie, **disk, memory_bandwidth=adam,
-                          host_memory_bandwidth=host_adam, cores=_cores_per_rank(world),
-                          comm_slots=first.get("comm_slots", 1))
+    return MachineProfile.of(name="cuda" if _on_cuda(first) else "cpu", flops=block, host_flops=host,
+                             pcie_bandwidth=pcie, **disk, memory_bandwidth=adam,
+                             host_memory_bandwidth=host_adam, cores=_cores_per_rank(world),
+                             comm_slots=first.get("comm_slots", 1))
 
 
 def _set_compute_tables(profile: MachineProfile, raw: list[dict], world: int) -> None:
@@ -121,23 +128,24 @@ def _set_compute_tables(profile: MachineProfile, raw: list[dict], world: int) ->
     alone: its tables are those)."""
     first = raw[0]
     table = first["compute_table"]
-    profile.flops_widths = tuple(float(w) for w in table["widths"])
+    compute = profile.compute
+    compute.widths = tuple(float(w) for w in table["widths"])
     for precision in PRECISIONS:
         if precision in table:
-            setattr(profile, f"flops_{precision}", tuple(_mean(raw, lambda r: r["compute_table"][precision][i])
-                                                         for i in range(len(table["widths"]))))
+            setattr(compute, precision, tuple(_mean(raw, lambda r: r["compute_table"][precision][i])
+                                              for i in range(len(table["widths"]))))
     if not _on_cuda(first):
-        profile.compute_ranks = world
+        compute.ranks = world
         for precision in PRECISIONS:
             if precision in first.get("compute_alone", {}):
-                setattr(profile, f"flops_alone_{precision}", tuple(first["compute_alone"][precision]))
+                setattr(compute, f"alone_{precision}", tuple(first["compute_alone"][precision]))
 
 
 def _set_disk_shares(profile: MachineProfile, first: dict, world: int) -> None:
     """The disk shared by all ranks (disk_read, disk_write: each one's share) and one rank's alone."""
     alone = first.get("disk_alone") or first["disk"]
-    profile.disk_ranks = world
-    profile.disk_read_alone, profile.disk_write_alone = alone["disk_read"], alone["disk_write"]
+    profile.disk.ranks = world
+    profile.disk.read_alone, profile.disk.write_alone = alone["disk_read"], alone["disk_write"]
 
 
 def _set_collectives(profile: MachineProfile, raw: list[dict], world: int) -> None:
@@ -146,9 +154,10 @@ def _set_collectives(profile: MachineProfile, raw: list[dict], world: int) -> No
         return
     fit = {name: (_mean(raw, lambda r: r["collectives"][name][0]), _mean(raw, lambda r: r["collectives"][name][1]))
            for name in COLLECTIVES}
-    profile.link_latency, profile.link_bandwidth = fit["all_gather"]
-    profile.scatter_latency, profile.scatter_bandwidth = fit["reduce_scatter"]
-    profile.reduce_latency, profile.reduce_bandwidth = fit["all_reduce"]
+    link = profile.collectives.node
+    link.latency, link.bandwidth = fit["all_gather"]
+    link.scatter_latency, link.scatter_bandwidth = fit["reduce_scatter"]
+    link.reduce_latency, link.reduce_bandwidth = fit["all_reduce"]
 
 
 @dataclass
@@ -168,8 +177,9 @@ def _fit_reference(profile: MachineProfile, raw: list[dict], world: int) -> _Ref
     the collectives' latencies and rate under load) fitted to the reference step."""
     first = raw[0]
     step_s, block_s, lane_op_s, comm_service_s, comm_loaded_s = reference_times(raw)
-    profile.wake_latency = _mean(raw, lambda r: statistics.median(b.get("wake_s", 0.0) for b in r["runtime"]))
-    profile.loop_overhead = _mean(raw, lambda r: statistics.median(b.get("loop_s", 0.0) for b in r["runtime"]))
+    costs = profile.costs
+    costs.wake = _mean(raw, lambda r: statistics.median(b.get("wake_s", 0.0) for b in r["runtime"]))
+    costs.loop = _mean(raw, lambda r: statistics.median(b.get("loop_s", 0.0) for b in r["runtime"]))
     device = "cuda" if _on_cuda(first) else "cpu"
     graph = reference_graph(world, device).graph
     also = _variants_fitted_with(raw, world, device, step_s)
@@ -177,14 +187,13 @@ def _fit_reference(profile: MachineProfile, raw: list[dict], world: int) -> _Ref
     if "runtime_wide" in first:
         _fit_compute_excess(profile, raw, world, graph, times, also)
     fit = fit_overhead(graph, profile, *times, also)
-    profile.op_overhead, profile.kernel_overhead = fit.op, fit.kernel
-    measured_latency = profile.link_latency
-    scaled = scaled_latencies(profile, fit.latency_scale)    # the same unless they overshot the reference
-    for name in LATENCY_FIELDS:
-        setattr(profile, name, getattr(scaled, name))
-    profile.comm_under_load = fit.under_load
-    profile.comm_overhead = fit.comm if fit.comm >= 0 else fit.op   # written out: the statement has no "unset"
-    profile.scatter_overhead = fit.scatter if fit.scatter >= 0 else profile.comm_overhead
+    costs.op, costs.kernel = fit.op, fit.kernel
+    measured_latency = profile.collectives.node.latency
+    # the same unless they overshot the reference: only the link's latencies differ
+    profile.collectives.node = scaled_latencies(profile, fit.latency_scale).collectives.node
+    profile.collectives.under_load = fit.under_load or None
+    costs.comm = fit.comm if fit.comm >= 0 else fit.op   # written out, as calibrate fitted it
+    costs.scatter = fit.scatter if fit.scatter >= 0 else costs.comm
     return _ReferenceFit(graph, step_s, block_s, lane_op_s, also, fit, measured_latency)
 
 
@@ -205,8 +214,8 @@ def _fit_compute_excess(profile: MachineProfile, raw: list[dict], world: int, gr
                 for i in raw[0]["runtime_wide"]["compute_cpu_s"]}
     for _ in range(2):
         fit = fit_overhead(graph, profile, *times, also)
-        profile.op_overhead, profile.kernel_overhead = fit.op, fit.kernel
-        profile.compute_excess = compute_excess(wide, profile, wide_cpu)
+        profile.costs.op, profile.costs.kernel = fit.op, fit.kernel
+        profile.costs.compute_excess = compute_excess(wide, profile, wide_cpu)
 
 
 def _cores_per_rank(world: int) -> float:
@@ -257,9 +266,9 @@ def _alone_gains(profile: MachineProfile) -> list[str]:
     """The alone tables against the shared ones at the widest width: ``bf16 at width 2048: 2.4e+11 flop/s, 1.40x``."""
     out = []
     for precision in PRECISIONS:
-        shared, alone = getattr(profile, f"flops_{precision}"), getattr(profile, f"flops_alone_{precision}")
+        shared, alone = getattr(profile.compute, precision), getattr(profile.compute, f"alone_{precision}")
         if shared and alone:
-            out.append(f"{precision} at width {_num(profile.flops_widths[-1])}: {_num(alone[-1])} flop/s, "
+            out.append(f"{precision} at width {_num(profile.compute.widths[-1])}: {_num(alone[-1])} flop/s, "
                        f"{alone[-1] / shared[-1]:.2f}x")
     return out
 
@@ -289,12 +298,12 @@ def _link_notes(first: dict, world: int) -> list[str]:
 
 def _sharing_notes(profile: MachineProfile, world: int, backend: str) -> list[str]:
     """What a rank's lanes share: its cores, the backend's slots, a collective's rate under load."""
-    notes = [f"  cores       {_num(profile.cores)} per rank ({os.cpu_count()} cores, {world} rank(s)): "
+    notes = [f"  cores       {_num(profile.costs.cores)} per rank ({os.cpu_count()} cores, {world} rank(s)): "
              "lanes running at once share them",
-             f"  comm_slots  {profile.comm_slots}: collectives the {backend} backend runs at once"
+             f"  comm_slots  {profile.collectives.slots}: collectives the {backend} backend runs at once"
              + (" (its worker threads)" if backend == "gloo" else " (one stream)")]
-    if profile.comm_under_load:
-        notes.append(f"  comm_under_load  {_num(profile.comm_under_load)}: the share of its rate a collective keeps "
+    if profile.collectives.under_load:
+        notes.append(f"  comm_under_load  {_num(profile.collectives.under_load)}: the share of its rate a collective keeps "
                      "while compute fills the cores (the slope of each reference collective's time beyond its rate "
                      "against the time compute ran beside it)")
     return notes
@@ -305,12 +314,12 @@ def _overhead_notes(profile: MachineProfile, ref: _ReferenceFit, first: dict) ->
     notes = []
     if ref.fit.latency_scale < 1.0:
         notes.append(f"  latency     the collectives' latencies scaled by {ref.fit.latency_scale:.2f} (all-gather "
-                     f"{ref.measured_latency * 1e3:.2f} -> {profile.link_latency * 1e3:.2f} ms): as measured they "
+                     f"{ref.measured_latency * 1e3:.2f} -> {profile.collectives.node.latency * 1e3:.2f} ms): as measured they "
                      "predict the reference step slower than it ran (calls that each waited for a core under "
                      "outside load)")
-    notes.append(f"  wake        {_num(profile.wake_latency)} s: the mean of how long an op of the reference started "
+    notes.append(f"  wake        {_num(profile.costs.wake)} s: the mean of how long an op of the reference started "
                  "after its input from another lane ended (the runtime's hop between lanes)")
-    notes.append(f"  loop        {_num(profile.loop_overhead)} s: the event loop's CPU time per op of the reference "
+    notes.append(f"  loop        {_num(profile.costs.loop)} s: the event loop's CPU time per op of the reference "
                  "step (its thread's, over the step's ops): what a free costs, on its rank's cores")
     notes.append(f"  overhead    per op run in a lane's thread and kernel_overhead per kernel a compute op dispatches "
                  "(the line through each one's time beyond its rated time against its kernels), "
@@ -362,7 +371,7 @@ def _excess_notes(profile: MachineProfile, first: dict) -> list[str]:
     """compute_excess, where the wide step measured it."""
     if "runtime_wide" not in first:
         return []
-    return [f"  compute_excess  {_num(profile.compute_excess)}: a forward or backward in the runtime takes "
+    return [f"  compute_excess  {_num(profile.costs.compute_excess)}: a forward or backward in the runtime takes "
             "(1 + this) x its rated time: the same step at width "
             f"{WIDE_WIDTH} ({len(first['runtime_wide']['steps'])} steps), its units' CPU time in their "
             "thread less the fixed costs above, against their rated time"]

@@ -1,8 +1,6 @@
 """calibrate's fits against the reference step (zdsl/planner/calibration_fit.py), torch-free."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from test_cost_model_knobs import CPU
@@ -14,25 +12,25 @@ from zdsl.sim.simulate import UNIT_COMPUTE_KINDS
 from zdsl.sim.simulate import rated_duration
 from zdsl.sim.simulate import simulate
 
-TRUTH = dataclasses.replace(CPU, cores=0.0, comm_overhead=3e-4, scatter_overhead=3e-4)
+TRUTH = CPU.with_fields(cores=0.0, comm_overhead=3e-4, scatter_overhead=3e-4)
 
 
 def _measured(g):
     """The reference's lane ops and step as ``TRUTH`` runs them."""
-    lane_op_s = {i: rated_duration(g, g.ops[i], TRUTH) + TRUTH.op_overhead + g.ops[i].kernels * TRUTH.kernel_overhead
+    lane_op_s = {i: rated_duration(g, g.ops[i], TRUTH) + TRUTH.costs.op + g.ops[i].kernels * TRUTH.costs.kernel
                  for i in lane_ops(g)}
     return simulate(g, TRUTH).step_s, lane_op_s
 
 
 def _fitted(profile, fit):
-    return dataclasses.replace(scaled_latencies(profile, fit.latency_scale), op_overhead=fit.op,
+    return scaled_latencies(profile, fit.latency_scale).with_fields(op_overhead=fit.op,
                                kernel_overhead=fit.kernel, comm_overhead=fit.comm, scatter_overhead=fit.comm)
 
 
 def test_latencies_measured_right_are_kept():
     g = graph(prefetch=1)
     step, lane_op_s = _measured(g)
-    fit = fit_overhead(g, dataclasses.replace(TRUTH, comm_overhead=-1.0, scatter_overhead=-1.0), step, lane_op_s)
+    fit = fit_overhead(g, TRUTH.with_fields(comm_overhead=-1.0, scatter_overhead=-1.0), step, lane_op_s)
     assert fit.latency_scale == 1.0 and fit.comm == pytest.approx(3e-4, rel=1e-3)
 
 
@@ -42,8 +40,8 @@ def test_latencies_that_alone_overshoot_the_reference_are_scaled_until_it_matche
     scales them so the profile predicts its own reference (no cost per collective left)."""
     g = graph(prefetch=1)
     step, lane_op_s = _measured(g)
-    inflated = dataclasses.replace(scaled_latencies(TRUTH, 20.0), comm_overhead=-1.0, scatter_overhead=-1.0)
-    assert simulate(g, dataclasses.replace(inflated, comm_overhead=0.0, scatter_overhead=0.0)).step_s > 1.3 * step
+    inflated = scaled_latencies(TRUTH, 20.0).with_fields(comm_overhead=-1.0, scatter_overhead=-1.0)
+    assert simulate(g, inflated.with_fields(comm_overhead=0.0, scatter_overhead=0.0)).step_s > 1.3 * step
     fit = fit_overhead(g, inflated, step, lane_op_s)
     assert fit.latency_scale < 1.0 and fit.comm == pytest.approx(0.0, abs=1e-9)
     assert simulate(g, _fitted(inflated, fit)).step_s == pytest.approx(step, rel=0.01)
@@ -57,7 +55,7 @@ def test_a_second_reference_shares_the_cost_per_collective_fitted_to_both():
     first, second = graph(prefetch=1), graph(prefetch=0)
     step, lane_op_s = _measured(first)
     other = 1.1 * simulate(second, TRUTH).step_s
-    start = dataclasses.replace(TRUTH, comm_overhead=-1.0, scatter_overhead=-1.0)
+    start = TRUTH.with_fields(comm_overhead=-1.0, scatter_overhead=-1.0)
     alone = fit_overhead(first, start, step, lane_op_s)
     both = fit_overhead(first, start, step, lane_op_s, also=((second, other),))
     assert both.comm > alone.comm == pytest.approx(3e-4, rel=1e-3)
@@ -79,7 +77,7 @@ def test_compute_excess_is_what_units_took_beyond_their_rate_and_fixed_costs():
     cpu = {i: 1.25 * rated_duration(g, g.ops[i], TRUTH) + op_fixed(g.ops[i], TRUTH) for i in units}
     assert compute_excess(g, TRUTH, {**cpu, **others}) == pytest.approx(0.25, rel=1e-9)
     # a profile that already carries an excess is measured against the bare rate all the same
-    assert compute_excess(g, dataclasses.replace(TRUTH, compute_excess=0.4), cpu) == pytest.approx(0.25, rel=1e-9)
+    assert compute_excess(g, TRUTH.with_fields(compute_excess=0.4), cpu) == pytest.approx(0.25, rel=1e-9)
     at_rate = {i: rated_duration(g, g.ops[i], TRUTH) + op_fixed(g.ops[i], TRUTH) for i in units}
     assert compute_excess(g, TRUTH, at_rate) == pytest.approx(0.0, abs=1e-12)
     assert compute_excess(g, TRUTH, {i: 0.5 * rated_duration(g, g.ops[i], TRUTH) for i in units}) == 0.0
@@ -87,7 +85,7 @@ def test_compute_excess_is_what_units_took_beyond_their_rate_and_fixed_costs():
 
 def test_compute_excess_lengthens_forwards_and_backwards_only():
     g = graph(prefetch=1)
-    slower = dataclasses.replace(TRUTH, compute_excess=0.5)
+    slower = TRUTH.with_fields(compute_excess=0.5)
     for op in g.ops:
         base = rated_duration(g, op, TRUTH)
         expected = 1.5 * base if op.kind in UNIT_COMPUTE_KINDS else base

@@ -220,7 +220,7 @@ def test_include_is_relative_to_the_including_file(tmp_path):
     (tmp_path / "profiles" / "machine.zs").write_text("machine cpu(flops=1e9)\nmemory host 1GiB\n")
     (tmp_path / "main.zs").write_text(HEADER + 'include "profiles/machine.zs"\n')
     s, _ = load_schedule(str(tmp_path / "main.zs"))
-    assert s.machine.flops == 1e9 and s.memory == {"host": 1 << 30}
+    assert s.machine.compute.flops == 1e9 and s.memory == {"host": 1 << 30}
     assert s.spans["machine"].file.endswith("machine.zs")
 
 
@@ -330,9 +330,11 @@ def test_a_user_model_needs_the_data_shape():
                                         ("disk_write_latency", "disk_write_latency")])
 def test_machine_derived_rates_and_collective_overhead_may_be_zero_not_negative(tmp_path, key, field):
     (tmp_path / "ok.zs").write_text(HEADER + f"machine cpu({key}=0.002)\n")
-    assert getattr(load_schedule(str(tmp_path / "ok.zs"))[0].machine, field) == 0.002
+    assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.value(field) == 0.002
     (tmp_path / "zero.zs").write_text(HEADER + f"machine cpu({key}=0)\n")
-    assert getattr(load_schedule(str(tmp_path / "zero.zs"))[0].machine, field) == 0.0
+    # a fixed cost of 0 is 0; a rate of 0 is "not given", derived from the others
+    derived = field in ("scatter_bandwidth", "reduce_latency", "host_memory_bandwidth")
+    assert load_schedule(str(tmp_path / "zero.zs"))[0].machine.value(field) == (None if derived else 0.0)
     (tmp_path / "bad.zs").write_text(HEADER + f"machine cpu({key}=-1)\n")
     with pytest.raises(ZsError) as exc:
         load_schedule(str(tmp_path / "bad.zs"))
@@ -342,9 +344,9 @@ def test_machine_derived_rates_and_collective_overhead_may_be_zero_not_negative(
 
 def test_comm_slots_is_a_whole_number_of_threads(tmp_path):
     (tmp_path / "ok.zs").write_text(HEADER + "machine cpu(comm_slots=4)\n")
-    assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.comm_slots == 4
+    assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.collectives.slots == 4
     (tmp_path / "default.zs").write_text(HEADER)
-    assert load_schedule(str(tmp_path / "default.zs"))[0].machine.comm_slots == 2     # gloo's two threads
+    assert load_schedule(str(tmp_path / "default.zs"))[0].machine.collectives.slots == 2     # gloo's two threads
     for bad in ("0", "1.5"):
         (tmp_path / "bad.zs").write_text(HEADER + f"machine cpu(comm_slots={bad})\n")
         with pytest.raises(ZsError) as exc:
@@ -355,7 +357,7 @@ def test_comm_slots_is_a_whole_number_of_threads(tmp_path):
 
 def test_machine_comm_under_load_is_a_share_of_a_rate(tmp_path):
     (tmp_path / "ok.zs").write_text(HEADER + "machine cpu(comm_under_load=0.25)\n")
-    assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.comm_under_load == 0.25
+    assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.collectives.under_load == 0.25
     (tmp_path / "bad.zs").write_text(HEADER + "machine cpu(cores=1, comm_under_load=1.5)\n")
     with pytest.raises(ZsError) as exc:
         load_schedule(str(tmp_path / "bad.zs"))
@@ -366,7 +368,7 @@ def test_machine_comm_under_load_is_a_share_of_a_rate(tmp_path):
 def test_machine_compute_excess_is_a_share_that_may_be_zero(tmp_path):
     for value in ("0", "0.15"):
         (tmp_path / "ok.zs").write_text(HEADER + f"machine cpu(compute_excess={value})\n")
-        assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.compute_excess == float(value)
+        assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.costs.compute_excess == float(value)
     (tmp_path / "bad.zs").write_text(HEADER + "machine cpu(compute_excess=-0.1)\n")
     with pytest.raises(ZsError) as exc:
         load_schedule(str(tmp_path / "bad.zs"))
@@ -375,9 +377,9 @@ def test_machine_compute_excess_is_a_share_that_may_be_zero(tmp_path):
 
 def test_machine_overhead_is_a_time_that_may_be_zero(tmp_path):
     (tmp_path / "ok.zs").write_text(HEADER + "machine cpu(flops=1e9, overhead=0.0012)\n")
-    assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.op_overhead == 0.0012
+    assert load_schedule(str(tmp_path / "ok.zs"))[0].machine.costs.op == 0.0012
     (tmp_path / "zero.zs").write_text(HEADER + "machine cpu(overhead=0)\n")
-    assert load_schedule(str(tmp_path / "zero.zs"))[0].machine.op_overhead == 0.0
+    assert load_schedule(str(tmp_path / "zero.zs"))[0].machine.costs.op == 0.0
     (tmp_path / "bad.zs").write_text(HEADER + "machine cpu(overhead=-1e-3)\n")
     with pytest.raises(ZsError) as exc:
         load_schedule(str(tmp_path / "bad.zs"))

@@ -4,7 +4,6 @@ zdsl/sim/rates.compute_tables); as many ranks keep the shared tables; a profile 
 them plans as before."""
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -19,9 +18,9 @@ from zdsl.schedule import MachineProfile
 
 # As calibrate writes it on a 2-core node at 2 ranks: each rank's tables on one core, and rank 0's
 # alone on both
-MEASURED_AT_TWO = MachineProfile(name="cpu", flops=4e10, cores=1.0, flops_widths=(64.0, 1024.0),
-                                 flops_fp32=(4e10, 1e11), flops_bf16=(5e10, 4e11), compute_ranks=2,
-                                 flops_alone_fp32=(6e10, 1.8e11), flops_alone_bf16=(7e10, 6e11))
+MEASURED_AT_TWO = MachineProfile.of(name="cpu", flops=4e10, cores=1.0, flops_widths=(64.0, 1024.0),
+                                    flops_fp32=(4e10, 1e11), flops_bf16=(5e10, 4e11), compute_ranks=2,
+                                    flops_alone_fp32=(6e10, 1.8e11), flops_alone_bf16=(7e10, 6e11))
 
 
 def block_rates(graph, machine, kind="compute.forward") -> list[float]:
@@ -46,7 +45,7 @@ def test_the_alone_table_is_interpolated_at_the_units_width_as_the_shared_one(tm
 def test_between_the_ranks_measured_and_one_the_rate_is_log_log_in_cores_per_rank(tmp_path):
     """A profile measured by 4 ranks (a core each of 4): 2 ranks have 2 cores each, halfway in log
     from the shared table's 1 to the alone table's 4; 4 and 8 ranks keep the shared table."""
-    at_four = dataclasses.replace(MEASURED_AT_TWO, compute_ranks=4)
+    at_four = MEASURED_AT_TWO.with_fields(compute_ranks=4)
     for ranks, rate in ((1, 6e10), (2, math.sqrt(4e10 * 6e10)), (4, 4e10), (8, 4e10)):
         graph = graph_of(schedule(tmp_path, 64, ranks=ranks, nvme=False, name=f"r{ranks}.zs"))
         assert block_rates(graph, at_four) == pytest.approx([rate] * 2)
@@ -55,21 +54,21 @@ def test_between_the_ranks_measured_and_one_the_rate_is_log_log_in_cores_per_ran
 def test_resolving_the_profile_for_its_graph_again_changes_nothing(tmp_path):
     one = graph_of(schedule(tmp_path, 64, ranks=1, nvme=False))
     resolved = for_graph(MEASURED_AT_TWO, one)
-    assert resolved.flops_fp32 == (6e10, 1.8e11) and for_graph(resolved, one) == resolved
+    assert resolved.compute.fp32 == (6e10, 1.8e11) and for_graph(resolved, one) == resolved
 
 
 def test_the_alone_table_moves_a_one_rank_step_and_not_a_two_rank_one(tmp_path):
     one = graph_of(schedule(tmp_path, 512, "bf16", ranks=1, nvme=False))
     two = graph_of(schedule(tmp_path, 512, "bf16", ranks=2, nvme=False, name="t.zs"))
-    without = dataclasses.replace(MEASURED_AT_TWO, flops_alone_fp32=(), flops_alone_bf16=())
+    without = MEASURED_AT_TWO.with_fields(flops_alone_fp32=(), flops_alone_bf16=())
     assert simulate(one, MEASURED_AT_TWO).step_s < 0.9 * simulate(one, without).step_s
     assert simulate(two, MEASURED_AT_TWO).step_s == simulate(two, without).step_s
 
 
 def test_a_profile_without_the_alone_tables_plans_as_before_and_plan_says_so(tmp_path):
     one = graph_of(schedule(tmp_path, 64, "bf16", ranks=1, nvme=False))
-    without = dataclasses.replace(MEASURED_AT_TWO, flops_alone_fp32=(), flops_alone_bf16=())
-    unknown = dataclasses.replace(without, compute_ranks=0)
+    without = MEASURED_AT_TWO.with_fields(flops_alone_fp32=(), flops_alone_bf16=())
+    unknown = without.with_fields(compute_ranks=0)
     assert block_rates(one, without) == block_rates(one, unknown) == pytest.approx([5e10] * 2)
     assert simulate(one, without).step_s == simulate(one, unknown).step_s
     said = gaps(without, one)
@@ -86,4 +85,4 @@ def test_a_machine_statement_without_the_alone_fields_keeps_the_graph_digest(tmp
         "flops_alone_fp32=(6e10, 1.8e11))\n")))
     assert shaped.config["machine"]["flops_alone_fp32"] == [6e10, 1.8e11]
     assert shaped.config["machine"]["compute_ranks"] == 2
-    assert MachineProfile.of_config(shaped.config).flops_alone_fp32 == (6e10, 1.8e11)
+    assert MachineProfile.of_config(shaped.config).compute.alone_fp32 == (6e10, 1.8e11)

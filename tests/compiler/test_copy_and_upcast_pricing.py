@@ -7,8 +7,6 @@ the norm by its flops alone) both are far off a run at programs/capacity.zs's fu
 share: the node's, not one rank's share of it."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from zdsl.model.units import gpt_units
@@ -28,11 +26,11 @@ from zdsl.schedule import TrainSpec
 UNITS = gpt_units(layers=3, width=256, heads=4, vocab=256, context=32)
 # one core per rank shared by the lanes, and gloo's collectives at 2% of their rate while compute
 # fills it (the calibrated profile's figures on this VM)
-CPU = MachineProfile(name="cpu", flops=5e10, host_flops=5e10, link_bandwidth=2e9, link_latency=2e-4,
-                     pcie_bandwidth=4e9, memory_bandwidth=3e10, op_overhead=1e-4, comm_overhead=3e-4,
-                     cores=1.0, comm_under_load=0.02)
-GPU = MachineProfile(name="cuda", flops=1e12, link_bandwidth=1e9, link_latency=1e-5,
-                     pcie_bandwidth=2e10, memory_bandwidth=1e11)
+CPU = MachineProfile.of(name="cpu", flops=5e10, host_flops=5e10, link_bandwidth=2e9, link_latency=2e-4,
+                        pcie_bandwidth=4e9, memory_bandwidth=3e10, op_overhead=1e-4, comm_overhead=3e-4,
+                        cores=1.0, comm_under_load=0.02)
+GPU = MachineProfile.of(name="cuda", flops=1e12, link_bandwidth=1e9, link_latency=1e-5,
+                        pcie_bandwidth=2e10, memory_bandwidth=1e11)
 
 
 def graph(ranks: int, precision: str = "fp32", stage: int = 3):
@@ -49,10 +47,10 @@ def comm_busy(g, machine) -> float:
 def test_a_one_rank_collective_shares_the_cores_as_a_copy():
     """At one rank ``comm_under_load`` (gloo's threads waiting for messages) does not apply: the
     copies take their share of the cores, so their planned time is the fair-share one."""
-    fair = dataclasses.replace(CPU, comm_under_load=0.0)
+    fair = CPU.with_fields(comm_under_load=0.0)
     one, four = graph(ranks=1), graph(ranks=4)
     assert under_load(one, gathers(one)[0], CPU) == 0.0
-    assert under_load(four, gathers(four)[0], CPU) == CPU.comm_under_load
+    assert under_load(four, gathers(four)[0], CPU) == CPU.collectives.under_load
     assert comm_busy(one, CPU) == pytest.approx(comm_busy(one, fair))
     # while four ranks' collectives still move at their rate under load, beside the compute
     assert comm_busy(four, CPU) != pytest.approx(comm_busy(four, fair))
@@ -70,7 +68,7 @@ def test_two_ranks_collectives_through_shared_memory_share_the_cores_as_a_copy()
     sizes = {collective_payload(two, op) for op in gathers(two)}
     assert min(sizes) < 1 << 20 <= max(sizes)        # small and large alike
     assert {under_load(two, op, CPU) for op in gathers(two)} == {0.0}
-    assert {under_load(four, op, CPU) for op in gathers(four)} == {CPU.comm_under_load}
+    assert {under_load(four, op, CPU) for op in gathers(four)} == {CPU.collectives.under_load}
 
 
 def rated(g, op, machine):
@@ -91,30 +89,30 @@ def test_a_bf16_norm_on_a_cpu_pays_its_upcast(ranks):
     for op in unit_norms(g):
         (grad,) = (g.buffers[n] for n in op.reads)
         assert grad.dtype == "bf16"
-        upcast = grad.bytes // DTYPE_BYTES["bf16"] * 4 / CPU.pcie_bandwidth
-        assert rated(g, op, CPU) == pytest.approx(op.flops / CPU.flops + upcast)
+        upcast = grad.bytes // DTYPE_BYTES["bf16"] * 4 / CPU.copies.pcie_bandwidth
+        assert rated(g, op, CPU) == pytest.approx(op.flops / CPU.compute.flops + upcast)
     g = graph(ranks, "fp32")
     for op in unit_norms(g):
-        assert rated(g, op, CPU) == pytest.approx(op.flops / CPU.flops)
+        assert rated(g, op, CPU) == pytest.approx(op.flops / CPU.compute.flops)
 
 
 def test_a_cuda_device_reduces_bf16_gradients_without_a_copy():
     g = graph(2, "bf16")
     for op in unit_norms(g):
         assert g.buffers[op.reads[0]].tier == "device"
-        assert rated(g, op, GPU) == pytest.approx(op.flops / GPU.flops)
+        assert rated(g, op, GPU) == pytest.approx(op.flops / GPU.compute.flops)
 
 
 def test_a_one_rank_schedule_shares_the_cores_the_profiles_ranks_divided():
     """Calibrate binds each of its ``disk_ranks`` ranks to its share of the node (``cores``); a
     schedule of one rank has all of them, so its lanes share ``cores x disk_ranks``, as a profile
     measured with one rank would say. Resolving the profile for the schedule twice is once."""
-    measured_at_two = dataclasses.replace(CPU, disk_ranks=2)
+    measured_at_two = CPU.with_fields(disk_ranks=2)
     one = graph(ranks=1)
     node = for_graph(measured_at_two, one)
-    assert node.cores == 2.0 and for_graph(node, one) == node
-    as_if_one = dataclasses.replace(CPU, cores=2.0, disk_ranks=1)
+    assert node.costs.cores == 2.0 and for_graph(node, one) == node
+    as_if_one = CPU.with_fields(cores=2.0, disk_ranks=1)
     assert simulate(one, measured_at_two).step_s == pytest.approx(simulate(one, as_if_one).step_s)
-    assert simulate(one, measured_at_two).step_s < simulate(one, dataclasses.replace(CPU, disk_ranks=0)).step_s
+    assert simulate(one, measured_at_two).step_s < simulate(one, CPU.with_fields(disk_ranks=0)).step_s
     two = graph(ranks=2)
-    assert for_graph(measured_at_two, two).cores == 1.0
+    assert for_graph(measured_at_two, two).costs.cores == 1.0

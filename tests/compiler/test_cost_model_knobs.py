@@ -8,8 +8,6 @@ fails them.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from zdsl.model.units import gpt_units
@@ -34,15 +32,15 @@ MiB = 1 << 20
 UNITS = gpt_units(layers=3, width=256, heads=4, vocab=256, context=32)
 
 # A calibrated 2-core CPU as `zdsl calibrate` writes it: one core a rank, gloo's two threads.
-CPU = MachineProfile(name="cpu", flops=7e10, host_flops=7e10, link_bandwidth=2e9, link_latency=2e-4,
-                     scatter_bandwidth=2e9, scatter_latency=1.5e-4, reduce_bandwidth=1.3e9,
-                     reduce_latency=1.2e-4, memory_bandwidth=5e10, op_overhead=1e-4, kernel_overhead=5e-6,
-                     comm_overhead=3e-4, scatter_overhead=7e-4, cores=1.0, comm_slots=2, comm_under_load=0.02)
+CPU = MachineProfile.of(name="cpu", flops=7e10, host_flops=7e10, link_bandwidth=2e9, link_latency=2e-4,
+                        scatter_bandwidth=2e9, scatter_latency=1.5e-4, reduce_bandwidth=1.3e9,
+                        reduce_latency=1.2e-4, memory_bandwidth=5e10, op_overhead=1e-4, kernel_overhead=5e-6,
+                        comm_overhead=3e-4, scatter_overhead=7e-4, cores=1.0, comm_slots=2, comm_under_load=0.02)
 # A GPU whose link is slow beside its compute (a block's gather, 1.6 ms, takes 8 times its forward).
-GPU = MachineProfile(name="cuda", flops=1e12, link_bandwidth=1e9, link_latency=1e-5, memory_bandwidth=1e11,
-                     comm_slots=1)
+GPU = MachineProfile.of(name="cuda", flops=1e12, link_bandwidth=1e9, link_latency=1e-5, memory_bandwidth=1e11,
+                        comm_slots=1)
 # The same with a link fast enough that a gather (0.1 ms) hides behind the compute before it.
-FAST_GPU = dataclasses.replace(GPU, link_bandwidth=2e10)
+FAST_GPU = GPU.with_fields(link_bandwidth=2e10)
 
 
 def graph(prefetch: int = 1, bucket: int = 0, ranks: int = 2):
@@ -53,10 +51,10 @@ def graph(prefetch: int = 1, bucket: int = 0, ranks: int = 2):
 
 def per_call(machine: MachineProfile) -> float:
     """What one more gather costs beyond its bytes: its latency and the runtime's cost per collective."""
-    return machine.link_latency + max(machine.comm_overhead, 0.0)
+    return machine.collectives.node.latency + (machine.costs.comm or 0.0)
 
 
-@pytest.mark.parametrize("machine", [CPU, dataclasses.replace(CPU, cores=0.0)], ids=["shared-core", "free-lanes"])
+@pytest.mark.parametrize("machine", [CPU, CPU.with_fields(cores=0.0)], ids=["shared-core", "free-lanes"])
 def test_a_bucket_that_cuts_units_costs_each_extra_call_its_fixed_cost(machine):
     """1 MiB buckets turn 15 collectives into 42 moving the same bytes. Each extra call pays
     the collective's latency and the runtime's cost per collective (0.5 ms here) on the
@@ -66,13 +64,13 @@ def test_a_bucket_that_cuts_units_costs_each_extra_call_its_fixed_cost(machine):
     extra = comm_plan(cut).collectives - comm_plan(whole).collectives
     assert comm_plan(cut).payload_bytes == comm_plan(whole).payload_bytes and extra >= 20
     grown = simulate(cut, machine).step_s - simulate(whole, machine).step_s
-    assert grown >= 0.5 * extra * per_call(machine) / machine.comm_slots
+    assert grown >= 0.5 * extra * per_call(machine) / machine.collectives.slots
 
 
 def test_a_small_message_achieves_less_of_the_link_than_a_large_one():
     """The profile's curve by size: ``latency + bytes / link``, so a 64 KiB part moves at under
     half the bandwidth a 4 MiB gather achieves on this profile."""
-    achieved = {n: n / collective_seconds("comm.all_gather", n, CPU) for n in (64 << 10, 4 * MiB)}
+    achieved = {n: n / collective_seconds("comm.all_gather", n, CPU.collectives.node) for n in (64 << 10, 4 * MiB)}
     assert achieved[64 << 10] < 0.5 * achieved[4 * MiB]
 
 
@@ -85,7 +83,7 @@ def hideable_and_gain(machine, ranks: int = 2) -> tuple[float, float]:
     return sum(gathers[2:]), sim0.step_s - sim1.step_s
 
 
-@pytest.mark.parametrize("machine,ranks", [(FAST_GPU, 2), (CPU, 4), (dataclasses.replace(CPU, cores=0.0), 2)],
+@pytest.mark.parametrize("machine,ranks", [(FAST_GPU, 2), (CPU, 4), (CPU.with_fields(cores=0.0), 2)],
                          ids=["gpu", "shared-core", "free-lanes"])
 def test_prefetching_one_unit_hides_gathers_that_prefetch_0_waits_for(machine, ranks):
     """At prefetch 0 a unit's gather is issued when the unit before it is done and its compute
@@ -121,7 +119,7 @@ def test_deeper_prefetch_gains_where_the_backend_runs_two_gathers_at_once():
     """gloo runs two collectives at once (``comm_slots=2``): with two units' gathers in flight
     the slow link serves both, so a prefetch of 2 beats 1 when gathers are slower than the
     compute. One thread (``comm_slots=1``) takes that gain away."""
-    two_threads = dataclasses.replace(GPU, comm_slots=2)
+    two_threads = GPU.with_fields(comm_slots=2)
     p1, p2 = (simulate(graph(prefetch=k), two_threads).step_s for k in (1, 2))
     assert p2 < p1
     gain_with_two = p1 - p2
@@ -149,14 +147,14 @@ def test_an_op_waits_the_wake_after_an_input_from_another_lane_only(cores, gathe
     """The second forward starts 0.5 s (``wake``) after the gather it waited for (5 s); where its
     own lane's forward (3 s) ends after the gather (2 s), it starts at once, as a lane's thread
     runs its ready ops back to back."""
-    m = MachineProfile(name="cuda", flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=cores, comm_slots=1,
-                       wake_latency=0.5)
+    m = MachineProfile.of(name="cuda", flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=cores, comm_slots=1,
+                          wake_latency=0.5)
     sim = simulate(_gather_then_forward(gather_s), m)
     assert sim.start[2] == pytest.approx(want_start)
     assert sim.critical_path[-1] == 2 and sim.critical_path[0] == (0 if gather_s > 3 else 1)
 
 
-@pytest.mark.parametrize("machine", [FAST_GPU, CPU, dataclasses.replace(CPU, cores=0.0)],
+@pytest.mark.parametrize("machine", [FAST_GPU, CPU, CPU.with_fields(cores=0.0)],
                          ids=["gpu", "shared-core", "free-lanes"])
 def test_prefetch_0_pays_a_hop_between_lanes_for_every_gather(machine):
     """At prefetch 0 each gather waits for the free after the compute before it (a hop from the
@@ -170,7 +168,7 @@ def test_prefetch_0_pays_a_hop_between_lanes_for_every_gather(machine):
     def gap(m):
         return simulate(g0, m).step_s - simulate(g1, m).step_s
     wake = 5e-4
-    assert gap(dataclasses.replace(machine, wake_latency=wake)) - gap(machine) >= 0.5 * gathers * wake
+    assert gap(machine.with_fields(wake_latency=wake)) - gap(machine) >= 0.5 * gathers * wake
 
 
 def test_calibrate_measures_the_hop_only_where_another_lanes_input_held_an_op_back():
@@ -193,13 +191,13 @@ def test_the_collective_cost_fitted_beside_a_measured_wake_is_what_the_hops_leav
     from zdsl.planner.calibration_fit import lane_ops
     from zdsl.sim.simulate import rated_duration
     g = graph(prefetch=1)
-    truth = dataclasses.replace(CPU, cores=0.0, wake_latency=2e-4, comm_overhead=4e-4, scatter_overhead=4e-4)
-    lane_op_s = {i: rated_duration(g, g.ops[i], truth) + truth.op_overhead + g.ops[i].kernels * truth.kernel_overhead
+    truth = CPU.with_fields(cores=0.0, wake_latency=2e-4, comm_overhead=4e-4, scatter_overhead=4e-4)
+    lane_op_s = {i: rated_duration(g, g.ops[i], truth) + truth.costs.op + g.ops[i].kernels * truth.costs.kernel
                  for i in lane_ops(g)}
-    fit = fit_overhead(g, dataclasses.replace(truth, comm_overhead=-1.0, scatter_overhead=-1.0),
+    fit = fit_overhead(g, truth.with_fields(comm_overhead=-1.0, scatter_overhead=-1.0),
                        simulate(g, truth).step_s, lane_op_s)
     assert fit.comm == pytest.approx(4e-4, rel=1e-3)
-    folded = fit_overhead(g, dataclasses.replace(truth, comm_overhead=-1.0, scatter_overhead=-1.0, wake_latency=0.0),
+    folded = fit_overhead(g, truth.with_fields(comm_overhead=-1.0, scatter_overhead=-1.0, wake_latency=0.0),
                           simulate(g, truth).step_s, lane_op_s)
     assert folded.comm > fit.comm            # without the measured hop, the collectives carry it
 
@@ -212,13 +210,13 @@ def test_the_collective_cost_fitted_beside_the_loops_cost_per_op_is_what_the_fre
     from zdsl.sim.simulate import rated_duration
     g = graph(prefetch=1)
     assert sum(op.kind == "mem.free" for op in g.ops) > 0
-    truth = dataclasses.replace(CPU, cores=0.0, loop_overhead=1e-4, comm_overhead=4e-4, scatter_overhead=4e-4)
-    lane_op_s = {i: rated_duration(g, g.ops[i], truth) + truth.op_overhead + g.ops[i].kernels * truth.kernel_overhead
+    truth = CPU.with_fields(cores=0.0, loop_overhead=1e-4, comm_overhead=4e-4, scatter_overhead=4e-4)
+    lane_op_s = {i: rated_duration(g, g.ops[i], truth) + truth.costs.op + g.ops[i].kernels * truth.costs.kernel
                  for i in lane_ops(g)}
     step_s = simulate(g, truth).step_s
-    assert step_s > simulate(g, dataclasses.replace(truth, loop_overhead=0.0)).step_s    # the frees cost time
-    fit = fit_overhead(g, dataclasses.replace(truth, comm_overhead=-1.0, scatter_overhead=-1.0), step_s, lane_op_s)
+    assert step_s > simulate(g, truth.with_fields(loop_overhead=0.0)).step_s    # the frees cost time
+    fit = fit_overhead(g, truth.with_fields(comm_overhead=-1.0, scatter_overhead=-1.0), step_s, lane_op_s)
     assert fit.comm == pytest.approx(4e-4, rel=1e-3)
-    folded = fit_overhead(g, dataclasses.replace(truth, comm_overhead=-1.0, scatter_overhead=-1.0, loop_overhead=0.0),
+    folded = fit_overhead(g, truth.with_fields(comm_overhead=-1.0, scatter_overhead=-1.0, loop_overhead=0.0),
                           step_s, lane_op_s)
     assert folded.comm > fit.comm            # with frees at no cost, the collectives carry theirs

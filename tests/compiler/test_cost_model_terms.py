@@ -15,10 +15,10 @@ from zdsl.schedule import Schedule
 from zdsl.schedule import TrainSpec
 
 UNITS = gpt_units(layers=3, width=256, heads=4, vocab=256, context=32)
-CPU = MachineProfile(name="cpu", flops=5e10, host_flops=5e10, link_bandwidth=2e9, link_latency=2e-4,
-                     pcie_bandwidth=4e9, memory_bandwidth=3e10, op_overhead=1e-4, comm_overhead=3e-4)
-GPU = MachineProfile(name="cuda", flops=1e12, link_bandwidth=1e9, link_latency=1e-5,
-                     pcie_bandwidth=2e10, memory_bandwidth=1e11)
+CPU = MachineProfile.of(name="cpu", flops=5e10, host_flops=5e10, link_bandwidth=2e9, link_latency=2e-4,
+                        pcie_bandwidth=4e9, memory_bandwidth=3e10, op_overhead=1e-4, comm_overhead=3e-4)
+GPU = MachineProfile.of(name="cuda", flops=1e12, link_bandwidth=1e9, link_latency=1e-5,
+                        pcie_bandwidth=2e10, memory_bandwidth=1e11)
 
 
 def graph(ranks: int, stage: int = 3, precision: str = "fp32"):
@@ -31,7 +31,7 @@ def rated(g, op, machine):
     return op_duration(g, op, machine) - op_fixed(op, machine)
 
 
-@pytest.mark.parametrize("machine,copy_rate", [(CPU, CPU.pcie_bandwidth), (GPU, GPU.memory_bandwidth)],
+@pytest.mark.parametrize("machine,copy_rate", [(CPU, CPU.copies.pcie_bandwidth), (GPU, GPU.compute.memory_bandwidth)],
                          ids=["cpu", "cuda"])
 def test_a_one_rank_gather_or_scatter_copies_its_payload(machine, copy_rate):
     """At one rank nothing crosses a wire, but the runtime still copies each gather's shard into
@@ -55,4 +55,4 @@ def test_a_one_rank_all_reduce_moves_nothing():
 def test_two_ranks_still_pay_the_wire():
     g = graph(ranks=2)
     op = next(op for op in g.ops if op.kind == "comm.all_gather")
-    assert rated(g, op, CPU) == pytest.approx(CPU.link_latency + collective_payload(g, op) / 2 / CPU.link_bandwidth)
+    assert rated(g, op, CPU) == pytest.approx(CPU.collectives.node.latency + collective_payload(g, op) / 2 / CPU.collectives.node.bandwidth)

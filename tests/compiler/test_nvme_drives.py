@@ -14,7 +14,7 @@ from zdsl.sim.simulate import rated_duration
 from zdsl.schedule import MachineProfile
 
 NVME = Path(__file__).parents[2] / "programs" / "nvme.zs"
-MACHINE = MachineProfile(disk_read=1e9, disk_write=1e9)
+MACHINE = MachineProfile.of(disk_read=1e9, disk_write=1e9)
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """programs/nvme.zs's disk transfers share each rank's core with the compute beside them: the
 CPU they need (disk_read_cpu, disk_write_cpu) slows them as it slows the compute."""
-import dataclasses
 import os
 
 import pytest
@@ -36,11 +35,11 @@ def test_transfers_beside_compute_take_longer_as_their_cpu_grows(nvme):
     them. (A transfer that took its share first kept its rate: the nvme lane's seconds did
     not move, and nvme.zs was planned 11-22% under its measured step in every quiet round.)"""
     machine = machine_of(nvme)
-    free = simulate(nvme, dataclasses.replace(machine, disk_read_cpu=0.0, disk_write_cpu=0.0))
+    free = simulate(nvme, machine.with_fields(disk_read_cpu=0.0, disk_write_cpu=0.0))
     busy = simulate(nvme, machine)
     for kind in ("nvme.read", "nvme.write", "compute.backward"):
         assert lane_seconds(busy, nvme, kind) > 1.05 * lane_seconds(free, nvme, kind), kind
     assert busy.step_s > 1.05 * free.step_s
-    heavier = simulate(nvme, dataclasses.replace(machine, disk_write_cpu=0.6))
+    heavier = simulate(nvme, machine.with_fields(disk_write_cpu=0.6))
     assert lane_seconds(heavier, nvme, "nvme.write") > lane_seconds(busy, nvme, "nvme.write")
     assert heavier.step_s > busy.step_s

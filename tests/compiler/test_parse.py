@@ -122,7 +122,7 @@ checkpoint every 10 steps -> "ckpt" keep 3
     assert s.bucket_bytes == 64 << 20
     assert s.persist_below == 1024 // 2          # bytes of bf16 -> parameters
     assert s.memory == {"device": 80 << 30, "host": 1_500_000_000_000, "nvme": 1 << 40}
-    assert (s.machine.name, s.machine.flops, s.machine.link_bandwidth) == ("cuda", 1e15, 2e11)
+    assert (s.machine.name, s.machine.compute.flops, s.machine.collectives.node.bandwidth) == ("cuda", 1e15, 2e11)
     assert (s.checkpoint.every, s.checkpoint.dir, s.checkpoint.keep) == (10, "ckpt", 3)
     assert s.data.args == {"vocab": 128, "context": 16}
     assert s.spans["offload.parameters"].line == 9 and s.spans["memory.host"].line == 12

@@ -104,8 +104,8 @@ def tiny_graph(ops: list[Op], buffers: list[Buffer], ranks=2) -> TaskGraph:
 
 
 def test_durations_follow_the_machine_profile():
-    m = MachineProfile(flops=1e9, link_bandwidth=1e6, link_latency=0.5, pcie_bandwidth=2e6,
-                       disk_read=4e6, disk_write=8e6, memory_bandwidth=1e3)
+    m = MachineProfile.of(flops=1e9, link_bandwidth=1e6, link_latency=0.5, pcie_bandwidth=2e6,
+                          disk_read=4e6, disk_write=8e6, memory_bandwidth=1e3)
     bufs = [Buffer("param_full[0]", "param_full", 0, "device", 1000)]
     g = tiny_graph([], bufs, ranks=4)
     cases = [
@@ -121,27 +121,27 @@ def test_durations_follow_the_machine_profile():
     ]
     for op, want in cases:
         assert op_duration(g, op, m) == pytest.approx(want), op.kind
-    m.op_overhead = 0.25                 # a fixed cost per op the runtime runs; a free costs only the loop's
+    m.costs.op = 0.25                 # a fixed cost per op the runtime runs; a free costs only the loop's
     for op, want in cases:
         assert op_duration(g, op, m) == pytest.approx(want + (op.kind != "mem.free") * 0.25), op.kind
-    m.comm_overhead = 0.0                # collectives' own fixed cost, apart from the lane ops'
+    m.costs.comm = 0.0                # collectives' own fixed cost, apart from the lane ops'
     for op, want in cases:
         extra = 0.0 if op.kind == "mem.free" or op.kind.startswith("comm.") else 0.25
         assert op_duration(g, op, m) == pytest.approx(want + extra), op.kind
-    m.scatter_overhead = 0.125           # a reduce-scatter's own, apart from the other collectives'
+    m.costs.scatter = 0.125           # a reduce-scatter's own, apart from the other collectives'
     for op, want in cases:
         extra = (0.0 if op.kind == "mem.free" or op.kind.startswith("comm.") else 0.25) \
             + (0.125 if op.kind == "comm.reduce_scatter" else 0.0)
         assert op_duration(g, op, m) == pytest.approx(want + extra), op.kind
-    m.loop_overhead = 0.0625             # the event loop's CPU per op: a free's whole cost, nothing else's
+    m.costs.loop = 0.0625             # the event loop's CPU per op: a free's whole cost, nothing else's
     for op, want in cases:
         extra = (0.0625 if op.kind == "mem.free" else 0.0 if op.kind.startswith("comm.") else 0.25) \
             + (0.125 if op.kind == "comm.reduce_scatter" else 0.0)
         assert op_duration(g, op, m) == pytest.approx(want + extra), op.kind
-    m.kernel_overhead = 0.001            # and a compute op one per kernel it dispatches
+    m.costs.kernel = 0.001            # and a compute op one per kernel it dispatches
     fwd = Op(0, "compute.forward", "compute", 0, flops=2e9, kernels=32)
     assert op_duration(g, fwd, m) == pytest.approx(2.0 + 0.25 + 0.032)
-    m.disk_read_latency, m.disk_write_latency = 0.5, 0.0625   # and a disk transfer its own latency
+    m.disk.read_latency, m.disk.write_latency = 0.5, 0.0625   # and a disk transfer its own latency
     read, write = (Op(0, f"nvme.{k}", "nvme", 0, bytes=4e6) for k in ("read", "write"))
     assert op_duration(g, read, m) == pytest.approx(0.5 + 1.0 + 0.25)
     assert op_duration(g, write, m) == pytest.approx(0.0625 + 0.5 + 0.25)
@@ -164,8 +164,8 @@ def test_compute_ops_carry_their_units_kernels():
 
 
 def test_each_collective_and_the_host_step_have_their_own_rates_where_given():
-    m = MachineProfile(link_bandwidth=1e6, link_latency=0.5, scatter_bandwidth=5e5, scatter_latency=0.25,
-                       memory_bandwidth=1e3, host_memory_bandwidth=3e3)
+    m = MachineProfile.of(link_bandwidth=1e6, link_latency=0.5, scatter_bandwidth=5e5, scatter_latency=0.25,
+                          memory_bandwidth=1e3, host_memory_bandwidth=3e3)
     g = tiny_graph([], [], ranks=4)
     wire = 4e6 * 3 / 4
     gather = Op(0, "comm.all_gather", "comm", 0, bytes=4e6)
@@ -175,7 +175,7 @@ def test_each_collective_and_the_host_step_have_their_own_rates_where_given():
     assert op_duration(g, scatter, m) == pytest.approx(0.25 + wire / 5e5)
     # no all-reduce rate given: a ring, this machine's reduce-scatter then its all-gather
     assert op_duration(g, reduce, m) == pytest.approx(0.25 + wire / 5e5 + 0.5 + wire / 1e6)
-    m.reduce_bandwidth, m.reduce_latency = 2e6, 0.1
+    m.collectives.node.reduce_bandwidth, m.collectives.node.reduce_latency = 2e6, 0.1
     assert op_duration(g, reduce, m) == pytest.approx(0.1 + wire / 2e6)
     # the optimizer step on the host lane at the host's rate; on the device lane at the device's
     assert op_duration(g, Op(0, "compute.step", "host", 0, bytes=3000), m) == pytest.approx(1.0)
@@ -183,7 +183,7 @@ def test_each_collective_and_the_host_step_have_their_own_rates_where_given():
 
 
 def test_list_scheduling_overlaps_lanes_and_honours_deps():
-    m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, comm_slots=1)   # a lane: one op at a time
+    m = MachineProfile.of(flops=1.0, link_bandwidth=1.0, link_latency=0.0, comm_slots=1)   # a lane: one op at a time
     B = lambda n, k="param_full": Buffer(n, k, 0, "device", 10)  # noqa: E731
     bufs = [B("param_shard[0]", "param_shard"), B("param_full[0]"), B("param_full[1]"), B("act[0]", "act"),
             B("act[1]", "act")]
@@ -236,14 +236,14 @@ def _gathers(first_s: float, wait_for_compute: float = 0.0):
     (2, 1, [0, 0, 4], [4, 4, 6]),      # ... but on one core the two running share it
 ])
 def test_a_backend_with_two_threads_runs_two_collectives_at_once(slots, cores, want_start, want_end):
-    m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, comm_slots=slots, cores=cores)
+    m = MachineProfile.of(flops=1.0, link_bandwidth=1.0, link_latency=0.0, comm_slots=slots, cores=cores)
     sim = simulate(_gathers(2.0), m)
     assert sim.start[1:] == pytest.approx(want_start) and sim.end[1:] == pytest.approx(want_end)
 
 
 @pytest.mark.parametrize("cores", [0, 1])
 def test_collectives_start_in_issue_order_and_a_short_one_frees_its_thread_first(cores):
-    m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, comm_slots=2, cores=cores)
+    m = MachineProfile.of(flops=1.0, link_bandwidth=1.0, link_latency=0.0, comm_slots=2, cores=cores)
     # a 6 s gather beside a 2 s one: the third takes the thread the short one leaves at 2
     sim = simulate(_gathers(6.0), m)
     if cores == 0:
@@ -279,7 +279,7 @@ def _two_lane_ops():
     ("cuda", 1, [2, 3, 6]),       # GPU compute and NCCL need no host core
 ])
 def test_lanes_share_the_ranks_cores(name, cores, want_end):
-    m = MachineProfile(name=name, flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=cores)
+    m = MachineProfile.of(name=name, flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=cores)
     sim = simulate(_two_lane_ops(), m)
     assert sim.end == pytest.approx(want_end)
     assert sim.step_s == pytest.approx(want_end[-1])
@@ -295,8 +295,8 @@ def test_lanes_share_the_ranks_cores(name, cores, want_end):
                                     # beside forward 0's 3 s of work (0.75 of 2 by 5), the rest alone
 ])
 def test_a_collectives_transfer_under_load_takes_no_share_and_moves_at_its_own_rate(under, overhead, want_end):
-    m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, comm_under_load=under,
-                       op_overhead=overhead)
+    m = MachineProfile.of(flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, comm_under_load=under,
+                          op_overhead=overhead)
     sim = simulate(_two_lane_ops(), m)
     assert sim.end == pytest.approx(want_end)
     m.name = "cuda"               # cpu machines only: on cuda the host work (fixed costs) is shared as before
@@ -309,10 +309,10 @@ def test_a_free_costs_the_loops_cpu_per_op_and_takes_its_share_of_the_core():
     bufs = [Buffer("param_full[0]", "param_full", 0, "device", 10), Buffer("act[0]", "act", 0, "device", 10)]
     ops = [Op(0, "compute.forward", "compute", 0, reads=[], writes=["act[0]"], flops=3),
            Op(1, "mem.free", "comm", 0, writes=["param_full[0]"])]
-    m = MachineProfile(flops=1.0, cores=1, loop_overhead=1.0)
+    m = MachineProfile.of(flops=1.0, cores=1, loop_overhead=1.0)
     assert simulate(tiny_graph(ops, bufs), m).end == pytest.approx([4, 2])   # both at 1/2 until the free ends
-    assert simulate(tiny_graph(ops, bufs), dataclasses.replace(m, cores=0)).end == pytest.approx([3, 1])
-    assert simulate(tiny_graph(ops, bufs), dataclasses.replace(m, loop_overhead=0.0)).end == pytest.approx([3, 0])
+    assert simulate(tiny_graph(ops, bufs), m.with_fields(cores=0)).end == pytest.approx([3, 1])
+    assert simulate(tiny_graph(ops, bufs), m.with_fields(loop_overhead=0.0)).end == pytest.approx([3, 0])
 
 
 def _beside_a_transfer(kind: str, other: str):
@@ -336,15 +336,15 @@ def test_a_disk_transfer_shares_one_core_and_takes_its_share_of_more_first(kind)
     of their rate and end at 1.5 s (on one core a transfer beside compute is slowed too: calibrate
     measures by how much, ``disk_*_cpu``). On two its threads wake first: it keeps its rate and the
     forward gets what is left (1.5 of 2 cores for 1 s, then alone: ends at 1.25)."""
-    m = MachineProfile(flops=1.0, disk_read=1.0, disk_write=1.0, cores=1, disk_read_cpu=1 / 3, disk_write_cpu=1 / 3)
+    m = MachineProfile.of(flops=1.0, disk_read=1.0, disk_write=1.0, cores=1, disk_read_cpu=1 / 3, disk_write_cpu=1 / 3)
     assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.5, 1.5])
-    m.cores, m.disk_read_cpu, m.disk_write_cpu = 2, 0.5, 0.5
+    m.costs.cores, m.disk.read_cpu, m.disk.write_cpu = 2, 0.5, 0.5
     assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.0, 1.25])
-    m.cores = 1
-    m.disk_read_cpu = m.disk_write_cpu = 0.0           # no host work: independent
+    m.costs.cores = 1
+    m.disk.read_cpu = m.disk.write_cpu = 0.0           # no host work: independent
     assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.0, 1.0])
-    m.cores = 0                                        # no sharing model
-    m.disk_read_cpu = m.disk_write_cpu = 0.5
+    m.costs.cores = None                                     # no sharing model
+    m.disk.read_cpu = m.disk.write_cpu = 0.5
     assert simulate(_beside_a_transfer(kind, "forward"), m).end == pytest.approx([1.0, 1.0])
 
 
@@ -353,21 +353,21 @@ def test_a_collective_under_load_moves_in_what_the_others_leave():
     1.75x), a gather of 3 ranks (gloo's: 1 s) moves at 0.25 for 1 s and alone after it:
     ends at 1.75; beside a write that holds all of it, at its ``comm_under_load`` share 0.1
     (1 s: 0.1 done, 0.9 alone)."""
-    m = MachineProfile(disk_write=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, comm_under_load=0.1,
-                       disk_write_cpu=3 / 7)
+    m = MachineProfile.of(disk_write=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, comm_under_load=0.1,
+                          disk_write_cpu=3 / 7)
     assert simulate(_beside_a_transfer("nvme.write", "gather"), m).end == pytest.approx([1.0, 1.75])
-    m.disk_write_cpu = 1.0
+    m.disk.write_cpu = 1.0
     assert simulate(_beside_a_transfer("nvme.write", "gather"), m).end == pytest.approx([1.0, 1.9])
 
 
 def test_the_fixed_cost_per_op_is_host_work_shared_like_the_rest():
     # each op first does its 1 s of dispatch on one thread, then its rated work; one core for all
-    m = MachineProfile(flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, op_overhead=1.0)
+    m = MachineProfile.of(flops=1.0, link_bandwidth=1.0, link_latency=0.0, cores=1, op_overhead=1.0)
     sim = simulate(_two_lane_ops(), m)
     # both dispatch at half rate 0..2; both work at half rate 2..6 (gather done); forward 0's last
     # second alone 6..7; forward 1 alone: 1 s dispatch and 3 s work, 7..11
     assert sim.end == pytest.approx([6, 7, 11])
-    m.comm_overhead = 0.0       # collectives without the fixed cost: the gather works from 0 at half rate
+    m.costs.comm = 0.0       # collectives without the fixed cost: the gather works from 0 at half rate
     sim = simulate(_two_lane_ops(), m)
     # gather 0..? at half rate beside forward 0's dispatch (0..2) and work: gather done at 4;
     # forward 0: dispatch 0..2, work 2..4 at half (1 s done), 4..6 alone; forward 1: 6..7, 7..10
@@ -376,12 +376,12 @@ def test_the_fixed_cost_per_op_is_host_work_shared_like_the_rest():
 
 def test_sharing_without_host_work_matches_independent_lanes_on_a_program():
     g = compiled(schedule(3, 2, "fp32", prefetch=2))
-    free = simulate(g, MachineProfile(name="cuda"))
-    shared = simulate(g, MachineProfile(name="cuda", cores=1.0))   # the event loop, nothing competing
+    free = simulate(g, MachineProfile.of(name="cuda"))
+    shared = simulate(g, MachineProfile.of(name="cuda", cores=1.0))   # the event loop, nothing competing
     assert shared.start == pytest.approx(free.start) and shared.end == pytest.approx(free.end)
     assert shared.critical_path == free.critical_path
     free = simulate(g, MachineProfile())
-    tight = simulate(g, MachineProfile(cores=1.0))
+    tight = simulate(g, MachineProfile.of(cores=1.0))
     assert tight.step_s > free.step_s     # gathers overlap compute there: sharing one core costs time
 
 
@@ -557,8 +557,8 @@ def test_prediction_error_plans_with_the_profile_zdsl_plan_uses_where_calibrate_
     monkeypatch.setenv("ZDSL_CALIBRATE", "1")
     monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
     out = tmp_path / "m.zs"
-    usual = Calibration(dataclasses.replace(MachineProfile(), flops=5e10), {"reference": (2, 0.0168)})
-    fast = Calibration(dataclasses.replace(MachineProfile(), flops=7e10),
+    usual = Calibration(MachineProfile().with_fields(flops=5e10), {"reference": (2, 0.0168)})
+    fast = Calibration(MachineProfile().with_fields(flops=7e10),
                        {"reference": (2, 0.012), "usual_reference_s": 0.0168, "off_usual": True})
     out.write_text(fast.to_zs())
     measured = bench.machine_statement(str(out))

@@ -2,8 +2,6 @@
 the profile calibrated on this machine, measuring it once (stubbed here: the real one starts the runtime)."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 import helpers
@@ -13,7 +11,7 @@ from zdsl.sim import profile_cache
 from zdsl.schedule import MachineProfile
 
 SMALL = helpers.SMALL
-MEASURED = dataclasses.replace(MachineProfile(), flops=1e9, link_bandwidth=1e8, op_overhead=1e-3)
+MEASURED = MachineProfile().with_fields(flops=1e9, link_bandwidth=1e8, op_overhead=1e-3)
 
 
 @pytest.fixture
@@ -26,7 +24,7 @@ def calibrating(tmp_path, monkeypatch):
 
     def quick() -> str | None:
         calls.append(1)
-        profile_cache.write_profile(dataclasses.asdict(MEASURED), "machine cpu(...)")
+        profile_cache.write_profile(MEASURED.to_config(), "machine cpu(...)")
         return None
     monkeypatch.setattr(profile_cache, "calibrate_in_runtime", quick)
     yield calls

@@ -3,7 +3,6 @@ precision's rate interpolated at its width, NVMe transfers at the rate of as man
 schedule runs; a profile without those fields plans as before; ``zdsl plan`` says what it lacks."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -20,10 +19,10 @@ from zdsl.sim.simulate import simulate
 from zdsl.schedule import MachineProfile
 
 # A profile as calibrate writes it at 2 ranks: each rank's share of the disk, and one rank alone.
-SHAPED = MachineProfile(name="cpu", flops=4e10, disk_read=1e9, disk_write=2e9, flops_widths=(64.0, 1024.0),
-                        flops_fp32=(4e10, 1e11), flops_bf16=(5e10, 4e11), disk_ranks=2,
-                        disk_read_alone=2.5e9, disk_write_alone=3.5e9)
-PLAIN = MachineProfile(name="cpu", flops=4e10, disk_read=1e9, disk_write=2e9)
+SHAPED = MachineProfile.of(name="cpu", flops=4e10, disk_read=1e9, disk_write=2e9, flops_widths=(64.0, 1024.0),
+                           flops_fp32=(4e10, 1e11), flops_bf16=(5e10, 4e11), disk_ranks=2,
+                           disk_read_alone=2.5e9, disk_write_alone=3.5e9)
+PLAIN = MachineProfile.of(name="cpu", flops=4e10, disk_read=1e9, disk_write=2e9)
 
 
 def schedule(tmp_path, width=256, precision="fp32", ranks=2, nvme=True, machine="", name="s.zs"):
@@ -55,11 +54,11 @@ def test_a_profile_without_shape_fields_prices_every_op_as_before(tmp_path):
         graph = graph_of(schedule(tmp_path, width, precision, ranks))
         for kind in ("compute.forward", "compute.backward"):
             for sec, op in seconds(graph, PLAIN, kind):
-                assert sec == op.flops / PLAIN.flops
+                assert sec == op.flops / PLAIN.compute.flops
         for sec, op in seconds(graph, PLAIN, "nvme.read"):
-            assert sec == op.bytes / PLAIN.disk_read
+            assert sec == op.bytes / PLAIN.disk.read
         for sec, op in seconds(graph, PLAIN, "nvme.write"):
-            assert sec == op.bytes / PLAIN.disk_write
+            assert sec == op.bytes / PLAIN.disk.write
         assert gaps(PLAIN, graph) == []
 
 
@@ -72,7 +71,7 @@ def test_a_machine_statement_without_shape_fields_keeps_the_graph_digest(tmp_pat
                                                   "flops_fp32=(4e10, 1e11), disk_ranks=2, disk_read_alone=2e9)\n",
                                name="t.zs"))
     assert shaped.config["machine"]["flops_widths"] == [64.0, 1024.0]
-    assert MachineProfile.of_config(json.loads(shaped.to_json())["config"]).flops_fp32 == (4e10, 1e11)
+    assert MachineProfile.of_config(json.loads(shaped.to_json())["config"]).compute.fp32 == (4e10, 1e11)
 
 
 def test_compute_is_priced_at_the_schedules_precision(tmp_path):
@@ -113,13 +112,13 @@ def test_nvme_transfers_are_priced_at_the_rate_of_the_schedules_ranks(tmp_path, 
 
 def test_the_one_rank_disk_rate_moves_the_predicted_step(tmp_path):
     graph = graph_of(schedule(tmp_path, width=512, ranks=1))
-    shared_only = dataclasses.replace(SHAPED, disk_read_alone=0.0, disk_write_alone=0.0)
+    shared_only = SHAPED.with_fields(disk_read_alone=0.0, disk_write_alone=0.0)
     assert simulate(graph, SHAPED).lane_busy["nvme"] < 0.6 * simulate(graph, shared_only).lane_busy["nvme"]
 
 
 def test_plan_says_what_the_profile_lacks_and_what_it_used(tmp_path):
     graph = graph_of(schedule(tmp_path, precision="fp16", ranks=1))
-    no_alone = dataclasses.replace(SHAPED, disk_read_alone=0.0, disk_write_alone=0.0)
+    no_alone = SHAPED.with_fields(disk_read_alone=0.0, disk_write_alone=0.0)
     said = gaps(no_alone, graph)
     assert len(said) == 2
     assert said[0].startswith("the profile has no fp16 compute rate (it has fp32, bf16 by width): used flops=4e+10")
@@ -164,20 +163,20 @@ def test_an_older_cached_profile_is_measured_again_once_and_that_is_said(tmp_pat
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     path = profile_cache.profile_path("cpu")
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"profile": dataclasses.asdict(PLAIN), "statement": "machine cpu(...)",
+    path.write_text(json.dumps({"profile": PLAIN.to_config(), "statement": "machine cpu(...)",
                                 "when": "2026-11-25 20:45 UTC"}))             # format 1: no "format" key
     calls = []
 
     def quick():
         calls.append(1)
-        profile_cache.write_profile(MachineProfile(name="cpu", flops=1e9, flops_widths=(64.0,),
-                                                   flops_fp32=(1e9,)).to_config(), "machine cpu(...)")
+        profile_cache.write_profile(MachineProfile.of(name="cpu", flops=1e9, flops_widths=(64.0,),
+                                                      flops_fp32=(1e9,)).to_config(), "machine cpu(...)")
     monkeypatch.setattr(profile_cache, "calibrate_in_runtime", quick)
     try:
         for _ in range(2):
             assert main(["plan", str(schedule(tmp_path, nvme=False))]) == 0
         err = capsys.readouterr().err
         assert calls == [1] and err.count("calibrated this machine again") == 1 and "older format" in err
-        assert profile_cache.read_profile(path)[0].flops_fp32 == (1e9,)
+        assert profile_cache.read_profile(path)[0].compute.fp32 == (1e9,)
     finally:
         profile_cache.enable(False)

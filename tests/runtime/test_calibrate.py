@@ -103,18 +103,20 @@ def _written(tmp_path, profile: MachineProfile, edit=lambda text: text):
 
 def test_a_fixed_cost_fitted_to_0_is_a_valid_profile(tmp_path):
     """What calibrate writes when each fixed cost is clamped at 0 (see its docstring)."""
-    zeros = MachineProfile(op_overhead=0.0, kernel_overhead=0.0, comm_overhead=0.0, scatter_overhead=0.0)
+    zeros = MachineProfile.of(op_overhead=0.0, kernel_overhead=0.0, comm_overhead=0.0, scatter_overhead=0.0)
     assert profile_errors(_written(tmp_path, zeros)) == []
 
 
 @pytest.mark.parametrize("profile, edit, refused", [
-    (MachineProfile(), None, "comm_overhead must be"),                     # its "unset" -1, written out
-    (MachineProfile(comm_overhead=0.0, scatter_overhead=0.0, flops=-5e10), None, "flops must be"),
-    (MachineProfile(comm_overhead=0.0, scatter_overhead=0.0, disk_read=0.0), None, "disk_read must be"),
-    (MachineProfile(comm_overhead=0.0, scatter_overhead=-1e-4), None, "scatter_overhead must be"),
-    (MachineProfile(comm_overhead=0.0, scatter_overhead=0.0, comm_under_load=1.5), None, "comm_under_load must be"),
-    (MachineProfile(comm_overhead=0.0, scatter_overhead=0.0, comm_slots=0), None, "comm_slots must be"),
-    (MachineProfile(comm_overhead=0.0, scatter_overhead=0.0), lambda t: re.sub(r"\n\s*link=[^,\n]*,", "", t),
+    (MachineProfile(), None, "comm_overhead is not written"),              # not given: left out, not written as 0
+    (MachineProfile.of(comm_overhead=0.0, scatter_overhead=0.0, flops=-5e10), None, "flops must be"),
+    (MachineProfile.of(comm_overhead=0.0, scatter_overhead=0.0, disk_read=0.0), None, "disk_read must be"),
+    (MachineProfile.of(comm_overhead=0.0, scatter_overhead=1e-4), lambda t: t.replace("scatter_overhead=0.0001",
+                                                                                    "scatter_overhead=-0.0001"),
+     "scatter_overhead must be"),
+    (MachineProfile.of(comm_overhead=0.0, scatter_overhead=0.0, comm_under_load=1.5), None, "comm_under_load must be"),
+    (MachineProfile.of(comm_overhead=0.0, scatter_overhead=0.0, comm_slots=0), None, "comm_slots must be"),
+    (MachineProfile.of(comm_overhead=0.0, scatter_overhead=0.0), lambda t: re.sub(r"\n\s*link=[^,\n]*,", "", t),
      "link is not written"),
 ])
 def test_the_profile_check_refuses_what_the_checker_refuses(tmp_path, profile, edit, refused):
@@ -153,10 +155,10 @@ def test_the_disk_test_runs_the_swapper_and_fits_each_direction(tmp_path):
 
 def test_the_per_op_overhead_fit_recovers_a_known_one():
     from zdsl.sim.simulate import simulate
-    profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
+    profile = MachineProfile.of(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
     graph = reference_graph(2, "cpu").graph
     truth = 7e-4
-    measured = simulate(graph, MachineProfile(**{**vars(profile), "op_overhead": truth})).step_s
+    measured = simulate(graph, profile.with_fields(op_overhead=truth)).step_s
     fit = fit_overhead(graph, profile, measured)
     assert fit.op == pytest.approx(truth, rel=1e-6) and fit.comm < 0 and fit.bare_s < measured
     assert fit_overhead(graph, profile, fit.bare_s / 2).op == 0.0      # faster than the rates: no overhead
@@ -173,11 +175,11 @@ def test_the_fit_recovers_lane_kernel_and_collective_costs(op_cost, comm_cost, k
     from zdsl.sim.simulate import rated_duration
     from zdsl.sim.simulate import simulate
     from zdsl.planner.calibration_fit import lane_ops
-    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
-                             scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=cores)
+    profile = MachineProfile.of(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                                scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=cores)
     graph = reference_graph(2, "cpu").graph
     assert len({graph.ops[i].kernels for i in lane_ops(graph)}) > 3      # steps (none) and units' compute
-    truth = dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost, kernel_overhead=kernel_cost)
+    truth = profile.with_fields(op_overhead=op_cost, comm_overhead=comm_cost, kernel_overhead=kernel_cost)
     step = simulate(graph, truth).step_s
     measured = {i: rated_duration(graph, graph.ops[i], profile) + op_cost + graph.ops[i].kernels * kernel_cost
                 for i in lane_ops(graph)}
@@ -192,7 +194,7 @@ def test_the_lane_cost_line_stands_noise():
     from zdsl.sim.simulate import rated_duration
     from zdsl.planner.calibration_fit import lane_costs
     from zdsl.planner.calibration_fit import lane_ops
-    profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
+    profile = MachineProfile.of(flops=3e10, memory_bandwidth=1.4e10)
     graph = reference_graph(2, "cpu").graph
     noise = [0.9, 1.1, 1.0]
     measured = {i: rated_duration(graph, graph.ops[i], profile)
@@ -205,7 +207,7 @@ def test_the_lane_cost_line_never_starts_below_zero():
     from zdsl.sim.simulate import rated_duration
     from zdsl.planner.calibration_fit import lane_costs
     from zdsl.planner.calibration_fit import lane_ops
-    profile = MachineProfile(flops=3e10, memory_bandwidth=1.4e10)
+    profile = MachineProfile.of(flops=3e10, memory_bandwidth=1.4e10)
     graph = reference_graph(2, "cpu").graph
     # ops with no kernels took no more than their rates; the others 10 us a kernel, less 50 us
     measured = {i: rated_duration(graph, graph.ops[i], profile) + max(0.0, graph.ops[i].kernels * 1e-5 - 5e-5)
@@ -217,7 +219,7 @@ def test_the_lane_cost_line_never_starts_below_zero():
 def test_lane_ops_faster_than_their_rate_give_no_negative_cost():
     from zdsl.sim.simulate import rated_duration
     from zdsl.planner.calibration_fit import lane_ops
-    profile = MachineProfile(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
+    profile = MachineProfile.of(flops=1e10, link_bandwidth=1e9, link_latency=1e-4, memory_bandwidth=5e9)
     graph = reference_graph(2, "cpu").graph
     measured = {i: rated_duration(graph, graph.ops[i], profile) / 2 for i in lane_ops(graph)}
     fit = fit_overhead(graph, profile, 1.0, measured)
@@ -289,11 +291,11 @@ def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took
     from zdsl.sim.simulate import simulate
     from zdsl.planner.calibration_fit import comm_ops
     from zdsl.planner.calibration_fit import lane_ops
-    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
-                             scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=1)
+    profile = MachineProfile.of(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                                scatter_bandwidth=4.2e8, scatter_latency=7e-4, memory_bandwidth=1.4e10, cores=1)
     graph = reference_graph(2, "cpu").graph
     op_cost, comm_cost = 2e-4, 3e-4
-    truth = dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost,
+    truth = profile.with_fields(op_overhead=op_cost, comm_overhead=comm_cost,
                                 scatter_overhead=comm_cost + scatter_extra)
     step = simulate(graph, truth).step_s
     lane = {i: rated_duration(graph, graph.ops[i], profile) + op_cost for i in lane_ops(graph)}
@@ -306,7 +308,7 @@ def test_the_scatter_cost_is_the_collectives_cost_plus_what_reduce_scatters_took
     assert fit.comm == pytest.approx(comm_cost, rel=1e-4)
     assert fit.scatter == pytest.approx(comm_cost + scatter_extra, rel=1e-4)
     # and the prediction with the fitted costs is the step they were fitted to
-    fitted = dataclasses.replace(profile, op_overhead=fit.op, comm_overhead=fit.comm, scatter_overhead=fit.scatter)
+    fitted = profile.with_fields(op_overhead=fit.op, comm_overhead=fit.comm, scatter_overhead=fit.scatter)
     assert simulate(graph, fitted).step_s == pytest.approx(step, rel=1e-6)
 
 
@@ -357,10 +359,10 @@ def test_a_scatter_extra_that_alone_overshoots_the_step_is_fitted_to_it():
     from zdsl.sim.simulate import simulate
     from zdsl.planner.calibration_fit import comm_ops
     from zdsl.planner.calibration_fit import lane_ops
-    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
-                             memory_bandwidth=1.4e10, cores=1)
+    profile = MachineProfile.of(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                                memory_bandwidth=1.4e10, cores=1)
     graph = reference_graph(2, "cpu").graph
-    step = simulate(graph, dataclasses.replace(profile, op_overhead=2e-4, comm_overhead=0.0,
+    step = simulate(graph, profile.with_fields(op_overhead=2e-4, comm_overhead=0.0,
                                                scatter_overhead=1e-3)).step_s
     lane = {i: rated_duration(graph, graph.ops[i], profile) + 2e-4 for i in lane_ops(graph)}
     service = {i: rated_duration(graph, graph.ops[i], profile)
@@ -378,11 +380,11 @@ def test_a_collectives_rate_under_load_is_fitted_from_the_time_compute_ran_besid
     from zdsl.sim.simulate import simulate
     from zdsl.planner.calibration_fit import comm_ops
     from zdsl.planner.calibration_fit import lane_ops
-    profile = MachineProfile(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
-                             memory_bandwidth=1.4e10, cores=1)
+    profile = MachineProfile.of(flops=3e10, host_flops=3e10, link_bandwidth=1.3e9, link_latency=3.5e-4,
+                                memory_bandwidth=1.4e10, cores=1)
     graph = reference_graph(2, "cpu").graph
     op_cost, comm_cost = 2e-4, 3e-4
-    truth = dataclasses.replace(profile, op_overhead=op_cost, comm_overhead=comm_cost, scatter_overhead=comm_cost,
+    truth = profile.with_fields(op_overhead=op_cost, comm_overhead=comm_cost, scatter_overhead=comm_cost,
                                 comm_under_load=under)
     step = simulate(graph, truth).step_s
     lane = {i: rated_duration(graph, graph.ops[i], profile) + op_cost for i in lane_ops(graph)}
@@ -393,14 +395,14 @@ def test_a_collectives_rate_under_load_is_fitted_from_the_time_compute_ran_besid
     assert fit.under_load == pytest.approx(under, rel=1e-6)
     assert fit.comm == pytest.approx(comm_cost, rel=1e-4) and fit.scatter == pytest.approx(comm_cost, rel=1e-3)
     # no sharing model (cores 0): nothing to fit, the fair-share default stays
-    assert fit_overhead(graph, dataclasses.replace(profile, cores=0), step, lane, service, loaded).under_load == 0
+    assert fit_overhead(graph, profile.with_fields(cores=0), step, lane, service, loaded).under_load == 0
 
 
 def test_collectives_slower_than_waiting_out_the_compute_floor_the_rate():
     from zdsl.sim.simulate import rated_duration
     from zdsl.planner.calibration_fit import comm_ops
     from zdsl.planner.calibration_fit import rate_under_load
-    profile = MachineProfile(link_bandwidth=1.3e9, link_latency=3.5e-4, cores=1)
+    profile = MachineProfile.of(link_bandwidth=1.3e9, link_latency=3.5e-4, cores=1)
     graph = reference_graph(2, "cpu").graph
     loaded = {i: 1e-4 * (k % 5) for k, i in enumerate(comm_ops(graph))}
     service = {i: rated_duration(graph, graph.ops[i], profile) + 1.5 * loaded[i] for i in comm_ops(graph)}

@@ -1,7 +1,6 @@
 """``zdsl calibrate`` refreshes the profile ``zdsl plan`` uses by default (zdsl.sim.profile_cache)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -15,9 +14,9 @@ from zdsl.schedule import MachineProfile
 def test_calibrate_refreshes_the_cached_profile(tmp_path, monkeypatch):
     monkeypatch.setenv("ZDSL_CALIBRATE", "1")
     monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
-    old = dataclasses.replace(MachineProfile(), flops=1e9)
-    profile_cache.write_profile(dataclasses.asdict(old), "machine cpu(flops=1e9)")
-    new = dataclasses.replace(MachineProfile(), flops=3e10, link_bandwidth=4e9)
+    old = MachineProfile().with_fields(flops=1e9)
+    profile_cache.write_profile(old.to_config(), "machine cpu(flops=1e9)")
+    new = MachineProfile().with_fields(flops=3e10, link_bandwidth=4e9)
     said = cache_profile(Calibration(new))
     path = profile_cache.profile_path()
     assert said == f"cached for zdsl plan, tune and run --trace in {path}"
@@ -41,10 +40,10 @@ def test_a_cached_profile_without_the_alone_tables_is_measured_again_once_and_th
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     path = profile_cache.profile_path("cpu")
     path.parent.mkdir(parents=True)
-    shared = MachineProfile(name="cpu", flops_widths=(64.0,), flops_fp32=(4e10,), disk_ranks=2)
+    shared = MachineProfile.of(name="cpu", flops_widths=(64.0,), flops_fp32=(4e10,), disk_ranks=2)
     path.write_text(json.dumps({"format": 2, "profile": shared.to_config(), "statement": "machine cpu(...)",
                                 "when": "2026-11-25 20:45 UTC"}))
-    alone = dataclasses.replace(shared, compute_ranks=2, flops_alone_fp32=(6e10,))
+    alone = shared.with_fields(compute_ranks=2, flops_alone_fp32=(6e10,))
     calls = []
 
     def quick():
@@ -60,7 +59,7 @@ def test_a_cached_profile_without_the_alone_tables_is_measured_again_once_and_th
         err = capsys.readouterr().err
         assert calls == [1] and err.count("calibrated this machine again") == 1
         assert "older format, without the compute rates of one rank with every core" in err
-        assert profile_cache.read_profile(path)[0].flops_alone_fp32 == (6e10,)
+        assert profile_cache.read_profile(path)[0].compute.alone_fp32 == (6e10,)
     finally:
         profile_cache.enable(False)
 
@@ -102,10 +101,10 @@ def test_a_profile_measured_off_the_usual_either_way_does_not_replace_the_cached
     from zdsl.runtime.calibrate import cli
     monkeypatch.setenv("ZDSL_CALIBRATE", "1")
     monkeypatch.setenv("ZDSL_CACHE", str(tmp_path))
-    off = Calibration(dataclasses.replace(MachineProfile(), flops=1e9),
+    off = Calibration(MachineProfile().with_fields(flops=1e9),
                       {"reference": (2, step_s), "usual_reference_s": 0.019, "off_usual": True})
     assert cache_profile(off).startswith("cached for zdsl plan")              # nothing cached yet
-    usual = dataclasses.replace(MachineProfile(), flops=3e10)
+    usual = MachineProfile().with_fields(flops=3e10)
     assert cache_profile(Calibration(usual, {"reference": (2, 0.019)})).startswith("cached for zdsl plan")
     said = cache_profile(off)
     path = profile_cache.profile_path()

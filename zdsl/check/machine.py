@@ -5,17 +5,17 @@ from __future__ import annotations
 from zdsl.check.draft import Draft
 from zdsl.lang import ast
 from zdsl.lang.overrides import MACHINE_KEYS
+from zdsl.machine_profile import MACHINE_MAY_BE_ZERO
+from zdsl.machine_profile import MACHINE_OPTIONS
+from zdsl.machine_profile import MACHINE_TUPLES
+from zdsl.machine_profile import MachineProfile
 from zdsl.schedule import DEVICES
-from zdsl.schedule import MACHINE_MAY_BE_ZERO
-from zdsl.schedule import MACHINE_OPTIONS
-from zdsl.schedule import MACHINE_TUPLES
-from zdsl.schedule import MachineProfile
 
-# ``machine cpu(...)`` option -> MachineProfile field.
+# ``machine cpu(...)`` option -> MachineProfile wire field.
 MACHINE_FIELDS = dict(MACHINE_OPTIONS)
-CUDA_PROFILE = MachineProfile(name="cuda", flops=2e14, host_flops=5e10, link_bandwidth=1e11,
-                              link_latency=1e-5, pcie_bandwidth=2.5e10, disk_read=3e9,
-                              disk_write=2e9, memory_bandwidth=2e12, comm_slots=1)
+CUDA_PROFILE = MachineProfile.of(name="cuda", flops=2e14, host_flops=5e10, link_bandwidth=1e11,
+                                 link_latency=1e-5, pcie_bandwidth=2.5e10, disk_read=3e9,
+                                 disk_write=2e9, memory_bandwidth=2e12, comm_slots=1)
 CPU_PROFILE = MachineProfile()
 MAX_RANKS = 1 << 16
 
@@ -38,20 +38,22 @@ def check_machine(draft: Draft, st: ast.CallStmt) -> None:
     base = report.choice(call.callee, "machine", ("cpu", "cuda"))
     if base is None:
         return
-    profile = MachineProfile(**{**vars(CUDA_PROFILE if base == "cuda" else CPU_PROFILE)})
     given = report.keywords(call.args, MACHINE_KEYS, f"machine {base}")
+    values = {}
     for key, arg in given.items():
         value = _rate(draft, key, arg.value)
         if value is not None:
-            setattr(profile, MACHINE_FIELDS[key], value)
+            values[MACHINE_FIELDS[key]] = value
             draft.span(f"machine.{key}", arg.span)
+    profile = (CUDA_PROFILE if base == "cuda" else CPU_PROFILE).with_fields(**values)
     _tables(draft, profile, given)
     draft.schedule.machine = profile
 
 
 def _rate(draft: Draft, key: str, v):
     """One option's value (None after an error): rates must be > 0; a fixed cost per op may be 0,
-    cores 0 turns sharing off, and the per-collective and host rates 0 mean "derived from the others"."""
+    cores 0 turns sharing off, and the per-collective and host rates 0 mean "not given" (derived
+    from the others)."""
     report = draft.report
     if key == "comm_slots":     # a count of the backend's threads, not a rate
         return report.integer(v, key, 1, 1024)
@@ -73,12 +75,12 @@ def _rates(draft: Draft, v, key: str) -> tuple[float, ...] | None:
 
 def _tables(draft: Draft, profile: MachineProfile, given: dict) -> None:
     """The per-precision rates have one number per ``flops_widths``, which increase."""
-    report, widths = draft.report, profile.flops_widths
+    report, widths = draft.report, profile.compute.widths
     if "flops_widths" in given and any(b <= a for a, b in zip(widths, widths[1:])):
         report.error(given["flops_widths"].value.span, "flops_widths must increase, "
                      f"not {', '.join(f'{w:g}' for w in widths)}", hint="flops_widths=(64, 512, 2048)")
     for key in MACHINE_TUPLES[1:]:
-        rates = getattr(profile, key)
+        rates = profile.value(key)
         if key in given and rates and len(rates) != len(widths):
             report.error(given[key].value.span,
                          f"{key} has {len(rates)} rate(s) for {len(widths)} flops_widths: one per width",
@@ -88,4 +90,4 @@ def _tables(draft: Draft, profile: MachineProfile, given: dict) -> None:
 def machine_for_device(draft: Draft, has_machine: bool) -> None:
     """Without a ``machine`` statement a CUDA schedule is planned with CUDA's rates."""
     if not has_machine and draft.schedule.device == "cuda":
-        draft.schedule.machine = MachineProfile(**vars(CUDA_PROFILE))
+        draft.schedule.machine = CUDA_PROFILE.with_fields()

@@ -285,8 +285,7 @@ def _machine(s: Schedule) -> str | None:
         return None
     base_name = m.name if m.name in ("cpu", "cuda") else "cpu"
     base = CUDA_PROFILE if base_name == "cuda" else CPU_PROFILE
-    items = [(opt, getattr(m, fld)) for opt, fld in MACHINE_OPTIONS
-             if getattr(m, fld) != getattr(base, fld)]
+    items = [(opt, m.value(fld)) for opt, fld in MACHINE_OPTIONS if m.value(fld) != base.value(fld)]
     return base_name + (f"({_kwargs(items)})" if items else "")
 
 

@@ -7,7 +7,6 @@ while compute fills the cores. Torch-free.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from zdsl.sim.lanes import BackendThreads
 from zdsl.sim.lanes import union_length
 from zdsl.sim.simulate import UNIT_COMPUTE_KINDS, op_fixed, rated_duration, simulate
-from zdsl.schedule import MachineProfile
+from zdsl.machine_profile import MachineProfile
 
 
 def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -51,8 +50,8 @@ LATENCY_FIELDS = ("link_latency", "scatter_latency", "reduce_latency")
 
 def scaled_latencies(profile: MachineProfile, scale: float) -> MachineProfile:
     """``profile`` with each collective's latency times ``scale`` (at least 1 us, as fitted)."""
-    return dataclasses.replace(profile, **{f: max(1e-6, getattr(profile, f) * scale) for f in LATENCY_FIELDS
-                                           if getattr(profile, f) > 0})
+    return profile.with_fields(**{f: max(1e-6, profile.value(f) * scale) for f in LATENCY_FIELDS
+                                  if profile.value(f) is not None and profile.value(f) > 0})
 
 
 def lane_ops(graph) -> list[int]:
@@ -142,8 +141,8 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
     those waits overlap the other lanes' work; a profile that predicts its own reference slow
     would put every program that far off.
     """
-    bare = simulate(graph, dataclasses.replace(profile, op_overhead=0.0, comm_overhead=-1.0,
-                                               kernel_overhead=0.0, wake_latency=0.0, loop_overhead=0.0)).step_s
+    bare = simulate(graph, profile.with_fields(op_overhead=0.0, comm_overhead=None, kernel_overhead=0.0,
+                                               wake_latency=0.0, loop_overhead=0.0)).step_s
     has_comm = any(op.kind.startswith("comm.") for op in graph.ops)
 
     def bisect(key, fixed: dict | None = None) -> float:
@@ -152,7 +151,7 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
 
         def step(x: float) -> float:
             """The reference's predicted step, scaled by the other steps' errors (their geometric mean)."""
-            p = dataclasses.replace(profile, **fields(x))
+            p = profile.with_fields(**fields(x))
             ratios = [simulate(g, p).step_s / sec for g, sec in ((graph, measured_s), *also)]
             return measured_s * math.prod(ratios) ** (1.0 / len(ratios))
         lo, hi = 0.0, max(measured_s, 1e-6)
@@ -164,7 +163,7 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
         return (lo + hi) / 2
 
     if not lane_op_s or not has_comm:
-        return OverheadFit(bisect("op_overhead", {"comm_overhead": -1.0}), -1.0, bare)
+        return OverheadFit(bisect("op_overhead", {"comm_overhead": None}), -1.0, bare)
     op_cost, kernel_cost = lane_costs(graph, profile, lane_op_s)
 
     def with_lane_costs(p: MachineProfile) -> tuple[MachineProfile, dict[int, float]]:
@@ -172,14 +171,14 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
         times left once the wait for a core is taken out."""
         under = 0.0
         service = dict(comm_service_s or {})
-        if comm_loaded_s and p.cores > 0 and p.name == "cpu":
+        if comm_loaded_s and p.costs.shared_cores > 0 and p.name == "cpu":
             under = rate_under_load(graph, p, service, comm_loaded_s)
             service = {i: sec - (1.0 - under) * comm_loaded_s.get(i, 0.0) for i, sec in service.items()}
-        return dataclasses.replace(p, op_overhead=op_cost, kernel_overhead=kernel_cost, comm_under_load=under), service
+        return p.with_fields(op_overhead=op_cost, kernel_overhead=kernel_cost, comm_under_load=under), service
 
     def floor(scale: float) -> float:
         p, _ = with_lane_costs(scaled_latencies(profile, scale))
-        return simulate(graph, dataclasses.replace(p, comm_overhead=0.0, scatter_overhead=0.0)).step_s
+        return simulate(graph, p.with_fields(comm_overhead=0.0, scatter_overhead=0.0)).step_s
     scale = 1.0
     if floor(1.0) > measured_s:
         lo, hi = 0.0, 1.0
@@ -188,7 +187,7 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
             lo, hi = (mid, hi) if floor(mid) <= measured_s else (lo, mid)
         scale = lo
     profile, service = with_lane_costs(scaled_latencies(profile, scale))
-    under = profile.comm_under_load
+    under = profile.collectives.under_load or 0.0
     extra = scatter_extra(graph, profile, service)
     if extra is None:
         return OverheadFit(op_cost, bisect("comm_overhead", {}), bare, kernel=kernel_cost, under_load=under,
@@ -257,7 +256,7 @@ def compute_excess(graph, profile: MachineProfile, compute_cpu_s: dict[int, floa
     whose units' compute outweighs their kernels' costs), their CPU time in their thread less the
     fixed costs the profile already charges them (``op_overhead`` and ``kernel_overhead``, fitted on
     the small reference), against their rated time."""
-    bare = dataclasses.replace(profile, compute_excess=0.0)
+    bare = profile.with_fields(compute_excess=0.0)
     rated = extra = 0.0
     for i, sec in compute_cpu_s.items():
         op = graph.ops[i]

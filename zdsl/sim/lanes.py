@@ -10,7 +10,8 @@ it, so a measured op's own time is comparable to the simulated one.
 from __future__ import annotations
 
 from zdsl.ir import TaskGraph
-from zdsl.schedule import MachineProfile
+from zdsl.machine_profile import CollectiveRates
+from zdsl.machine_profile import MachineProfile
 
 
 def lane_slots(graph: TaskGraph, machine: MachineProfile) -> dict[str, int]:
@@ -32,7 +33,7 @@ def slots_of(graph: TaskGraph, machine: MachineProfile) -> int:
     :func:`shared_memory_pair`'s, one at a time on the pair's worker thread."""
     if shared_memory_pair(graph, machine.name == "cpu"):
         return 1
-    return max(1, int(machine.comm_slots))
+    return max(1, int(machine.collectives.slots))
 
 
 def comm_slots(graph: TaskGraph) -> int:
@@ -41,7 +42,7 @@ def comm_slots(graph: TaskGraph) -> int:
     try:
         return slots_of(graph, MachineProfile.of_config(graph.config))
     except (TypeError, ValueError):      # a graph file written by hand
-        return MachineProfile.comm_slots
+        return CollectiveRates.slots
 
 
 class BackendThreads:

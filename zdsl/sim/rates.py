@@ -12,7 +12,6 @@ over folders on several drives moves its bytes at the sum of their rates (:func:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -20,7 +19,8 @@ from zdsl.schedule import GPT_DEFAULTS
 from zdsl.ir import BUFFER_KINDS
 from zdsl.ir import TaskGraph
 from zdsl.lang.sizes import human_bytes
-from zdsl.schedule import MachineProfile
+from zdsl.machine_profile import PRECISIONS
+from zdsl.machine_profile import MachineProfile
 from zdsl.schedule import Placement
 from zdsl.schedule import nvme_placements
 from zdsl.swap_folders import device_of
@@ -30,13 +30,6 @@ def precision_of(graph: TaskGraph) -> str:
     return (graph.config.get("train") or {}).get("precision", "fp32")
 
 
-def flops_table(machine: MachineProfile, precision: str, alone: bool = False) -> tuple[float, ...]:
-    """The profile's compute rates in ``precision``, one per ``flops_widths`` (empty: none);
-    ``alone``: the table one rank measured with every core of the node."""
-    rates = getattr(machine, f"flops_{'alone_' if alone else ''}{precision}", ())
-    return rates if rates and len(rates) == len(machine.flops_widths) else ()
-
-
 def compute_tables(machine: MachineProfile, ranks: int) -> MachineProfile:
     """``machine`` with the compute tables a rank of a ``ranks``-rank schedule gets: the profile's
     tables were measured by ``compute_ranks`` ranks at once, each on its share of the node's
@@ -44,18 +37,19 @@ def compute_tables(machine: MachineProfile, ranks: int) -> MachineProfile:
     the ``flops_alone_*`` tables measured (programs/capacity.zs's forward ran at 243 GFLOP/s
     on two cores against the one-core table's 173.5). Between the two, log-log in cores per rank;
     unchanged for as many ranks or more, or where the profile lacks the alone table."""
-    measured = machine.compute_ranks
+    compute = machine.compute
+    measured = compute.ranks or 0
     if measured <= 1 or ranks >= measured:
         return machine
     # log(cores per rank) from the shared tables' (node / measured) to the alone tables' (node)
     t = 1.0 if ranks <= 1 else math.log(measured / ranks) / math.log(measured)
     tables = {}
-    for precision in ("fp32", "bf16", "fp16"):
-        shared, alone = flops_table(machine, precision), flops_table(machine, precision, alone=True)
+    for precision in PRECISIONS:
+        shared, alone = compute.table(precision), compute.table(precision, alone=True)
         if shared and alone:
             tables[f"flops_{precision}"] = alone if t == 1.0 else tuple(
                 math.exp(math.log(s) + t * (math.log(a) - math.log(s))) for s, a in zip(shared, alone))
-    return dataclasses.replace(machine, **tables, compute_ranks=ranks) if tables else machine
+    return machine.with_fields(**tables, compute_ranks=ranks) if tables else machine
 
 
 def flops_at(widths: tuple[float, ...], rates: tuple[float, ...], width: float) -> float:
@@ -93,10 +87,10 @@ def unit_widths(graph: TaskGraph) -> list[float]:
 def device_flops(graph: TaskGraph, machine: MachineProfile) -> list[float]:
     """Per unit, the device's compute rate for its forward, backward and recompute: the profile's
     table in the schedule's precision at the unit's width; empty without one (``flops`` then)."""
-    table = flops_table(machine, precision_of(graph))
+    table = machine.compute.table(precision_of(graph))
     if not table:
         return []
-    return [flops_at(machine.flops_widths, table, w) for w in unit_widths(graph)]
+    return [flops_at(machine.compute.widths, table, w) for w in unit_widths(graph)]
 
 
 def uses_nvme(graph: TaskGraph) -> bool:
@@ -107,24 +101,27 @@ def disk_rates(machine: MachineProfile, ranks: int) -> tuple[float, float]:
     """(read, write) bytes a second one rank moves while ``ranks`` ranks of the node use the disk:
     the one-rank rates alone; else the aggregate the profile measured (its ``disk_ranks`` ranks'
     shares) split over ``ranks``; the profile's as given where it lacks the one it needs."""
-    if ranks == machine.disk_ranks or machine.disk_ranks <= 0:
-        return machine.disk_read, machine.disk_write
+    disk = machine.disk
+    if disk.ranks is None or ranks == disk.ranks:
+        return disk.read, disk.write
     if ranks == 1:
-        return machine.disk_read_alone or machine.disk_read, machine.disk_write_alone or machine.disk_write
-    scale = machine.disk_ranks / ranks
-    return machine.disk_read * scale, machine.disk_write * scale
+        return (disk.read if disk.read_alone is None else disk.read_alone,
+                disk.write if disk.write_alone is None else disk.write_alone)
+    scale = disk.ranks / ranks
+    return disk.read * scale, disk.write * scale
 
 
-def cores_per_rank(machine: MachineProfile, ranks: int) -> float:
+def cores_per_rank(machine: MachineProfile, ranks: int) -> float | None:
     """Cores each of ``ranks`` ranks of the node has for its lanes: calibrate measures with its
     ``disk_ranks`` ranks on the node, each bound to its share (``cores``), and a run of another
     number of ranks divides the same cores (runtime/dist/affinity.py: cpu_count // ranks threads
     each). A one-rank schedule planned on one core of a two-rank profile shared it among its
     copies, norms, host step and compute, which a one-rank run does on two: programs/capacity.zs's
     device-to-host copies planned at 2.7x their measured time, the forward at 1.9x."""
-    if machine.cores <= 0 or machine.disk_ranks <= 0 or ranks == machine.disk_ranks:
-        return machine.cores
-    return machine.cores * machine.disk_ranks / ranks
+    cores, measured = machine.costs.cores, machine.disk.ranks
+    if cores is None or measured is None or ranks == measured:
+        return cores
+    return cores * measured / ranks
 
 
 def for_graph(machine: MachineProfile, graph: TaskGraph) -> MachineProfile:
@@ -134,30 +131,31 @@ def for_graph(machine: MachineProfile, graph: TaskGraph) -> MachineProfile:
     machine = compute_tables(machine, graph.ranks)
     read, write = disk_rates(machine, graph.ranks)
     cores = cores_per_rank(machine, graph.ranks)
-    if (read, write, cores) == (machine.disk_read, machine.disk_write, machine.cores):
+    if (read, write, cores) == (machine.disk.read, machine.disk.write, machine.costs.cores):
         return machine
-    return dataclasses.replace(machine, disk_read=read, disk_write=write, cores=cores, disk_ranks=graph.ranks)
+    return machine.with_fields(disk_read=read, disk_write=write, cores=cores, disk_ranks=graph.ranks)
 
 
 def gaps(machine: MachineProfile, graph: TaskGraph) -> list[str]:
     """What the profile lacks that the schedule needs, and what was used instead (one line each)."""
     out = []
     precision = precision_of(graph)
-    if machine.flops_widths and not flops_table(machine, precision):
-        have = [p for p in ("fp32", "bf16", "fp16") if flops_table(machine, p)]
+    compute, disk = machine.compute, machine.disk
+    if compute.widths and not compute.table(precision):
+        have = [p for p in PRECISIONS if compute.table(p)]
         why = ("zdsl calibrate does not measure fp16 on a CPU, where its kernels are a slow fallback"
                if precision == "fp16" and machine.name == "cpu" else "calibrate: zdsl calibrate")
         out.append(f"the profile has no {precision} compute rate (it has {', '.join(have) or 'none'} by width): "
-                   f"used flops={machine.flops:.3g} at every width; {why}")
-    elif machine.flops_widths and 0 < graph.ranks < machine.compute_ranks \
-            and not flops_table(machine, precision, alone=True):
+                   f"used flops={compute.flops:.3g} at every width; {why}")
+    elif compute.widths and 0 < graph.ranks < (compute.ranks or 0) \
+            and not compute.table(precision, alone=True):
         out.append(f"the profile has no {precision} compute rate of one rank alone (flops_alone_{precision}): used "
-                   f"each of {machine.compute_ranks} ranks' rate on its share of the cores, where this schedule's "
+                   f"each of {compute.ranks} ranks' rate on its share of the cores, where this schedule's "
                    f"{graph.ranks} rank(s) have more; calibrate: zdsl calibrate")
-    if uses_nvme(graph) and machine.disk_ranks > 0 and graph.ranks != machine.disk_ranks:
-        if graph.ranks == 1 and not (machine.disk_read_alone and machine.disk_write_alone):
+    if uses_nvme(graph) and disk.ranks is not None and graph.ranks != disk.ranks:
+        if graph.ranks == 1 and (disk.read_alone is None or disk.write_alone is None):
             out.append(f"the profile has no one-rank disk rate (disk_read_alone, disk_write_alone): used each of "
-                       f"{machine.disk_ranks} ranks' share of the disk; calibrate: zdsl calibrate --ranks 1")
+                       f"{disk.ranks} ranks' share of the disk; calibrate: zdsl calibrate --ranks 1")
     return out
 
 

@@ -22,7 +22,8 @@ from zdsl.ir import LANES
 
 from zdsl.ir import DTYPE_BYTES
 from zdsl.ir import TaskGraph
-from zdsl.schedule import MachineProfile
+from zdsl.machine_profile import Link
+from zdsl.machine_profile import MachineProfile
 from zdsl.sim.graph_index import CyclicGraphError
 from zdsl.sim.graph_index import GraphIndex
 from zdsl.sim.graph_index import index_graph
@@ -102,15 +103,16 @@ def op_fixed(op, machine: MachineProfile) -> float:
     more (benchmarks/executor_overhead.py). 0 unless the profile sets them
     (``zdsl calibrate`` measures them).
     """
+    costs = machine.costs
     if op.kind == "mem.free":
-        return machine.loop_overhead
+        return costs.loop
     if op.kernels:
-        return machine.op_overhead + op.kernels * machine.kernel_overhead
-    if op.kind == "comm.reduce_scatter" and machine.scatter_overhead >= 0:
-        return machine.scatter_overhead
-    if op.kind.startswith("comm.") and machine.comm_overhead >= 0:
-        return machine.comm_overhead
-    return machine.op_overhead
+        return costs.op + op.kernels * costs.kernel
+    if op.kind == "comm.reduce_scatter":
+        return costs.scatter_fixed
+    if op.kind.startswith("comm."):
+        return costs.comm_fixed
+    return costs.op
 
 
 # The ops priced by their flops at their unit's rate (and lengthened by ``compute_excess``).
@@ -127,33 +129,33 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: li
     host = op.lane == "host"
     if not resolved:
         machine = for_graph(machine, graph)
+    compute, disk = machine.compute, machine.disk
     if kind in UNIT_COMPUTE_KINDS:
         if host:
-            rate = machine.host_flops
+            rate = compute.host_flops
         else:
             rates = unit_flops if unit_flops is not None else device_flops(graph, machine)
-            rate = rates[op.unit] if op.unit is not None and op.unit < len(rates) else machine.flops
+            rate = rates[op.unit] if op.unit is not None and op.unit < len(rates) else compute.flops
         # the runtime's compute runs slower than calibrate's bare block does (``compute_excess``)
-        return op.flops / rate * (1.0 + machine.compute_excess)
+        return op.flops / rate * (1.0 + machine.costs.compute_excess)
     if kind == "compute.norm":
         if op.flops:
-            return op.flops / (machine.host_flops if host else machine.flops) + upcast_seconds(graph, op, machine)
+            return op.flops / (compute.host_flops if host else compute.flops) + upcast_seconds(graph, op, machine)
         return (op.bytes or touched_bytes(graph, op, "grad_full") + touched_bytes(graph, op, "grad_shard")) \
-            / machine.memory_bandwidth
+            / compute.memory_bandwidth
     if kind == "compute.step":
         optimizer_bytes = op.bytes or touched_bytes(graph, op, "optim")
-        rate = (machine.host_memory_bandwidth or machine.memory_bandwidth) if host else machine.memory_bandwidth
-        return optimizer_bytes / rate
+        return optimizer_bytes / (compute.host_memory if host else compute.memory_bandwidth)
     if kind.startswith("comm."):
         if n == 1:
             return single_rank_collective_seconds(kind, collective_payload(graph, op), machine)
-        return collective_seconds(kind, collective_payload(graph, op) * (n - 1) / n, machine)
+        return collective_seconds(kind, collective_payload(graph, op) * (n - 1) / n, machine.collectives.node)
     if kind in ("copy.h2d", "copy.d2h"):
-        return op.bytes / machine.pcie_bandwidth
+        return op.bytes / machine.copies.pcie_bandwidth
     if kind == "nvme.read":     # striped over several drives: their rates add up
-        return machine.disk_read_latency + op.bytes / (machine.disk_read * disk_drives(graph, op))
+        return disk.read_latency + op.bytes / (disk.read * disk_drives(graph, op))
     if kind == "nvme.write":
-        return machine.disk_write_latency + op.bytes / (machine.disk_write * disk_drives(graph, op))
+        return disk.write_latency + op.bytes / (disk.write * disk_drives(graph, op))
     return 0.0                              # mem.free: bookkeeping
 
 
@@ -176,26 +178,27 @@ def host_copy_rate(machine: MachineProfile) -> float:
     """Bytes a second a memory copy on the host moves: calibrate's memcpy (``pcie``) on a cpu
     machine; on CUDA, where ``pcie`` is the link to the device, the host's memory rate."""
     if machine.name == "cpu":
-        return machine.pcie_bandwidth
-    return machine.host_memory_bandwidth or machine.memory_bandwidth
+        return machine.copies.pcie_bandwidth
+    return machine.compute.host_memory
 
 
-def collective_seconds(kind: str, wire_bytes: float, machine: MachineProfile) -> float:
-    """``latency + wire / bandwidth`` with the profile's rates for this kind of collective.
+def collective_seconds(kind: str, wire_bytes: float, link: Link) -> float:
+    """``latency + wire / bandwidth`` with ``link``'s rates for this kind of collective.
 
     ``link``/``latency`` are the all-gather's; a reduce-scatter and an all-reduce have their own
     where the profile gives them (on gloo the runtime reduce-scatters with an all-reduce, so
     ``zdsl calibrate`` measures each), else a reduce-scatter costs an all-gather and an
     all-reduce a ring's reduce-scatter then all-gather.
     """
-    gather = machine.link_latency + wire_bytes / machine.link_bandwidth
-    scatter = (machine.scatter_latency or machine.link_latency) \
-        + wire_bytes / (machine.scatter_bandwidth or machine.link_bandwidth)
+    gather = link.latency + wire_bytes / link.bandwidth
+    scatter_latency, scatter_bandwidth = link.scatter
+    scatter = scatter_latency + wire_bytes / scatter_bandwidth
     if kind == "comm.reduce_scatter":
         return scatter
     if kind == "comm.all_reduce":
-        if machine.reduce_bandwidth:
-            return (machine.reduce_latency or machine.link_latency) + wire_bytes / machine.reduce_bandwidth
+        if link.reduce is not None:
+            reduce_latency, reduce_bandwidth = link.reduce
+            return reduce_latency + wire_bytes / reduce_bandwidth
         return scatter + gather
     return gather
 
@@ -207,7 +210,7 @@ def single_rank_collective_seconds(kind: str, payload: float, machine: MachinePr
     machine; the device's ``memory_bw`` on cuda). An all-reduce sums in place: nothing to move."""
     if kind == "comm.all_reduce":
         return 0.0
-    return payload / (machine.pcie_bandwidth if machine.name == "cpu" else machine.memory_bandwidth)
+    return payload / (machine.copies.pcie_bandwidth if machine.name == "cpu" else machine.compute.memory_bandwidth)
 
 
 def cpu_demand(op, machine: MachineProfile) -> float:
@@ -220,15 +223,16 @@ def cpu_demand(op, machine: MachineProfile) -> float:
     threads' system calls and the checksum of every block.
     """
     kind = op.kind
+    cores = machine.costs.shared_cores
     on_host = machine.name == "cpu" or op.lane == "host"
     if kind.startswith("compute."):
-        return machine.cores if on_host else 0.0
+        return cores if on_host else 0.0
     if kind.startswith(("comm.", "copy.")):
-        return min(1.0, machine.cores) if machine.name == "cpu" else 0.0
+        return min(1.0, cores) if machine.name == "cpu" else 0.0
     if kind == "nvme.read":
-        return transfer_demand(machine.disk_read_cpu, machine)
+        return transfer_demand(machine.disk.read_cpu, machine)
     if kind == "nvme.write":
-        return transfer_demand(machine.disk_write_cpu, machine)
+        return transfer_demand(machine.disk.write_cpu, machine)
     return 0.0
 
 
@@ -241,7 +245,8 @@ def transfer_demand(share: float, machine: MachineProfile) -> float:
     cores)."""
     if share <= 0 or takes_share_first(machine):
         return share
-    return min(float(machine.cores), share / (1.0 - share)) if share < 1.0 else float(machine.cores)
+    cores = machine.costs.shared_cores
+    return min(float(cores), share / (1.0 - share)) if share < 1.0 else float(cores)
 
 
 def takes_share_first(machine: MachineProfile) -> bool:
@@ -251,7 +256,7 @@ def takes_share_first(machine: MachineProfile) -> bool:
     rate). On one core they queue behind the compute thread and share it fairly: there a
     transfer beside compute takes longer than alone, which a share taken first would price at
     its rate alone (benchmarks/prediction_error.py: programs/nvme.zs, a core per rank)."""
-    return machine.cores > 1
+    return machine.costs.shared_cores > 1
 
 
 def under_load(graph: TaskGraph, op, machine: MachineProfile) -> float:
@@ -270,9 +275,10 @@ def under_load(graph: TaskGraph, op, machine: MachineProfile) -> float:
     A collective of one rank waits for no message: it is a memory copy on the rank's own thread
     (:func:`single_rank_collective_seconds`) and takes its share like the lanes' other copies
     (at ``comm_under_load`` it was planned far too long; benchmarks/capacity.py, one rank)."""
-    if (graph.ranks > 1 and machine.comm_under_load > 0 and machine.name == "cpu" and op.kind.startswith("comm.")
+    under = machine.collectives.under_load
+    if (graph.ranks > 1 and under and machine.name == "cpu" and op.kind.startswith("comm.")
             and not through_shared_memory(graph, op, on_host=True)):
-        return machine.comm_under_load
+        return under
     return 0.0
 
 
@@ -288,14 +294,14 @@ def wake_after(graph: TaskGraph, machine: MachineProfile) -> list[float]:
     lane op to the lane's thread. Ops of one lane that are ready in turn run back to back with
     no such hop, so a schedule whose inputs are ready early (a deeper prefetch) pays it less
     often than one that waits on each (prefetch 0: every gather, every compute after it)."""
-    return [machine.wake_latency] * len(graph.ops)
+    return [machine.costs.wake] * len(graph.ops)
 
 
 def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
              index: GraphIndex | None = None) -> Simulation:
     """Predict one step of ``graph`` on ``machine`` (default: the graph's own profile).
 
-    With ``machine.cores`` set, lanes running at once share the rank's cores: while the
+    With ``machine.costs.cores`` set, lanes running at once share the rank's cores: while the
     running ops' demand (:func:`cpu_demand`) exceeds ``cores``, each op that needs a core
     progresses at ``cores / demand`` of its rate (the OS's fair share). Without it, lanes
     are independent (a GPU's streams, or a host with cores to spare).
@@ -311,12 +317,12 @@ def simulate(graph: TaskGraph, machine: MachineProfile | None = None,
         raise CyclicGraphError(order)
     slots = lane_slots(graph, machine)
     wake = wake_after(graph, machine)
-    if machine.cores > 0:
+    if machine.costs.shared_cores > 0:
         # The fixed cost per op is the host's work of running it (Python dispatch, a thread's
         # wake-up, a collective's completion): one thread's worth, shared like the rest, since
         # on one core per rank the lanes' host work only adds up.
         demands = op_demands(graph, machine, fixed, rated, wake)
-        start, end, gate = _shared_schedule(graph, demands, deps, machine.cores, slots)
+        start, end, gate = _shared_schedule(graph, demands, deps, machine.costs.shared_cores, slots)
         dur = [e - s for s, e in zip(start, end)]
     else:
         dur = [r + f for r, f in zip(rated, fixed)]
