@@ -1,6 +1,7 @@
 """The machine profile: the rates the planner's cost model (zdsl/sim) prices a step with.
 
-Grouped as the cost model reads them: compute, collectives, copies between host and device, the disk, and the runtime's own costs. A value
+Grouped as the cost model reads them: compute, collectives (a link per level: within a node,
+across nodes), copies between host and device, the disk, and the runtime's own costs. A value
 the profile may lack is ``None`` ("not given") and the group's derived property says what is
 used instead, so no reader decodes a sentinel.
 
@@ -76,11 +77,23 @@ class Link:
 
 @dataclass
 class CollectiveRates:
-    """Collectives: the link's rates and how the backend runs them."""
+    """Collectives: the link within a node (on one node, every collective's), the one across
+    nodes (``cluster_link``, ``cluster_latency``: bytes a second each rank moves to other nodes,
+    e.g. its share of the node's InfiniBand), and how the backend runs them."""
     node: Link = field(default_factory=Link)
+    cluster_bandwidth: float | None = None   # a collective whose group spans nodes; None: the node's
+    cluster_latency: float | None = None     # the same; None: the node's
     slots: int = 2                           # collectives the backend runs at once (gloo: 2 threads; NCCL: 1)
     under_load: float | None = None          # with shared cores: a collective's rate while compute fills
     #                                          them; None: a fair share like any op
+
+    def level(self, crosses_nodes: bool) -> Link:
+        """The link a collective runs on: across nodes one whose ranks span nodes. The cluster
+        link has no rates of its own for reduce-scatters and all-reduces: rings over its rate."""
+        if not crosses_nodes or (self.cluster_bandwidth is None and self.cluster_latency is None):
+            return self.node
+        return Link(bandwidth=self.node.bandwidth if self.cluster_bandwidth is None else self.cluster_bandwidth,
+                    latency=self.node.latency if self.cluster_latency is None else self.cluster_latency)
 
 
 @dataclass
@@ -139,6 +152,7 @@ WIRE_FIELDS = {
     "link_bandwidth": "collectives.node.bandwidth", "link_latency": "collectives.node.latency",
     "scatter_bandwidth": "collectives.node.scatter_bandwidth", "scatter_latency": "collectives.node.scatter_latency",
     "reduce_bandwidth": "collectives.node.reduce_bandwidth", "reduce_latency": "collectives.node.reduce_latency",
+    "cluster_bandwidth": "collectives.cluster_bandwidth", "cluster_latency": "collectives.cluster_latency",
     "comm_slots": "collectives.slots", "comm_under_load": "collectives.under_load",
     "pcie_bandwidth": "copies.pcie_bandwidth",
     "disk_read": "disk.read", "disk_write": "disk.write",
@@ -232,6 +246,7 @@ MACHINE_OPTIONS = (
     ("link", "link_bandwidth"), ("latency", "link_latency"),
     ("scatter_link", "scatter_bandwidth"), ("scatter_latency", "scatter_latency"),
     ("reduce_link", "reduce_bandwidth"), ("reduce_latency", "reduce_latency"),
+    ("cluster_link", "cluster_bandwidth"), ("cluster_latency", "cluster_latency"),
     ("pcie", "pcie_bandwidth"), ("disk_read", "disk_read"), ("disk_write", "disk_write"),
     ("disk_read_latency", "disk_read_latency"), ("disk_write_latency", "disk_write_latency"),
     ("disk_read_cpu", "disk_read_cpu"), ("disk_write_cpu", "disk_write_cpu"),
@@ -252,6 +267,8 @@ MACHINE_TUPLES = ("flops_widths", "flops_fp32", "flops_bf16", "flops_fp16",
                   "flops_alone_fp32", "flops_alone_bf16", "flops_alone_fp16")
 # The fields that give a rate by the schedule's shape (zdsl.sim.rates); unset: rates as given.
 MACHINE_SHAPE_FIELDS = (*MACHINE_TUPLES, "compute_ranks", "disk_ranks", "disk_read_alone", "disk_write_alone")
+# Keywords calibrate leaves to the user: it measures one machine, and the link across nodes is not on it.
+MACHINE_NOT_MEASURED = ("cluster_link", "cluster_latency")
 # Keywords that may be 0 (a fixed cost, sharing off, or "not given"); other rates must be > 0.
 MACHINE_MAY_BE_ZERO = ("overhead", "kernel_overhead", "compute_excess", "comm_overhead", "scatter_overhead", "cores",
                        "comm_under_load", "wake", "loop",

@@ -13,6 +13,7 @@ event loop over op completions (benchmarks/compile_speed.py times it).
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from typing import NamedTuple
 from zdsl.ir import LANES
 
 from zdsl.ir import DTYPE_BYTES
+from zdsl.ir import crosses_nodes
+from zdsl.ir import group_size
 from zdsl.ir import TaskGraph
 from zdsl.machine_profile import Link
 from zdsl.machine_profile import MachineProfile
@@ -123,7 +126,9 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: li
                    resolved: bool = False) -> float:
     """Seconds one op takes from the machine's rates alone, at the graph's shape
     (zdsl.sim.rates: the compute rate of its precision at its unit's width, the disk's at its
-    ranks). ``unit_flops`` and ``resolved``: that done already (:func:`rated_durations`)."""
+    ranks); a collective a ring over its group's ranks (``op.group``) on its level's link: the
+    cluster's where the group spans nodes (``machine.collectives.level``). ``unit_flops`` and
+    ``resolved``: that done already (:func:`rated_durations`)."""
     n = graph.ranks
     kind = op.kind
     host = op.lane == "host"
@@ -147,9 +152,11 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: li
         optimizer_bytes = op.bytes or touched_bytes(graph, op, "optim")
         return optimizer_bytes / (compute.host_memory if host else compute.memory_bandwidth)
     if kind.startswith("comm."):
-        if n == 1:
+        size = group_ranks_count(op.group, n)
+        if size == 1:
             return single_rank_collective_seconds(kind, collective_payload(graph, op), machine)
-        return collective_seconds(kind, collective_payload(graph, op) * (n - 1) / n, machine.collectives.node)
+        link = machine.collectives.level(spans_nodes(op.group, n, graph.per_node))
+        return collective_seconds(kind, collective_payload(graph, op) * (size - 1) / size, link)
     if kind in ("copy.h2d", "copy.d2h"):
         return op.bytes / machine.copies.pcie_bandwidth
     if kind == "nvme.read":     # striped over several drives: their rates add up
@@ -157,6 +164,19 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: li
     if kind == "nvme.write":
         return disk.write_latency + op.bytes / (disk.write * disk_drives(graph, op))
     return 0.0                              # mem.free: bookkeeping
+
+
+@functools.lru_cache(maxsize=256)
+def group_ranks_count(group: str, world: int) -> int:
+    """Ranks a collective of ``group`` runs over (``zdsl.ir.group_size``, kept per graph's groups)."""
+    return group_size(group, world)
+
+
+@functools.lru_cache(maxsize=256)
+def spans_nodes(group: str, world: int, per_node: int) -> bool:
+    """Whether a collective of ``group`` crosses nodes, so runs on the cluster link
+    (``zdsl.ir.crosses_nodes``, which looks at every member set: once per group, not per op)."""
+    return crosses_nodes(group, world, per_node)
 
 
 def upcast_seconds(graph: TaskGraph, op, machine: MachineProfile) -> float:
