@@ -15,6 +15,7 @@ from zdsl.ir import LANES
 from zdsl.ir import TIERS
 
 from zdsl.ir import TaskGraph
+from zdsl.ir import group_size
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.bound import worst_working
 from zdsl.planner.comm import CommPlan
@@ -22,6 +23,10 @@ from zdsl.planner.comm import comm_plan
 from zdsl.planner.comm import zero_comm_elements
 from zdsl.planner.freeze_plan import FreezePlan
 from zdsl.planner.freeze_plan import freeze_plan
+from zdsl.planner.levels import bytes_by_level
+from zdsl.planner.levels import hierarchy_json
+from zdsl.planner.levels import hierarchy_lines
+from zdsl.planner.levels import level_lines
 from zdsl.sim.memory import STATES
 from zdsl.sim.memory import zero_model_states
 from zdsl.sim.profile_cache import calibrated_source
@@ -56,8 +61,11 @@ class Plan:
         return dict(self.schedule.memory or {})   # the checker has named every tier device, host or nvme
 
     def zero_formula(self) -> dict[str, float]:
+        """The paper's model states per rank, sharded over the schedule's shard group (every rank,
+        or a node or group(K) whose shards are replicated across the others)."""
         o = self.schedule.optimizer
-        return zero_model_states(self.parameters, self.graph.ranks, self.graph.stage, self.graph.precision,
+        shard_ranks = group_size(self.schedule.shard_group(), self.graph.ranks)
+        return zero_model_states(self.parameters, shard_ranks, self.graph.stage, self.graph.precision,
                                  o.kind, o.momentum)
 
     @cached_property
@@ -141,6 +149,8 @@ class Plan:
             extra["residency"] = self.residency
         if nvme_placements(g.config):
             extra["nvme"] = nvme_json(g)
+        if (shape := hierarchy_json(g, self.schedule)) is not None:
+            extra["hierarchy"] = shape
         return {
             "schedule": g.schedule,
             "file": self.schedule.file,
@@ -155,6 +165,7 @@ class Plan:
             "zero_formula": {"model_states": self.zero_formula(),
                              "comm_elements_per_step": zero_comm_elements(self.parameters, g.stage)},
             "comm_bytes_per_step": self.comm.payload_bytes,
+            "comm_bytes_per_step_by_level": bytes_by_level(g),
             "comm": self.comm.to_json(),
             "moved_bytes_per_step": traffic_json(g),
             "machine": {"name": self.schedule.machine.name, "source": self.machine_source() or calibrated_source(),
@@ -309,6 +320,9 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
                       "which a run's timings can reach", style="dim")
     if plan.working_worst_note():
         console.print(f"  {plan.working_worst_note()}", style="dim")
+    states = sum(sum(memory[tier]["model_states"].values()) for tier in TIERS)
+    for line in hierarchy_lines(g, plan.schedule, states):
+        console.print(line)
     for tier in TIERS:
         split = memory[tier]["working_at_peak"]
         if split:
@@ -317,16 +331,19 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
 
     c = plan.comm
     comm = Table(title="communication per step per rank", title_justify="left")
-    for col in ("collective", "payload", "on the wire (×(N-1)/N)"):
+    wire = "on the wire (×(N-1)/N)" if c.wire_by_kind is None else "on the wire (×(n-1)/n, n its group's)"
+    for col in ("collective", "payload", wire):
         comm.add_column(col, justify="left" if col == "collective" else "right")
     for kind, nbytes in c.by_kind.items():
         if nbytes:
-            comm.add_row(kind.split(".", 1)[1], human_bytes(nbytes), human_bytes(nbytes * c.bus_factor))
+            comm.add_row(kind.split(".", 1)[1], human_bytes(nbytes), human_bytes(c.wire(kind)))
     comm.add_row("total", human_bytes(c.payload_bytes), human_bytes(c.wire_bytes), style="bold")
     elems = zero_comm_elements(plan.parameters, g.stage)
     comm.add_row(f"ZeRO formula ({'3' if g.stage == 3 else '2'}Ψ)",
                  human_bytes(elems * (4 if g.precision == "fp32" else 2)), "", style="dim")
     console.print(comm)
+    for line in level_lines(g, plan.schedule.machine):
+        console.print(line)
     moved_table(console, plan)
 
     console.print(f"[bold]predicted step {fmt_s(sim.step_s)}[/bold] (lower bound {fmt_s(sim.bound_s)}, "
