@@ -26,7 +26,8 @@ and the table says them.
 Peers: torch DDP, torch FSDP2 (``fully_shard`` per block, then the root),
 DeepSpeed ZeRO-3 and ZeRO-2 (``DS_ACCELERATOR=cpu``; optional, installed by
 ``benchmarks/setup_peers.sh``), and zdsl stages 1, 2 and 3 through its own
-CLI (``zdsl run FILE --set zero=N --metrics OUT``). Each is its own 2-process
+CLI (``zdsl run FILE --set zero=N --metrics OUT``), and zdsl stage 3 trained through
+``zdsl.initialize`` in a user loop under torchrun (``zdsl3-api``). Each is its own 2-process
 job with the same init seed, the same batches (zdsl's data source), AdamW in
 fp32 and one intra-op thread per rank. Repetitions are interleaved
 (A B C A B C ...) so drift of a shared machine falls on every peer alike.
@@ -76,6 +77,10 @@ class Peer:
         return self.module == "zdsl_peer"
 
     @property
+    def is_zdsl_api(self) -> bool:       # zdsl's schedule in a user loop under torchrun: zdsl's defaults
+        return self.module == "zdsl_api_peer"
+
+    @property
     def is_deepspeed(self) -> bool:
         return self.module == "deepspeed_peer"
 
@@ -90,6 +95,7 @@ PEERS = {p.key: p for p in [
     Peer("zdsl1", "zdsl stage 1", "zdsl_peer", {"stage": 1}),
     Peer("zdsl2", "zdsl stage 2", "zdsl_peer", {"stage": 2}),
     Peer("zdsl3", "zdsl stage 3", "zdsl_peer", {"stage": 3}),
+    Peer("zdsl3-api", "zdsl stage 3, own loop", "zdsl_api_peer", {"stage": 3}),   # zdsl.initialize
 ]}
 
 
@@ -167,7 +173,7 @@ def job_config(peer: Peer, cfg: BenchConfig, terms: str, policy: str) -> BenchCo
     job.extra = {**cfg.extra, **peer.extra}
     if terms == "equal":
         job.loop_policy = policy
-    elif peer.is_zdsl:
+    elif peer.is_zdsl or peer.is_zdsl_api:
         job.bind, job.loop_policy = "cores", policy
     else:
         job.bind, job.loop_policy = "none", ""
