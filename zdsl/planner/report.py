@@ -27,6 +27,8 @@ from zdsl.planner.levels import bytes_by_level
 from zdsl.planner.levels import hierarchy_json
 from zdsl.planner.levels import hierarchy_lines
 from zdsl.planner.levels import level_lines
+from zdsl.planner.state_fit import largest_model
+from zdsl.planner.state_fit import largest_model_line
 from zdsl.sim.memory import STATES
 from zdsl.sim.memory import zero_model_states
 from zdsl.sim.profile_cache import calibrated_source
@@ -151,6 +153,8 @@ class Plan:
             extra["nvme"] = nvme_json(g)
         if (shape := hierarchy_json(g, self.schedule)) is not None:
             extra["hierarchy"] = shape
+        if "device" in self.budgets:
+            extra["largest_model_on_device"] = largest_model(g, self.budgets["device"])
         return {
             "schedule": g.schedule,
             "file": self.schedule.file,
@@ -320,6 +324,8 @@ def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
                       "which a run's timings can reach", style="dim")
     if plan.working_worst_note():
         console.print(f"  {plan.working_worst_note()}", style="dim")
+    if "device" in budgets:
+        console.print(f"  {largest_model_line(g, budgets['device'])}", style="dim")
     states = sum(sum(memory[tier]["model_states"].values()) for tier in TIERS)
     for line in hierarchy_lines(g, plan.schedule, states):
         console.print(line)
