@@ -147,6 +147,15 @@ class Engine:
         """Load ``folder``'s newest checkpoint (or a step folder), at any rank count; its ``client_state``."""
         return saving.load_checkpoint(self, folder)
 
+    def export(self, folder, format: str = "hf", dtype: str = "fp32") -> list[str]:
+        """The trained model as a folder ``from_pretrained`` loads (``format="hf"``, rank 0 writes;
+        every rank calls it, between steps); the files written."""
+        from zdsl.runtime.api.hf import export_hf_folder
+        if format != "hf":
+            raise ZdslApiError(f"engine.export: format={format!r}: the formats are \"hf\" (a Hugging Face "
+                               f"folder); for zdsl's own, engine.state_dict() or engine.save_checkpoint(DIR)")
+        return export_hf_folder(self, folder, dtype)
+
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the engine's loop, remove its NVMe files, leave the group it joined (idempotent)."""

@@ -3,6 +3,7 @@
 ``initialize(..., model=m)`` trains ``m`` itself, in three ways:
 
 * ``m`` follows the unit protocol (``runtime/models/protocol.py``: it has ``units()``): as it is;
+* ``m`` is a Hugging Face causal LM, or its folder's path: split as ``model hf`` splits it (``hf.py``);
 * ``m`` is an ``nn.Sequential``, or a module whose ``forward`` only calls its top-level children
   in order, each on the previous one's output (checked by tracing it with ``torch.fx``, every
   top-level child a leaf): split at those children, a child without parameters joined to the
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -95,6 +97,10 @@ def as_unit_model(model) -> nn.Module:
     """``model`` as a model of the unit protocol (module docstring); :class:`ZdslApiError` if it is none."""
     if isinstance(model, UnitModel) or callable(getattr(model, "units", None)):
         return model
+    from zdsl.runtime.api.hf import hf_units
+    from zdsl.runtime.api.hf import is_hf_causal_lm
+    if isinstance(model, (str, Path)) or is_hf_causal_lm(model):
+        return hf_units(model)        # a Hugging Face causal LM (runtime/api/hf.py)
     if not isinstance(model, nn.Module):
         raise ZdslApiError(f"model= takes a torch.nn.Module, got {type(model).__name__}")
     order, problem = chain_order(model)
