@@ -8,7 +8,10 @@ Both sides are vs_peers' jobs on its GPT at 2 ranks on gloo, bound to their core
 (``zdsl.initialize`` on the same schedule under torchrun, a loop of ``engine(x)``,
 ``engine.backward``, ``engine.step``; ``benchmarks/peers/zdsl_api_peer.py``). Rounds are
 interleaved (run, api, run, api, ...) so a shared machine's drift falls on both. A step's time is
-the slowest rank's, warm-up steps left out. It prints each side's median step time and the ratio
+the slowest rank's, warm-up steps left out: for ``zdsl run`` its ``--metrics`` step (the step graph,
+start to last op), for the API the user's loop from a barrier to ``engine.step()``'s return (the
+batch hand-over and each call's agreement included), so the ratio charges the API with what
+``zdsl run``'s figure leaves out. It prints each side's median step time and the ratio
 api / run. Target: within 5% (ratio <= 1.05). It also prints the largest difference of the
 per-step loss, which should be 0 (the API trains ``zdsl run``'s bits).
 
