@@ -30,7 +30,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.peers import BenchConfig  # noqa: E402
-from benchmarks.vs_peers import PEERS, Outcome, absorb, check_availability, job_config, max_loss_diff, run_job  # noqa: E402
+from benchmarks.vs_peers import PEERS, Outcome, absorb, check_availability, job_config  # noqa: E402
+from benchmarks.vs_peers import max_loss_diff, run_job  # noqa: E402
 
 SIDES = ("zdsl3", "zdsl3-api")       # the baseline first
 TARGET = 1.05
