@@ -12,6 +12,7 @@ it once per step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -120,9 +121,11 @@ def group_members(group: str, world: int) -> list[list[int]]:
     return [list(range(first, world, size)) for first in range(size)]
 
 
+@functools.lru_cache(maxsize=256)
 def crosses_nodes(group: str, world: int, per_node: int) -> bool:
     """Some member set of ``group`` lies on more than one node (``per_node`` ranks each, in rank
-    order; 0: one node holds every rank)."""
+    order; 0: one node holds every rank). Cached: a plan asks it of every collective, at up to
+    O(world) a question."""
     if not per_node or per_node >= world:
         return False
     kind, size = parse_group(group)
