@@ -30,8 +30,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.peers import BenchConfig  # noqa: E402
-from benchmarks.vs_peers import PEERS, Outcome, absorb, check_availability, job_config  # noqa: E402
-from benchmarks.vs_peers import max_loss_diff, run_job  # noqa: E402
+from benchmarks.vs_peers import (  # noqa: E402
+    PEERS,
+    Outcome,
+    absorb,
+    check_availability,
+    job_config,
+    max_loss_diff,
+    run_job,
+)
 
 SIDES = ("zdsl3", "zdsl3-api")       # the baseline first
 TARGET = 1.05
@@ -85,7 +92,7 @@ def run_rounds(cfg: BenchConfig, reps: int, workdir: Path, timeout_s: float) -> 
 
 def report(outcomes: dict[str, Outcome]) -> bool:
     """Print each side's median, the ratio and the loss difference; whether both ran."""
-    for key, o in outcomes.items():
+    for o in outcomes.values():
         if o.ok:
             print(f"  {o.peer.label:<24} median step {o.median_s:.4f} s over {len(o.step_s)} steps, "
                   f"final loss {o.loss[-1]:.4f}")

@@ -38,7 +38,7 @@ def setup(cfg: BenchConfig, rank: int, world: int):
         engine.step()
         return loss.detach()
 
-    return step, dict(wrapper=f"zdsl.initialize(zero={stage}) in a user loop", optimizer="zdsl AdamW (sharded)")
+    return step, {"wrapper": f"zdsl.initialize(zero={stage}) in a user loop", "optimizer": "zdsl AdamW (sharded)"}
 
 
 if __name__ == "__main__":
