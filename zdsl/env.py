@@ -49,6 +49,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "same ops without overlap, to compare an overlapped run against"),
     Variable("ZDSL_HB_CHECK", DIAGNOSTIC, "user", "1 runs a CPU run's steps under the happens-before checker: the "
              "CUDA path's stream ordering checked as if on a GPU; a race fails the run (runtime/exec/hb_check.py)"),
+    Variable("ZDSL_SIM_NODES", DIAGNOSTIC, "benchmarks/hierarchy.py", "P:RATE simulates nodes of P ranks on this "
+             "machine: a collective whose group spans them completes bytes/RATE seconds later (a simulation, "
+             "runtime/dist/sim_nodes.py)"),
     Variable("ZDSL_FAULT", DIAGNOSTIC, "tests", "RANK:OP[:raise|kill|hang[:STEP]]: that rank fails at that op "
              "(fault injection)"),
     Variable("ZDSL_ERROR_FILE", LAUNCHER_SET, "zdsl run", "where a rank leaves its error for the launcher; "

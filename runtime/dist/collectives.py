@@ -272,3 +272,8 @@ def comm_slots() -> int:
         return max(1, int(dist.group.WORLD._get_backend(torch.device("cpu")).options._threads))
     except (AttributeError, RuntimeError, TypeError, ValueError):   # a torch without the private field
         return GLOO_DEFAULT_THREADS
+
+
+# Nodes simulated on one machine for benchmarks/hierarchy.py (ZDSL_SIM_NODES): unset, unchanged.
+from zdsl.runtime.dist import sim_nodes  # noqa: E402 (wraps the functions defined above)
+all_gather, reduce_scatter, all_reduce = sim_nodes.slowed(Pending, all_gather, reduce_scatter, all_reduce)
