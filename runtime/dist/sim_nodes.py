@@ -72,12 +72,34 @@ def slowed(pending_cls, all_gather, reduce_scatter, all_reduce):
             if not async_op:
                 time.sleep(max(0.0, end - time.perf_counter()))
                 return work
-            return pending_cls(_after(work.get_future(), end))
+            try:
+                future = work.get_future()
+            except RuntimeError:            # gloo's reduce-scatter has none: waited for in a thread
+                return _Late(work, end)
+            return pending_cls(_after(future, end))
         return run
     nbytes = lambda t: t.numel() * t.element_size()       # noqa: E731
     return (delayed(all_gather, 1, lambda out, inp: nbytes(out)),
             delayed(reduce_scatter, 1, lambda out, inp: nbytes(inp)),
             delayed(all_reduce, 2, lambda tensor: nbytes(tensor)))
+
+
+class _Late:
+    """A collective's work that has no future, completing no sooner than ``end``."""
+
+    def __init__(self, work, end: float):
+        self.work, self.end = work, end
+
+    def is_completed(self) -> bool:
+        return time.perf_counter() >= self.end and self.work.is_completed()
+
+    def wait(self, timeout=None) -> bool:
+        self.work.wait()
+        time.sleep(max(0.0, self.end - time.perf_counter()))
+        return True
+
+    def get_future(self):
+        raise RuntimeError("getFuture not implemented (the delayed work of a collective without one)")
 
 
 def _after(future: torch.futures.Future, end: float) -> torch.futures.Future:

@@ -56,3 +56,29 @@ def test_a_bad_setting_is_an_error_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv("ZDSL_SIM_NODES", value)
     with pytest.raises(ValueError, match="ZDSL_SIM_NODES"):
         sim_nodes.setting()
+
+
+class NoFuture:
+    """A work as gloo's reduce-scatter returns it: done, but without a future."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented")
+
+
+def test_a_work_without_a_future_is_waited_for_its_delay_too(monkeypatch):
+    monkeypatch.setenv("ZDSL_SIM_NODES", "2:1e6")
+    monkeypatch.setattr(sim_nodes, "members", lambda group: [0, 1, 2, 3])
+    _, reduce_scatter, _ = sim_nodes.slowed(Pending, done, lambda *a, group=None, async_op=False: NoFuture(), done)
+    full = torch.zeros(25_000)
+    start = time.perf_counter()
+    work = reduce_scatter(full[:6250], full, group="g", async_op=True)
+    with pytest.raises(RuntimeError, match="getFuture"):
+        work.get_future()                       # so the executor waits for it in a thread
+    work.wait()
+    assert time.perf_counter() - start >= 100_000 * 3 / 4 / 1e6
