@@ -20,7 +20,7 @@ waits for it as for a dependency, and the other lanes go on meanwhile.
 
 A failing op cancels the step's nursery; the error names the rank, the op
 and the unit. Each collective issued and each op finished is written to the
-rank's progress board (``runtime/exec/board.py``: two stores into a mapped
+rank's progress board (``runtime/proc/board.py``: two stores into a mapped
 file), so the launcher can tell a rank that stopped from one that waits. On CUDA each lane's thread issues its kernels on the lane's
 own stream (see ``runtime/exec/streams.py``); completion is observed through the
 stream's event, so the host waits only where a host-side op needs a result.
@@ -39,11 +39,11 @@ from zdsl.ir import TaskGraph
 
 from zdsl.runtime.exec.contract import OpState
 from zdsl.runtime.exec.errors import OpError
-from zdsl.runtime.exec.board import ISSUED
-from zdsl.runtime.exec.board import FIRST_LANE
-from zdsl.runtime.exec.board import LAST_DONE
-from zdsl.runtime.exec.board import LAST_ISSUED
-from zdsl.runtime.exec.faults import fault_for
+from zdsl.runtime.proc.board import ISSUED
+from zdsl.runtime.proc.board import FIRST_LANE
+from zdsl.runtime.proc.board import LAST_DONE
+from zdsl.runtime.proc.board import LAST_ISSUED
+from zdsl.runtime.proc.faults import fault_for
 
 
 @dataclass
