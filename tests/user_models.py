@@ -113,6 +113,24 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
+NOISY_FACTORY = f"{Path(__file__).resolve()}:build_noisy"
+
+
+class NoisyBlock(Block):
+    """Drops in every mode, eval included (``F.dropout(training=True)``), as a model that keeps its
+    dropout on in evaluation does: an evaluation then moves the global generator, which the rank
+    state must put back (tests/runtime/test_eval_rng.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.dropout(F.gelu(self.up(self.norm(x))), p=0.25, training=True))
+
+
+def build_noisy(vocab: int = 64, context: int = 16, hidden: int = 32, layers: int = 2) -> SmallLM:
+    model = SmallLM(vocab, context, hidden, layers, dropout=0.0, tied=False)
+    model.blocks = nn.ModuleList(NoisyBlock(hidden, 0.0) for _ in range(layers))
+    return model
+
+
 class BatchEmbed(nn.Module):
     takes_batch = True
 

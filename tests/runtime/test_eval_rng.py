@@ -1,6 +1,6 @@
 """An evaluation leaves training's random generator as it found it (runtime/run/evaluate.py).
 
-The model (tests/noisy_model.py) draws dropout masks in eval mode too, so an evaluation moves the
+The model (``build_noisy`` in tests/user_models.py) draws dropout masks in eval mode too, so an evaluation moves the
 global generator: the rank state must put it back, or the next step draws other masks. One rank
 in this process (a gloo group of one), trained by the trio executor as ``zdsl run`` trains it.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 import trio
 
-from noisy_model import FACTORY
+from user_models import NOISY_FACTORY as FACTORY
 
 STEPS, K = 3, 2                   # eval every step, K eval batches each time
 CONTEXT, VOCAB = 16, 64
