@@ -4,7 +4,10 @@ This package is the compiler; it never imports torch. The runtime lives in
 ``zdsl.runtime`` and is imported only by ``zdsl run`` and friends, and by the two
 functions below, which bring it in when they are called.
 """
+from zdsl.errors import ZdslApiError
+
 __version__ = "0.1.0"
+__all__ = ["ZdslApiError", "initialize", "units"]
 
 
 def initialize(schedule, model=None, **options):

@@ -59,7 +59,7 @@ takes and the compiled shape), ``saving.py`` (gathered parameters, state dict, c
 ``import zdsl`` stays torch-free: ``zdsl.initialize`` and ``zdsl.units`` import this package when
 called.
 """
-from zdsl.runtime.api.errors import ZdslApiError
+from zdsl.errors import ZdslApiError
 from zdsl.runtime.api.given import units
 from zdsl.runtime.api.setup import initialize
 

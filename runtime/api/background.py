@@ -11,7 +11,7 @@ import threading
 
 import trio
 
-from zdsl.runtime.api.errors import ZdslApiError
+from zdsl.errors import ZdslApiError
 
 JOIN_S = 10.0       # close(): how long the loop may take to wind up once cancelled
 

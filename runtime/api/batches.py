@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zdsl.runtime.api.errors import ZdslApiError
+from zdsl.errors import ZdslApiError
 from zdsl.runtime.models.batch import Batch
 
 

@@ -22,7 +22,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from zdsl.runtime.api.errors import ZdslApiError
+from zdsl.errors import ZdslApiError
 
 # the calls, by code (the row's first number)
 CALLS = ("engine(x)", "engine(x) without gradients", "engine.backward(loss)", "engine.step()",

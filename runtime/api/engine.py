@@ -18,7 +18,7 @@ import torch
 
 from zdsl.runtime.api import saving
 from zdsl.runtime.api.batches import as_batch
-from zdsl.runtime.api.errors import ZdslApiError
+from zdsl.errors import ZdslApiError
 
 IDLE, FORWARD, BACKWARD = "between steps", "after engine(x)", "after engine.backward(loss)"
 

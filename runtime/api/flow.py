@@ -14,7 +14,7 @@ import functools
 
 import trio
 
-from zdsl.runtime.api.errors import ZdslApiError
+from zdsl.errors import ZdslApiError
 from zdsl.runtime.exec.executor import Executor
 from zdsl.runtime.exec.errors import describe_op
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from zdsl.runtime.api.errors import ZdslApiError
+from zdsl.errors import ZdslApiError
 
 # The model statement a schedule trained with ``model=`` gets: a name the checker accepts without
 # importing anything, and that sizing_hook recognises. Never loaded: this module defines no ``model``.

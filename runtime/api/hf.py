@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from zdsl.runtime.api.errors import ZdslApiError
+from zdsl.errors import ZdslApiError
 from zdsl.runtime.models.hf.causal_lm import HeadUnit
 
 

@@ -13,7 +13,7 @@ import contextlib
 import weakref
 from pathlib import Path
 
-from zdsl.runtime.api.errors import ZdslApiError
+from zdsl.errors import ZdslApiError
 from zdsl.runtime.api.given import GIVEN_FACTORY
 from zdsl.runtime.api.given import as_unit_model
 from zdsl.runtime.api.given import differences

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import zdsl
-from zdsl.runtime.api.errors import ZdslApiError
+from zdsl.errors import ZdslApiError
 from zdsl.runtime.checkpoint.export_hf import hf_names_by_key
 from zdsl.runtime.state.optim import make_torch_optimizer
 

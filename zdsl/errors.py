@@ -1,4 +1,5 @@
-"""The one exception of the Python API (``zdsl.initialize`` and the engine it returns)."""
+"""The one exception of the Python API (``zdsl.initialize`` and the engine it returns), torch-free so
+that ``zdsl.ZdslApiError`` is there to catch without importing the runtime."""
 from __future__ import annotations
 
 
