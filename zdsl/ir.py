@@ -266,9 +266,7 @@ class TaskGraph:
 
     # -- serialisation -------------------------------------------------------
     def to_json(self) -> str:
-        raw = dataclasses.asdict(self)
-        omit_one_level(raw)
-        return json.dumps(raw, sort_keys=True, separators=(",", ":"))
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "TaskGraph":
@@ -309,13 +307,3 @@ class TaskGraph:
         """hpZ's node, where the backward gathers the parameters from their secondary shard; or None."""
         over = self.config.get("secondary") if self.stage == 3 else None
         return None if over is None else resolve_over(over, self.ranks, self.per_node)
-
-
-def omit_one_level(raw: dict) -> None:
-    """Leave the node layout out of a graph's JSON where it is one level (``per_node`` 0, a
-    collective's group "all"), so a flat schedule's graph hashes as it did before nodes existed."""
-    if raw.get("per_node") == 0:
-        del raw["per_node"]
-    for op in raw["ops"]:
-        if op.get("group") == ALL:
-            del op["group"]

@@ -257,13 +257,7 @@ class Schedule:
         raw["data"] = self.data.to_config()
         raw["machine"] = self.machine.to_config()
         raw["placement"] = {state: p.to_config() for state, p in self.placement.items()}
-        for key, one_level in HIERARCHY_DEFAULTS.items():   # left out where flat: flat graphs keep their digest
-            if raw[key] == one_level:
-                del raw[key]
         raw["eval"] = self.eval.to_config() if self.eval is not None else None
         raw["freeze"] = list(self.freeze)
         return raw
 
-
-# The hierarchical settings at their one-level values, left out of ``Schedule.to_config`` there.
-HIERARCHY_DEFAULTS = {"per_node": None, "shard_over": dict.fromkeys(STATES, "all"), "secondary": None}

@@ -125,15 +125,14 @@ def test_stages_one_and_two_gather_the_updated_shard_within_the_group(stage):
 
 
 def test_flat_schedules_keep_their_graph():
-    """One node, or groups of every rank, is the flat graph to the byte (no group, no per_node)."""
+    """One node, or groups of every rank, is the flat graph: the same ops and units, every group "all"."""
     _, flat = compile_text("ranks 4 on cpu\nzero 3")
     for same in ("ranks 4 on cpu, 4 per node\nzero 3", f"ranks 4 on cpu\nshard {STATES3} over group(4)",
                  f"ranks 4 on cpu, 2 per node\nshard {STATES3} over all"):
         schedule, graph = compile_text(same)
         assert [dataclasses.replace(op) for op in graph.ops] == flat.ops, same
         assert graph.units == flat.units
-    text = flat.to_json()
-    assert '"group"' not in text and '"per_node"' not in text
+    assert {op.group for op in flat.ops} == {"all"} and flat.per_node == 0
 
 
 def test_json_round_trip_keeps_groups():

@@ -134,10 +134,12 @@ def test_printer_round_trip(text):
     assert a == b
 
 
-def test_flat_config_has_no_hierarchy_keys():
-    """A flat schedule's config (and so its graph's digest) is the one it had before nodes existed."""
+def test_the_config_carries_the_hierarchy():
+    """The runtime reads the node layout from the graph's config: flat defaults, or as written."""
     s, _ = check("ranks 4 on cpu\nzero 3")
-    assert not {"per_node", "shard_over", "secondary"} & set(s.to_config())
+    config = s.to_config()
+    assert (config["per_node"], config["secondary"]) == (None, None)
+    assert config["shard_over"] == dict.fromkeys(("optimizer", "gradients", "parameters"), "all")
     s, _ = check("ranks 4 on cpu, 2 per node\nzero 3\nsecondary parameters over node")
     config = s.to_config()
-    assert (config["per_node"], config["secondary"]) == (2, "node") and "shard_over" not in config
+    assert (config["per_node"], config["secondary"]) == (2, "node")
