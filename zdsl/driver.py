@@ -23,6 +23,14 @@ import gc
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zdsl.ir import TaskGraph
+    from zdsl.lang.errors import Diagnostic
+    from zdsl.model.units import UnitSpec
+    from zdsl.schedule import Schedule
+    from zdsl.sim.simulate import Simulation
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -31,13 +39,13 @@ EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 class Compiled:
     """A schedule carried as far through the compiler as it would go."""
     path: str
-    diagnostics: list = field(default_factory=list)
-    schedule: object = None
-    units: list | None = None
-    graph: object = None
-    sim: object = None
-    eval_graph: object = None        # the forward-only graph of one eval batch (``eval`` statement)
-    eval_sim: object = None
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+    schedule: Schedule | None = None
+    units: list[UnitSpec] | None = None
+    graph: TaskGraph | None = None
+    sim: Simulation | None = None
+    eval_graph: TaskGraph | None = None      # the forward-only graph of one eval batch (``eval`` statement)
+    eval_sim: Simulation | None = None
     usage_error: bool = False
 
     @property
