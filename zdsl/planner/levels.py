@@ -11,11 +11,10 @@ from __future__ import annotations
 from fractions import Fraction
 
 from zdsl.ir import TaskGraph
+from zdsl.ir import crosses_nodes
 from zdsl.ir import group_size
 from zdsl.lang.sizes import human_bytes
 from zdsl.sim.simulate import collective_payload
-from zdsl.sim.simulate import group_ranks_count
-from zdsl.sim.simulate import spans_nodes
 
 LEVELS = ("within_node", "across_nodes")
 
@@ -26,8 +25,8 @@ def bytes_by_level(graph: TaskGraph) -> dict[str, int]:
     sent = dict.fromkeys(LEVELS, Fraction(0))
     for op in graph.ops:
         if op.is_collective:
-            n = group_ranks_count(op.group, graph.ranks)
-            level = "across_nodes" if spans_nodes(op.group, graph.ranks, graph.per_node) else "within_node"
+            n = group_size(op.group, graph.ranks)
+            level = "across_nodes" if crosses_nodes(op.group, graph.ranks, graph.per_node) else "within_node"
             rings = 2 if op.kind == "comm.all_reduce" else 1
             sent[level] += rings * Fraction(collective_payload(graph, op) * (n - 1), n)
     return {level: round(b) for level, b in sent.items()}

@@ -13,7 +13,6 @@ event loop over op completions (benchmarks/compile_speed.py times it).
 """
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -152,10 +151,10 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: li
         optimizer_bytes = op.bytes or touched_bytes(graph, op, "optim")
         return optimizer_bytes / (compute.host_memory if host else compute.memory_bandwidth)
     if kind.startswith("comm."):
-        size = group_ranks_count(op.group, n)
+        size = group_size(op.group, n)
         if size == 1:
             return single_rank_collective_seconds(kind, collective_payload(graph, op), machine)
-        link = machine.collectives.level(spans_nodes(op.group, n, graph.per_node))
+        link = machine.collectives.level(crosses_nodes(op.group, n, graph.per_node))
         return collective_seconds(kind, collective_payload(graph, op) * (size - 1) / size, link)
     if kind in ("copy.h2d", "copy.d2h"):
         return op.bytes / machine.copies.pcie_bandwidth
@@ -164,19 +163,6 @@ def rated_duration(graph: TaskGraph, op, machine: MachineProfile, unit_flops: li
     if kind == "nvme.write":
         return disk.write_latency + op.bytes / (disk.write * disk_drives(graph, op))
     return 0.0                              # mem.free: bookkeeping
-
-
-@functools.lru_cache(maxsize=256)
-def group_ranks_count(group: str, world: int) -> int:
-    """Ranks a collective of ``group`` runs over (``zdsl.ir.group_size``, kept per graph's groups)."""
-    return group_size(group, world)
-
-
-@functools.lru_cache(maxsize=256)
-def spans_nodes(group: str, world: int, per_node: int) -> bool:
-    """Whether a collective of ``group`` crosses nodes, so runs on the cluster link
-    (``zdsl.ir.crosses_nodes``, which looks at every member set: once per group, not per op)."""
-    return crosses_nodes(group, world, per_node)
 
 
 def upcast_seconds(graph: TaskGraph, op, machine: MachineProfile) -> float:
