@@ -478,7 +478,7 @@ def test_an_nvme_placements_pinned_option_reaches_the_swappers_staging_pool(monk
     from zdsl.runtime.state.transfers import Transfers
     made = {}
     monkeypatch.setattr(swap, "Swapper", lambda folder, block, depth, **kw: made.update(kw) or "swapper")
-    config = {"placement": {"optimizer": {"tier": "nvme", "path": str(tmp_path), "pinned": pinned,
+    config = {"placement": {"optimizer": {"tier": "nvme", "paths": [str(tmp_path)], "pinned": pinned,
                                           "block_bytes": 1 << 16, "queue_depth": 4}}}
     assert Transfers(SimpleNamespace(rank=0), config).swapper_of("optim[0]@nvme") == "swapper"
     assert made == {"pin": pin}
