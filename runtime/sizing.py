@@ -25,28 +25,18 @@ import warnings
 
 import torch
 
-from zdsl.schedule import GPT_DEFAULTS
-
-from zdsl.model.units import UnitSpec
-
-from zdsl.model.units import gpt_units
-
-from zdsl.runtime.models.batch import Batch
-
-from zdsl.runtime.models.protocol import ModelProtocolError
-
-from zdsl.runtime.models.protocol import call_unit
-
-from zdsl.runtime.models.protocol import build_model
-
-from zdsl.runtime.models.protocol import check_model
-
-from zdsl.runtime.models.protocol import prepare_batch
-
-from zdsl.runtime.models.protocol import tied_uses
-
+from zdsl.model.units import UnitSpec, gpt_units
 from zdsl.runtime.data import runtime_source
-
+from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.protocol import (
+    ModelProtocolError,
+    build_model,
+    call_unit,
+    check_model,
+    prepare_batch,
+    tied_uses,
+)
+from zdsl.schedule import GPT_DEFAULTS
 from zdsl.sources import source_of
 
 

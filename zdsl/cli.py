@@ -19,14 +19,7 @@ import shutil
 import sys
 
 from zdsl import env
-from zdsl.driver import EXIT_INTERNAL
-from zdsl.driver import EXIT_OK
-from zdsl.driver import EXIT_USAGE
-from zdsl.driver import compile_file
-from zdsl.driver import load
-from zdsl.driver import memo_units_for
-from zdsl.driver import report
-from zdsl.driver import status_of
+from zdsl.driver import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, compile_file, load, memo_units_for, report, status_of
 from zdsl.lang.overrides import parse_sets
 from zdsl.log import configure_logging
 from zdsl.sim import profile_cache
@@ -75,10 +68,8 @@ def cmd_plan(args, parser) -> int:
     report(compiled)
     if compiled.sim is None:                 # did not get as far as a simulated step
         return status_of(compiled)
-    from zdsl.planner.machine_fit import render_fit
-    from zdsl.planner.machine_fit import schedule_fit
-    from zdsl.planner.report import build_plan
-    from zdsl.planner.report import render_plan
+    from zdsl.planner.machine_fit import render_fit, schedule_fit
+    from zdsl.planner.report import build_plan, render_plan
     plan = build_plan(compiled.graph, compiled.schedule, compiled.sim, units=compiled.units)
     fit = schedule_fit(compiled, overrides)          # what `zdsl run` compares before starting ranks
     evaluation = None
@@ -92,8 +83,7 @@ def cmd_plan(args, parser) -> int:
         shown = render_plan(plan, color=sys.stdout.isatty())
         sys.stdout.write(shown + (evaluation.line() + "\n" if evaluation is not None else "") + render_fit(fit))
     if args.trace or args.timeline:
-        from zdsl.observe.trace import predicted_trace
-        from zdsl.observe.trace import write_trace
+        from zdsl.observe.trace import predicted_trace, write_trace
         g = compiled.graph
         if args.trace_ranks is not None and args.trace_ranks < 1:
             parser.error("--trace-ranks must be at least 1")
@@ -119,8 +109,8 @@ def traced_ranks(ops: int, ranks: int, budget: int = 60_000) -> int:
 
 def print_lowered(path: str, overrides, units_for) -> int:
     """The pipelines a policy file expands to, as valid .zs."""
-    from zdsl.compile.lower import lower_policies
     from zdsl.check.printer import print_schedule
+    from zdsl.compile.lower import lower_policies
     from zdsl.sources import sizing_data
     compiled = load(path, overrides, units_for)
     if compiled.ok:

@@ -62,8 +62,7 @@ def compile_file(path: str, overrides: dict[str, str] | None, units_for=None,
 
 
 def _compile(path: str, overrides: dict[str, str] | None, units_for, simulate: bool) -> Compiled:
-    from zdsl.compile.verify import findings
-    from zdsl.compile.verify import to_diagnostic
+    from zdsl.compile.verify import findings, to_diagnostic
     out = load(path, overrides, units_for)
     if out.ok and size(out, units_for) and instantiate_graph(out):
         found, out.sim = findings(out.graph, out.schedule, want_sim=simulate)
@@ -76,8 +75,7 @@ def _compile(path: str, overrides: dict[str, str] | None, units_for, simulate: b
 def load(path: str, overrides: dict[str, str] | None, units_for=None) -> Compiled:
     """Step 1: read, parse and check; ``schedule`` is set when nothing stopped the check."""
     from zdsl.check.checker import load_schedule
-    from zdsl.lang.errors import UsageError
-    from zdsl.lang.errors import ZsError
+    from zdsl.lang.errors import UsageError, ZsError
     from zdsl.sim.profile_cache import calibrated_for
     out = Compiled(path)
     try:
@@ -96,11 +94,10 @@ def load(path: str, overrides: dict[str, str] | None, units_for=None) -> Compile
 
 def size(out: Compiled, units_for) -> bool:
     """Step 2: the model's units (sizes, flops, activations) at the schedule's context."""
-    from zdsl.compile.models import ModelSizingError
-    from zdsl.compile.models import run_context
+    from zdsl.compile.models import ModelSizingError, run_context
     from zdsl.lang.errors import Diagnostic
-    from zdsl.sources.python import PythonDataError
     from zdsl.sources import sizing_data
+    from zdsl.sources.python import PythonDataError
     model_span = out.schedule.spans.get("model")
     try:
         out.units = units_for(out.schedule.model, run_context(out.schedule), **sizing_data(out.schedule.data))
@@ -120,8 +117,7 @@ def size(out: Compiled, units_for) -> bool:
 def instantiate_graph(out: Compiled) -> bool:
     """Steps 3 and 4: lower the policies and instantiate them for every unit."""
     from zdsl.compile.instantiate import LoweringError
-    from zdsl.lang.errors import Diagnostic
-    from zdsl.lang.errors import ZsError
+    from zdsl.lang.errors import Diagnostic, ZsError
     try:
         out.graph = compile_schedule(out.schedule, out.units)
     except LoweringError as exc:
@@ -136,14 +132,13 @@ def instantiate_graph(out: Compiled) -> bool:
 def evaluation_graph(out: Compiled, units_for, simulate: bool = True) -> bool:
     """Step 6: the forward-only graph ``eval`` runs, from the same lowered pipelines, its units
     sized at the eval data's context; verified, its findings added to the diagnostics."""
-    from zdsl.compile.eval_graph import eval_context
-    from zdsl.compile.eval_graph import eval_findings
+    from zdsl.compile.eval_graph import eval_context, eval_findings
     from zdsl.compile.instantiate import LoweringError
     from zdsl.compile.models import ModelSizingError
     from zdsl.compile.verify import to_diagnostic
     from zdsl.lang.errors import Diagnostic
-    from zdsl.sources.python import PythonDataError
     from zdsl.sources import sizing_data
+    from zdsl.sources.python import PythonDataError
     schedule = out.schedule
     span = schedule.spans.get("eval.data") or schedule.spans.get("eval")
     try:
@@ -212,10 +207,7 @@ def gc_paused():
 def report(compiled: Compiled) -> None:
     """Print a file's diagnostics (errors and warnings) to stderr, positioned; past the first
     50 of a severity only how many more there are."""
-    from zdsl.lang.errors import attach_sources
-    from zdsl.lang.errors import capped
-    from zdsl.lang.errors import more_line
-    from zdsl.lang.errors import render
+    from zdsl.lang.errors import attach_sources, capped, more_line, render
     try:
         source = Path(compiled.path).read_bytes().decode("utf-8", errors="replace")
     except OSError:

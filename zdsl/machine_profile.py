@@ -14,7 +14,6 @@ Bytes per second, flop per second, seconds.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass, field
 
 PRECISIONS = ("fp32", "bf16", "fp16")

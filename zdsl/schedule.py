@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-# The machine profile has its own module; these names are kept here for the schedule's readers.
-from zdsl.machine_profile import MACHINE_MAY_BE_ZERO  # noqa: F401
-from zdsl.machine_profile import MACHINE_OPTIONS  # noqa: F401
-from zdsl.machine_profile import MACHINE_SHAPE_FIELDS  # noqa: F401
-from zdsl.machine_profile import MACHINE_TUPLES  # noqa: F401
-from zdsl.machine_profile import MachineProfile
-
 from zdsl.ir import resolve_over
+
+# The machine profile has its own module; these names are kept here for the schedule's readers.
+from zdsl.machine_profile import (
+    MACHINE_MAY_BE_ZERO,  # noqa: F401
+    MACHINE_OPTIONS,  # noqa: F401
+    MACHINE_SHAPE_FIELDS,  # noqa: F401
+    MACHINE_TUPLES,  # noqa: F401
+    MachineProfile,
+)
 
 STATES = ("optimizer", "gradients", "parameters")   # ZeRO's order
 OVERLAP_VERBS = ("gather", "scatter", "reduce", "read", "write", "copy")
@@ -53,7 +55,8 @@ class ModelSpec:
 @dataclass
 class DataSpec:
     kind: str                              # a source's kind, registered in zdsl/sources/__init__.py
-    source: str | None = None              # its first argument, checked: "stdlib", a file or folder (absolute), a function
+    # its first argument, checked: "stdlib", a file or folder (absolute), a function
+    source: str | None = None
     args: dict = field(default_factory=dict)   # context=..., vocab=..., and the kind's own settings
     dtype: str | None = None               # tokens: the file's integer type (zdsl/sources/tokens.py)
     tokenizer: str | None = None           # text, jsonl: tokenizer.json or the folder holding it (absolute)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from zdsl.errors import ZdslApiError
 from zdsl.runtime.api import saving
 from zdsl.runtime.api.batches import as_batch
-from zdsl.errors import ZdslApiError
 
 IDLE, FORWARD, BACKWARD = "between steps", "after engine(x)", "after engine.backward(loss)"
 

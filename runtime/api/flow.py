@@ -15,8 +15,8 @@ import functools
 import trio
 
 from zdsl.errors import ZdslApiError
-from zdsl.runtime.exec.executor import Executor
 from zdsl.runtime.exec.errors import describe_op
+from zdsl.runtime.exec.executor import Executor
 
 
 class StepFlow:
@@ -107,7 +107,7 @@ class StepFlow:
     # -- a forward-only pass -------------------------------------------------------------
     async def evaluate(self, executor: Executor, batch, eval_mode: bool, call: str):
         """The last unit's output for ``batch`` through the forward-only graph, between steps."""
-        with trio.move_on_after(self.timeout_s) as scope:
+        with trio.move_on_after(self.timeout_s):
             with self.state.evaluation(eval_mode=eval_mode):
                 self.state.eval_begin(batch)
                 try:

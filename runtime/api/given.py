@@ -97,8 +97,7 @@ def as_unit_model(model) -> nn.Module:
     """``model`` as a model of the unit protocol (module docstring); :class:`ZdslApiError` if it is none."""
     if isinstance(model, UnitModel) or callable(getattr(model, "units", None)):
         return model
-    from zdsl.runtime.api.hf import hf_units
-    from zdsl.runtime.api.hf import is_hf_causal_lm
+    from zdsl.runtime.api.hf import hf_units, is_hf_causal_lm
     if isinstance(model, (str, Path)) or is_hf_causal_lm(model):
         return hf_units(model)        # a Hugging Face causal LM (runtime/api/hf.py)
     if not isinstance(model, nn.Module):
@@ -238,8 +237,7 @@ def sizing_hook(given: nn.Module, units_for):
 
 def size_given(given: nn.Module, context: int | None, data) -> list:
     """The compiler's units of ``given``: a meta copy traced as a named model would be."""
-    from zdsl.runtime.sizing import model_unit_specs
-    from zdsl.runtime.sizing import sizing_inputs
+    from zdsl.runtime.sizing import model_unit_specs, sizing_inputs
     context, sample, masked = sizing_inputs(data, context, data.args.get("context") if data is not None else None)
     name = getattr(given, "given", type(given).__name__)
     return model_unit_specs(meta_copy(given), f"model={name}", context, sample=sample, masked=masked)

@@ -83,11 +83,8 @@ def from_instance(model):
 def export_hf_folder(engine, folder, dtype: str = "fp32") -> list[str]:
     """The engine's model as an HF folder (every rank calls it; rank 0 writes): the files written."""
     from zdsl.runtime.checkpoint.export import export_dtype
-    from zdsl.runtime.checkpoint.export_hf import hf_config
-    from zdsl.runtime.checkpoint.export_hf import hf_names_by_key
-    from zdsl.runtime.checkpoint.export_hf import write_hf_folder
-    from zdsl.runtime.checkpoint.stformat import byte_view
-    from zdsl.runtime.checkpoint.stformat import dtype_code
+    from zdsl.runtime.checkpoint.export_hf import hf_config, hf_names_by_key, write_hf_folder
+    from zdsl.runtime.checkpoint.stformat import byte_view, dtype_code
     model = engine.run.model
     if not hasattr(model, "hf_name"):
         raise ZdslApiError(f"engine.export(format=\"hf\") writes Hugging Face models (model= a transformers "

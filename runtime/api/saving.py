@@ -22,9 +22,7 @@ import torch
 from zdsl.runtime.checkpoint import checkpoint_path
 from zdsl.runtime.checkpoint.index import INDEX_NAME
 from zdsl.runtime.checkpoint.writer import write_atomic
-from zdsl.runtime.state.flat import alloc_storage
-from zdsl.runtime.state.flat import free_storage
-from zdsl.runtime.state.flat import is_freed
+from zdsl.runtime.state.flat import alloc_storage, free_storage, is_freed
 
 CLIENT_STATE = "client_state.pt"
 

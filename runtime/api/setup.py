@@ -14,10 +14,7 @@ import weakref
 from pathlib import Path
 
 from zdsl.errors import ZdslApiError
-from zdsl.runtime.api.given import GIVEN_FACTORY
-from zdsl.runtime.api.given import as_unit_model
-from zdsl.runtime.api.given import differences
-from zdsl.runtime.api.given import sizing_hook
+from zdsl.runtime.api.given import GIVEN_FACTORY, as_unit_model, differences, sizing_hook
 from zdsl.runtime.run.train import RunOptions
 
 
@@ -38,8 +35,7 @@ def initialize(schedule, model=None, *, overrides: dict | None = None,
 def compile_for(path: str, overrides: dict | None, given):
     """``compile_file`` of ``path`` (with ``given`` sized where the schedule's model would be);
     :class:`ZdslApiError` with the positioned diagnostics when it does not compile."""
-    from zdsl.driver import compile_file
-    from zdsl.driver import memo_units_for
+    from zdsl.driver import compile_file, memo_units_for
     overrides = {str(k): str(v) for k, v in (overrides or {}).items()}
     units_for, named = None, None
     if given is not None:
@@ -77,8 +73,7 @@ def model_statement(path: str) -> str | None:
 
 def diagnostics_text(compiled) -> str:
     """The errors of a compile, rendered as ``zdsl check`` prints them."""
-    from zdsl.lang.errors import attach_sources
-    from zdsl.lang.errors import render
+    from zdsl.lang.errors import attach_sources, render
     errors = [d for d in compiled.diagnostics if d.severity == "error"]
     try:
         attach_sources(errors, {compiled.path: Path(compiled.path).read_text(errors="replace")})
@@ -94,8 +89,7 @@ def start(compiled, given, timeout_s: float):
     from zdsl.runtime.api.calls import CallCheck
     from zdsl.runtime.api.engine import Engine
     from zdsl.runtime.api.flow import StepFlow
-    from zdsl.runtime.run.train import LaunchError
-    from zdsl.runtime.run.train import open_rank
+    from zdsl.runtime.run.train import LaunchError, open_rank
     graph, schedule = compiled.graph, compiled.schedule
     stack = contextlib.ExitStack()
     try:
@@ -129,10 +123,8 @@ def join(graph, stack: contextlib.ExitStack, timeout_s: float):
     """This rank in the group (the script's, the launcher's, or alone for ``ranks 1``), its device
     and host prepared as ``zdsl run`` prepares them; (rank, world, device)."""
     import torch.distributed as dist
-    from zdsl.runtime.dist.group import init_group
-    from zdsl.runtime.dist.group import join_alone
-    from zdsl.runtime.dist.group import launched_rank
-    from zdsl.runtime.dist.group import leave_group
+
+    from zdsl.runtime.dist.group import init_group, join_alone, launched_rank, leave_group
     from zdsl.runtime.run.train import prepare_host
     found = launched_rank()
     rank, world = found if found is not None else (0, 1)

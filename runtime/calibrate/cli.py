@@ -102,18 +102,36 @@ import tempfile
 import time
 
 from zdsl import env
-from zdsl.runtime.calibrate.measure import (TABLE_CONTEXT, CalibrationError, Settings, compute_dtype,
-                                            measure_collectives, measure_compute, measure_compute_table,
-                                            measure_copy, measure_disk, measure_optimizer, table_batch)
+from zdsl.runtime.calibrate.measure import (
+    TABLE_CONTEXT,
+    CalibrationError,
+    Settings,
+    compute_dtype,
+    measure_collectives,
+    measure_compute,
+    measure_compute_table,
+    measure_copy,
+    measure_disk,
+    measure_optimizer,
+    table_batch,
+)
 from zdsl.runtime.calibrate.ranks import joined, restore_cores
-from zdsl.runtime.calibrate.reference import (REMEASURES, RUNTIME_BLOCKS, RUNTIME_STEPS, VARIANTS_AFTER_BLOCK,
-                                              WARM_UP_STEPS, WIDE_STEPS, WIDE_WIDTH, measure_runtime,
-                                              measure_variants, off_usual_by, unsteadiness)
+from zdsl.runtime.calibrate.reference import (
+    REMEASURES,
+    RUNTIME_BLOCKS,
+    RUNTIME_STEPS,
+    VARIANTS_AFTER_BLOCK,
+    WARM_UP_STEPS,
+    WIDE_STEPS,
+    WIDE_WIDTH,
+    measure_runtime,
+    measure_variants,
+    off_usual_by,
+    unsteadiness,
+)
 from zdsl.runtime.calibrate.slow_spell import remeasure
 from zdsl.runtime.calibrate.summary import ZS_KEYS, Calibration, summarise  # noqa: F401 (ZS_KEYS: re-exported)
-from zdsl.runtime.dist.spawn import LocalRanks
-from zdsl.runtime.dist.spawn import RankFailed
-from zdsl.runtime.dist.spawn import free_port
+from zdsl.runtime.dist.spawn import LocalRanks, RankFailed, free_port
 
 # -- one rank ---------------------------------------------------------------------------------
 
@@ -287,7 +305,7 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
         with bar:
             with children:
                 task = bar.add_task("starting ranks", total=len(STEPS) + 1)
-                import torch             # after the ranks started, so they import torch meanwhile
+                import torch  # after the ranks started, so they import torch meanwhile
                 threads_before = torch.get_num_threads()
                 chosen = _pick_backend(s)
                 labels = {"compute": "compute (matmul, GPT block)", "optimizer": "memory (AdamW step)",

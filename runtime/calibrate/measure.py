@@ -103,6 +103,7 @@ def _block_fwd_bwd(block, batch: int, context: int, width: int):
 def measure_compute(device, s: Settings, dtype) -> dict:
     """Matmul ceiling at the block's shapes, and the block's forward+backward rate."""
     import torch
+
     from zdsl.model.units import gpt_units
 
     shape = _model_shape(s, device)
@@ -117,8 +118,7 @@ def measure_compute(device, s: Settings, dtype) -> dict:
         t_mm = _median_time(lambda: [torch.mm(a, b, out=c) for a, b, c in mats], sync, budget)
     out = {"mm_flops": mm_flops / t_mm, "shape": shape, "dtype": str(dtype).replace("torch.", "")}
     try:
-        from zdsl.runtime.models.gpt import GPT
-        from zdsl.runtime.models.gpt import Block
+        from zdsl.runtime.models.gpt import GPT, Block
     except Exception as e:  # the model is optional here: fall back to the matmul rate
         out["block_flops"] = None
         out["block_note"] = f"GPT model unavailable ({type(e).__name__}); flops = matmul rate"
@@ -183,6 +183,7 @@ def measure_compute_table(device, s: Settings, fixed_s: float = 0.0, known: dict
     prices large units far too fast.
     ``known``: rates already measured at this shape, by (precision, width)."""
     import torch
+
     from zdsl.model.units import gpt_units
     from zdsl.runtime.models.gpt import Block
     from zdsl.runtime.state.precision import DTYPES
@@ -221,6 +222,7 @@ def measure_optimizer(device, s: Settings) -> dict:
     first-use import (seconds) for a number that takes milliseconds.
     """
     import torch
+
     from zdsl.runtime.offload.host_adam import host_adamw_
     # 8M elements (128 MiB of state) even when quick: a step's shard is far larger than the
     # last-level cache, and a 16 MiB state would stay in it and price the step several times fast.
@@ -370,9 +372,7 @@ def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None, besi
     same size and direction, as they share the disk in a run."""
     import torch
 
-    from zdsl.runtime.offload.swap import Swapper
-
-    from zdsl.runtime.offload.swap import SwapError
+    from zdsl.runtime.offload.swap import SwapError, Swapper
     sizes = DISK_SIZES[:-1] if s.quick else DISK_SIZES
     rounds = DISK_ROUNDS[s.quick]
     slice_s = s.budget(0.4, 0.1) / rounds

@@ -44,8 +44,7 @@ def joined(rank: int, world: int, port: int, s: Settings, backend: str):
         torch.set_num_threads(threads)
     # joined as a run's rank joins (gloo's loop threads calmed); at one rank too, since the
     # reference step's collectives run on the group as a one-rank run's do
-    from zdsl.runtime.dist.group import init_group
-    from zdsl.runtime.dist.group import leave_group
+    from zdsl.runtime.dist.group import init_group, leave_group
     init_group(rank, world, device, s.timeout_s, backend=backend, init_method=f"tcp://{MASTER_ADDR}:{port}")
     try:
         from zdsl.runtime.dist.collectives import comm_slots

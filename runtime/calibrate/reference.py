@@ -8,11 +8,10 @@ import statistics
 import tempfile
 import time
 
-from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_compute, lane_ops, wake_delays
-from zdsl.sim.lanes import slots_of
 from zdsl.machine_profile import MachineProfile
+from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_compute, lane_ops, wake_delays
 from zdsl.runtime.calibrate.measure import CalibrationError, Settings
-
+from zdsl.sim.lanes import slots_of
 
 # Reference steps (full, quick), split into RUNTIME_BLOCKS blocks spread over the calibration,
 # since the host's speed moves from one half second to the next and one block can sit in a spell.
@@ -170,7 +169,7 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     done = trio.run(run_stoppable, loop)
     records = [r for r, _ in done][WARM_UP_STEPS:]      # the first steps allocate and warm up
     loop_cpu = [c for _, c in done][WARM_UP_STEPS:]
-    del state, step
+    state = step = None     # drop the run's buffers before the next width
     if device.type == "cuda":
         torch.cuda.empty_cache()
     slots = slots_of(graph, MachineProfile.of(name=device.type, comm_slots=slots))

@@ -16,14 +16,27 @@ import tempfile
 from dataclasses import dataclass, field
 
 from zdsl.lang.sizes import human_bytes
+from zdsl.machine_profile import (
+    MACHINE_MAY_BE_ZERO,
+    MACHINE_OPTIONS,
+    MACHINE_SHAPE_FIELDS,
+    NEGATIVE_UNSET,
+    MachineProfile,
+)
 from zdsl.planner.calibration_fit import compute_excess, fit_overhead, scaled_latencies
 from zdsl.runtime.calibrate.measure import COLLECTIVES, DISK_SIZES, Settings
-from zdsl.runtime.calibrate.reference import (REFERENCE_WIDTH, REMEASURE_PAUSE_S, VARIANTS, WIDE_WIDTH,
-                                              is_off_usual, off_usual_by, reference_graph, reference_times,
-                                              variant_steps)
+from zdsl.runtime.calibrate.reference import (
+    REFERENCE_WIDTH,
+    REMEASURE_PAUSE_S,
+    VARIANTS,
+    WIDE_WIDTH,
+    is_off_usual,
+    off_usual_by,
+    reference_graph,
+    reference_times,
+    variant_steps,
+)
 from zdsl.runtime.calibrate.slow_spell import kept_try
-from zdsl.machine_profile import (MACHINE_MAY_BE_ZERO, MACHINE_OPTIONS, MACHINE_SHAPE_FIELDS, NEGATIVE_UNSET,
-                                  MachineProfile)
 from zdsl.sim.simulate import simulate
 
 ZS_KEYS = {field: key for key, field in MACHINE_OPTIONS}   # MachineProfile wire field -> .zs keyword
@@ -303,7 +316,8 @@ def _sharing_notes(profile: MachineProfile, world: int, backend: str) -> list[st
              f"  comm_slots  {profile.collectives.slots}: collectives the {backend} backend runs at once"
              + (" (its worker threads)" if backend == "gloo" else " (one stream)")]
     if profile.collectives.under_load:
-        notes.append(f"  comm_under_load  {_num(profile.collectives.under_load)}: the share of its rate a collective keeps "
+        notes.append(f"  comm_under_load  {_num(profile.collectives.under_load)}: "
+                     "the share of its rate a collective keeps "
                      "while compute fills the cores (the slope of each reference collective's time beyond its rate "
                      "against the time compute ran beside it)")
     return notes
@@ -314,7 +328,8 @@ def _overhead_notes(profile: MachineProfile, ref: _ReferenceFit, first: dict) ->
     notes = []
     if ref.fit.latency_scale < 1.0:
         notes.append(f"  latency     the collectives' latencies scaled by {ref.fit.latency_scale:.2f} (all-gather "
-                     f"{ref.measured_latency * 1e3:.2f} -> {profile.collectives.node.latency * 1e3:.2f} ms): as measured they "
+                     f"{ref.measured_latency * 1e3:.2f} -> {profile.collectives.node.latency * 1e3:.2f} ms): "
+                     "as measured they "
                      "predict the reference step slower than it ran (calls that each waited for a core under "
                      "outside load)")
     notes.append(f"  wake        {_num(profile.costs.wake)} s: the mean of how long an op of the reference started "

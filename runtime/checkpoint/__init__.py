@@ -22,24 +22,36 @@ Resume (every rank)::
 
 Export: ``export(root_or_path, "model.safetensors", "bf16")``; ``inspect(root)``.
 """
-from zdsl.runtime.checkpoint.export import export
 from zdsl.runtime.checkpoint.errors import CheckpointError
-from zdsl.runtime.checkpoint.index import (FileRecord, Index, UnitMeta, checkpoint_path, default_prefix,
-                    parse_shard_key, shard_key, state_dict_aliases, unit_prefixes)
+from zdsl.runtime.checkpoint.export import export
+from zdsl.runtime.checkpoint.index import (
+                    FileRecord,
+                    Index,
+                    UnitMeta,
+                    checkpoint_path,
+                    default_prefix,
+                    parse_shard_key,
+                    shard_key,
+                    state_dict_aliases,
+                    unit_prefixes,
+)
 from zdsl.runtime.checkpoint.inspect import inspect
-from zdsl.runtime.checkpoint.reader import (check_checkpoint, iter_rank_shards, latest_complete, list_checkpoints,
-                     load_for_rank, read_index)
+from zdsl.runtime.checkpoint.reader import (
+                    check_checkpoint,
+                    iter_rank_shards,
+                    latest_complete,
+                    list_checkpoints,
+                    load_for_rank,
+                    read_index,
+)
+from zdsl.runtime.checkpoint.retention import apply_retention, remove_incomplete
 from zdsl.runtime.checkpoint.stformat import LazyShard
-from zdsl.runtime.checkpoint.retention import apply_retention
-from zdsl.runtime.checkpoint.retention import remove_incomplete
-from zdsl.runtime.checkpoint.writer import owned_shard
-from zdsl.runtime.checkpoint.writer import unit_metas
-from zdsl.runtime.checkpoint.writer import write_index
-from zdsl.runtime.checkpoint.writer import write_rank_shards
+from zdsl.runtime.checkpoint.writer import owned_shard, unit_metas, write_index, write_rank_shards
 
 __all__ = [
     "CheckpointError", "FileRecord", "Index", "LazyShard", "UnitMeta", "apply_retention", "check_checkpoint",
     "checkpoint_path", "default_prefix", "export", "inspect", "iter_rank_shards", "latest_complete",
     "list_checkpoints", "load_for_rank", "owned_shard", "parse_shard_key", "read_index",
-    "remove_incomplete", "shard_key", "state_dict_aliases", "unit_metas", "unit_prefixes", "write_index", "write_rank_shards",
+    "remove_incomplete", "shard_key", "state_dict_aliases", "unit_metas", "unit_prefixes", "write_index",
+    "write_rank_shards",
 ]

@@ -20,12 +20,20 @@ from pathlib import Path
 import torch
 
 from zdsl.ir import TaskGraph
-from zdsl.model.layout import FlatLayout
-from zdsl.model.layout import unit_layout
-
-from zdsl.runtime.checkpoint import (CheckpointError, apply_retention, checkpoint_path, latest_complete, load_for_rank,
-                         parse_shard_key, read_index, remove_incomplete, unit_metas, write_index,
-                         write_rank_shards)
+from zdsl.model.layout import FlatLayout, unit_layout
+from zdsl.runtime.checkpoint import (
+    CheckpointError,
+    apply_retention,
+    checkpoint_path,
+    latest_complete,
+    load_for_rank,
+    parse_shard_key,
+    read_index,
+    remove_incomplete,
+    unit_metas,
+    write_index,
+    write_rank_shards,
+)
 from zdsl.runtime.checkpoint.export import BUFFER_PREFIX
 
 RNG_KEY = "rng.torch"

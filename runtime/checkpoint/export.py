@@ -22,20 +22,10 @@ from pathlib import Path
 
 import torch
 
-from zdsl.runtime.checkpoint.index import INDEX_NAME
-
 from zdsl.runtime.checkpoint.errors import CheckpointError
-
-from zdsl.runtime.checkpoint.index import shard_key
-from zdsl.runtime.checkpoint.reader import full_unit
-from zdsl.runtime.checkpoint.reader import latest_complete
-from zdsl.runtime.checkpoint.reader import open_files
-from zdsl.runtime.checkpoint.reader import read_index
-from zdsl.runtime.checkpoint.stformat import build_header
-from zdsl.runtime.checkpoint.stformat import byte_view
-from zdsl.runtime.checkpoint.stformat import dtype_code
-from zdsl.runtime.checkpoint.stformat import torch_dtype
-from zdsl.runtime.checkpoint.stformat import write_new_file
+from zdsl.runtime.checkpoint.index import INDEX_NAME, shard_key
+from zdsl.runtime.checkpoint.reader import full_unit, latest_complete, open_files, read_index
+from zdsl.runtime.checkpoint.stformat import build_header, byte_view, dtype_code, torch_dtype, write_new_file
 from zdsl.runtime.io.atomic import renamed_into_place
 
 BUFFER_PREFIX = "buffer."    # a rank file's copy of one of the model's buffers, by its state-dict name

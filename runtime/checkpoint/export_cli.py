@@ -6,11 +6,8 @@ import os
 import sys
 
 from zdsl.runtime.checkpoint.errors import CheckpointError
-from zdsl.runtime.checkpoint.export import EXPORT_DTYPES
-from zdsl.runtime.checkpoint.export import export
-from zdsl.runtime.checkpoint.export_hf import DEFAULT_MAX_SHARD_SIZE
-from zdsl.runtime.checkpoint.export_hf import FORMATS
-from zdsl.runtime.checkpoint.export_hf import export_hf
+from zdsl.runtime.checkpoint.export import EXPORT_DTYPES, export
+from zdsl.runtime.checkpoint.export_hf import DEFAULT_MAX_SHARD_SIZE, FORMATS, export_hf
 
 
 def main(argv=None) -> int:
@@ -24,7 +21,8 @@ def main(argv=None) -> int:
                     help="plain: the model's state dict (default); hf: a folder from_pretrained loads "
                          "(`model hf(...)` models)")
     ap.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
-                    help=f"--format hf: split the weights into files of at most SIZE (default {DEFAULT_MAX_SHARD_SIZE})")
+                    help="--format hf: split the weights into files of at most SIZE "
+                         f"(default {DEFAULT_MAX_SHARD_SIZE})")
     args = ap.parse_args(argv)
     try:
         if args.format == "hf":

@@ -28,20 +28,13 @@ from pathlib import Path
 import torch
 
 from zdsl.runtime.checkpoint.errors import CheckpointError
-from zdsl.runtime.checkpoint.export import export_dtype
-from zdsl.runtime.checkpoint.export import param_entries
-from zdsl.runtime.checkpoint.export import resolve
+from zdsl.runtime.checkpoint.export import export_dtype, param_entries, resolve
 from zdsl.runtime.checkpoint.index import unit_prefixes
-from zdsl.runtime.checkpoint.reader import full_unit
-from zdsl.runtime.checkpoint.reader import open_files
-from zdsl.runtime.checkpoint.reader import read_index
+from zdsl.runtime.checkpoint.reader import full_unit, open_files, read_index
 from zdsl.runtime.checkpoint.stformat import _nbytes as tensor_bytes
-from zdsl.runtime.checkpoint.stformat import build_header
-from zdsl.runtime.checkpoint.stformat import byte_view
-from zdsl.runtime.checkpoint.stformat import dtype_code
-from zdsl.runtime.checkpoint.stformat import write_new_file
-from zdsl.runtime.io.atomic import renamed_into_place
+from zdsl.runtime.checkpoint.stformat import build_header, byte_view, dtype_code, write_new_file
 from zdsl.runtime.checkpoint.writer import write_atomic
+from zdsl.runtime.io.atomic import renamed_into_place
 
 FORMATS = ("plain", "hf")
 DEFAULT_MAX_SHARD_SIZE = "5GB"          # transformers' save_pretrained default

@@ -19,19 +19,9 @@ import sys
 from pathlib import Path
 
 from zdsl.lang.sizes import human_bytes
-from zdsl.runtime.checkpoint.index import INDEX_NAME
-
-from zdsl.runtime.checkpoint.index import STEP_RE
-
 from zdsl.runtime.checkpoint.errors import CheckpointError
-
-from zdsl.runtime.checkpoint.index import Index
-
-from zdsl.runtime.checkpoint.index import is_padding
-
-from zdsl.runtime.checkpoint.index import parse_shard_key
-from zdsl.runtime.checkpoint.reader import check_checkpoint
-from zdsl.runtime.checkpoint.reader import list_checkpoints
+from zdsl.runtime.checkpoint.index import INDEX_NAME, STEP_RE, Index, is_padding, parse_shard_key
+from zdsl.runtime.checkpoint.reader import check_checkpoint, list_checkpoints
 
 
 def _table(rows: list[list[str]]) -> list[str]:

@@ -20,23 +20,9 @@ from pathlib import Path
 import torch
 
 from zdsl.model.layout import FlatLayout
-
-from zdsl.runtime.checkpoint.index import INDEX_NAME
-
-from zdsl.runtime.checkpoint.index import STEP_RE
-
 from zdsl.runtime.checkpoint.errors import CheckpointError
-
-from zdsl.runtime.checkpoint.index import Index
-
-from zdsl.runtime.checkpoint.index import is_padding
-
-from zdsl.runtime.checkpoint.index import parse_shard_key
-
-from zdsl.runtime.checkpoint.index import shard_key
-from zdsl.runtime.checkpoint.stformat import ShardFile
-from zdsl.runtime.checkpoint.stformat import byte_view
-from zdsl.runtime.checkpoint.stformat import torch_dtype
+from zdsl.runtime.checkpoint.index import INDEX_NAME, STEP_RE, Index, is_padding, parse_shard_key, shard_key
+from zdsl.runtime.checkpoint.stformat import ShardFile, byte_view, torch_dtype
 
 log = logging.getLogger("zdsl.checkpoint")
 
@@ -240,7 +226,8 @@ def iter_rank_shards(ckpt_path, rank: int, ranks: int, layouts: list[FlatLayout]
 
     Flat shards ``u{i}.{kind}`` come re-cut (any saved rank count, parts
     or padding); a layout of fewer shards than ranks (a shard group: HSDP's
-    node, MiCS's group) gives ``rank`` the shard of its index in its group; per-rank state (``rng.*``) comes as saved by the same rank,
+    node, MiCS's group) gives ``rank`` the shard of its index in its group; per-rank state (``rng.*``) comes as
+    saved by the same rank,
     and is absent when that rank did not exist in the saved run.
     ``kinds`` restricts which state kinds are loaded (default all).
     ``into`` maps keys to preallocated flat CPU tensors (e.g. the runtime's

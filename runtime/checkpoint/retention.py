@@ -15,8 +15,7 @@ import shutil
 from pathlib import Path
 
 from zdsl.runtime.checkpoint.errors import CheckpointError
-from zdsl.runtime.checkpoint.reader import check_checkpoint
-from zdsl.runtime.checkpoint.reader import list_checkpoints
+from zdsl.runtime.checkpoint.reader import check_checkpoint, list_checkpoints
 
 
 def apply_retention(root, keep: int, *, verify: bool = False) -> list[Path]:

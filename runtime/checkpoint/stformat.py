@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from zdsl.runtime.checkpoint.errors import CheckpointError
-from zdsl.runtime.checkpoint.index import PAD_PREFIX
-from zdsl.runtime.checkpoint.index import TensorEntry
+from zdsl.runtime.checkpoint.index import PAD_PREFIX, TensorEntry
 from zdsl.runtime.io import checksum
 from zdsl.runtime.io.aligned import ALIGN
 from zdsl.runtime.io.directio import ZERO_COPY_MIN, FileIOError, Sink, Source, as_bytes
@@ -239,7 +238,8 @@ class ShardFile:
                 raise CheckpointError(f"{path}: truncated (no safetensors header)")
             (hlen,) = struct.unpack("<Q", head)
             if hlen > min(self.size - 8, 100 << 20):
-                raise CheckpointError(f"{path}: header length {hlen} exceeds the file; truncated or not a safetensors file")
+                raise CheckpointError(f"{path}: header length {hlen} exceeds the file; "
+                                      "truncated or not a safetensors file")
             raw = os.pread(self.fd, hlen, 8)
             if expected_header_crc is not None and checksum.CRC32(head + raw) != expected_header_crc:
                 raise CheckpointError(f"{path}: header checksum mismatch (file altered)")
@@ -281,7 +281,8 @@ class ShardFile:
         if name not in self.entries:
             raise CheckpointError(f"{self.path}: tensor {name!r} missing")
         code, shape, b, e = self.entries[name]
-        if expected is not None and (expected.dtype, expected.shape, expected.begin, expected.end) != (code, shape, b, e):
+        found = (code, shape, b, e)
+        if expected is not None and (expected.dtype, expected.shape, expected.begin, expected.end) != found:
             raise CheckpointError(f"{self.path}: tensor {name!r} differs from the index (file altered)")
         return code, shape, b, e
 

@@ -24,10 +24,17 @@ from pathlib import Path
 import torch
 
 from zdsl.model.layout import FlatLayout
-
 from zdsl.runtime.checkpoint.errors import CheckpointError
-from zdsl.runtime.checkpoint.index import (INDEX_NAME, FileRecord, Index, UnitMeta, checkpoint_path,
-                    done_name, parse_shard_key, rank_file_name)
+from zdsl.runtime.checkpoint.index import (
+    INDEX_NAME,
+    FileRecord,
+    Index,
+    UnitMeta,
+    checkpoint_path,
+    done_name,
+    parse_shard_key,
+    rank_file_name,
+)
 from zdsl.runtime.checkpoint.stformat import write_file
 from zdsl.runtime.io.atomic import renamed_into_place
 
@@ -74,8 +81,8 @@ def unit_metas(specs, layouts: list[FlatLayout], prefixes: list[str] | None = No
     """Index entries for units (zdsl.model.units.UnitSpec list) with their layouts and state-dict prefixes."""
     if len(specs) != len(layouts):
         raise CheckpointError(f"{len(specs)} units but {len(layouts)} layouts")
-    return [UnitMeta.from_spec(s, l, None if prefixes is None else prefixes[i], dtype)
-            for i, (s, l) in enumerate(zip(specs, layouts))]
+    return [UnitMeta.from_spec(spec, layout, None if prefixes is None else prefixes[i], dtype)
+            for i, (spec, layout) in enumerate(zip(specs, layouts))]
 
 
 def write_rank_shards(root, step: int, rank: int, ranks: int, shards: dict,

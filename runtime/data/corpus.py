@@ -16,9 +16,7 @@ from pathlib import Path
 
 from zdsl.runtime.data.source import TokenWindows
 from zdsl.sources.corpus import BYTES
-from zdsl.sources.text import STDLIB
-from zdsl.sources.text import STDLIB_CAP
-from zdsl.sources.text import stdlib_files
+from zdsl.sources.text import STDLIB, STDLIB_CAP, stdlib_files
 
 
 class CorpusError(ValueError):
@@ -49,7 +47,7 @@ def _read_files(files: list[Path], cap: int | None) -> bytes:
 @functools.lru_cache(maxsize=4)
 def corpus_tokens(source: str):
     """The corpus as a uint8 tensor (cached per process)."""
-    import torch            # here, not at the top: the launcher's pre-flight imports this module
+    import torch  # here, not at the top: the launcher's pre-flight imports this module
     if source == STDLIB:
         blob = _read_files(stdlib_files(), STDLIB_CAP)
         where = f"the standard library at {Path(os.__file__).parent}"

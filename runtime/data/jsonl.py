@@ -36,21 +36,19 @@ import torch
 
 from zdsl.cache import cache_dir
 from zdsl.runtime.data.keys import step_keys
-from zdsl.runtime.data.source import RuntimeSource
-from zdsl.runtime.data.source import positive_setting
+from zdsl.runtime.data.source import RuntimeSource, positive_setting
 from zdsl.runtime.io.atomic import renamed_into_place
-from zdsl.runtime.models.batch import IGNORE_INDEX
-from zdsl.runtime.models.batch import Batch
-from zdsl.sources.jsonl import JsonlSourceError
-from zdsl.sources.jsonl import file_key
-from zdsl.sources.jsonl import records
-from zdsl.sources.text import TextSourceError
-from zdsl.sources.text import end_of_text
-from zdsl.sources.text import id_count
-from zdsl.sources.text import token_dtype
-from zdsl.sources.text import tokenizer_file
-from zdsl.sources.text import tokenizer_json
-from zdsl.sources.text import tokenizers_missing
+from zdsl.runtime.models.batch import IGNORE_INDEX, Batch
+from zdsl.sources.jsonl import JsonlSourceError, file_key, records
+from zdsl.sources.text import (
+    TextSourceError,
+    end_of_text,
+    id_count,
+    token_dtype,
+    tokenizer_file,
+    tokenizer_json,
+    tokenizers_missing,
+)
 
 FORMAT_VERSION = 1
 RECORDS_PER_CALL = 8192          # records per encode_batch call: enough to keep every core busy

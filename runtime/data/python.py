@@ -40,8 +40,7 @@ import torch
 
 from zdsl.runtime.data.source import RuntimeSource
 from zdsl.runtime.models.batch import IGNORE_INDEX
-from zdsl.sources.python import CALL_ARGS
-from zdsl.sources.python import PythonDataError
+from zdsl.sources.python import CALL_ARGS, PythonDataError
 
 
 def describe(value) -> str:
@@ -65,8 +64,7 @@ def where(spec) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _load(source: str):
-    from zdsl.runtime.models.protocol import ModelProtocolError
-    from zdsl.runtime.models.protocol import load_factory
+    from zdsl.runtime.models.protocol import ModelProtocolError, load_factory
     try:
         return load_factory(source, what=f'data python("{source}")')
     except ModelProtocolError as exc:
@@ -195,6 +193,7 @@ def token_limits(model) -> tuple[int | None, int | None]:
         sizes = {**GPT_DEFAULTS, **model.args}
     else:
         from pathlib import Path
+
         from zdsl.model.hf_folder import model_sizes
         sizes = model_sizes(Path(model.path), model.args)
     return sizes.get("vocab"), sizes.get("context")

@@ -12,7 +12,7 @@ from zdsl.runtime.data.source import TokenWindows
 
 def synthetic_tokens(keys, vocab: int, length: int):
     """``(len(keys), length)`` int64 tokens, a pure function of the keys."""
-    import numpy as np      # here, not at the top: the launcher's pre-flight imports this module
+    import numpy as np  # here, not at the top: the launcher's pre-flight imports this module
     import torch
     start = (keys % np.uint64(vocab)).astype(np.int64)
     stride = ((keys >> np.uint64(32)) % np.uint64(8)).astype(np.int64) + 1

@@ -31,15 +31,17 @@ from zdsl.cache import cache_dir
 from zdsl.runtime.data.source import TokenWindows
 from zdsl.runtime.data.tokens import token_file_rows
 from zdsl.runtime.io.atomic import renamed_into_place
-from zdsl.sources.text import STDLIB
-from zdsl.sources.text import TextSourceError
-from zdsl.sources.text import end_of_text
-from zdsl.sources.text import id_count
-from zdsl.sources.text import text_files
-from zdsl.sources.text import token_dtype
-from zdsl.sources.text import tokenizer_file
-from zdsl.sources.text import tokenizer_json
-from zdsl.sources.text import tokenizers_missing
+from zdsl.sources.text import (
+    STDLIB,
+    TextSourceError,
+    end_of_text,
+    id_count,
+    text_files,
+    token_dtype,
+    tokenizer_file,
+    tokenizer_json,
+    tokenizers_missing,
+)
 
 FORMAT_VERSION = 1
 BATCH_BYTES = 16 << 20           # text per encode_batch call: enough documents to keep every core busy
@@ -171,8 +173,7 @@ def text_token_file(spec) -> tuple[str, str]:
 def text_problem(spec, progress: bool = False) -> str | None:
     """``data text(...)``'s start-up: tokenise (or find the cache) and check the ids; the reason it
     cannot train, or None."""
-    from zdsl.runtime.data.tokens import TokenFileError
-    from zdsl.runtime.data.tokens import check_token_file
+    from zdsl.runtime.data.tokens import TokenFileError, check_token_file
     try:
         made = text_tokens(spec.source, spec.tokenizer, progress)
         context = spec.args.get("context")

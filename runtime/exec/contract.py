@@ -6,8 +6,7 @@ order and its dependencies); the state decides what the op does to tensors.
 """
 from __future__ import annotations
 
-from typing import Protocol
-from typing import runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from zdsl.ir import Op
 

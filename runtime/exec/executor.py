@@ -21,28 +21,26 @@ waits for it as for a dependency, and the other lanes go on meanwhile.
 A failing op cancels the step's nursery; the error names the rank, the op
 and the unit. Each collective issued and each op finished is written to the
 rank's progress board (``runtime/proc/board.py``: two stores into a mapped
-file), so the launcher can tell a rank that stopped from one that waits. On CUDA each lane's thread issues its kernels on the lane's
+file), so the launcher can tell a rank that stopped from one that waits. On CUDA each lane's thread issues its
+kernels on the lane's
 own stream (see ``runtime/exec/streams.py``); completion is observed through the
 stream's event, so the host waits only where a host-side op needs a result.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
 import trio
 
-from zdsl.ir import LANES
-from zdsl.ir import Op
+if sys.version_info < (3, 11):      # trio's own dependency backports it
+    from exceptiongroup import BaseExceptionGroup
 
-from zdsl.ir import TaskGraph
-
+from zdsl.ir import LANES, Op, TaskGraph
 from zdsl.runtime.exec.contract import OpState
 from zdsl.runtime.exec.errors import OpError
-from zdsl.runtime.proc.board import ISSUED
-from zdsl.runtime.proc.board import FIRST_LANE
-from zdsl.runtime.proc.board import LAST_DONE
-from zdsl.runtime.proc.board import LAST_ISSUED
+from zdsl.runtime.proc.board import FIRST_LANE, ISSUED, LAST_DONE, LAST_ISSUED
 from zdsl.runtime.proc.faults import fault_for
 
 

@@ -46,17 +46,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zdsl import env
-from zdsl.ir import Op
-from zdsl.ir import TaskGraph
-from zdsl.runtime.io import host_access
+from zdsl.ir import Op, TaskGraph
 from zdsl.runtime.exec.errors import describe_op
-from zdsl.runtime.exec.hb_model import Block
-from zdsl.runtime.exec.hb_model import Clocks
-from zdsl.runtime.exec.hb_model import Freed
-from zdsl.runtime.exec.hb_model import Pools
-from zdsl.runtime.exec.hb_model import Race
-from zdsl.runtime.exec.streams import HOST_LANES
-from zdsl.runtime.exec.streams import host_side_ops
+from zdsl.runtime.exec.hb_model import Block, Clocks, Freed, Pools, Race
+from zdsl.runtime.exec.streams import HOST_LANES, host_side_ops
+from zdsl.runtime.io import host_access
 
 FACTORY = re.compile(r"new_.*|.*_like")    # as torch.cuda._sanitizer: their tensor arguments are metadata
 DEFAULT, NCCL = "default", "nccl"

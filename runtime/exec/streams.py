@@ -56,13 +56,10 @@ import sys
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-from torch.utils._python_dispatch import _pop_mode
-from torch.utils._python_dispatch import _push_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from zdsl import env
-from zdsl.ir import Op
-from zdsl.ir import TaskGraph
+from zdsl.ir import Op, TaskGraph
 
 HOST_LANES = ("host", "nvme")
 

@@ -15,13 +15,9 @@ import numpy as np
 import torch.distributed as dist
 
 from zdsl.ir import TaskGraph
-from zdsl.sim.memory import memory_timeline
-from zdsl.observe.trace import TraceCounter
-from zdsl.observe.trace import TraceSpan
-from zdsl.observe.trace import chrome_trace
-from zdsl.observe.trace import op_label
-
+from zdsl.observe.trace import TraceCounter, TraceSpan, chrome_trace, op_label
 from zdsl.runtime.exec.executor import StepRecord
+from zdsl.sim.memory import memory_timeline
 
 
 def rank_events(graph: TaskGraph, records: list[tuple[int, StepRecord]], rank: int):

@@ -34,7 +34,6 @@ import torch
 
 from zdsl.schedule import DIRECT_IO_ALIGN as ALIGN
 
-
 HUGE_PAGE = 2 << 20                                      # x86-64's and arm64's transparent huge page
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)    # Linux only
 

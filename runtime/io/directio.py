@@ -327,7 +327,9 @@ class Source:
                 yield got[max(start, pos) - pos:]
 
     def _read(self, fd: int, view: memoryview, pos: int, want: int) -> None:
-        """Fill at least ``want`` bytes of ``view`` from file offset ``pos`` (O_DIRECT: whole ``view``, EOF shortens)."""
+        """Fill at least ``want`` bytes of ``view`` from file offset ``pos``.
+
+        O_DIRECT reads the whole ``view``; the end of the file shortens it."""
         try:
             pread_full(fd, view, pos, want, direct=fd == self.dfd)
         except TruncatedFile:

@@ -4,8 +4,7 @@ The protocol itself is documented in :mod:`zdsl.runtime.models.protocol`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch

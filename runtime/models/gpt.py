@@ -23,11 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.batch import Batch, allowed_keys
 from zdsl.runtime.models.lazy import LazyUnits
-from zdsl.runtime.models.batch import allowed_keys
 from zdsl.runtime.models.loss import causal_lm_loss
-
 
 ALLOWED = "gpt.allowed"     # extras: (B or 1, 1, T, T) bool, True where a query may see a key
 ADDED = "gpt.allowed_add"  # extras: that mask as attention adds it (0 or -inf) in the blocks' dtype

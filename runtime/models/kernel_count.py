@@ -24,10 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zdsl.runtime.models.batch import Batch
-from zdsl.runtime.models.protocol import call_unit
-from zdsl.runtime.models.protocol import prepare_batch
-from zdsl.runtime.models.protocol import tied_indices
-from zdsl.runtime.models.protocol import unit_grads
+from zdsl.runtime.models.protocol import call_unit, prepare_batch, tied_indices, unit_grads
 
 
 class KernelCount(TorchDispatchMode):

@@ -277,7 +277,7 @@ def build_model(model_spec, seed: int = 0, device=None, base_dir=None, lazy: boo
             raise ModelProtocolError(f"model gpt(...): {exc}") from None
         return model
     if model_spec.kind == "hf":
-        from zdsl.runtime.models.hf import load     # transformers: only for model hf(...)
+        from zdsl.runtime.models.hf import load  # transformers: only for model hf(...)
         model = load(model_spec, seed=seed, lazy=lazy and device is None)
         return model.to(device) if device is not None and torch.empty(0).device.type != "meta" else model
     if model_spec.kind != "user" or not model_spec.factory:

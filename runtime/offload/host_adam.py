@@ -56,8 +56,8 @@ import torch
 
 from zdsl import env
 from zdsl.runtime.dist.affinity import local_rank_and_world
-from zdsl.runtime.io.host_access import host_access
 from zdsl.runtime.io import native
+from zdsl.runtime.io.host_access import host_access
 
 log = structlog.get_logger("zdsl.runtime.offload.host_adam")
 

@@ -42,21 +42,22 @@ from typing import Callable, Mapping, Sequence
 import torch
 import trio
 
-from zdsl.runtime.io.host_access import host_access
 from zdsl.runtime.io import checksum
 from zdsl.runtime.io.aligned import ALIGN, HUGE_PAGE, AlignedPool, is_aligned, round_up
 from zdsl.runtime.io.directio import TruncatedFile, open_direct, pread_full, pwrite_all
-from zdsl.runtime.offload.run_folder import LOCK_NAME  # noqa: F401 - part of this module's interface
-from zdsl.runtime.offload.run_folder import RUN_PREFIX  # noqa: F401
-from zdsl.runtime.offload.run_folder import RunFolder
-from zdsl.runtime.offload.run_folder import SwapError
+from zdsl.runtime.io.host_access import host_access
+from zdsl.runtime.offload.run_folder import (
+    LOCK_NAME,  # noqa: F401 - part of this module's interface
+    RUN_PREFIX,  # noqa: F401
+    RunFolder,
+    SwapError,
+    log,
+    remove_stale_runs,  # noqa: F401
+)
 from zdsl.runtime.offload.run_folder import free_bytes as _free_bytes
-from zdsl.runtime.offload.run_folder import log
-from zdsl.runtime.offload.run_folder import remove_stale_runs  # noqa: F401
 from zdsl.runtime.offload.stripes import Stripe
 from zdsl.runtime.offload.stripes import SwapFile as _SwapFile
-from zdsl.schedule import NVME_BLOCK
-from zdsl.schedule import NVME_DEPTH
+from zdsl.schedule import NVME_BLOCK, NVME_DEPTH
 from zdsl.swap_folders import stripe_bytes
 
 SMALL_PER_WORKER = 1 << 20   # bytes a transfer needs per worker thread (see Swapper._workers_for)

@@ -24,8 +24,7 @@ import time
 import trio
 
 from zdsl import env
-from zdsl.runtime.proc.board import LAUNCHER
-from zdsl.runtime.proc.board import rank_board
+from zdsl.runtime.proc.board import LAUNCHER, rank_board
 
 RANK_DEADLINE_S = 3.0    # a rank told to stop is gone by then, whatever its main thread is doing
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)

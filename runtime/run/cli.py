@@ -57,9 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     if env.raw("RANK") is None:
         return run_command(argv)
-    from zdsl.runtime.proc.guard import Stopped
-    from zdsl.runtime.proc.guard import guard_rank
-    from zdsl.runtime.proc.guard import report_stop
+    from zdsl.runtime.proc.guard import Stopped, guard_rank, report_stop
     guard_rank()                  # first, before any thread starts: SIGTERM, SIGHUP, a launcher gone
     try:
         return run_command(argv)
@@ -68,10 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(argv: list[str] | None) -> int:
-    from zdsl.driver import compile_file
+    from zdsl.driver import compile_file, report, status_of
     from zdsl.lang.overrides import parse_sets
-    from zdsl.driver import report
-    from zdsl.driver import status_of
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -195,13 +191,9 @@ def leave(code: int) -> None:
 
 
 def run_one_rank(compiled, args) -> int:
-    from zdsl.runtime.proc.guard import Stopped
-    from zdsl.runtime.proc.guard import report_stop
-    from zdsl.runtime.proc.guard import stop_requested
+    from zdsl.runtime.proc.guard import Stopped, report_stop, stop_requested
     from zdsl.runtime.run.progress import Reporter
-    from zdsl.runtime.run.train import LaunchError
-    from zdsl.runtime.run.train import RunOptions
-    from zdsl.runtime.run.train import train_rank
+    from zdsl.runtime.run.train import LaunchError, RunOptions, train_rank
 
     rank = int(env.raw("RANK"))
     configure_rank_logging(rank)
@@ -261,6 +253,7 @@ def hf_staging(folder: str, rank: int) -> str:
 def export_hf_folder(compiled, args, staged: str) -> int:
     """Rank 0, after training: the plain state dict ``staged`` becomes the HF folder ``--export``."""
     from pathlib import Path
+
     from zdsl.runtime.checkpoint.errors import CheckpointError
     from zdsl.runtime.checkpoint.export_hf import convert_state_dict
     try:

@@ -26,9 +26,7 @@ from zdsl.runtime.dist.collectives import all_gather
 from zdsl.runtime.exec.errors import OpError
 from zdsl.runtime.exec.executor import Executor
 from zdsl.runtime.exec.streams import lane_streams
-from zdsl.runtime.models.batch import IGNORE_INDEX
-from zdsl.runtime.models.batch import Batch
-from zdsl.runtime.models.batch import as_batch
+from zdsl.runtime.models.batch import IGNORE_INDEX, Batch, as_batch
 
 
 class EvalError(RuntimeError):

@@ -35,18 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zdsl import env
-from zdsl.runtime.dist.spawn import STOP_WAIT_S
-from zdsl.runtime.dist.spawn import describe_exit
-from zdsl.runtime.dist.spawn import free_port
-from zdsl.runtime.dist.spawn import rank_env
+from zdsl.runtime.dist.spawn import STOP_WAIT_S, describe_exit, free_port, rank_env
 from zdsl.runtime.exec.errors import describe_op
-from zdsl.runtime.proc.board import BOARD_SLOTS
-from zdsl.runtime.proc.board import ISSUED
-from zdsl.runtime.proc.board import FIRST_LANE
-from zdsl.runtime.proc.board import LAST_DONE
-from zdsl.runtime.proc.board import STEP
-from zdsl.runtime.proc.board import STEP_DONE
-from zdsl.runtime.proc.board import new_board
+from zdsl.runtime.proc.board import BOARD_SLOTS, FIRST_LANE, ISSUED, LAST_DONE, STEP, STEP_DONE, new_board
 from zdsl.runtime.proc.guard import STOP_SIGNALS
 
 GRACE_S = 3.0            # after a rank failed: for the others to fail on their own
@@ -272,7 +263,8 @@ def describe_culprit(r: int, watch: Watch, graph) -> str:
     elif running:
         where = f"in step {board[STEP] + 1}, in op " + " and op ".join(describe_op_id(graph, op) for op in running)
     else:
-        where = f"in step {board[STEP] + 1}" + (f", before op {describe_op_id(graph, upcoming)}" if upcoming is not None else "")
+        before = f", before op {describe_op_id(graph, upcoming)}" if upcoming is not None else ""
+        where = f"in step {board[STEP] + 1}" + before
     last = f" (the last op it finished: {describe_op_id(graph, board[LAST_DONE])})" if board[LAST_DONE] >= 0 else ""
     how = "killed it" if "stopped (SIGSTOP" in watch.culprits[r] else "stopped it"
     return f"rank {r} stopped making progress {where}{last}: {watch.culprits[r]}; zdsl {how}"

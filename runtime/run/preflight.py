@@ -40,16 +40,16 @@ from pathlib import Path
 from typing import Callable
 
 from zdsl import env
-from zdsl.planner.machine_fit import Fit
-
-from zdsl.planner.machine_fit import NO_TORCH
-from zdsl.planner.machine_fit import TorchFloor
-from zdsl.planner.machine_fit import cached_floor
-from zdsl.planner.machine_fit import floor_cache
-from zdsl.planner.machine_fit import floor_kind
-from zdsl.planner.machine_fit import installed_torch
-
-from zdsl.planner.machine_fit import schedule_fit
+from zdsl.planner.machine_fit import (
+    NO_TORCH,
+    Fit,
+    TorchFloor,
+    cached_floor,
+    floor_cache,
+    floor_kind,
+    installed_torch,
+    schedule_fit,
+)
 
 EXIT_INVALID, EXIT_USAGE = 1, 2     # zdsl/cli.py's: the schedule cannot run here / the command is wrong
 
@@ -106,7 +106,7 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
 def data_problem(data, schedule, rank: str | None) -> int | None:
     """Prepare and check one data source (the training's, or ``eval``'s) before the ranks start;
     None to go on, else the exit status (already explained on rank 0 or the launcher)."""
-    from zdsl.runtime.data import prepare       # imports torch only for a source that needs it
+    from zdsl.runtime.data import prepare  # imports torch only for a source that needs it
     problem, note = prepare(data, schedule, progress=rank in (None, "0"))
     if rank in (None, "0") and (problem or note):
         print(f"zdsl: {'error' if problem else 'warning'}: {problem or note}", file=sys.stderr)
@@ -149,7 +149,7 @@ def ranks_here(compiled, rank: str | None) -> int:
 
 def visible_cuda_devices() -> int:
     """The CUDA devices torch sees on this node (CUDA_VISIBLE_DEVICES applied), without initialising CUDA."""
-    import torch                     # only for a `ranks N on cuda` schedule: a CPU run's launcher stays light
+    import torch  # only for a `ranks N on cuda` schedule: a CPU run's launcher stays light
     return torch.cuda.device_count()
 
 
@@ -263,7 +263,8 @@ def torch_floor(kind: str = "", measure: bool = True) -> TorchFloor:
 
 def measure_floor(kind: str = "", timeout_s: float = 300.0) -> dict[str, int]:
     no_rank = env.child_environment(drop=env.LAUNCHER_VARIABLES)      # the measuring process is no rank
-    done = subprocess.run([sys.executable, "-c", FLOOR_CODE.replace("EXTRA", FLOOR_IMPORTS[kind])], capture_output=True, text=True, env=no_rank,
+    code = FLOOR_CODE.replace("EXTRA", FLOOR_IMPORTS[kind])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=no_rank,
                           timeout=timeout_s)
     if done.returncode != 0:
         raise subprocess.SubprocessError(f"exit status {done.returncode}: {done.stderr.strip()[-300:]}")

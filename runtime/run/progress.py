@@ -8,9 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zdsl.lang.sizes import human_bytes
-from zdsl.runtime.run.train import StepMetrics
-
-from zdsl.runtime.run.train import metrics_line
+from zdsl.runtime.run.train import StepMetrics, metrics_line
 
 
 class Reporter:
@@ -43,7 +41,8 @@ class Reporter:
         info = (f"loss {m.loss:.4f}" + (f"  val_loss {m.val_loss:.4f}" if m.val_loss is not None else "")
                 + (f"  lr {m.lr:.3g}" if m.lr is not None else "")
                 + f"  {m.tokens_per_s:,.0f} tok/s  {m.step_s * 1000:.0f} ms"
-                f"  device {human_bytes(mem)}  host {human_bytes(host)}" + ("  [overflow: step skipped]" if m.skipped else ""))
+                f"  device {human_bytes(mem)}  host {human_bytes(host)}"
+                + ("  [overflow: step skipped]" if m.skipped else ""))
         if self.progress is not None:
             self.progress.update(self.task, advance=1, info=info)
         elif self.show and (m.step % self.every == 0 or m.step == self.steps - 1 or m.skipped

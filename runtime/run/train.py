@@ -16,25 +16,18 @@ import torch
 import trio
 
 from zdsl import env
-from zdsl.ir import TIERS
-from zdsl.ir import TaskGraph
-from zdsl.observe.overlap import analyze
+from zdsl.ir import TIERS, TaskGraph
 from zdsl.lr import LrSchedule
-
-
+from zdsl.observe.overlap import analyze
 from zdsl.runtime.dist.affinity import set_cpu_threads
-from zdsl.runtime.dist.collectives import all_gather
-from zdsl.runtime.dist.collectives import check_settings
+from zdsl.runtime.dist.collectives import all_gather, check_settings
 from zdsl.runtime.dist.group import init_group, leave_group
-from zdsl.runtime.exec.executor import Executor
-from zdsl.runtime.exec.executor import StepRecord
-from zdsl.runtime.proc.board import STEP
-from zdsl.runtime.proc.board import STEP_DONE
-from zdsl.runtime.proc.board import rank_board
-from zdsl.runtime.proc.guard import run_stoppable
+from zdsl.runtime.exec.executor import Executor, StepRecord
 from zdsl.runtime.exec.hb_check import run_streams
-from zdsl.runtime.offload.host_adam import limit_host_threads
 from zdsl.runtime.models.batch import as_batch
+from zdsl.runtime.offload.host_adam import limit_host_threads
+from zdsl.runtime.proc.board import STEP, STEP_DONE, rank_board
+from zdsl.runtime.proc.guard import run_stoppable
 
 
 class LaunchError(RuntimeError):

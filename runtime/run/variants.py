@@ -93,16 +93,15 @@ def run_variants(args, base: dict[str, str], parser: argparse.ArgumentParser, ru
 
 
 def compile_variant(args, base: dict[str, str], variant: Variant, parser):
-    from zdsl.lang.overrides import parse_sets
     from zdsl.driver import compile_file
+    from zdsl.lang.overrides import parse_sets
     return compile_file(args.file, {**base, **parse_sets(variant.overrides, parser)}, simulate=False)
 
 
 def launch_variants(args, base: dict[str, str], variants: list[Variant], parser) -> int:
     """Check every variant before any rank starts, then launch the ranks once for all of them."""
+    from zdsl.driver import report, status_of
     from zdsl.lang.overrides import parse_sets
-    from zdsl.driver import report
-    from zdsl.driver import status_of
     from zdsl.runtime.run.launch import launch_local
     from zdsl.runtime.run.preflight import preflight
 

@@ -15,18 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zdsl.ir import Buffer
-from zdsl.ir import Op
-from zdsl.ir import TaskGraph
-from zdsl.runtime.state.flat import FlatParam
-from zdsl.runtime.state.flat import alloc_storage
-from zdsl.runtime.state.flat import can_lend
-from zdsl.runtime.state.flat import free_storage
-from zdsl.runtime.state.flat import lend_storage
-from zdsl.runtime.state.flat import reclaim_storage
-from zdsl.runtime.state.host_pool import HostPool
-from zdsl.runtime.state.host_pool import typed
+from zdsl.ir import Buffer, Op, TaskGraph
 from zdsl.runtime.state.errors import StateError
+from zdsl.runtime.state.flat import FlatParam, alloc_storage, can_lend, free_storage, lend_storage, reclaim_storage
+from zdsl.runtime.state.host_pool import HostPool, typed
 from zdsl.runtime.state.memory import MemoryMeter
 from zdsl.runtime.state.optim import UnitOptimizer
 

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from dataclasses import field
+from dataclasses import dataclass, field
 
 import torch
 
-from zdsl.ir import Op
-from zdsl.ir import TaskGraph
-from zdsl.ir import parse_buffer_name
+from zdsl.ir import Op, TaskGraph, parse_buffer_name
 from zdsl.runtime.dist import collectives
 from zdsl.runtime.state.buffers import BufferTable
 from zdsl.runtime.state.errors import StateError

@@ -47,23 +47,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from zdsl.ir import Op
-from zdsl.ir import TaskGraph
-from zdsl.ir import parse_buffer_name
+from zdsl.ir import Op, TaskGraph, parse_buffer_name
 from zdsl.runtime.models.batch import Batch
-from zdsl.runtime.models.protocol import call_unit
-from zdsl.runtime.models.protocol import unit_grads
-from zdsl.runtime.state.buffers import ActRecord
-from zdsl.runtime.state.buffers import BufferTable
-from zdsl.runtime.state.buffers import Slot
-from zdsl.runtime.state.host_pool import typed
-from zdsl.runtime.state.errors import StateError
+from zdsl.runtime.models.protocol import call_unit, unit_grads
+from zdsl.runtime.state.buffers import ActRecord, BufferTable, Slot
 from zdsl.runtime.state.comm import Prescale
+from zdsl.runtime.state.errors import StateError
+from zdsl.runtime.state.host_pool import typed
 from zdsl.runtime.state.optim import clip_coefficient
-from zdsl.runtime.state.precision import LossScaler
-from zdsl.runtime.state.precision import overflowed
+from zdsl.runtime.state.precision import LossScaler, overflowed
 from zdsl.runtime.state.transfers import Transfers
-
 
 MICRO_BATCH_OPS = ("compute.forward", "compute.recompute", "compute.backward")
 

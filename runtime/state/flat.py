@@ -34,10 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zdsl.model.layout import FlatLayout
-from zdsl.model.layout import to_flat
-from zdsl.model.layout import unit_layout
-
+from zdsl.model.layout import FlatLayout, to_flat, unit_layout
 from zdsl.runtime.dist import collectives
 
 

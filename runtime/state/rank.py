@@ -28,25 +28,17 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from zdsl.ir import Buffer
-from zdsl.ir import Op
-from zdsl.ir import TaskGraph
-from zdsl.ir import group_size
+from zdsl.ir import Buffer, Op, TaskGraph, group_size
 from zdsl.runtime.dist.group import CollectiveGroups
 from zdsl.runtime.models.batch import Batch
 from zdsl.runtime.models.protocol import tied_indices
-from zdsl.runtime.state.buffers import ACT_KINDS
-from zdsl.runtime.state.buffers import BufferTable
-from zdsl.runtime.state.comm import Collective
-from zdsl.runtime.state.comm import Collectives
-from zdsl.runtime.state.comm import plan_prescale
+from zdsl.runtime.state.buffers import ACT_KINDS, BufferTable
+from zdsl.runtime.state.comm import Collective, Collectives, plan_prescale
 from zdsl.runtime.state.compute import Compute
 from zdsl.runtime.state.errors import StateError
-from zdsl.runtime.state.flat import FlatParam
-from zdsl.runtime.state.flat import layout_of
+from zdsl.runtime.state.flat import FlatParam, layout_of
 from zdsl.runtime.state.memory import MemoryMeter
-from zdsl.runtime.state.optim import UnitOptimizer
-from zdsl.runtime.state.optim import segment_decay
+from zdsl.runtime.state.optim import UnitOptimizer, segment_decay
 from zdsl.runtime.state.precision import compute_dtype
 from zdsl.runtime.state.transfers import Transfers
 from zdsl.runtime.state.views import StateViews
@@ -160,7 +152,8 @@ class RankState:
                 if self.stage == 0:
                     t[:opt.numel].copy_(fp.initial[:opt.numel])
                 else:
-                    for dst, src in zip(fp.shard_parts(t[:opt.numel]), fp.owned(fp.initial)[:fp.layout.trainable_parts]):
+                    initial = fp.owned(fp.initial)[:fp.layout.trainable_parts]
+                    for dst, src in zip(fp.shard_parts(t[:opt.numel]), initial):
                         dst.copy_(src)
 
     def _init_persistent(self, unit: int | None) -> None:

@@ -16,11 +16,8 @@ import os
 
 import torch
 
-from zdsl.ir import BUFFER_KINDS
-from zdsl.ir import Op
-from zdsl.ir import parse_buffer_name
-from zdsl.runtime.state.buffers import BufferTable
-from zdsl.runtime.state.buffers import Slot
+from zdsl.ir import BUFFER_KINDS, Op, parse_buffer_name
+from zdsl.runtime.state.buffers import BufferTable, Slot
 from zdsl.runtime.state.errors import StateError
 from zdsl.schedule import nvme_placements
 

@@ -23,38 +23,20 @@ from pathlib import Path
 from typing import Callable
 
 from zdsl.check.data import DataChecks
-from zdsl.check.draft import Draft
-from zdsl.check.draft import where
-from zdsl.check.hierarchy import check_hierarchy
-from zdsl.check.hierarchy import check_per_node
-from zdsl.check.hierarchy import check_secondary
-from zdsl.check.machine import check_machine
-from zdsl.check.machine import check_ranks
-from zdsl.check.machine import machine_for_device
-from zdsl.check.model import UnitsFor
-from zdsl.check.model import check_freeze
-from zdsl.check.model import check_model
-from zdsl.check.model import default_units_for
-from zdsl.check.pipelines import check_pipeline
-from zdsl.check.pipelines import check_pipelines_complete
+from zdsl.check.draft import Draft, where
+from zdsl.check.hierarchy import check_hierarchy, check_per_node, check_secondary
+from zdsl.check.machine import check_machine, check_ranks, machine_for_device
+from zdsl.check.model import UnitsFor, check_freeze, check_model, default_units_for
+from zdsl.check.pipelines import check_pipeline, check_pipelines_complete
 from zdsl.check.placement import PlacementChecks
-from zdsl.check.training import check_checkpoint
-from zdsl.check.training import check_optimizer
-from zdsl.check.training import check_train
+from zdsl.check.training import check_checkpoint, check_optimizer, check_train
 from zdsl.check.values import Reader
 from zdsl.lang import ast
-from zdsl.lang.errors import NOTE
-from zdsl.lang.errors import Diagnostic
-from zdsl.lang.errors import ZsError
-from zdsl.lang.errors import attach_sources
-from zdsl.lang.errors import error
-from zdsl.lang.errors import note
+from zdsl.lang.errors import NOTE, Diagnostic, ZsError, attach_sources, error, note
 from zdsl.lang.include import expand_includes
 from zdsl.lang.overrides import apply_overrides
-from zdsl.lang.parse import parse_text
-from zdsl.lang.parse import read_source
-from zdsl.schedule import Schedule
-from zdsl.schedule import Span
+from zdsl.lang.parse import parse_text, read_source
+from zdsl.schedule import Schedule, Span
 
 # data before model: a model built to be sized takes python(...) data's tensors
 STATEMENT_ORDER = ("schedule", "data", "model", "train", "optimizer", "ranks", "machine", "zero",
@@ -178,7 +160,8 @@ def _by_keyword(statements: list[ast.Stmt], report: Reader) -> dict[str, list[as
             first = seen[key]
             what = "sharding" if key == "zero" else \
                 f"the {stmt.keyword} pipeline" if group == "pipeline" else f"`{key}`"
-            report.error(stmt.key_span, f"{what} is set twice", hint=f"the first is at {where(first.key_span)}; keep one")
+            report.error(stmt.key_span, f"{what} is set twice",
+                         hint=f"the first is at {where(first.key_span)}; keep one")
             if key not in noted:
                 noted.add(key)
                 report.diagnostics.append(note(first.key_span, f"{what} first set here"))
@@ -205,7 +188,8 @@ def _placement_warnings(draft: Draft) -> None:
     """Placement settings that the sharding makes pointless."""
     s = draft.schedule
     if s.persist_below and s.stage < 3 and "persist" in s.spans:
-        draft.report.warn(s.spans["persist"], "persist has an effect only with zero 3 (parameters are not sharded here)")
+        draft.report.warn(s.spans["persist"],
+                          "persist has an effect only with zero 3 (parameters are not sharded here)")
     if "prefetch" in s.spans and s.stage < 3 and s.placed("optimizer").tier != "nvme" and s.prefetch > 1:
         draft.report.warn(s.spans["prefetch"], "prefetch has no effect here: parameters are gathered only at zero 3",
                           hint="add `zero 3`, or remove prefetch")

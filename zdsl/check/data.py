@@ -10,15 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from zdsl.check.draft import Draft
-from zdsl.model.hf_folder import model_sizes
 from zdsl.lang import ast
-from zdsl.schedule import DataSpec
-from zdsl.schedule import EvalSpec
-from zdsl.sources import SOURCES
-from zdsl.sources import listing
-from zdsl.sources import source_of
-from zdsl.sources.base import ModelFit
-from zdsl.sources.base import SourceCall
+from zdsl.model.hf_folder import model_sizes
+from zdsl.schedule import DataSpec, EvalSpec
+from zdsl.sources import SOURCES, listing, source_of
+from zdsl.sources.base import ModelFit, SourceCall
 
 
 class DataChecks:

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 from zdsl.check.values import Reader
 from zdsl.model.units import UnitSpec
-from zdsl.schedule import Schedule
-from zdsl.schedule import Span
+from zdsl.schedule import Schedule, Span
 
 
 @dataclass

@@ -5,10 +5,7 @@ from __future__ import annotations
 from zdsl.check.draft import Draft
 from zdsl.lang import ast
 from zdsl.lang.overrides import MACHINE_KEYS
-from zdsl.machine_profile import MACHINE_MAY_BE_ZERO
-from zdsl.machine_profile import MACHINE_OPTIONS
-from zdsl.machine_profile import MACHINE_TUPLES
-from zdsl.machine_profile import MachineProfile
+from zdsl.machine_profile import MACHINE_MAY_BE_ZERO, MACHINE_OPTIONS, MACHINE_TUPLES, MachineProfile
 from zdsl.schedule import DEVICES
 
 # ``machine cpu(...)`` option -> MachineProfile wire field.

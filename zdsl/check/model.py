@@ -12,23 +12,20 @@ from pathlib import Path
 from typing import Callable
 
 from zdsl.check.draft import Draft
-from zdsl.model.freeze import FreezeError
-from zdsl.model.freeze import frozen_params
-from zdsl.model.hf_folder import ATTENTION_CHOICES
-from zdsl.model.hf_folder import ATTENTION_KEY
-from zdsl.model.hf_folder import HfModelError
-from zdsl.model.hf_folder import find_folder
-from zdsl.model.hf_folder import read_config
-from zdsl.model.hf_folder import transformers_installed
-from zdsl.schedule import GPT_DEFAULTS
-from zdsl.model.units import UnitSpec
-from zdsl.model.units import gpt_units
 from zdsl.lang import ast
-from zdsl.lang.errors import ZsError
-from zdsl.lang.errors import did_you_mean
-from zdsl.lang.include import path_exists
-from zdsl.lang.include import resolve_relative
-from zdsl.schedule import ModelSpec
+from zdsl.lang.errors import ZsError, did_you_mean
+from zdsl.lang.include import path_exists, resolve_relative
+from zdsl.model.freeze import FreezeError, frozen_params
+from zdsl.model.hf_folder import (
+    ATTENTION_CHOICES,
+    ATTENTION_KEY,
+    HfModelError,
+    find_folder,
+    read_config,
+    transformers_installed,
+)
+from zdsl.model.units import UnitSpec, gpt_units
+from zdsl.schedule import GPT_DEFAULTS, ModelSpec
 from zdsl.sources import sizing_data
 from zdsl.sources.python import PythonDataError
 

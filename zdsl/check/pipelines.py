@@ -12,9 +12,7 @@ from __future__ import annotations
 from zdsl.check.draft import Draft
 from zdsl.lang import ast
 from zdsl.lang.errors import did_you_mean
-from zdsl.schedule import Pipeline
-from zdsl.schedule import PipeStmt
-from zdsl.schedule import Ref
+from zdsl.schedule import Pipeline, PipeStmt, Ref
 
 UNIT_VERBS = ("compute", "recompute", "step")
 BUFFER_VERBS = ("gather", "scatter", "reduce", "read", "write", "copy", "free")

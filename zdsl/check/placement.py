@@ -14,18 +14,11 @@ import os
 
 from zdsl.check.draft import StatementChecks
 from zdsl.check.hierarchy import check_over
+from zdsl.ir import DTYPE_BYTES, TIERS
 from zdsl.lang import ast
 from zdsl.lang.errors import did_you_mean
-from zdsl.schedule import ALL_OVERLAPS
-from zdsl.schedule import DIRECT_IO_ALIGN
-from zdsl.schedule import OVERLAP_VERBS
-from zdsl.schedule import PHASES
-from zdsl.schedule import STATES
-from zdsl.schedule import Placement
-from zdsl.schedule import Span
 from zdsl.lang.sizes import split_number
-from zdsl.ir import DTYPE_BYTES
-from zdsl.ir import TIERS
+from zdsl.schedule import ALL_OVERLAPS, DIRECT_IO_ALIGN, OVERLAP_VERBS, PHASES, STATES, Placement, Span
 
 OFFLOAD_TIERS = ("cpu", "nvme", "device")
 
@@ -178,7 +171,7 @@ class PlacementChecks(StatementChecks):
                          hint="add `zero 1` (ZeRO-Offload shards the optimizer state first)")
         if state == "gradients" and tier == "nvme":
             self.r.error(st.target.callee.span, "gradients are offloaded to cpu only",
-                         hint=f"offload gradients -> cpu")
+                         hint="offload gradients -> cpu")
 
     def _prefetch(self, st: ast.PrefetchStmt) -> None:
         self.span("prefetch", st.span)

@@ -14,10 +14,21 @@ import copy
 import dataclasses
 import re
 
-from zdsl.schedule import (ALL_OVERLAPS, MACHINE_OPTIONS, OVERLAP_VERBS, PHASES, STATES, OptimizerSpec,
-                       Pipeline, Placement, PipeStmt, Ref, Schedule)
-from zdsl.lang.sizes import format_size
 from zdsl.ir import TIERS
+from zdsl.lang.sizes import format_size
+from zdsl.schedule import (
+    ALL_OVERLAPS,
+    MACHINE_OPTIONS,
+    OVERLAP_VERBS,
+    PHASES,
+    STATES,
+    OptimizerSpec,
+    Pipeline,
+    PipeStmt,
+    Placement,
+    Ref,
+    Schedule,
+)
 from zdsl.sources import source_of
 
 _PREPOSITIONS = {"read": "from", "write": "to", "copy": "to", "step": "on"}
@@ -278,7 +289,7 @@ def _ranges(units: list[int]) -> str:
 
 
 def _machine(s: Schedule) -> str | None:
-    from zdsl.check.machine import CPU_PROFILE, CUDA_PROFILE   # the checker owns the built-in profiles
+    from zdsl.check.machine import CPU_PROFILE, CUDA_PROFILE  # the checker owns the built-in profiles
     m = s.machine
     default = CUDA_PROFILE if s.device == "cuda" else CPU_PROFILE
     if dataclasses.asdict(m) == dataclasses.asdict(default):

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from zdsl.check.draft import Draft
 from zdsl.check.values import describe
-from zdsl.model.decay import NO_DECAY_CLASSES
 from zdsl.lang import ast
 from zdsl.lang.errors import did_you_mean
 from zdsl.lr import DECAYS
-from zdsl.schedule import PRECISIONS
-from zdsl.schedule import CheckpointSpec
-from zdsl.schedule import OptimizerSpec
-from zdsl.schedule import TrainSpec
+from zdsl.model.decay import NO_DECAY_CLASSES
+from zdsl.schedule import PRECISIONS, CheckpointSpec, OptimizerSpec, TrainSpec
 
 # Every optimizer also takes the rate schedule (zdsl/lr.py) and the decay groups (zdsl/model/decay.py).
 _SCHEDULE_KEYS = ("warmup", "decay", "min_lr", "decay_steps", "no_decay")

@@ -12,14 +12,9 @@ import math
 from typing import Callable
 
 from zdsl.lang import ast
-from zdsl.lang.errors import Diagnostic
-from zdsl.lang.errors import did_you_mean
-from zdsl.lang.errors import error
-from zdsl.lang.errors import warning
+from zdsl.lang.errors import Diagnostic, did_you_mean, error, warning
+from zdsl.lang.sizes import SizeError, parse_size, split_number
 from zdsl.schedule import Span
-from zdsl.lang.sizes import SizeError
-from zdsl.lang.sizes import parse_size
-from zdsl.lang.sizes import split_number
 
 MAX_INT_DIGITS = 18
 

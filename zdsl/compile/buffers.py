@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from zdsl.compile.homes import UnitHomes
 from zdsl.compile.pinning import host_pinned
-from zdsl.ir import Buffer
-from zdsl.ir import optimizer_bytes_per_param
-from zdsl.ir import parse_buffer_name
+from zdsl.ir import Buffer, optimizer_bytes_per_param, parse_buffer_name
 
 
 class BufferTable:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from zdsl.compile.emission import OpStream
 from zdsl.compile.lowering_error import LoweringError
-from zdsl.ir import buffer_name
-from zdsl.ir import optimizer_bytes_per_param
+from zdsl.ir import buffer_name, optimizer_bytes_per_param
 from zdsl.schedule import PipeStmt
 
 

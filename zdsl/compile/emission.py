@@ -16,10 +16,7 @@ from dataclasses import dataclass, field
 
 from zdsl.compile.buffers import BufferTable
 from zdsl.compile.homes import UnitHomes
-from zdsl.ir import ALL
-from zdsl.ir import OP_LANES
-from zdsl.ir import buffer_name
-from zdsl.ir import parse_buffer_name
+from zdsl.ir import ALL, OP_LANES, buffer_name, parse_buffer_name
 from zdsl.schedule import PipeStmt
 
 

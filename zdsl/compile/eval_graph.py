@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from zdsl.ir import TaskGraph
-from zdsl.ir import parse_buffer_name
 from zdsl.compile.buffers import BufferTable
 from zdsl.compile.emission import OpStream
 from zdsl.compile.finish import finish_ops
 from zdsl.compile.homes import UnitHomes
 from zdsl.compile.phases import run_phase
 from zdsl.compile.step_graph import graph_of
-from zdsl.model.units import UnitSpec
+from zdsl.ir import TaskGraph, parse_buffer_name
 from zdsl.lang.sizes import human_bytes
-from zdsl.schedule import Pipeline
-from zdsl.schedule import Schedule
+from zdsl.model.units import UnitSpec
+from zdsl.schedule import Pipeline, Schedule
 
 # What a forward-only graph may hold: the op kinds its forward template can emit.
 FORWARD_KINDS = ("compute.forward", "comm.all_gather", "copy.h2d", "nvme.read", "mem.free")
@@ -91,8 +89,7 @@ def eval_findings(train: TaskGraph, evaluation: TaskGraph, schedule: Schedule, w
     """The verifier's findings on the evaluation graph (races, cycles, collective order), each
     marked as the evaluation's, and the memory budgets against :func:`eval_peak`; returns
     (findings, simulation or None)."""
-    from zdsl.compile.verify import Finding
-    from zdsl.compile.verify import findings
+    from zdsl.compile.verify import Finding, findings
     from zdsl.sim.simulate import simulate
     unbudgeted = dataclasses.replace(schedule, memory={})      # budgets: checked below, with the held states
     found, sim = findings(evaluation, unbudgeted, want_sim=False)

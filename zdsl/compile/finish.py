@@ -14,8 +14,7 @@ in it), returning the ops with their dependencies:
 from __future__ import annotations
 
 from zdsl.compile.buffers import BufferTable
-from zdsl.compile.emission import Draft
-from zdsl.compile.emission import OpStream
+from zdsl.compile.emission import Draft, OpStream
 from zdsl.ir import Op
 from zdsl.schedule import PHASES
 

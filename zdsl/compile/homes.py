@@ -14,18 +14,12 @@ from __future__ import annotations
 import functools
 import math
 
-from zdsl.model.freeze import FreezeError
-from zdsl.model.freeze import frozen_params
-from zdsl.model.layout import flat_layout
 from zdsl.compile.lowering_error import LoweringError
+from zdsl.ir import ALL, DTYPE_BYTES, across, buffer_name, group_size
+from zdsl.model.freeze import FreezeError, frozen_params
+from zdsl.model.layout import flat_layout
 from zdsl.model.units import UnitSpec
-from zdsl.ir import ALL
-from zdsl.ir import DTYPE_BYTES
-from zdsl.ir import across
-from zdsl.ir import buffer_name
-from zdsl.ir import group_size
-from zdsl.schedule import STATES
-from zdsl.schedule import Schedule
+from zdsl.schedule import STATES, Schedule
 
 TIER_OF = {"device": "device", "cpu": "host", "host": "host", "nvme": "nvme"}
 
@@ -51,7 +45,8 @@ class UnitHomes:
         bucket_elems = schedule.bucket_bytes // self.elem_bytes if schedule.bucket_bytes else 0
         self.frozen = frozen_of(schedule, units)
         # a partly frozen unit lays its trainable parameters first (zdsl/model/layout.py)
-        self.layouts = [flat_layout(spec.numel, self.shard_ranks, bucket_elems, [math.prod(s) for _, s in spec.params], row)
+        self.layouts = [flat_layout(spec.numel, self.shard_ranks, bucket_elems,
+                                    [math.prod(s) for _, s in spec.params], row)
                         for spec, row in zip(units, self.frozen)]
         self.tiers = {state: self._unit_tiers(state) for state in STATES}
         self.rehome = rehome             # (state, unit) on NVMe held on the host through the cycle (residency)

@@ -22,13 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zdsl.compile import residency
-from zdsl.compile.step_graph import HostChoices
-from zdsl.compile.step_graph import StepBuild
-from zdsl.compile.step_graph import build_step
-from zdsl.model.units import UnitSpec
+from zdsl.compile.step_graph import HostChoices, StepBuild, build_step
 from zdsl.ir import TaskGraph
-from zdsl.schedule import Pipeline
-from zdsl.schedule import Schedule
+from zdsl.model.units import UnitSpec
+from zdsl.schedule import Pipeline, Schedule
 
 
 def fit_host_budget(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline], budget: int,

@@ -59,10 +59,9 @@ from __future__ import annotations
 from zdsl.compile.host_budget import fit_host_budget
 from zdsl.compile.lowering_error import LoweringError
 from zdsl.compile.step_graph import build_step
-from zdsl.model.units import UnitSpec
 from zdsl.ir import TaskGraph
-from zdsl.schedule import Pipeline
-from zdsl.schedule import Schedule
+from zdsl.model.units import UnitSpec
+from zdsl.schedule import Pipeline, Schedule
 
 __all__ = ["LoweringError", "instantiate"]
 

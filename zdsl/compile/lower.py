@@ -53,16 +53,8 @@ Three mechanisms mean "ahead"; they run in this order, each on what the one befo
 """
 from __future__ import annotations
 
-from zdsl.schedule import Pipeline
-
-from zdsl.schedule import PipeStmt
-
-from zdsl.schedule import Ref
-
-from zdsl.schedule import Schedule
-
-from zdsl.schedule import Span
 from zdsl.model.units import UnitSpec
+from zdsl.schedule import Pipeline, PipeStmt, Ref, Schedule, Span
 
 
 def lower_policies(schedule: Schedule, units: list[UnitSpec]) -> dict[str, Pipeline]:

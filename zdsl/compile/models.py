@@ -11,12 +11,8 @@ import sys
 import warnings
 
 from zdsl.compile import sizing_cache
-from zdsl.schedule import ModelSpec
-
-from zdsl.schedule import Schedule
-from zdsl.schedule import GPT_DEFAULTS
-from zdsl.model.units import UnitSpec
-from zdsl.model.units import gpt_units
+from zdsl.model.units import UnitSpec, gpt_units
+from zdsl.schedule import GPT_DEFAULTS, ModelSpec, Schedule
 from zdsl.sources import source_of
 
 

@@ -19,8 +19,7 @@ from zdsl.compile.emission import OpStream
 from zdsl.compile.homes import UnitHomes
 from zdsl.compile.lowering_error import LoweringError
 from zdsl.compile.verbs import run_stmt
-from zdsl.schedule import Pipeline
-from zdsl.schedule import PipeStmt
+from zdsl.schedule import Pipeline, PipeStmt
 
 Slots = list[list[tuple[PipeStmt, int]]]
 

@@ -12,20 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zdsl.compile.buffers import BufferTable
-from zdsl.model.decay import NoDecayError
-from zdsl.model.decay import decay_groups
 from zdsl.compile.emission import OpStream
 from zdsl.compile.finish import finish_ops
 from zdsl.compile.homes import UnitHomes
-from zdsl.model.layout import flat_ranges
 from zdsl.compile.lowering_error import LoweringError
 from zdsl.compile.phases import run_step_phases
+from zdsl.ir import Op, TaskGraph, UnitInfo
+from zdsl.model.decay import NoDecayError, decay_groups
+from zdsl.model.layout import flat_ranges
 from zdsl.model.units import UnitSpec
-from zdsl.ir import Op
-from zdsl.ir import TaskGraph
-from zdsl.ir import UnitInfo
-from zdsl.schedule import Pipeline
-from zdsl.schedule import Schedule
+from zdsl.schedule import Pipeline, Schedule
 
 
 @dataclass(frozen=True)

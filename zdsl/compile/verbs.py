@@ -10,15 +10,11 @@ frozen unit does not need); a statement that cannot mean anything raises
 """
 from __future__ import annotations
 
-from zdsl.compile.compute_ops import compute
-from zdsl.compile.compute_ops import recompute
-from zdsl.compile.compute_ops import step
+from zdsl.compile.compute_ops import compute, recompute, step
 from zdsl.compile.emission import OpStream
 from zdsl.compile.homes import UnitHomes
 from zdsl.compile.lowering_error import LoweringError
-from zdsl.compile.transfers import copy
-from zdsl.compile.transfers import device_shard
-from zdsl.compile.transfers import nvme
+from zdsl.compile.transfers import copy, device_shard, nvme
 from zdsl.ir import buffer_name
 from zdsl.schedule import PipeStmt
 

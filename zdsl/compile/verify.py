@@ -24,19 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zdsl.ir import ALL, LANES, OP_LANES, TaskGraph, parse_group
 from zdsl.lang.errors import Diagnostic
 from zdsl.lang.sizes import human_bytes
-from zdsl.ir import ALL
-from zdsl.ir import parse_group
-from zdsl.ir import LANES
-from zdsl.ir import OP_LANES
-from zdsl.ir import TaskGraph
-from zdsl.sim.graph_index import CyclicGraphError
-from zdsl.sim.simulate import Simulation
-from zdsl.sim.graph_index import index_graph
-from zdsl.sim.simulate import simulate
-from zdsl.schedule import Schedule
-from zdsl.schedule import Span
+from zdsl.schedule import Schedule, Span
+from zdsl.sim.graph_index import CyclicGraphError, index_graph
+from zdsl.sim.simulate import Simulation, simulate
 
 STATE_WORDS = {"param_full": "gathered parameters", "param_shard": "parameter shards",
                "param_sec": "secondary parameter shards",
@@ -277,7 +270,8 @@ class GraphVerifier:
                     at = f" at line {f.span[0]}" if f.span else ""
                     self.error(f"{describe(op)} uses {plain(name)} after it was freed by {describe(f)}{at}",
                                self.op_span(op),
-                               "move the `free` after the buffer's last use, or gather/copy/read it again before this statement")
+                               "move the `free` after the buffer's last use, "
+                               "or gather/copy/read it again before this statement")
                     reported.add(name)
                     continue
                 if name not in last_write:

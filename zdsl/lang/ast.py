@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from zdsl.schedule import Span
 
-
 # -- values ---------------------------------------------------------------------
 
 @dataclass

@@ -11,10 +11,8 @@ import os
 from pathlib import Path
 
 from zdsl.lang import ast
-from zdsl.lang.errors import ZsError
-from zdsl.lang.errors import error
-from zdsl.lang.parse import parse_text
-from zdsl.lang.parse import read_source
+from zdsl.lang.errors import ZsError, error
+from zdsl.lang.parse import parse_text, read_source
 
 MAX_DEPTH = 16
 

@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from zdsl.lang import ast
-from zdsl.lang.errors import UsageError
-from zdsl.lang.errors import ZsError
-from zdsl.lang.errors import did_you_mean
-from zdsl.lang.errors import error
-from zdsl.schedule import MACHINE_OPTIONS
-from zdsl.schedule import STATES
-from zdsl.schedule import GPT_DEFAULTS
 from zdsl.ir import TIERS
+from zdsl.lang import ast
+from zdsl.lang.errors import UsageError, ZsError, did_you_mean, error
+from zdsl.schedule import GPT_DEFAULTS, MACHINE_OPTIONS, STATES
 
 OVERRIDE_FILE = "--set"
 
@@ -100,7 +95,7 @@ def statement_text(key: str, value: str) -> str:
 
 
 def _parse_one(text: str, line: int, key: str, value: str) -> ast.Stmt:
-    from zdsl.lang.parse import parse_text   # parse imports lark; keep this module light
+    from zdsl.lang.parse import parse_text  # parse imports lark; keep this module light
     try:
         program = parse_text("\n" * (line - 1) + text, OVERRIDE_FILE)
     except ZsError as exc:

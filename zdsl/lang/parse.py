@@ -13,15 +13,11 @@ import importlib.resources
 from pathlib import Path
 
 from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import (LarkError, UnexpectedCharacters, UnexpectedEOF,
-                             UnexpectedInput, UnexpectedToken, VisitError)
+from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from zdsl.lang import ast
-from zdsl.lang.continuation import Continuation
-from zdsl.lang.continuation import statement_end
-from zdsl.lang.errors import ZsError
-from zdsl.lang.errors import did_you_mean
-from zdsl.lang.errors import error
+from zdsl.lang.continuation import Continuation, statement_end
+from zdsl.lang.errors import ZsError, did_you_mean, error
 from zdsl.schedule import Span
 
 MAX_SOURCE_BYTES = 4 << 20     # a schedule is a page of text; 4 MiB is certainly not one

@@ -25,8 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zdsl.model.param_names import closest_names
-from zdsl.model.param_names import glob_matches
+from zdsl.model.param_names import closest_names, glob_matches
 from zdsl.model.units import UnitSpec
 
 NO_DECAY_CLASSES = ("biases", "norms", "embeddings")

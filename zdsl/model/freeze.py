@@ -6,8 +6,7 @@ for forward and backward (later units' gradients flow through it).
 """
 from __future__ import annotations
 
-from zdsl.model.param_names import closest_names
-from zdsl.model.param_names import glob_matches
+from zdsl.model.param_names import closest_names, glob_matches
 from zdsl.model.units import UnitSpec
 
 

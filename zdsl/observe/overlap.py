@@ -39,9 +39,7 @@ from typing import Iterable, Mapping, Sequence
 
 from zdsl.ir import TaskGraph
 from zdsl.sim.graph_index import topological_order
-from zdsl.sim.lanes import BackendThreads
-from zdsl.sim.lanes import comm_slots
-from zdsl.sim.lanes import union_length
+from zdsl.sim.lanes import BackendThreads, comm_slots, union_length
 
 Times = Mapping[int, tuple[float, float]]
 

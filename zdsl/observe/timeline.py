@@ -25,6 +25,7 @@ import os
 import sys
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
+
 from zdsl.ir import TIERS
 from zdsl.lang.sizes import human_bytes
 

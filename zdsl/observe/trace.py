@@ -14,9 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zdsl.ir import LANES
-
-from zdsl.ir import TaskGraph
+from zdsl.ir import LANES, TaskGraph
 
 US = 1e6
 

@@ -24,12 +24,9 @@ free among their ancestors (themselves included) are always worth including.
 """
 from __future__ import annotations
 
-from zdsl.ir import TIERS
-
-from zdsl.ir import TaskGraph
+from zdsl.ir import TIERS, TaskGraph
+from zdsl.sim.graph_index import CyclicGraphError, index_graph
 from zdsl.sim.memory import working_intervals
-from zdsl.sim.graph_index import CyclicGraphError
-from zdsl.sim.graph_index import index_graph
 
 
 def tier_weights(graph: TaskGraph) -> dict[str, list[int]]:

@@ -11,10 +11,9 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from zdsl.sim.lanes import BackendThreads
-from zdsl.sim.lanes import union_length
-from zdsl.sim.simulate import UNIT_COMPUTE_KINDS, op_fixed, rated_duration, simulate
 from zdsl.machine_profile import MachineProfile
+from zdsl.sim.lanes import BackendThreads, union_length
+from zdsl.sim.simulate import UNIT_COMPUTE_KINDS, op_fixed, rated_duration, simulate
 
 
 def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:

@@ -14,14 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zdsl.ir import COLLECTIVE_KINDS
-
-from zdsl.ir import ALL
-from zdsl.ir import TaskGraph
-from zdsl.ir import group_size
+from zdsl.ir import ALL, COLLECTIVE_KINDS, TaskGraph, group_size
 from zdsl.sim.simulate import collective_payload
-from zdsl.ir import DTYPE_BYTES
-
 
 
 @dataclass

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zdsl.ir import TIERS
-from zdsl.ir import TaskGraph
+from zdsl.ir import TIERS, TaskGraph
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.report import fmt_s
 

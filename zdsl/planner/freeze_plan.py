@@ -11,8 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from zdsl.ir import TIERS
-from zdsl.ir import TaskGraph
+from zdsl.ir import TIERS, TaskGraph
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.comm import comm_plan
 from zdsl.sim.memory import model_states

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from zdsl.ir import TaskGraph
-from zdsl.ir import crosses_nodes
-from zdsl.ir import group_size
+from zdsl.ir import TaskGraph, crosses_nodes, group_size
 from zdsl.lang.sizes import human_bytes
 from zdsl.sim.simulate import collective_payload
 

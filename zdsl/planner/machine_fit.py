@@ -39,18 +39,11 @@ from typing import Callable
 
 from zdsl import env
 from zdsl.cache import cache_dir
-from zdsl.ir import BUFFER_KINDS
-from zdsl.ir import TaskGraph
+from zdsl.ir import BUFFER_KINDS, TaskGraph
 from zdsl.lang.sizes import human_bytes
-from zdsl.sim.this_machine import device_in_ram
-from zdsl.sim.this_machine import installed_torch
-from zdsl.sim.this_machine import usable_cores
-from zdsl.schedule import SHARED_MEMORY_OUTBOX
-from zdsl.schedule import nvme_placements
-from zdsl.swap_folders import device_of
-from zdsl.swap_folders import folder_problem
-from zdsl.swap_folders import nearest_existing
-from zdsl.swap_folders import stripe_bytes
+from zdsl.schedule import SHARED_MEMORY_OUTBOX, nvme_placements
+from zdsl.sim.this_machine import device_in_ram, installed_torch, usable_cores
+from zdsl.swap_folders import device_of, folder_problem, nearest_existing, stripe_bytes
 
 OVERSUBSCRIBE = 8      # ranks per core above which a run is refused (a warning from 1 up to this)
 

@@ -10,37 +10,20 @@ import io
 from dataclasses import dataclass
 from functools import cached_property
 
-from zdsl.ir import LANES
-
-from zdsl.ir import TIERS
-
-from zdsl.ir import TaskGraph
-from zdsl.ir import group_size
+from zdsl.ir import LANES, TIERS, TaskGraph, group_size
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.bound import worst_working
-from zdsl.planner.comm import CommPlan
-from zdsl.planner.comm import comm_plan
-from zdsl.planner.comm import zero_comm_elements
-from zdsl.planner.freeze_plan import FreezePlan
-from zdsl.planner.freeze_plan import freeze_plan
-from zdsl.planner.levels import bytes_by_level
-from zdsl.planner.levels import hierarchy_json
-from zdsl.planner.levels import hierarchy_lines
-from zdsl.planner.levels import level_lines
-from zdsl.planner.state_fit import largest_model
-from zdsl.planner.state_fit import largest_model_line
-from zdsl.sim.memory import STATES
-from zdsl.sim.memory import zero_model_states
-from zdsl.sim.profile_cache import calibrated_source
-from zdsl.sim.profile_cache import rates_line
-from zdsl.sim.rates import drives
-from zdsl.sim.rates import gaps as rate_gaps
-from zdsl.sim.rates import nvme_lines
-from zdsl.sim.simulate import Simulation
-from zdsl.sim.simulate import simulate
+from zdsl.planner.comm import CommPlan, comm_plan, zero_comm_elements
+from zdsl.planner.freeze_plan import FreezePlan, freeze_plan
+from zdsl.planner.levels import bytes_by_level, hierarchy_json, hierarchy_lines, level_lines
+from zdsl.planner.state_fit import largest_model, largest_model_line
 from zdsl.planner.traffic import traffic_json
-from zdsl.schedule import Schedule
-from zdsl.schedule import nvme_placements
+from zdsl.schedule import Schedule, nvme_placements
+from zdsl.sim.memory import STATES, zero_model_states
+from zdsl.sim.profile_cache import calibrated_source, rates_line
+from zdsl.sim.rates import drives, nvme_lines
+from zdsl.sim.rates import gaps as rate_gaps
+from zdsl.sim.simulate import Simulation, simulate
 
 # Largest graph the worst-order working peak is computed for (a max flow in pure Python: ~1-3 s at 20,000 ops).
 WORST_MAX_OPS = 20000

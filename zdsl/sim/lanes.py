@@ -10,8 +10,7 @@ it, so a measured op's own time is comparable to the simulated one.
 from __future__ import annotations
 
 from zdsl.ir import TaskGraph
-from zdsl.machine_profile import CollectiveRates
-from zdsl.machine_profile import MachineProfile
+from zdsl.machine_profile import CollectiveRates, MachineProfile
 
 
 def lane_slots(graph: TaskGraph, machine: MachineProfile) -> dict[str, int]:

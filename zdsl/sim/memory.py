@@ -16,10 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zdsl import schedule
-from zdsl.ir import TIERS
-
-from zdsl.ir import TaskGraph
-from zdsl.ir import optimizer_bytes_per_param
+from zdsl.ir import TIERS, TaskGraph, optimizer_bytes_per_param
 
 STATES = tuple(reversed(schedule.STATES))   # the plan's columns: parameters first, as a reader meets them
 

@@ -24,10 +24,8 @@ from pathlib import Path
 
 from zdsl import env
 from zdsl.cache import cache_dir
-from zdsl.sim.this_machine import device_in_ram
-from zdsl.sim.this_machine import installed_torch
-from zdsl.sim.this_machine import usable_cores
 from zdsl.machine_profile import MachineProfile
+from zdsl.sim.this_machine import device_in_ram, installed_torch, usable_cores
 
 QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the default profile is used
 # What a cached profile holds; one of an older format is measured again once. 2: compute rates by

@@ -15,14 +15,10 @@ from __future__ import annotations
 import functools
 import math
 
-from zdsl.schedule import GPT_DEFAULTS
-from zdsl.ir import BUFFER_KINDS
-from zdsl.ir import TaskGraph
+from zdsl.ir import BUFFER_KINDS, TaskGraph
 from zdsl.lang.sizes import human_bytes
-from zdsl.machine_profile import PRECISIONS
-from zdsl.machine_profile import MachineProfile
-from zdsl.schedule import Placement
-from zdsl.schedule import nvme_placements
+from zdsl.machine_profile import PRECISIONS, MachineProfile
+from zdsl.schedule import GPT_DEFAULTS, Placement, nvme_placements
 from zdsl.swap_folders import device_of
 
 

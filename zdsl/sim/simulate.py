@@ -18,25 +18,12 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from zdsl.ir import LANES
-
-from zdsl.ir import DTYPE_BYTES
-from zdsl.ir import crosses_nodes
-from zdsl.ir import group_size
-from zdsl.ir import TaskGraph
-from zdsl.machine_profile import Link
-from zdsl.machine_profile import MachineProfile
-from zdsl.sim.graph_index import CyclicGraphError
-from zdsl.sim.graph_index import GraphIndex
-from zdsl.sim.graph_index import index_graph
-from zdsl.sim.lanes import lane_slots
-from zdsl.sim.lanes import shared_memory_pair
-from zdsl.sim.lanes import union_length
-from zdsl.sim.memory import MemoryTimeline
-from zdsl.sim.memory import memory_timeline
-from zdsl.sim.rates import device_flops
-from zdsl.sim.rates import disk_drives
-from zdsl.sim.rates import for_graph
+from zdsl.ir import DTYPE_BYTES, LANES, TaskGraph, crosses_nodes, group_size
+from zdsl.machine_profile import Link, MachineProfile
+from zdsl.sim.graph_index import CyclicGraphError, GraphIndex, index_graph
+from zdsl.sim.lanes import lane_slots, shared_memory_pair, union_length
+from zdsl.sim.memory import MemoryTimeline, memory_timeline
+from zdsl.sim.rates import device_flops, disk_drives, for_graph
 
 
 @dataclass

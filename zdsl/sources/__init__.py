@@ -13,12 +13,7 @@ batches are handed in.
 """
 from __future__ import annotations
 
-from zdsl.sources import corpus
-from zdsl.sources import jsonl
-from zdsl.sources import python
-from zdsl.sources import synthetic
-from zdsl.sources import text
-from zdsl.sources import tokens
+from zdsl.sources import corpus, jsonl, python, synthetic, text, tokens
 from zdsl.sources.base import DataSource
 
 # kind -> source, in the order hints list them

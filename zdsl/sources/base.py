@@ -21,8 +21,7 @@ from typing import Callable
 
 from zdsl.check.values import Reader
 from zdsl.lang import ast
-from zdsl.schedule import DataSpec
-from zdsl.schedule import Span
+from zdsl.schedule import DataSpec, Span
 
 MAX_SETTING = 1 << 24          # the largest integer setting (context, vocab)
 

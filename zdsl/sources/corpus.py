@@ -5,12 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from zdsl.check.values import Reader
-from zdsl.lang.include import path_exists
-from zdsl.lang.include import resolve_relative
-from zdsl.schedule import DataSpec
-from zdsl.schedule import Span
-from zdsl.sources.base import DataSource
-from zdsl.sources.base import ModelFit
+from zdsl.lang.include import path_exists, resolve_relative
+from zdsl.schedule import DataSpec, Span
+from zdsl.sources.base import DataSource, ModelFit
 from zdsl.sources.text import STDLIB
 
 BYTES = 256

@@ -21,18 +21,16 @@ from pathlib import Path
 from typing import Iterator
 
 from zdsl.cache import cache_dir
-from zdsl.lang.include import path_exists
-from zdsl.lang.include import resolve_relative
+from zdsl.lang.include import path_exists, resolve_relative
 from zdsl.schedule import DataSpec
-from zdsl.sources.base import DataSource
-from zdsl.sources.base import ModelFit
-from zdsl.sources.base import SourceCall
-from zdsl.sources.base import MAX_SETTING
-from zdsl.sources.text import TextSourceError
-from zdsl.sources.text import check_tokenizer_vocab
-from zdsl.sources.text import read_tokenizer
-from zdsl.sources.text import tokenizer_first
-from zdsl.sources.text import tokenizers_missing
+from zdsl.sources.base import MAX_SETTING, DataSource, ModelFit, SourceCall
+from zdsl.sources.text import (
+    TextSourceError,
+    check_tokenizer_vocab,
+    read_tokenizer,
+    tokenizer_first,
+    tokenizers_missing,
+)
 
 DEFAULTS = {"prompt": "prompt", "response": "response", "pack": False}
 CHECK_VERSION = 1

@@ -19,8 +19,7 @@ import importlib.machinery
 from pathlib import Path
 
 from zdsl.schedule import DataSpec
-from zdsl.sources.base import DataSource
-from zdsl.sources.base import SourceCall
+from zdsl.sources.base import DataSource, SourceCall
 
 # The arguments zdsl passes to the function itself; the schedule's key=value settings come on top.
 CALL_ARGS = ("seed", "step", "micro", "rank", "world", "batch")

@@ -4,8 +4,8 @@ Torch-free and ``tokenizers``-free: the checker reads the same facts the runtime
 tokenises with (zdsl/runtime/data/text.py), so they cannot disagree.
 
 - Files: a FILE is one document; ``"stdlib"`` is the running Python's standard library
-  sources (``corpus("stdlib")``'s files, whole files up to ``STDLIB_CAP`` bytes). A FOLDER's documents are its regular files, at any
-  depth, in sorted path order, skipping names that start with ``.`` (``.git``,
+  sources (``corpus("stdlib")``'s files, whole files up to ``STDLIB_CAP`` bytes). A FOLDER's documents
+  are its regular files, at any depth, in sorted path order, skipping names that start with ``.`` (``.git``,
   ``.DS_Store``) and binary files (a NUL byte in the first 8 KiB, git's rule).
 - Tokenizer: a ``tokenizer.json`` path, or a folder holding one (a Hugging Face model's); its id
   count is the data's vocab, which the model's must hold (``jsonl(...)`` reads it the same way).
@@ -21,13 +21,9 @@ from pathlib import Path
 
 from zdsl.check.values import Reader
 from zdsl.lang import ast
-from zdsl.lang.include import path_exists
-from zdsl.lang.include import resolve_relative
-from zdsl.schedule import DataSpec
-from zdsl.schedule import Span
-from zdsl.sources.base import DataSource
-from zdsl.sources.base import ModelFit
-from zdsl.sources.base import SourceCall
+from zdsl.lang.include import path_exists, resolve_relative
+from zdsl.schedule import DataSpec, Span
+from zdsl.sources.base import DataSource, ModelFit, SourceCall
 
 STDLIB = "stdlib"
 STDLIB_CAP = 16 << 20        # bytes read from the standard library (plenty for a laptop-sized model)

@@ -9,12 +9,9 @@ from pathlib import Path
 
 from zdsl.check.values import Reader
 from zdsl.lang import ast
-from zdsl.lang.include import path_exists
-from zdsl.lang.include import resolve_relative
-from zdsl.schedule import DataSpec
-from zdsl.schedule import Span
-from zdsl.sources.base import DataSource
-from zdsl.sources.base import SourceCall
+from zdsl.lang.include import path_exists, resolve_relative
+from zdsl.schedule import DataSpec, Span
+from zdsl.sources.base import DataSource, SourceCall
 
 # A token's integer type -> its bytes.
 TOKEN_DTYPES = {"uint16": 2, "uint32": 4}

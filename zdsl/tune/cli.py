@@ -26,10 +26,26 @@ from pathlib import Path
 
 from zdsl.tune import noise
 from zdsl.tune.measure import RUN_QUANTILE, measure_round
-from zdsl.tune.rounds import (DEFAULT_BUDGET_S, DEFAULT_MAX_ROUNDS, DEFAULT_STEPS, DEFAULT_STRETCH_S, DEFAULT_WARMUP,
-                              race)
-from zdsl.tune.search import (PRUNE_FACTOR, TuneUsageError, combinations, count_changes, parse_vary, predict,
-                              prune, run_identity, same_runs, validate_values)
+from zdsl.tune.rounds import (
+    DEFAULT_BUDGET_S,
+    DEFAULT_MAX_ROUNDS,
+    DEFAULT_STEPS,
+    DEFAULT_STRETCH_S,
+    DEFAULT_WARMUP,
+    race,
+)
+from zdsl.tune.search import (
+    PRUNE_FACTOR,
+    TuneUsageError,
+    combinations,
+    count_changes,
+    parse_vary,
+    predict,
+    prune,
+    run_identity,
+    same_runs,
+    validate_values,
+)
 from zdsl.tune.table import as_json, print_table
 from zdsl.tune.write import write_schedule_text
 
@@ -112,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     does not check; a usage error exits 2."""
     parser = build_parser()
     args = _parse_arguments(parser, sys.argv[1:] if argv is None else argv)
-    from zdsl.driver import compile_file
-    from zdsl.driver import memo_units_for
-    from zdsl.driver import report
-    from zdsl.driver import status_of
+    from zdsl.driver import compile_file, memo_units_for, report, status_of
     from zdsl.sim import profile_cache
     profile_cache.enable()                         # predictions with this machine's calibrated rates
     base, vary = _overrides(parser, args)

@@ -183,8 +183,7 @@ def validate_values(path: str, base: dict[str, str], vary: list[tuple[str, list[
 
 def predict(path: str, base: dict[str, str], combos: list[dict[str, str]], units_for=None) -> list[Candidate]:
     """Compile and simulate every combination (no torch); rejected ones carry the reason."""
-    from zdsl.driver import compile_file
-    from zdsl.driver import memo_units_for
+    from zdsl.driver import compile_file, memo_units_for
     units_for = units_for or memo_units_for()
     out = []
     for combo in combos:

@@ -36,8 +36,7 @@ def write_schedule_text(path: str, overrides: dict[str, str], out_path: str, not
     Paths relative to the schedule (includes) are rewritten for ``out_path``'s folder.
     Returns (text, how); raises ValueError when neither way reproduces the graph.
     """
-    from zdsl.driver import compile_file
-    from zdsl.driver import memo_units_for
+    from zdsl.driver import compile_file, memo_units_for
     units_for = units_for or memo_units_for()
     target = compile_file(path, overrides, units_for, simulate=False)
     if not target.ok or target.graph is None:
@@ -115,11 +114,11 @@ def _relocated(rel: str, src: str, out_path: str) -> str:
 
 
 def _edited_text(path: str, overrides: dict[str, str], out_path: str) -> str | None:
+    from zdsl.check.printer import string_text
     from zdsl.lang import ast
     from zdsl.lang.errors import ZsError
     from zdsl.lang.overrides import statement_text
     from zdsl.lang.parse import parse_file
-    from zdsl.check.printer import string_text
     try:
         program = parse_file(path)
         source = Path(path).read_text(encoding="utf-8-sig")

@@ -17,15 +17,11 @@ import functools
 import torch
 import torch.nn as nn
 
-from zdsl.model.hf_folder import HF_FAMILIES
-from zdsl.model.hf_folder import HfModelError
-from zdsl.runtime.models.hf import gpt2
-from zdsl.runtime.models.hf import llama
+from zdsl.model.hf_folder import HF_FAMILIES, HfModelError
+from zdsl.runtime.models.hf import gpt2, llama
 from zdsl.runtime.models.hf.causal_lm import parameters_on_meta
 from zdsl.runtime.models.hf.config import load_config
-from zdsl.runtime.models.hf.weights import check_weights
-from zdsl.runtime.models.hf.weights import read_unit
-from zdsl.runtime.models.hf.weights import weight_files
+from zdsl.runtime.models.hf.weights import check_weights, read_unit, weight_files
 
 # model_type -> build(config); the families zdsl.model.hf_folder.HF_FAMILIES names.
 FAMILIES = {"gpt2": gpt2.build, **{name: llama.build for name in llama.PREFIXES}}

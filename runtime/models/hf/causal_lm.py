@@ -28,11 +28,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zdsl.runtime.models.batch import Batch
-from zdsl.runtime.models.batch import allowed_keys
-from zdsl.runtime.models.lazy import LazyUnits
-from zdsl.runtime.models.lazy import UnitValues
+from zdsl.runtime.models.batch import Batch, allowed_keys
+from zdsl.runtime.models.lazy import LazyUnits, UnitValues
 from zdsl.runtime.models.loss import causal_lm_loss
+
 
 def additive_mask(batch: Batch, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """The mask a layer adds to its attention scores, in the scores' dtype (0 where seen, the dtype's

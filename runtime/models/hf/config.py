@@ -10,13 +10,15 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from zdsl.model.hf_folder import ATTENTION_CHOICES
-from zdsl.model.hf_folder import ATTENTION_KEY
-from zdsl.model.hf_folder import OVERRIDE_ALIASES
-from zdsl.model.hf_folder import HfModelError
-from zdsl.model.hf_folder import config_field
-from zdsl.model.hf_folder import read_config
-from zdsl.model.hf_folder import transformers_installed
+from zdsl.model.hf_folder import (
+    ATTENTION_CHOICES,
+    ATTENTION_KEY,
+    OVERRIDE_ALIASES,
+    HfModelError,
+    config_field,
+    read_config,
+    transformers_installed,
+)
 
 DEFAULT_ATTENTION = "sdpa"    # transformers' own default where torch has it
 

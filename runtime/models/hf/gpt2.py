@@ -9,10 +9,7 @@ import torch
 import torch.nn as nn
 
 from zdsl.runtime.models.batch import Batch
-from zdsl.runtime.models.hf.causal_lm import DecoderUnit
-from zdsl.runtime.models.hf.causal_lm import HeadUnit
-from zdsl.runtime.models.hf.causal_lm import HfCausalLM
-from zdsl.runtime.models.hf.causal_lm import residual_std
+from zdsl.runtime.models.hf.causal_lm import DecoderUnit, HeadUnit, HfCausalLM, residual_std
 
 
 class GPT2Embedding(nn.Module):

@@ -15,9 +15,7 @@ import torch
 import torch.nn as nn
 
 from zdsl.runtime.models.batch import Batch
-from zdsl.runtime.models.hf.causal_lm import DecoderUnit
-from zdsl.runtime.models.hf.causal_lm import HeadUnit
-from zdsl.runtime.models.hf.causal_lm import HfCausalLM
+from zdsl.runtime.models.hf.causal_lm import DecoderUnit, HeadUnit, HfCausalLM
 
 # model_type -> the class-name prefix in transformers.models.<model_type>.modeling_<model_type>
 PREFIXES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
