@@ -10,11 +10,6 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-try:
-    from crc32c import crc32c as _crc32c
-except ImportError:  # pragma: no cover - the package is a dependency; zlib keeps files verifiable
-    _crc32c = None
-
 
 @dataclass(frozen=True)
 class Checksum:
@@ -28,7 +23,11 @@ class Checksum:
 
 
 CRC32 = Checksum("crc32", zlib.crc32)
-CRC32C = Checksum("crc32c", _crc32c) if _crc32c is not None else None
+try:
+    from crc32c import crc32c as _crc32c
+    CRC32C: Checksum | None = Checksum("crc32c", _crc32c)
+except ImportError:  # pragma: no cover - the package is a dependency; zlib keeps files verifiable
+    CRC32C = None
 DEFAULT = CRC32C or CRC32                      # what this process writes
 
 

@@ -251,7 +251,7 @@ class Source:
         with ThreadPoolExecutor(1, thread_name_prefix="ckpt-read") as pool:
             def read(j):
                 lo = chunks[j]
-                self._read(self.dfd, memoryview(view[lo:lo + round_up(min(BOUNCE, need - lo))]),
+                self._read(self.dfd, view[lo:lo + round_up(min(BOUNCE, need - lo))].data,
                            start - head + lo, min(BOUNCE, need - lo))
             fut = pool.submit(read, 0)
             for j, lo in enumerate(chunks):
@@ -261,7 +261,7 @@ class Source:
                 if on_chunk is not None:
                     b0, b1 = max(lo, head), min(lo + BOUNCE, need)
                     if b0 < b1:
-                        on_chunk(memoryview(view[b0:b1]))
+                        on_chunk(view[b0:b1].data)
         return region[head:need].view(dtype)
 
     def read_into(self, start: int, dest: torch.Tensor, on_chunk: Callable[[memoryview], None] | None) -> bool:
@@ -283,14 +283,14 @@ class Source:
             def read(j):
                 lo = chunks[j]
                 m = min(BOUNCE, tail_at - lo)
-                self._read(self.dfd, memoryview(view[lo:lo + m]), start + lo, m)
-            fut = pool.submit(read, 0) if len(chunks) else None
+                self._read(self.dfd, view[lo:lo + m].data, start + lo, m)
+            fut = pool.submit(read, 0)                    # body >= ALIGN above: at least one chunk
             for j, lo in enumerate(chunks):
                 fut.result()
                 if j + 1 < len(chunks):
                     fut = pool.submit(read, j + 1)
                 if on_chunk is not None:
-                    on_chunk(memoryview(view[lo:min(lo + BOUNCE, tail_at)]))
+                    on_chunk(view[lo:min(lo + BOUNCE, tail_at)].data)
         self._copy_range(start + tail_at, start + n, dest[tail_at:], on_chunk)
         return True
 
