@@ -50,14 +50,19 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
+from torch.optim import adam as torch_adam
 
 from zdsl import env
 from zdsl.runtime.dist.affinity import local_rank_and_world
 from zdsl.runtime.io import native
 from zdsl.runtime.io.host_access import host_access
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 log = structlog.get_logger("zdsl.runtime.offload.host_adam")
 
@@ -106,11 +111,10 @@ def _aten_tiled(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
     for a in range(0, n, tile):
         b = min(n, a + tile)
         p, g, m, v, d = param[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], denom_buf[: b - a]
-        if weight_decay != 0:
-            if adam_w:
-                p.mul_(1 - lr * weight_decay)
-            else:
-                g = torch.add(g, p, alpha=weight_decay, out=grad_buf[: b - a])
+        if weight_decay != 0 and adam_w:
+            p.mul_(1 - lr * weight_decay)
+        elif grad_buf is not None:  # weight decay folded into the gradient (Adam)
+            g = torch.add(g, p, alpha=weight_decay, out=grad_buf[: b - a])
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         torch.sqrt(v, out=d)
@@ -125,11 +129,11 @@ def _aten_tiled(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
 
 @dataclass
 class _Kernel:
-    fn: ctypes._CFuncPtr
+    fn: CFuncPtr
     sqrt_ptr: int | None  # MKL vmsSqrt, or None for IEEE sqrtf
     flags: int  # kernel flags that matched ATen: 4/8 (fma placement), 16/32 (inline sqrt, one pass)
     path: Path
-    mt: ctypes._CFuncPtr | None = None  # zdsl_adam_mt when built with OpenMP: threads in C
+    mt: CFuncPtr | None = None  # zdsl_adam_mt when built with OpenMP: threads in C
 
 
 def _mkl_sqrt() -> int | None:
@@ -145,7 +149,7 @@ def _mkl_sqrt() -> int | None:
     return None
 
 
-def _sample(n: int, seed: int) -> list[torch.Tensor]:
+def _sample(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Parameters, gradients and moments spanning many magnitudes, zeros and signs."""
     gen = torch.Generator().manual_seed(seed)
     scale = lambda: torch.exp(torch.randn(n, generator=gen) * 4)  # noqa: E731
@@ -159,7 +163,7 @@ def _sample(n: int, seed: int) -> list[torch.Tensor]:
     if n > 5010:  # subnormal second moments in the second tile: the sqrt's special-value path
         g[5000:5010] = 0.0
         v[5000:5010] = 1e-41
-    return [p, g, m, v]
+    return p, g, m, v
 
 
 _CHECK_CASES = [  # (lr, beta1, beta2, eps, weight_decay, adam_w): every branch of the kernel
@@ -174,7 +178,8 @@ def _matches(kernel: _Kernel) -> bool:
     n = 3 * 4096 + 77  # several tiles and a ragged tail
     for case_index, (lr, b1, b2, eps, wd, adam_w) in enumerate(_CHECK_CASES):
         ref = _sample(n, case_index)
-        ours = [t.clone() for t in ref]
+        p, g, m, v = ref
+        ours = p.clone(), g.clone(), m.clone(), v.clone()
         for step in (1, 2, 7):
             _reference_step(*ref, step, lr, b1, b2, eps, wd, adam_w)
             _kernel_step(kernel, *ours, step, lr, b1, b2, eps, wd, adam_w, threads=1)
@@ -187,14 +192,16 @@ def _reference_step(p, g, m, v, step, lr, b1, b2, eps, wd, adam_w) -> None:
     """torch.optim's single-tensor Adam/AdamW, called as torch.optim calls it; where this
     torch's private function has another signature, the same ATen ops run by
     ``_aten_tiled`` (tested against torch.optim in tests/runtime/test_host_adam.py)."""
-    try:
-        from torch.optim.adam import _single_tensor_adam
-
+    single_tensor_adam = getattr(torch_adam, "_single_tensor_adam", None)  # private: another torch may lack it
+    if single_tensor_adam is not None:
         kwargs = dict(amsgrad=False, has_complex=False, beta1=b1, beta2=b2, lr=lr, weight_decay=wd, eps=eps,
                       maximize=False, capturable=False, differentiable=False, decoupled_weight_decay=adam_w)
-        _single_tensor_adam([p], [g], [m], [v], [], [torch.tensor(float(step - 1))], None, None, **kwargs)
-    except (ImportError, TypeError):
-        _aten_tiled(p, g, m, v, step, lr, b1, b2, eps, wd, adam_w)
+        try:
+            single_tensor_adam([p], [g], [m], [v], [], [torch.tensor(float(step - 1))], None, None, **kwargs)
+            return
+        except TypeError:  # another signature
+            pass
+    _aten_tiled(p, g, m, v, step, lr, b1, b2, eps, wd, adam_w)
 
 
 def _replica_matches_mkl(lib: ctypes.CDLL, mkl: int) -> bool:
@@ -234,7 +241,7 @@ def _load_kernel() -> _Kernel | None:
         mt.argtypes = [*args, ctypes.c_int]
         mt.restype = None
     mkl = _mkl_sqrt()
-    sqrt_modes = []  # (name, vsqrt pointer, extra flags), fastest first
+    sqrt_modes: list[tuple[str, int | None, int]] = []  # (name, vsqrt pointer, extra flags), fastest first
     if mkl and _replica_matches_mkl(lib, mkl):
         sqrt_modes.append(("mkl-replica-1pass", mkl, 16 | 32))
         sqrt_modes.append(("mkl-replica", mkl, 16))
@@ -253,7 +260,7 @@ def _load_kernel() -> _Kernel | None:
 
 
 _kernel_lock = threading.Lock()
-_kernel_state: dict[str, object] = {}
+_kernel_state: dict[str, _Kernel | None] = {}
 
 
 def _kernel() -> _Kernel | None:
@@ -264,7 +271,7 @@ def _kernel() -> _Kernel | None:
             except Exception as e:  # noqa: BLE001 - the fallback is exact; a broken kernel must not stop training
                 log.warning("host_adam.kernel_failed", error=f"{type(e).__name__}: {e}", fallback="aten_tiled")
                 _kernel_state["kernel"] = None
-        return _kernel_state["kernel"]  # type: ignore[return-value]
+        return _kernel_state["kernel"]
 
 
 _pool_lock = threading.Lock()

@@ -75,7 +75,7 @@ def _owner_is_dead(lock_path: Path, pid: int) -> bool:
 
 def remove_stale_runs(folder: Path) -> list[Path]:
     """Delete run folders under ``folder`` left by dead runs on this host; return them."""
-    removed = []
+    removed: list[Path] = []
     host = socket.gethostname()
     try:
         entries = list(folder.iterdir())

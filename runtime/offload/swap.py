@@ -138,8 +138,8 @@ class Swapper:
             raise SwapError(f"swap: block size must be a positive multiple of {ALIGN} bytes, got {block_bytes}")
         if queue_depth <= 0:
             raise SwapError(f"swap: queue depth must be positive, got {queue_depth}")
-        one = isinstance(folders, (str, os.PathLike))
-        self.folders = tuple(Path(f).absolute() for f in ([folders] if one else folders))
+        given = [folders] if isinstance(folders, (str, os.PathLike)) else folders
+        self.folders = tuple(Path(f).absolute() for f in given)
         if not self.folders or len(set(self.folders)) != len(self.folders):
             raise SwapError(f"swap: needs one or more distinct folders, got {[str(f) for f in self.folders]}")
         self.block_bytes = block_bytes
@@ -336,7 +336,7 @@ class Swapper:
         off, n, padded = self._block(f, index)
         stripe, at = f.locate(index, self.block_bytes)
         try:
-            if n == padded and t.zero_copy:  # straight from the caller's memory
+            if n == padded and t.view is not None:  # zero copy: straight from the caller's memory
                 view = t.view[off : off + n]
                 if self.verify:
                     f.crcs[index] = self._checksum(view)
@@ -377,7 +377,7 @@ class Swapper:
         off, n, padded = self._block(f, index)
         stripe, at = f.locate(index, self.block_bytes)
         try:
-            if n == padded and t.zero_copy:  # straight into the caller's memory
+            if n == padded and t.view is not None:  # zero copy: straight into the caller's memory
                 view = t.view[off : off + n]
                 self._pread_all(stripe, view, at, index)
                 self._check(f, stripe, view, index)
@@ -533,7 +533,7 @@ class _Transfer:
     precomputed once (a memoryview of the whole tensor), so a block costs a
     slice, a checksum call and the system call, and little time holding the GIL."""
 
-    __slots__ = ("file", "data", "blocks", "zero_copy", "view")
+    __slots__ = ("file", "data", "blocks", "view")
 
     def __init__(self, file: _SwapFile, data: torch.Tensor):
         self.file = file
@@ -541,9 +541,9 @@ class _Transfer:
         self.blocks = len(file.crcs)
         # In place from a CPU tensor starting on a 4 KiB boundary, unless it is smaller than a huge
         # page: then in no huge page of its own, and direct I/O into the staging pool's huge pages
-        # and a copy took half the time (runtime/io/aligned.py).
-        self.zero_copy = is_aligned(data) and data.numel() >= HUGE_PAGE
-        self.view = memoryview(data.numpy()) if self.zero_copy else None
+        # and a copy took half the time (runtime/io/aligned.py). None: through the staging pool.
+        zero_copy = is_aligned(data) and data.numel() >= HUGE_PAGE
+        self.view = data.numpy().data if zero_copy else None
 
 
 class _BlockQueue:
