@@ -37,12 +37,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from zdsl import env
 from zdsl.cache import cache_dir
 from zdsl.ir import BUFFER_KINDS, TaskGraph
 from zdsl.lang.sizes import human_bytes
 from zdsl.schedule import SHARED_MEMORY_OUTBOX, nvme_placements
-from zdsl.sim.this_machine import device_in_ram, installed_torch, usable_cores
+from zdsl.sim.this_machine import (
+    NVIDIA_GPUS,
+    ROCM_DRIVER,
+    device_in_ram,
+    installed_torch,
+    usable_cores,
+    visible_nvidia_gpus,
+)
 from zdsl.swap_folders import device_of, folder_problem, nearest_existing, stripe_bytes
 
 OVERSUBSCRIBE = 8      # ranks per core above which a run is refused (a warning from 1 up to this)
@@ -108,7 +114,8 @@ def swap_needs(graph: TaskGraph) -> tuple[SwapNeed, ...]:
     places = nvme_placements(graph.config)
     held: dict[str, int] = {}
     for buf in graph.buffers.values():
-        place = places.get(BUFFER_KINDS.get(buf.kind)) if buf.tier == "nvme" else None
+        state = BUFFER_KINDS.get(buf.kind) if buf.tier == "nvme" else None
+        place = places.get(state) if state is not None else None
         if place is None:
             continue
         for folder, size in zip(place.paths, stripe_bytes(buf.bytes, place.block_bytes, len(place.paths))):
@@ -192,14 +199,14 @@ def judge(needs: Needs, machine: Machine, floor: TorchFloor, swap_room: dict[str
     left out). ``ram_at(k)``: planned RAM per rank at ``k`` ranks (ZeRO's shards grow as ranks shrink),
     to say how many ranks would fit; the same figure at every count if not given."""
     fit = Fit(needs, machine, floor, dict(swap_room or {}))
-    n, cores = needs.ranks, machine.cores
-    if machine.available is not None and needs.ram(floor) > machine.available:
+    n, cores, available = needs.ranks, machine.cores, machine.available
+    if available is not None and needs.ram(floor) > available:
         at = ram_at or (lambda k: needs.ram_per_rank)
-        fit.ranks_fitting = most_ranks(lambda k: needs.ram(floor, k, at(k)) <= machine.available, n - 1)
+        fit.ranks_fitting = most_ranks(lambda k: needs.ram(floor, k, at(k)) <= available, n - 1)
         fit.refusals.append(
             f"{n} ranks do not fit this machine's memory: they need {human_bytes(needs.ram(floor))} "
             f"({n} x ({human_bytes(floor.private)} torch + {human_bytes(needs.ram_per_rank)} planned per rank) + "
-            f"{human_bytes(floor.shared)} shared), {human_bytes(machine.available)} is available; "
+            f"{human_bytes(floor.shared)} shared), {human_bytes(available)} is available; "
             + (f"at most {fit.ranks_fitting} ranks fit (--set ranks={fit.ranks_fitting})" if fit.ranks_fitting
                else "not even one rank fits: offload state to cpu or nvme, or a smaller model"))
     if n > OVERSUBSCRIBE * cores:
@@ -258,21 +265,10 @@ def most_ranks(fits: Callable[[int], bool], upper: int) -> int:
     return lo
 
 
-def visible_cuda_devices(gpus: str = "/proc/driver/nvidia/gpus", kfd: str = "/dev/kfd") -> int | None:
+def visible_cuda_devices(gpus: str = NVIDIA_GPUS, kfd: str = ROCM_DRIVER) -> int | None:
     """The NVIDIA GPUs this machine's ranks may use, without torch: the driver's count, narrowed by
     CUDA_VISIBLE_DEVICES; None where an AMD GPU's driver is present (torch calls ROCm cuda too)."""
-    if os.path.exists(kfd):
-        return None
-    try:
-        count = len(os.listdir(gpus))
-    except OSError:
-        count = 0
-    visible = env.raw("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return count
-    listed = [d for d in visible.split(",") if d.strip()]
-    listed = listed[:next((i for i, d in enumerate(listed) if d.strip() == "-1"), len(listed))]
-    return min(count, len(listed))
+    return None if os.path.exists(kfd) else visible_nvidia_gpus(gpus)
 
 
 def free_bytes(folder: str | os.PathLike, statvfs: Callable = os.statvfs) -> int | None:
@@ -333,6 +329,8 @@ def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: Torch
     from zdsl.sim.simulate import simulate
 
     graph = compiled.graph
+    if graph is None:
+        raise ValueError(f"schedule_fit needs a schedule that compiled to a graph; {compiled.path} did not")
     sim = compiled.sim or simulate(graph, compiled.schedule.machine)
     needs = needs_of(graph, sim.memory.to_json())
     device = graph.config.get("device", "auto")
@@ -340,9 +338,12 @@ def schedule_fit(compiled, overrides: dict[str, str] | None = None, floor: Torch
     def ram_at(ranks: int) -> int:        # the same schedule at another rank count; its model as sized
         other = compile_file(compiled.path, {**(overrides or {}), "ranks": f"{ranks} on {device}"},
                              lambda spec: compiled.units, simulate=True)
-        return needs_of(other.graph, other.sim.memory.to_json()).ram_per_rank if other.sim else needs.ram_per_rank
+        if other.graph is None or other.sim is None:
+            return needs.ram_per_rank
+        return needs_of(other.graph, other.sim.memory.to_json()).ram_per_rank
 
-    search = ram_at              # how many ranks would fit: not searched where another launcher spreads them
+    # how many ranks would fit: not searched where another launcher spreads them
+    search: Callable[[int], int] | None = ram_at
     if local_ranks is not None:
         needs, search = dataclasses.replace(needs, ranks=local_ranks), None
     rooms = {need.folder: folder_room(need.folder, statvfs) for need in needs.swap}

@@ -25,7 +25,7 @@ from pathlib import Path
 from zdsl import env
 from zdsl.cache import cache_dir
 from zdsl.machine_profile import MachineProfile
-from zdsl.sim.this_machine import device_in_ram, installed_torch, usable_cores
+from zdsl.sim.this_machine import device_in_ram, installed_torch, nvidia_gpus, usable_cores
 
 QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the default profile is used
 # What a cached profile holds; one of an older format is measured again once. 2: compute rates by
@@ -161,16 +161,9 @@ def cached_format(path: Path) -> int | None:
         return None
 
 
-def nvidia_gpus() -> int:
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
-
-
 def calibrate_in_runtime(timeout: float = QUICK_TIMEOUT) -> str | None:
     """``zdsl calibrate --quick`` in a subprocess, which caches its profile; None on success, else why not."""
-    ranks = ["--ranks", "1"] if machine_device() == "cuda" and nvidia_gpus() == 1 else []   # nccl: a GPU a rank
+    ranks = ["--ranks", "1"] if machine_device() == "cuda" and len(nvidia_gpus()) == 1 else []   # nccl: a GPU a rank
     try:
         done = subprocess.run([sys.executable, "-m", "zdsl.runtime.calibrate.cli", "--quick", "--no-progress",
                                *ranks], capture_output=True, text=True, timeout=timeout)
@@ -198,7 +191,8 @@ def choose(device: str) -> Choice:
     if device != machine_device():
         return Choice(None, fallback, None)          # a CUDA schedule planned on a CPU box: nothing to measure
     older = path.exists()                             # there but unreadable: of an older format
-    lacking = LACKING.get(cached_format(path), "")
+    found = cached_format(path)
+    lacking = LACKING.get(found, "") if found is not None else ""
     why = calibrate_in_runtime()
     cached = read_profile(path) if why is None else None
     if cached is None:

@@ -9,21 +9,45 @@ import os
 
 from zdsl import env
 
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"   # the NVIDIA driver's folder: one entry per GPU, its PCI address
+ROCM_DRIVER = "/dev/kfd"                    # AMD's driver: torch calls ROCm devices cuda too
 
-def device_in_ram(device: str) -> bool:
-    """Whether the schedule's device tier is host memory: ``on cpu``, or ``auto`` with no GPU here."""
+
+def nvidia_gpus(folder: str = NVIDIA_GPUS) -> list[str]:
+    """The GPUs the NVIDIA driver found (their PCI addresses, sorted), every one: CUDA_VISIBLE_DEVICES is
+    not applied (:func:`visible_nvidia_gpus` applies it); [] without the driver."""
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return []
+
+
+def cuda_visible_limit() -> int | None:
+    """How many devices CUDA_VISIBLE_DEVICES leaves a process: its entries before the first -1 (CUDA
+    ignores the rest), 0 where it is empty; None where it is unset (every device)."""
+    visible = env.raw("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    listed = [d.strip() for d in visible.split(",") if d.strip()]
+    return len(listed[:listed.index("-1")] if "-1" in listed else listed)
+
+
+def visible_nvidia_gpus(folder: str = NVIDIA_GPUS) -> int:
+    """The NVIDIA GPUs this machine's ranks may use: the driver's count narrowed by CUDA_VISIBLE_DEVICES."""
+    count, limit = len(nvidia_gpus(folder)), cuda_visible_limit()
+    return count if limit is None else min(count, limit)
+
+
+def device_in_ram(device: str, gpus: str = NVIDIA_GPUS, kfd: str = ROCM_DRIVER) -> bool:
+    """Whether the schedule's device tier is host memory: ``on cpu``, or ``auto`` with no GPU here
+    (none in the drivers' folders, or CUDA_VISIBLE_DEVICES leaves none)."""
     if device == "cpu":
         return True
     if device == "cuda":
         return False
-    visible = env.raw("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
+    if cuda_visible_limit() == 0:
         return True
-    try:
-        gpus = os.listdir("/proc/driver/nvidia/gpus")
-    except OSError:
-        gpus = []
-    return not gpus and not os.path.exists("/dev/kfd")   # kfd: ROCm, which torch also calls cuda
+    return not nvidia_gpus(gpus) and not os.path.exists(kfd)
 
 
 def usable_cores() -> int:
