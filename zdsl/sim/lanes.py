@@ -9,7 +9,7 @@ it, so a measured op's own time is comparable to the simulated one.
 """
 from __future__ import annotations
 
-from zdsl.ir import TaskGraph
+from zdsl.ir import TaskGraph, crosses_nodes, group_size
 from zdsl.machine_profile import CollectiveRates, MachineProfile
 
 
@@ -21,16 +21,23 @@ def lane_slots(graph: TaskGraph, machine: MachineProfile) -> dict[str, int]:
     return {"comm": n} if n > 1 else {}
 
 
-def shared_memory_pair(graph: TaskGraph, on_host: bool) -> bool:
-    """Whether ``graph``'s ranks run every collective through shared memory (runtime/dist/shm.py):
-    2 ranks whose tensors are on the host (``on_host``: a cpu machine's, of one host), at any size."""
-    return on_host and graph.ranks == 2
+def shared_memory_group(graph: TaskGraph, group: str, on_host: bool) -> bool:
+    """Whether the runtime runs a collective over ``group`` through shared memory
+    (runtime/dist/shm.py serves any 2-rank group whose ranks share a host): tensors on the host
+    (``on_host``: a cpu machine's), 2 ranks in the group, and both on one node, at any size. A pair
+    across nodes is on two hosts and goes over the network (``zdsl run``'s simulated nodes run it
+    through shared memory and then delay it, as the cluster link prices it)."""
+    return (on_host and group_size(group, graph.ranks) == 2
+            and not crosses_nodes(group, graph.ranks, graph.per_node))
 
 
 def slots_of(graph: TaskGraph, machine: MachineProfile) -> int:
-    """Collectives ``graph``'s ranks run at once on ``machine``: its ``comm_slots``, except a
-    :func:`shared_memory_pair`'s, one at a time on the pair's worker thread."""
-    if shared_memory_pair(graph, machine.name == "cpu"):
+    """Collectives ``graph``'s ranks run at once on ``machine``: its ``comm_slots``, except where
+    every collective goes through shared memory (:func:`shared_memory_group`): one at a time on
+    the pair's worker thread."""
+    on_host = machine.name == "cpu"
+    collectives = [op for op in graph.ops if op.is_collective]
+    if collectives and all(shared_memory_group(graph, op.group, on_host) for op in collectives):
         return 1
     return max(1, int(machine.collectives.slots))
 

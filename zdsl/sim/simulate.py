@@ -21,7 +21,7 @@ from typing import NamedTuple
 from zdsl.ir import DTYPE_BYTES, LANES, TaskGraph, crosses_nodes, group_size
 from zdsl.machine_profile import Link, MachineProfile
 from zdsl.sim.graph_index import CyclicGraphError, GraphIndex, index_graph
-from zdsl.sim.lanes import lane_slots, shared_memory_pair, union_length
+from zdsl.sim.lanes import lane_slots, shared_memory_group, union_length
 from zdsl.sim.memory import MemoryTimeline, memory_timeline
 from zdsl.sim.rates import device_flops, disk_drives, for_graph
 
@@ -276,8 +276,9 @@ def under_load(graph: TaskGraph, op, machine: MachineProfile) -> float:
 
 
 def through_shared_memory(graph: TaskGraph, op, on_host: bool) -> bool:
-    """Whether the runtime runs this collective through shared memory (:func:`shared_memory_pair`)."""
-    return op.kind.startswith("comm.") and shared_memory_pair(graph, on_host)
+    """Whether the runtime runs this collective through shared memory: its group's
+    (:func:`shared_memory_group`)."""
+    return op.kind.startswith("comm.") and shared_memory_group(graph, op.group, on_host)
 
 
 def wake_after(graph: TaskGraph, machine: MachineProfile) -> list[float]:
