@@ -43,6 +43,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ROOT / "programs" / "quickstart.zs"
@@ -188,8 +189,8 @@ def signal_fault(kind: str, rnd: random.Random, folder: Path, timeout: float, st
     if kind == "kill_rank":
         out.right_message = (proc.returncode == 1 and f"rank {victim} was killed by signal SIGKILL" in lead)
     elif kind == "stop_rank":
-        out.right_message = (proc.returncode == 1 and lead.startswith(f"zdsl: error: rank {victim} stopped making progress")
-                             and "SIGSTOP" in lead and "op #" in lead)
+        stopped = f"zdsl: error: rank {victim} stopped making progress"
+        out.right_message = proc.returncode == 1 and lead.startswith(stopped) and "SIGSTOP" in lead and "op #" in lead
     elif kind == "launcher_kill":
         said = [line for line in stderr.splitlines() if line.startswith("zdsl:")]
         out.right_message = bool(said) and all("its launcher" in line and "is gone" in line for line in said)
@@ -216,8 +217,7 @@ def reference_losses(work: Path) -> dict[int, float]:
 
 
 def damaged_checkpoint(rnd: random.Random, folder: Path, work: Path, ops: int) -> Outcome:
-    from zdsl.runtime.checkpoint.reader import latest_complete
-    from zdsl.runtime.checkpoint.reader import list_checkpoints
+    from zdsl.runtime.checkpoint.reader import latest_complete, list_checkpoints
 
     out = Outcome("damaged_ckpt")
     reference = reference_losses(work)
@@ -273,18 +273,8 @@ def full_swap(rnd: random.Random, folder: Path) -> Outcome:
     try:
         program = folder / "nvme.zs"
         program.write_text(NVME.read_text().replace("/tmp/zdsl_nvme", str(swap)))
-        forced = rnd.random() < 0.5
-        proc = Run(folder, ["--set", "steps=3", "--quiet"] + (["--ignore-limits"] if forced else [])).start(program)
-        t0 = time.monotonic()
-        stdout, stderr = proc.communicate(timeout=600)
-        out = Outcome("full_swap")
-        _, out.left_behind = gone_after(str(folder), t0, 30)
-        out.traceback = TRACEBACK in stdout + stderr
-        lead = first_error(stderr)
-        out.right_message = proc.returncode != 0 and bool(re.search(r"disk full|free|space", lead))
-        if not out.right_message:
-            out.note = f"{'--ignore-limits: ' if forced else ''}exit {proc.returncode}: {(lead or stderr)[:300]}"
-        return out
+        return refused_run("full_swap", folder, program, [], rnd.random() < 0.5,
+                           lambda lead: bool(re.search(r"disk full|free|space", lead)))
     finally:
         subprocess.run(["umount", "-l", str(swap)], capture_output=True)
 
@@ -310,20 +300,28 @@ def wrong_swap(rnd: random.Random, folder: Path) -> Outcome:
         good.rmdir()
         good.write_text("not a folder")
         gone = good
-    forced = rnd.random() < 0.5
+    other = link if gone == good else good
+    return refused_run("wrong_swap", folder, program, sets, rnd.random() < 0.5, lambda lead: str(gone) in lead,
+                       how, lambda: [str(p) for p in other.rglob("*")] if other.is_dir() else [])
+
+
+def refused_run(kind: str, folder: Path, program: Path, sets: list[str], forced: bool, right: Callable[[str], bool],
+                how: str = "", leftovers: Callable[[], list[str]] = list) -> Outcome:
+    """Run ``program`` 3 steps (``forced``: with --ignore-limits, so the ranks meet the fault) and judge its
+    end: it must fail with a first error line ``right`` accepts, leave no process, no traceback and none of
+    ``leftovers()``; ``how`` names the fault's variant in the note."""
     proc = Run(folder, ["--set", "steps=3", "--quiet", *sets] + (["--ignore-limits"] if forced else [])).start(program)
     t0 = time.monotonic()
     stdout, stderr = proc.communicate(timeout=600)
-    out = Outcome("wrong_swap")
+    out = Outcome(kind)
     _, out.left_behind = gone_after(str(folder), t0, 30)
     out.traceback = TRACEBACK in stdout + stderr
-    lead = first_error(stderr)
-    other = link if gone == good else good
-    leftovers = [str(p) for p in other.rglob("*")] if other.is_dir() else []
-    out.right_message = proc.returncode != 0 and str(gone) in lead and not leftovers
+    lead, left = first_error(stderr), leftovers()
+    out.right_message = proc.returncode != 0 and right(lead) and not left
     if not out.right_message:
-        out.note = (f"{how}{', --ignore-limits' if forced else ''}: exit {proc.returncode}: {(lead or stderr)[:300]}"
-                    + (f"; left {leftovers[:3]}" if leftovers else ""))
+        variant = ", ".join(v for v in (how, "--ignore-limits" if forced else "") if v)
+        out.note = (f"{variant + ': ' if variant else ''}exit {proc.returncode}: {(lead or stderr)[:300]}"
+                    + (f"; left {left[:3]}" if left else ""))
     return out
 
 
@@ -338,7 +336,10 @@ def main() -> None:
     kinds = args.kinds.split(",")
     rnd = random.Random(args.seed)
     from zdsl.driver import compile_file
-    ops = len(compile_file(str(QUICK), {}, simulate=False).graph.ops)
+    quick = compile_file(str(QUICK), {}, simulate=False).graph
+    if quick is None:
+        sys.exit(f"chaos: {QUICK} does not compile: zdsl check {QUICK}")
+    ops = len(quick.ops)
     work = Path(tempfile.mkdtemp(prefix="zdsl-chaos-"))
     outcomes: list[Outcome] = []
     try:
