@@ -52,9 +52,12 @@ def bind_rank(local_rank: int, local_world: int) -> list[int] | None:
 
 def local_rank_and_world(rank: int, world: int) -> tuple[int, int]:
     """This host's rank and rank count (torchrun and ``zdsl run`` set LOCAL_*; else the global ones)."""
+    local_rank, local_world = env.raw("LOCAL_RANK"), env.raw("LOCAL_WORLD_SIZE")
+    if local_rank is None or local_world is None:
+        return rank, world
     try:
-        return int(env.raw("LOCAL_RANK")), int(env.raw("LOCAL_WORLD_SIZE"))
-    except (TypeError, ValueError):               # unset (None) or not a number
+        return int(local_rank), int(local_world)
+    except ValueError:                            # not a number
         return rank, world
 
 
@@ -78,7 +81,9 @@ LOOP_POLICIES = {"batch": getattr(os, "SCHED_BATCH", None), "idle": getattr(os, 
 
 
 def loop_policy_wanted() -> str:
-    return env.get("ZDSL_GLOO_LOOP_POLICY")
+    policy = env.get("ZDSL_GLOO_LOOP_POLICY")
+    assert policy is not None, "registered with a default, so never None"
+    return policy
 
 
 def loop_policy_error() -> str | None:

@@ -56,10 +56,10 @@ import threading
 
 import torch
 import torch.distributed as dist
-
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _get_dispatch_mode
 
 from zdsl.runtime.dist import shm
+from zdsl.runtime.dist.affinity import loop_policy_error
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -78,7 +78,6 @@ def check_settings() -> None:
     """Raise ValueError naming a bad ZDSL_GLOO_LOOP_POLICY (runtime/dist/affinity.py), the one
     variable the collectives read: called before a run or a calibration joins its group, since
     importing never fails on it."""
-    from zdsl.runtime.dist.affinity import loop_policy_error
     error = loop_policy_error()
     if error:
         raise ValueError(error)
@@ -234,7 +233,7 @@ def _copied(out: torch.Tensor, inp: torch.Tensor) -> Pending:
     """A one-rank collective, done: ``out`` holds ``inp``."""
     if out.data_ptr() != inp.data_ptr():
         out.copy_(inp)
-    done = torch.futures.Future()
+    done: torch.futures.Future[None] = torch.futures.Future()
     done.set_result(None)
     return Pending(done)
 
@@ -266,14 +265,17 @@ def comm_slots() -> int:
     """Collectives the default group's backend runs at once: gloo takes them off a queue with its
     worker threads (two unless set), so one issued behind another starts as soon as either is
     free; NCCL runs a group's collectives one after another on its stream."""
-    if not dist.is_initialized() or dist.get_backend() != "gloo":
+    world = dist.group.WORLD
+    if not dist.is_initialized() or world is None or dist.get_backend() != "gloo":
         return 1
     try:
-        return max(1, int(dist.group.WORLD._get_backend(torch.device("cpu")).options._threads))
+        options = world._get_backend(torch.device("cpu")).options    # gloo's own Options subclass
+        return max(1, int(getattr(options, "_threads")))
     except (AttributeError, RuntimeError, TypeError, ValueError):   # a torch without the private field
         return GLOO_DEFAULT_THREADS
 
 
 # Nodes simulated on one machine for benchmarks/hierarchy.py (ZDSL_SIM_NODES): unset, unchanged.
 from zdsl.runtime.dist import sim_nodes  # noqa: E402 (wraps the functions defined above)
+
 all_gather, reduce_scatter, all_reduce = sim_nodes.slowed(Pending, all_gather, reduce_scatter, all_reduce)

@@ -8,10 +8,11 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from zdsl.ir import ALL
-from zdsl.ir import group_members
+from zdsl import env
+from zdsl.ir import ALL, group_members
 from zdsl.runtime.dist import shm
 from zdsl.runtime.dist.affinity import calm_gloo_loops
+from zdsl.runtime.dist.spawn import MASTER_ADDR, free_port
 
 
 def backend_for(device: torch.device) -> str:
@@ -29,12 +30,9 @@ def init_group(rank: int, world: int, device: torch.device, timeout_s: float, *,
     (:func:`~zdsl.runtime.dist.affinity.calm_gloo_loops`).
     """
     backend = backend or backend_for(device)
-    kwargs = dict(backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-    if init_method is not None:
-        kwargs["init_method"] = init_method
-    if backend == "nccl" and device.type == "cuda":
-        kwargs["device_id"] = device
-    dist.init_process_group(**kwargs)
+    device_id = device if backend == "nccl" and device.type == "cuda" else None
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, init_method=init_method,
+                            timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
     if backend == "gloo":
         calm_gloo_loops()
 
@@ -91,17 +89,16 @@ def launched_rank() -> tuple[int, int] | None:
     """This process's (rank, world): the default group's where one is joined, else the launcher's
     variables (torchrun's, ``zdsl run``'s: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), else None
     (a plain ``python script.py``)."""
-    from zdsl import env
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if all(env.raw(key) is not None for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return int(env.raw("RANK")), int(env.raw("WORLD_SIZE"))
+    rank, world = env.raw("RANK"), env.raw("WORLD_SIZE")
+    if rank is not None and world is not None and env.raw("MASTER_ADDR") is not None \
+            and env.raw("MASTER_PORT") is not None:
+        return int(rank), int(world)
     return None
 
 
 def join_alone(device: torch.device, timeout_s: float) -> None:
     """A group of this process alone (a plain ``python script.py`` of a one-rank schedule), its
     rendezvous on a free loopback port."""
-    from zdsl.runtime.dist.spawn import MASTER_ADDR
-    from zdsl.runtime.dist.spawn import free_port
     init_group(0, 1, device, timeout_s, init_method=f"tcp://{MASTER_ADDR}:{free_port()}")

@@ -30,6 +30,7 @@ At 2 ranks a + b == b + a, so the results are the bits gloo gives.
 """
 from __future__ import annotations
 
+import _multiprocessing
 import mmap
 import os
 import queue
@@ -42,6 +43,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from zdsl.runtime.dist.affinity import LOOP_POLICIES, loop_policy_wanted
 from zdsl.schedule import SHARED_MEMORY_OUTBOX
 
 SLOTS = 2
@@ -65,7 +67,6 @@ class _Outbox:
 
     @classmethod
     def create(cls, name: str) -> "_Outbox":
-        import _multiprocessing
         fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, SLOTS * SLOT_BYTES)
@@ -82,7 +83,6 @@ class _Outbox:
 
     @classmethod
     def open(cls, name: str) -> "_Outbox":
-        import _multiprocessing
         fd = os.open(_path(name), os.O_RDWR)
         try:
             buf = mmap.mmap(fd, SLOTS * SLOT_BYTES)
@@ -95,7 +95,6 @@ class _Outbox:
     @staticmethod
     def unlink(name: str) -> None:
         """Remove the names (idempotent); mappings and open semaphores stay valid."""
-        import _multiprocessing
         for remove, what in ((os.unlink, _path(name)), (_multiprocessing.sem_unlink, f"/{name}-ready"),
                              (_multiprocessing.sem_unlink, f"/{name}-free")):
             try:
@@ -213,7 +212,6 @@ class Pair:
 def _calm_this_thread() -> None:
     """Give the worker gloo's loop policy (runtime/dist/affinity.py: SCHED_BATCH unless set), so its
     wake-ups do not preempt the compute it shares the rank's core with."""
-    from zdsl.runtime.dist.affinity import LOOP_POLICIES, loop_policy_wanted
     policy = LOOP_POLICIES.get(loop_policy_wanted())
     if policy is not None and hasattr(os, "sched_setscheduler"):
         try:
@@ -287,7 +285,7 @@ def _set_up(pg) -> Pair | None:
         for made in (name if mine is not None else None, peer_name):
             if made is not None and made.startswith("zdsl-shm-") and "/" not in made:
                 _Outbox.unlink(made)
-    if not all(both):
+    if not all(both) or mine is None or peer is None:     # all(both): this rank opened both
         return None
     peer_rank = 1 - rank if pg is dist.group.WORLD else dist.get_global_rank(pg, 1 - rank)
     return Pair(rank, peer_rank, peer_pid, mine, peer, group_timeout(pg))
@@ -304,4 +302,4 @@ def group_timeout(pg) -> float:
     try:
         return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     except (AttributeError, RuntimeError):   # a torch without the private field: gloo's default
-        return dist.distributed_c10d._get_default_timeout("gloo").total_seconds()
+        return dist.distributed_c10d._get_default_timeout(dist.Backend(dist.Backend.GLOO)).total_seconds()

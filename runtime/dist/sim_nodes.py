@@ -104,7 +104,7 @@ class _Late:
 
 def _after(future: torch.futures.Future, end: float) -> torch.futures.Future:
     """A future that completes with ``future``'s result (or error), at ``end`` at the earliest."""
-    out = torch.futures.Future()
+    out: torch.futures.Future[object] = torch.futures.Future()
 
     def done(f: torch.futures.Future) -> None:
         def finish() -> None:

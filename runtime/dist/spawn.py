@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from zdsl import env
@@ -69,7 +70,7 @@ class LocalRanks:
     def __init__(self, fn, world: int, args: tuple = (), *, first: int = 0, port: int | None = None):
         self.fn, self.world, self.args, self.first = fn, world, args, first
         self.port = free_port() if port is None else port
-        self.procs: dict[int, multiprocessing.Process] = {}
+        self.procs: dict[int, BaseProcess] = {}
         self._folder: tempfile.TemporaryDirectory | None = None
 
     def __enter__(self) -> LocalRanks:
@@ -93,6 +94,7 @@ class LocalRanks:
             self._folder.cleanup()
 
     def _result(self, rank: int) -> Path:
+        assert self._folder is not None, "the ranks start on entering, which makes the folder"
         return Path(self._folder.name) / f"rank{rank}.pickle"
 
     def join(self, timeout_s: float | None = None) -> dict[int, object]:
@@ -109,7 +111,15 @@ class LocalRanks:
             if not running or (deadline is not None and time.monotonic() > deadline):
                 break
             time.sleep(JOIN_POLL_S)
-        return {rank: self._record(rank)["ok"] for rank, p in self.procs.items() if p.exitcode == 0}
+        return {rank: self._returned(rank) for rank, p in self.procs.items() if p.exitcode == 0}
+
+    def _returned(self, rank: int) -> object:
+        """What a rank that exited cleanly returned; :class:`RankFailed` when its result is
+        missing or unreadable."""
+        record = self._record(rank)
+        if record is None or "ok" not in record:
+            raise self.failure(rank)
+        return record["ok"]
 
     def failures(self, wait_s: float = 0.5) -> list[RankFailed]:
         """The ranks that failed so far, waiting up to ``wait_s`` for more to end (a peer that
@@ -122,7 +132,9 @@ class LocalRanks:
     def failure(self, rank: int) -> RankFailed:
         record = self._record(rank)
         if record is None or "error" not in record:
-            return RankFailed(rank, None, f"{describe_exit(rank, self.procs[rank].exitcode)}, without a result")
+            code = self.procs[rank].exitcode
+            ended = f"rank {rank} is still running" if code is None else describe_exit(rank, code)
+            return RankFailed(rank, None, f"{ended}, without a result")
         return RankFailed(rank, record["error"], record["traceback"])
 
     def _record(self, rank: int) -> dict | None:
@@ -142,7 +154,7 @@ def run_ranks(fn, world: int, *args) -> list:
     return [results[rank] for rank in range(world)]
 
 
-def stop(procs: list[multiprocessing.Process]) -> None:
+def stop(procs: list[BaseProcess]) -> None:
     """SIGTERM to the ranks still running, SIGKILL to those not gone ``STOP_WAIT_S`` later."""
     for p in procs:
         if p.exitcode is None:

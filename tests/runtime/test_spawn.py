@@ -29,6 +29,10 @@ def _rank_1_fails(rank, world):
     time.sleep(120)                  # as a peer waiting in a collective: stopped by the spawner
 
 
+def _exit_without_a_result(rank, world):
+    os._exit(0)                      # a clean status, but nothing returned
+
+
 def _sleep(rank, world, folder):
     Path(folder, f"rank{rank}").touch()        # running (past the spawn's start-up)
     time.sleep(120)
@@ -47,6 +51,12 @@ def test_a_failing_rank_is_named_with_its_traceback_and_its_peers_are_stopped():
     assert info.value.rank == 1 and info.value.error == "ValueError: rank 1 broke"
     assert "Traceback" in str(info.value) and "_rank_1_fails" in str(info.value)
     assert time.monotonic() - start < 60          # rank 0 was stopped, not waited for
+
+
+def test_a_rank_that_exits_cleanly_without_a_result_is_named():
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_exit_without_a_result, 1)
+    assert info.value.rank == 0 and str(info.value) == "rank 0 exited with status 0, without a result"
 
 
 PARENT = f"""
