@@ -24,6 +24,22 @@ def sized(zs) -> None:
     assert compiled.ok, [d.message for d in compiled.diagnostics]
 
 
+def private_cache(monkeypatch, folder: Path) -> Path:
+    """Point ZDSL_CACHE at ``folder`` for this test, with a torch floor in it (a typical one: 300 MiB a
+    process, 150 MiB shared), so that ``zdsl plan`` there takes it instead of measuring the floor in a
+    subprocess that imports torch (seconds of CPU, and not what a test using this is about)."""
+    import importlib.metadata
+    import json
+    import platform
+
+    from zdsl.planner.machine_fit import floor_cache
+    monkeypatch.setenv("ZDSL_CACHE", str(folder))
+    path = floor_cache(importlib.metadata.version("torch"), platform.python_version())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"private": 300 << 20, "shared": 150 << 20}))
+    return folder
+
+
 # A tiny ZeRO-3 schedule for the command-line tests (compiles in milliseconds, no files).
 SMALL = """\
 schedule small "a tiny ZeRO-3 schedule"

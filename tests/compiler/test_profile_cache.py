@@ -18,7 +18,7 @@ MEASURED = MachineProfile().with_fields(flops=1e9, link_bandwidth=1e8, op_overhe
 def calibrating(tmp_path, monkeypatch):
     """Calibration on, in a private cache; a stub that caches MEASURED and counts its calls."""
     monkeypatch.setenv("ZDSL_CALIBRATE", "1")
-    monkeypatch.setenv("ZDSL_CACHE", str(tmp_path / "cache"))
+    helpers.private_cache(monkeypatch, tmp_path / "cache")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")             # this machine's device: the CPU
     calls = []
 
@@ -99,7 +99,7 @@ def test_the_cache_key_changes_with_the_core_count(calibrating, monkeypatch):
 
 def test_an_unreadable_cache_is_measured_again(tmp_path, capsys, calibrating):
     path = profile_cache.profile_path("cpu")
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("{not json")
     out, _ = plan(tmp_path, capsys)
     assert calibrating == [1] and rates(out)[0].startswith("rates: calibrated on this machine")
@@ -116,7 +116,7 @@ def test_tune_predicts_with_the_calibrated_profile(tmp_path, capsys, calibrating
 
 def test_the_suite_never_calibrates(tmp_path, capsys, monkeypatch):
     """tests/conftest.py turns calibration off for every test (and the zdsl processes tests start)."""
-    monkeypatch.setenv("ZDSL_CACHE", str(tmp_path / "cache"))
+    helpers.private_cache(monkeypatch, tmp_path / "cache")
     monkeypatch.setattr(profile_cache, "calibrate_in_runtime", lambda: pytest.fail("the suite calibrated"))
     out, err = plan(tmp_path, capsys)
     assert "calibrat" not in err and not list((tmp_path / "cache").glob("machine-*.json"))

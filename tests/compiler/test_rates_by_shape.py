@@ -8,6 +8,8 @@ import math
 
 import pytest
 
+from helpers import private_cache
+
 from zdsl.cli import main
 from zdsl.driver import compile_file
 from zdsl.sim import profile_cache
@@ -159,10 +161,10 @@ def test_the_checker_refuses_a_bad_shape_field_at_its_position(tmp_path, capsys,
 
 def test_an_older_cached_profile_is_measured_again_once_and_that_is_said(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("ZDSL_CALIBRATE", "1")
-    monkeypatch.setenv("ZDSL_CACHE", str(tmp_path / "cache"))
+    private_cache(monkeypatch, tmp_path / "cache")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     path = profile_cache.profile_path("cpu")
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"profile": PLAIN.to_config(), "statement": "machine cpu(...)",
                                 "when": "2026-11-25 20:45 UTC"}))             # format 1: no "format" key
     calls = []
