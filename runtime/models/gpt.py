@@ -104,11 +104,17 @@ def attention_mask(batch: Batch | None, dtype: torch.dtype | None = None) -> tor
     if dtype is not None:
         added = batch.extras.get(ADDED)
         if added is None or added.dtype != dtype:
-            allowed = attention_mask(batch)
+            allowed = allowed_with_self(batch)
             added = torch.zeros_like(allowed, dtype=dtype).masked_fill_(allowed.logical_not(), float("-inf"))
             batch.extras[ADDED] = added
             batch.extras.pop(ALLOWED, None)     # the additive one is what the rest of the step reads
         return added
+    return allowed_with_self(batch)
+
+
+def allowed_with_self(batch: Batch) -> torch.Tensor:
+    """The boolean mask of :func:`attention_mask` (True where a query may see a key, itself
+    always), made once per micro-batch."""
     allowed = batch.extras.get(ALLOWED)
     if allowed is None:
         T = batch.input_ids.shape[1]
@@ -144,6 +150,7 @@ class Head(nn.Module):
     """
 
     takes_batch = True
+    _embedding: Embedding
 
     def __init__(self, width: int, embedding: Embedding):
         super().__init__()
@@ -204,8 +211,11 @@ class GPT(LazyUnits, nn.Module):
         self.tied = {(layers + 1, 0): "wte.weight"}
         if lazy:
             g, names = torch.Generator().manual_seed(seed), {id(p): n for n, p in self.named_parameters()}
-            self.defer(lambda u: {local: self._init_value(names[id(p)], p.shape, g)   # in parameter order,
-                                  for local, p in self.units()[u].named_parameters()})  # as the eager init draws
+
+            def values(u: int) -> dict[str, torch.Tensor]:      # in parameter order, as the eager init draws
+                return {local: self._init_value(names[id(p)], p.shape, g)
+                        for local, p in self.units()[u].named_parameters()}
+            self.defer(values)  # type: ignore[operator]  # LazyUnits' method: mypy reads zdsl.runtime's modules as Any
         elif not ambient_meta:
             self.reset_parameters(seed)
             if device is not None:
@@ -238,7 +248,7 @@ class GPT(LazyUnits, nn.Module):
 
     def forward(self, idx: torch.Tensor | Batch, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of ``(idx, targets)`` or of a :class:`Batch`."""
-        self.refuse_if_lazy()
+        self.refuse_if_lazy()  # type: ignore[operator]  # LazyUnits' method: mypy reads zdsl.runtime's modules as Any
         batch = idx if isinstance(idx, Batch) else Batch.of(idx, targets)
         x = self.embedding(batch.input_ids, batch)
         attention_mask(batch)

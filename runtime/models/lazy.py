@@ -19,10 +19,13 @@ import torch.nn as nn
 UnitValues = Callable[[int], dict[str, torch.Tensor]]
 
 
-class LazyUnits:
-    """Mixed into an ``nn.Module`` that has ``units()``."""
+class LazyUnits(nn.Module):
+    """The base of a module whose ``units()`` may get their values later."""
 
     _pending: dict | None = None      # while units wait: {"values": UnitValues, "next": unit}
+
+    def units(self) -> list[nn.Module]:
+        raise NotImplementedError(f"{type(self).__name__} lists no units()")
 
     def defer(self, values: UnitValues) -> None:
         """Units get their values from ``values(u)`` when :meth:`materialize_unit` asks, in order."""

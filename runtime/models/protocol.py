@@ -83,13 +83,14 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
 from torch.autograd import graph as autograd_graph
 
 from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.gpt import GPT
 
 PROTOCOL_DOC = "the unit protocol (zdsl.runtime.models.protocol)"
 
@@ -235,11 +236,17 @@ def prepare_batch(model: nn.Module, batch: Batch) -> Batch:
 def run_units(model: nn.Module, batch: Batch) -> torch.Tensor:
     """The loss of ``batch`` through the model's units, as zdsl runs them (a ``forward(batch)``)."""
     prepare_batch(model, batch)
-    units = list(model.units())
+    units = unit_modules(model)
     x = batch.input_ids
     for i, unit in enumerate(units):
         x = call_unit(unit, x, batch, last=i == len(units) - 1)
     return x
+
+
+def unit_modules(model: nn.Module) -> list[nn.Module]:
+    """``model.units()``, the protocol's one required method (:func:`check_model` checks it)."""
+    units: Callable[[], Iterable[nn.Module]] = getattr(model, "units")
+    return list(units())
 
 
 def tied_uses(model, n_units: int) -> list[list[int]]:
@@ -270,7 +277,6 @@ def build_model(model_spec, seed: int = 0, device=None, base_dir=None, lazy: boo
     time (``RankState`` does), so a ``model hf`` keeps its parameters on meta
     until then (with ``device`` None); the built-in GPT decides by its size."""
     if model_spec.kind == "gpt":
-        from zdsl.runtime.models.gpt import GPT
         try:
             model = GPT(**model_spec.args, seed=seed, device=device)
         except TypeError as exc:

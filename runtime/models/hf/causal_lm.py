@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -56,6 +57,7 @@ def additive_mask(batch: Batch, dtype: torch.dtype, window: int | None = None) -
 class DecoderUnit(nn.Module):
     """One of transformers' own decoder layers as a unit: ``(hidden, batch) -> hidden``."""
     takes_batch = True
+    _call: Callable[..., Any]
 
     def __init__(self, layer: nn.Module, call, window: int | None = None):
         super().__init__()
@@ -71,6 +73,8 @@ class DecoderUnit(nn.Module):
 class HeadUnit(nn.Module):
     """Last unit: final norm, logits (through the embedding's weight when tied), the loss."""
     takes_batch = True
+    _embedding: nn.Module
+    tied_name: str
 
     def __init__(self, norm_name: str, norm: nn.Module, lm_head: nn.Linear | None,
                  embedding: nn.Module | None = None, tied_name: str | None = None):
@@ -80,6 +84,8 @@ class HeadUnit(nn.Module):
         if lm_head is not None:
             self.lm_head = lm_head
         else:                                       # tied: read, not owned (registered in unit 0)
+            if embedding is None or tied_name is None:
+                raise ValueError("a head without lm_head reads the embedding's weight: give embedding and tied_name")
             object.__setattr__(self, "_embedding", embedding)
             self.tied_name = tied_name
 
@@ -122,7 +128,7 @@ class HfCausalLM(LazyUnits, nn.Module):
 
     def forward(self, input_ids, labels=None) -> torch.Tensor:
         """The loss of ``Batch`` ``input_ids`` (or of ``input_ids``, ``labels``): the units in order."""
-        self.refuse_if_lazy()
+        self.refuse_if_lazy()  # type: ignore[operator]  # LazyUnits' method: mypy reads zdsl.runtime's modules as Any
         batch = input_ids if isinstance(input_ids, Batch) else Batch(input_ids=input_ids, labels=labels)
         self.prepare(batch)
         x = batch.input_ids
@@ -184,7 +190,7 @@ class HfCausalLM(LazyUnits, nn.Module):
             raise RuntimeError("reset_parameters on a lazily built HF model: call materialize() first")
         values = self.seeded(seed)
         for u in range(len(self.units())):
-            self.set_unit(u, values(u))
+            self.set_unit(u, values(u))  # type: ignore[operator]  # LazyUnits' method: mypy reads zdsl.runtime's modules as Any
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from zdsl.model.hf_folder import HfModelError
 
@@ -74,16 +75,22 @@ def checkpoint_name(files: dict[str, Path], name: str) -> str | None:
     return short if short in files and name.startswith(("transformer.", "model.")) else None
 
 
+def stored_name(model, u: int, local: str, files: dict[str, Path]) -> str:
+    """Unit ``u``'s parameter ``local`` as the checkpoint spells it; HfModelError when it has none."""
+    hf = model.hf_name(u, local)
+    name = checkpoint_name(files, hf)
+    if name is None:
+        raise HfModelError(f"the weights have no tensor {hf!r} (unit {u}'s {local})",
+                           hint="the config and the weights must come from the same model")
+    return name
+
+
 def check_weights(model, files: dict[str, Path]) -> None:
     """Every parameter of ``model`` is in the files with its shape (headers only)."""
     headers: dict[Path, dict] = {}
     for u, unit in enumerate(model.units()):
         for local, p in unit.named_parameters():
-            hf = model.hf_name(u, local)
-            name = checkpoint_name(files, hf)
-            if name is None:
-                raise HfModelError(f"the weights have no tensor {hf!r} (unit {u}'s {local})",
-                                   hint="the config and the weights must come from the same model")
+            name = stored_name(model, u, local, files)
             path = files[name]
             if path not in headers:
                 if not path.is_file():
@@ -102,10 +109,9 @@ def check_weights(model, files: dict[str, Path]) -> None:
 def read_unit(model, u: int, files: dict[str, Path]) -> dict[str, torch.Tensor]:
     """Unit ``u``'s tensors from the files by the unit's local parameter names (as stored: the
     model casts them); only this unit's tensors are read."""
-    from safetensors import safe_open
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for local, _ in model.units()[u].named_parameters():
-        name = checkpoint_name(files, model.hf_name(u, local))
+        name = stored_name(model, u, local, files)
         by_file.setdefault(files[name], []).append((local, name))
     values = {}
     for path, wanted in by_file.items():
