@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from zdsl.ir import TaskGraph
 from zdsl.model.layout import FlatLayout, unit_layout
 from zdsl.runtime.checkpoint import (
     CheckpointError,
+    Index,
     apply_retention,
     checkpoint_path,
     latest_complete,
@@ -203,7 +206,40 @@ def optimizer_mismatch(path, index, shards: dict, state) -> str | None:
             f"start {asked}'s state from zero with the checkpoint's weights")
 
 
-def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print,
+def _agreed_checkpoint(where: str, graph: TaskGraph, rank: int, world: int,
+                       say: Callable[[str], None]) -> tuple[Path, Index, dict[str, torch.Tensor]]:
+    """The checkpoint to resume from, its index and this rank's shards: ``where`` itself, or the newest
+    checkpoint under the root ``where`` that every rank could read its part of (saying why one was
+    passed over)."""
+    root = Path(where)
+    direct = (root / "index.json").exists() or root.name.startswith("step-")
+    before = None
+    while True:
+        path: Path | None = None
+        index: Index | None = None
+        found: tuple[Path, Index, dict[str, torch.Tensor]] | None = None
+        problem = ""
+        try:
+            path = find_checkpoint(where, say) if direct else \
+                latest_complete(root, verify=False, before=before, report=say)   # said once, by rank 0
+            if path is None:
+                raise CheckpointError(f"{root}: no complete checkpoint to resume from")
+            index = read_index(path)
+            found = path, index, load_for_rank(path, rank, world, graph_layouts(graph))
+        except CheckpointError as exc:
+            problem = str(exc)
+        problems: list[str] = [""] * world
+        dist.all_gather_object(problems, problem)
+        bad = next((p for p in problems if p), "")
+        if found is not None and not bad:    # no problem anywhere: this rank found its part too
+            return found
+        if direct or path is None or index is None:
+            raise CheckpointError(bad)
+        say(f"checkpoint {path} refused: {bad}; falling back to an older one")
+        before = index.step
+
+
+def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say: Callable[[str], None] = print,
            fresh_optimizer: bool = False) -> int:
     """Load the checkpoint into ``state`` (re-cut to this run's ranks and layout); the next step to run.
 
@@ -212,31 +248,7 @@ def resume(where: str, graph: TaskGraph, state, rank: int, world: int, say=print
     back to the next older checkpoint under the root, and say why. ``fresh_optimizer``: take only
     the weights and start the optimizer's state (moments, step count) from zero; without it, a
     checkpoint whose optimizer state is not the schedule's optimizer's is refused."""
-    import torch.distributed as dist
-
-    root = Path(where)
-    direct = (root / "index.json").exists() or root.name.startswith("step-")
-    before = None
-    while True:
-        problem, path, index, shards = "", None, None, None
-        try:
-            path = find_checkpoint(where, say) if direct else \
-                latest_complete(root, verify=False, before=before, report=say)   # said once, by rank 0
-            if path is None:
-                raise CheckpointError(f"{root}: no complete checkpoint to resume from")
-            index = read_index(path)
-            shards = load_for_rank(path, rank, world, graph_layouts(graph))
-        except CheckpointError as exc:
-            problem = str(exc)
-        problems: list[str] = [""] * world
-        dist.all_gather_object(problems, problem)
-        bad = next((p for p in problems if p), "")
-        if not bad:
-            break
-        if direct or path is None or index is None:
-            raise CheckpointError(bad)
-        say(f"checkpoint {path} refused: {bad}; falling back to an older one")
-        before = index.step
+    path, index, shards = _agreed_checkpoint(where, graph, rank, world, say)
     if index.ranks != world:
         say(f"resuming {path} (written by {index.ranks} ranks) on {world} ranks: shards re-cut")
     note = data_order_note(index.data_position, graph)

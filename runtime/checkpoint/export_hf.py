@@ -26,7 +26,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
+from zdsl.model.hf_folder import HfModelError
 from zdsl.runtime.checkpoint.errors import CheckpointError
 from zdsl.runtime.checkpoint.export import export_dtype, param_entries, resolve
 from zdsl.runtime.checkpoint.index import unit_prefixes
@@ -35,6 +37,8 @@ from zdsl.runtime.checkpoint.stformat import _nbytes as tensor_bytes
 from zdsl.runtime.checkpoint.stformat import build_header, byte_view, dtype_code, write_new_file
 from zdsl.runtime.checkpoint.writer import write_atomic
 from zdsl.runtime.io.atomic import renamed_into_place
+from zdsl.runtime.models.hf import load
+from zdsl.schedule import ModelSpec
 
 FORMATS = ("plain", "hf")
 DEFAULT_MAX_SHARD_SIZE = "5GB"          # transformers' save_pretrained default
@@ -61,11 +65,8 @@ def not_hf_error(kind: str) -> CheckpointError:
 
 def hf_model_on_meta(model_spec: dict):
     """The ``model hf`` that ``model_spec`` (a ``ModelSpec`` as JSON) names, sized on the meta device."""
-    from zdsl.model.hf_folder import HfModelError
-    from zdsl.runtime.models.hf import load
-    from zdsl.schedule import ModelSpec
     if model_spec.get("kind") != "hf":
-        raise not_hf_error(model_spec.get("kind"))
+        raise not_hf_error(str(model_spec.get("kind")))
     try:
         with torch.device("meta"):
             return load(ModelSpec(**model_spec))
@@ -191,7 +192,6 @@ def convert_state_dict(state_file, model_spec: dict, out_dir, dtype="fp32", *,
                        max_shard_size=DEFAULT_MAX_SHARD_SIZE) -> list[str]:
     """An HF folder from a plain state-dict file of the ``model hf`` ``model_spec`` names (what
     ``zdsl run --export`` writes), read tensor by tensor."""
-    from safetensors import safe_open
     model = hf_model_on_meta(model_spec)
     names = hf_names_by_key(model)
     out_dtype = export_dtype(dtype, "float32")

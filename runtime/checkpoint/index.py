@@ -126,7 +126,7 @@ class UnitMeta:
         return UnitMeta(d["name"], d["prefix"], [(n, tuple(int(x) for x in s)) for n, s in d["params"]],
                         int(d["numel"]), int(d["parts"]), int(d["part_numel"]), int(d["ranks"]),
                         d.get("dtype", "float32"), int(d.get("frozen_parts", 0)), int(d.get("frozen_part_numel", 0)),
-                        tuple(tuple(int(x) for x in r) for r in d.get("runs", ())))
+                        tuple((int(a), int(b), int(c)) for a, b, c in d.get("runs", ())))
 
     def state_dict_keys(self) -> list[str]:
         return [f"{self.prefix}.{n}" if self.prefix else n for n, _ in self.params]
@@ -259,7 +259,7 @@ def state_dict_aliases(model, units: list[UnitMeta]) -> dict[str, str]:
     twice in ``state_dict``, and export must write both keys for a strict load.
     """
     owned = {key for u in units for key in u.state_dict_keys()}
-    by_id = {}
+    by_id: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if name in owned:
             by_id.setdefault(id(p), name)

@@ -86,7 +86,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         raise CheckpointError(f"tensor on {t.device} given to the checkpoint writer; copy it to host first")
     flat = t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,11 @@ def _nbytes(code: str, shape) -> int:
     return n * torch.empty((), dtype=TORCH_DTYPES[code]).element_size()
 
 
+LayoutEntry = tuple[str, str, tuple[int, ...], int, int]   # name, dtype code, shape, begin, end
+
+
 def build_header(specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str],
-                 page_offsets: list[int | None] | None = None) -> tuple[bytes, list[tuple[str, str, tuple, int, int]]]:
+                 page_offsets: list[int | None] | None = None) -> tuple[bytes, list[LayoutEntry]]:
     """Header bytes (length prefix included) and the layout: (name, dtype code, shape, begin, end) in file order.
 
     ``page_offsets``: per spec, the offset within a 4 KiB page its bytes
@@ -134,7 +137,7 @@ def build_header(specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[s
     Without it: the reference writer's layout (data 8-byte aligned).
     """
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    layout = []
+    layout: list[LayoutEntry] = []
     pos = 0
     for i, (name, code, shape) in enumerate(specs):
         want = page_offsets[i] if page_offsets else None
@@ -164,7 +167,7 @@ def write_stream(sink: Sink, header: bytes, tensors) -> list[tuple[int, ...]]:
     crcs = []
     span = max(CRC_BLOCK, WRITE_SPAN // CRC_BLOCK * CRC_BLOCK)
     for view in tensors:
-        blocks = []
+        blocks: list[int] = []
         for off in range(0, len(view), span):
             chunk = view[off:off + span]
             blocks.extend(crc(chunk[b:b + CRC_BLOCK]) for b in range(0, len(chunk), CRC_BLOCK))
@@ -252,9 +255,9 @@ class ShardFile:
             self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
             end = 0
             for name, h in header.items():
-                b, e = h["data_offsets"]
-                self.entries[name] = (h["dtype"], tuple(h["shape"]), b, e)
-                end = max(end, e)
+                begin, stop = h["data_offsets"]
+                self.entries[name] = (h["dtype"], tuple(h["shape"]), begin, stop)
+                end = max(end, stop)
             if self.data_start + end > self.size:
                 raise CheckpointError(f"{path}: truncated ({self.size} bytes, header needs {self.data_start + end})")
             self.source = Source(path, self.fd)
