@@ -64,7 +64,7 @@ class Race:
 class Clocks:
     """Every agent's vector clock, events as recorded clocks, and the races found."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.clock: dict[str, Clock] = {}
         self.races: list[Race] = []
         self.seen: set[tuple] = set()

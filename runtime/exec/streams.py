@@ -146,6 +146,8 @@ class LaneStreams:
         streams made with ``timing=True``."""
         if not self.timing:
             raise RuntimeError("device_times: these lane streams were made without timing events")
+        if self.origin is None:
+            raise RuntimeError("device_times: no step began on these lane streams")
         torch.cuda.synchronize(self.device)
         out = {}
         for i, (begin, end) in enumerate(zip(self.begins, self.events)):
@@ -166,7 +168,7 @@ class LaneStreams:
                 continue
             if host_waits:
                 event.synchronize()          # host code needs the device result (or the copy done) now
-            elif self.lane_of[d] != op.lane or op.kind == "mem.free":
+            elif stream is not None and (self.lane_of[d] != op.lane or op.kind == "mem.free"):
                 stream.wait_event(event)
         if stream is None:
             with sanitizer_joined():

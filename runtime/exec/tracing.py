@@ -11,10 +11,10 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import torch.distributed as dist
 
 from zdsl.ir import TaskGraph
+from zdsl.observe.timeline import render_timeline
 from zdsl.observe.trace import TraceCounter, TraceSpan, chrome_trace, op_label
 from zdsl.runtime.exec.executor import StepRecord
 from zdsl.sim.memory import memory_timeline
@@ -25,9 +25,9 @@ def rank_events(graph: TaskGraph, records: list[tuple[int, StepRecord]], rank: i
     spans, counters = [], []
     offset = 0.0
     for step, rec in records:
-        start = np.array([t.start for t in rec.timings])
-        end = np.array([t.end for t in rec.timings])
-        for op, t0, t1 in zip(graph.ops, start.tolist(), end.tolist()):
+        start = [t.start for t in rec.timings]
+        end = [t.end for t in rec.timings]
+        for op, t0, t1 in zip(graph.ops, start, end):
             if op.kind == "mem.free":
                 continue
             spans.append(TraceSpan(rank, op.lane, op_label(op), offset + t0, offset + t1, op.id,
@@ -67,5 +67,4 @@ def write_measured_trace(graph: TaskGraph, records, rank: int, world: int, optio
     if options.trace:
         Path(options.trace).write_text(json.dumps(trace, separators=(",", ":")))
     if options.timeline:
-        from zdsl.observe.timeline import render_timeline
         render_timeline(trace, options.timeline, title=f"{graph.schedule}: measured step", step=None)
