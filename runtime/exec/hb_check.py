@@ -37,6 +37,7 @@ and die on the op's stream); host memory's pools (pinned blocks are guarded by t
 """
 from __future__ import annotations
 
+import copy
 import re
 import threading
 from contextlib import contextmanager
@@ -85,24 +86,42 @@ class HBChecker:
     def __init__(self, graph: TaskGraph, state=None, rank: int = 0, record_streams: bool = True):
         """``graph``: what the checker orders by (each op's dependencies and lane), the graph the
         executor runs unless a test mutates it."""
-        self.graph, self.rank, self.record_streams = graph, rank, record_streams
-        self.timing = True          # as LaneStreams': device_times() only while set (the executor's record)
-        self.deps = [op.deps for op in graph.ops]
+        self.rank, self.record_streams = rank, record_streams
         self.table = getattr(state, "table", None)
-        self.lane_of = [op.lane for op in graph.ops]
-        self.host_side = host_side_ops(graph)
         self.clocks = Clocks()
         self.pools = Pools(self.clocks)
         self.lock = threading.RLock()
         self.local = threading.local()
         self.blocks: dict[int, tuple[StorageWeakRef, Block]] = {}     # data_ptr -> the block there
+        self.root = self            # the checker whose races are reported once, whichever graph ran
+        self.reported = 0           # the root's: races already raised
+        self._undo: list = []
+        self._order_by(graph, "step")
+
+    def _order_by(self, graph: TaskGraph, what: str) -> None:
+        """What this seam orders by: ``graph``'s dependencies and lanes; ``what`` names a run of it."""
+        self.graph, self.what = graph, what
+        self.timing = True          # as LaneStreams': device_times() only while set (the executor's record)
+        self.deps = [op.deps for op in graph.ops]
+        self.lane_of = [op.lane for op in graph.ops]
+        self.host_side = host_side_ops(graph)
         n = len(graph.ops)
         self.events: list[dict | None] = [None] * n       # each device op's end, as a recorded clock
         self.host_done: list[dict | None] = [None] * n    # each host-lane op's end on its host thread
         self.work: dict[int, dict] = {}                   # collective op -> NCCL's clock after it
         self.step = -1
-        self.reported = 0
-        self._undo: list = []
+
+    def for_graph(self, graph: TaskGraph, what: str) -> "HBChecker":
+        """The seam of another graph run on the same rank state between steps (the evaluation's
+        forward graph, with an executor of its own): ordered by ``graph``, on the same streams,
+        clocks, allocator pools and blocks, so each graph's ops are checked against the other's.
+        As on CUDA, where that executor has lane streams of its own; without them its ops would be
+        the caller's work on the default stream, which waits for no collective. Installed while
+        this checker is (it is not a context manager of its own); ``what`` names its runs."""
+        view = copy.copy(self)
+        view._undo = []
+        view._order_by(graph, what)
+        return view
 
     # -- installing ----------------------------------------------------------------
     def __enter__(self) -> "HBChecker":
@@ -120,7 +139,11 @@ class HBChecker:
         mode = _Stamp(self)
         mode.__enter__()
         self.local.mode = True
-        self._undo.append(lambda: (mode.__exit__(None, None, None), setattr(self.local, "mode", False)))
+
+        def leave() -> None:
+            mode.__exit__(None, None, None)
+            self.local.mode = False
+        self._undo.append(leave)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -131,8 +154,9 @@ class HBChecker:
     def _on(self, agent: str, op: Op | None):
         """Run the body as ``agent`` (a lane's stream or host thread) doing ``op``."""
         local = self.local
-        saved = getattr(local, "agent", None), getattr(local, "op", None), getattr(local, "in_collective", False)
-        local.agent, local.op, local.in_collective = agent, op, False
+        saved = (getattr(local, "agent", None), getattr(local, "op", None), getattr(local, "in_collective", False),
+                 getattr(local, "seam", None))
+        local.agent, local.op, local.in_collective, local.seam = agent, op, False, self
         mode = None
         if not getattr(local, "mode", False):
             mode = _Stamp(self)
@@ -144,7 +168,7 @@ class HBChecker:
             if mode is not None:
                 mode.__exit__(None, None, None)
                 local.mode = False
-            local.agent, local.op, local.in_collective = saved
+            local.agent, local.op, local.in_collective, local.seam = saved
             if op is not None:
                 self._name_buffers(op)
 
@@ -274,8 +298,9 @@ class HBChecker:
                 if st is not None and st.data_ptr() not in written:
                     self.clocks.access(self._block(st, issuer), agent, epoch, who, False)
             op = getattr(self.local, "op", None)
-            if agent == NCCL and op is not None:
-                self.work[op.id] = self.clocks.snapshot(NCCL)
+            if agent == NCCL and op is not None:      # the collective's, in the graph its op is of
+                seam = getattr(self.local, "seam", None) or self
+                seam.work[op.id] = self.clocks.snapshot(NCCL)
 
     def _collective(self, schema, args, kwargs) -> None:
         """A c10d op: NCCL's stream waits for the issuing stream, then reads its inputs and writes
@@ -284,7 +309,8 @@ class HBChecker:
         if schema.name.endswith("barrier"):
             return
         root = bound.get("root_rank")
-        reads, writes = [], []
+        reads: list[torch.Tensor] = []
+        writes: list[torch.Tensor] = []
         for name, value in bound.items():
             tensors = _tensors(value)
             if name.startswith("input"):
@@ -340,7 +366,7 @@ class HBChecker:
         return t
 
     def _release(self, release, slot) -> None:
-        if slot.buf.tier != "device":
+        if slot.buf.tier != "device" or self.table is None:    # (installed only where there is a table)
             release(slot)
             return
         held = self._held(slot)          # weak references only: the release must be able to free
@@ -403,14 +429,15 @@ class HBChecker:
 
     # -- the report ----------------------------------------------------------------------
     def _raise_races(self) -> None:
-        races = self.clocks.races[self.reported:]
-        self.reported = len(self.clocks.races)
+        root = self.root
+        races = self.clocks.races[root.reported:]
+        root.reported = len(self.clocks.races)
         if races:
             raise HBRaceError(self.report(races))
 
     def report(self, races: list[Race]) -> str:
         head = (f"rank {self.rank}: happens-before check: {len(races)} race{'s' if len(races) > 1 else ''} "
-                f"in step {self.step} (ordered as on CUDA: a stream per device lane, NCCL's own stream, "
+                f"in {self.what} {self.step} (ordered as on CUDA: a stream per device lane, NCCL's own stream, "
                 f"the caching allocator's pools)")
         lines = [head] + ["  " + describe(race) for race in races[:MAX_REPORTED]]
         if len(races) > MAX_REPORTED:
@@ -474,6 +501,18 @@ def _slot_tensors(slot) -> list:
     rec = slot.record
     return [t for t in (slot.tensor, *((rec.input, rec.output) if rec is not None else ()))
             if isinstance(t, torch.Tensor)]
+
+
+def streams_for(run_streams, graph: TaskGraph, device: torch.device, what: str):
+    """The stream seam of another graph run on the rank state whose run has ``run_streams`` (the
+    evaluation's): the run's checker ordering by ``graph`` where the run is checked
+    (``ZDSL_HB_CHECK=1``), else CUDA's lane streams of its own, untimed (None on the CPU)."""
+    from zdsl.runtime.exec.streams import lane_streams
+    if isinstance(run_streams, HBChecker):
+        view = run_streams.for_graph(graph, what)
+        view.timing = False
+        return view
+    return lane_streams(graph, device, timing=False)
 
 
 @contextmanager

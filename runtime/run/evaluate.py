@@ -25,7 +25,7 @@ from zdsl.ir import TaskGraph
 from zdsl.runtime.dist.collectives import all_gather
 from zdsl.runtime.exec.errors import OpError
 from zdsl.runtime.exec.executor import Executor
-from zdsl.runtime.exec.streams import lane_streams
+from zdsl.runtime.exec.hb_check import streams_for
 from zdsl.runtime.models.batch import IGNORE_INDEX, Batch, as_batch
 
 
@@ -37,15 +37,17 @@ class Evaluator:
     """Runs a schedule's evaluation on one rank; every rank calls :meth:`run` at the same steps."""
 
     def __init__(self, graph: TaskGraph, spec, state, *, seed: int, rank: int, world: int, batch: int,
-                 device: torch.device, make_batch):
+                 device: torch.device, make_batch, run_streams=None):
         """``spec``: the schedule's ``EvalSpec`` (every, data, batches); ``make_batch``: the data
-        sources' entry point (``runtime/data``)."""
+        sources' entry point (``runtime/data``); ``run_streams``: the training executor's stream
+        seam (its happens-before checker orders this graph too)."""
         self.graph, self.spec, self.state = graph, spec, state
         self.seed, self.rank, self.world, self.batch, self.device = seed, rank, world, batch, device
         self.make_batch = make_batch
         # no progress board: the launcher reads it as the training graph's ops and collectives; no
         # injected fault (ZDSL_FAULT names a training op and step)
-        self.executor = Executor(graph, state, rank, record=False, streams=lane_streams(graph, device, timing=False))
+        self.executor = Executor(graph, state, rank, record=False,
+                                 streams=streams_for(run_streams, graph, device, "evaluation"))
         self.executor.fault = None
 
     def due(self, step: int, steps: int) -> bool:

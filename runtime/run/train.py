@@ -211,7 +211,7 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
             from zdsl.runtime.run.evaluate import Evaluator
             evaluator = Evaluator(eval_graph, schedule.eval, run.state, seed=graph.config["train"]["seed"],
                                   rank=rank, world=world, batch=graph.config["train"]["batch"], device=device,
-                                  make_batch=make_batch)
+                                  make_batch=make_batch, run_streams=run.executor.streams)
         loop = TrainLoop(run, options, reporter, make_batch, scalars, evaluator)
         return trio.run(run_stoppable, loop.train)
 
