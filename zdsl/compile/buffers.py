@@ -38,9 +38,17 @@ class BufferTable:
 
     def _size(self, kind: str, u: int | None) -> tuple[int, str]:
         """Bytes on one rank and dtype of a buffer of ``kind`` for unit ``u``."""
+        if kind in ("norm", "loss"):
+            return 4, "fp32"
+        if u is None:
+            if kind != "token":
+                raise ValueError(f"a {kind} buffer belongs to a unit; got one without")
+            return 0, self.homes.precision
+        return self._unit_size(kind, u)
+
+    def _unit_size(self, kind: str, u: int) -> tuple[int, str]:
         homes = self.homes
-        layout = homes.layouts[u] if u is not None else None
-        spec = homes.specs[u] if u is not None else None
+        layout, spec = homes.layouts[u], homes.specs[u]
         elem_bytes, batch = homes.elem_bytes, homes.batch
         if kind == "param_full":
             return layout.padded_numel * elem_bytes, homes.precision
@@ -67,6 +75,4 @@ class BufferTable:
             return batch * spec.act_elems(elem_bytes) * elem_bytes, homes.precision
         if kind == "act_grad":
             return batch * spec.input_elems_per_seq * elem_bytes, homes.precision
-        if kind in ("norm", "loss"):
-            return 4, "fp32"
-        return 0, homes.precision      # token
+        return 0, homes.precision

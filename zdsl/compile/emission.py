@@ -101,7 +101,7 @@ class OpStream:
         if not self.is_valid(name) or name in self.buffers.persistent:
             return
         kind, u, tier = parse_buffer_name(name)
-        if kind == "param_full" and self.waiting_users.get(u):
+        if kind == "param_full" and u is not None and self.waiting_users.get(u):
             return   # a tied user gathered it ahead and has not computed yet: its last use frees it
         end = None
         if tier == "host" and self.homes.nvme_home(kind, u):

@@ -25,12 +25,15 @@ from zdsl.compile.buffers import BufferTable
 from zdsl.compile.emission import OpStream
 from zdsl.compile.finish import finish_ops
 from zdsl.compile.homes import UnitHomes
+from zdsl.compile.models import run_context
 from zdsl.compile.phases import run_phase
 from zdsl.compile.step_graph import graph_of
+from zdsl.compile.verify import Finding, findings
 from zdsl.ir import TaskGraph, parse_buffer_name
 from zdsl.lang.sizes import human_bytes
 from zdsl.model.units import UnitSpec
 from zdsl.schedule import Pipeline, Schedule
+from zdsl.sim.simulate import simulate
 
 # What a forward-only graph may hold: the op kinds its forward template can emit.
 FORWARD_KINDS = ("compute.forward", "comm.all_gather", "copy.h2d", "nvme.read", "mem.free")
@@ -39,7 +42,6 @@ FORWARD_KINDS = ("compute.forward", "comm.all_gather", "copy.h2d", "nvme.read", 
 def eval_context(schedule: Schedule) -> int | None:
     """Tokens per sequence the evaluation runs on: the eval data's context (the checker gives it
     the training data's unless written), else the training's (zdsl/compile/models.py)."""
-    from zdsl.compile.models import run_context
     value = schedule.eval.data.args.get("context") if schedule.eval is not None else None
     return int(value) if value else run_context(schedule)
 
@@ -89,8 +91,6 @@ def eval_findings(train: TaskGraph, evaluation: TaskGraph, schedule: Schedule, w
     """The verifier's findings on the evaluation graph (races, cycles, collective order), each
     marked as the evaluation's, and the memory budgets against :func:`eval_peak`; returns
     (findings, simulation or None)."""
-    from zdsl.compile.verify import Finding, findings
-    from zdsl.sim.simulate import simulate
     unbudgeted = dataclasses.replace(schedule, memory={})      # budgets: checked below, with the held states
     found, sim = findings(evaluation, unbudgeted, want_sim=False)
     for f in found:

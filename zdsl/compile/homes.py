@@ -79,6 +79,7 @@ class UnitHomes:
     @property
     def secondary_ranks(self) -> int:
         """Ranks of the secondary shard's group (hpZ's node)."""
+        assert self.secondary is not None, "only hpZ has a secondary shard (param_sec)"
         return group_size(self.secondary, self.ranks)
 
     def optim_tier(self, u: int) -> str:

@@ -13,9 +13,6 @@ in order (why this order: :mod:`zdsl.compile.lower`'s docstring on the three mea
    (its home moves there for that unit);
 3. :meth:`HostBudget.keep_resident`: the host copies Belady's rule keeps between their uses
    within the step (:mod:`zdsl.compile.residency`).
-
-The simulation is the planner's; it is imported when first needed, so the compiler's modules
-import no planner module when loaded.
 """
 from __future__ import annotations
 
@@ -24,8 +21,10 @@ from dataclasses import dataclass
 from zdsl.compile import residency
 from zdsl.compile.step_graph import HostChoices, StepBuild, build_step
 from zdsl.ir import TaskGraph
+from zdsl.machine_profile import MachineProfile
 from zdsl.model.units import UnitSpec
 from zdsl.schedule import Pipeline, Schedule
+from zdsl.sim.simulate import Simulation, simulate
 
 
 def fit_host_budget(schedule: Schedule, units: list[UnitSpec], pipelines: dict[str, Pipeline], budget: int,
@@ -48,17 +47,16 @@ def fit_host_budget(schedule: Schedule, units: list[UnitSpec], pipelines: dict[s
 class Built:
     """A step build and its simulated step, simulated once when first asked."""
     step: StepBuild
-    machine: object
-    _sim: object = None
+    machine: MachineProfile
+    _sim: Simulation | None = None
 
     @property
     def graph(self) -> TaskGraph:
         return self.step.graph
 
     @property
-    def sim(self):
+    def sim(self) -> Simulation:
         if self._sim is None:
-            from zdsl.sim.simulate import simulate
             self._sim = simulate(self.graph, self.machine)
         return self._sim
 
@@ -166,10 +164,10 @@ class HostBudget:
 
 def read_ahead_units(graph: TaskGraph) -> set[int]:
     """Units whose optimizer state the graph reads from NVMe before its first step."""
-    out = set()
+    out: set[int] = set()
     for op in graph.ops:
         if op.kind == "compute.step":
             break
-        if op.kind == "nvme.read" and any(name.startswith("optim[") for name in op.reads):
+        if op.kind == "nvme.read" and op.unit is not None and any(name.startswith("optim[") for name in op.reads):
             out.add(op.unit)
     return out

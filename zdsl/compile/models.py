@@ -59,9 +59,9 @@ def units_for(spec: ModelSpec, context: int | None = None, data=None) -> list[Un
         return units
     if spec.kind in ("user", "hf"):
         key = sizing_cache.sizing_key(spec, context, data)     # a model sized before: no torch
-        units = sizing_cache.load(key) if key else None
-        if units is not None:
-            return units
+        kept = sizing_cache.load(key) if key else None
+        if kept is not None:
+            return kept
         try:   # torch (and transformers for hf): only for models built to be sized
             from zdsl.runtime.sizing import units_for_user_model
         except ImportError as exc:

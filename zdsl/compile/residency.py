@@ -36,6 +36,7 @@ would need the runtime to hold working buffers between steps, which it does not.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from zdsl.ir import TaskGraph
@@ -103,7 +104,8 @@ def cycle_candidates(graph: TaskGraph, start: list[float]) -> list[Hold]:
     return [Hold(states[buf.kind], buf.unit, name, buf.bytes, moved.get(name, 0), read.get(name, 0),
                  first.get(name, float("inf")))
             for name, buf in graph.buffers.items()
-            if buf.persistent and buf.tier == "nvme" and buf.kind in states and moved.get(name)]
+            if buf.persistent and buf.tier == "nvme" and buf.kind in states and moved.get(name)
+            and buf.unit is not None]
 
 
 def hold_through_cycle(candidates: list[Hold], room: int) -> list[Hold]:
@@ -162,8 +164,9 @@ class Room:
     def __init__(self, times: list[float], working: list[float], budget: int, states: int, gaps: list[Gap]):
         points = sorted({*times, *(g.start for g in gaps), *(g.stop for g in gaps)})
         self.points = points
-        self.free = []
-        j, live = 0, 0
+        self.free: list[float] = []
+        j = 0
+        live: float = 0
         for t in points:
             while j < len(times) and times[j] <= t:   # the value after every event at t
                 live = working[j]
@@ -225,7 +228,7 @@ def lru(gaps: list[Gap], room: Room) -> list[Gap]:
     return hits
 
 
-def summarize(gaps: list[Gap], held: list[Gap], room: Room, budget: int, cycle: list[Hold] = ()) -> Residency:
+def summarize(gaps: list[Gap], held: list[Gap], room: Room, budget: int, cycle: Sequence[Hold] = ()) -> Residency:
     """What keeping ``held`` (and holding ``cycle``) saves, beside an LRU cache of the same room
     within the step and the most a cache within the step could."""
     kept = {g.buffer for g in held}

@@ -34,11 +34,13 @@ import os
 import site
 import sys
 import sysconfig
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 from zdsl.cache import cache_dir
 from zdsl.model.units import UnitSpec
+from zdsl.schedule import DataSpec, ModelSpec
 from zdsl.sources import source_of
 
 FORMAT = 2          # of the files written; an older or newer one is a miss (2: a user's sources)
@@ -48,13 +50,14 @@ _hooked = False
 _NOT_FILES = ("/proc/", "/sys/", "/dev/")
 
 
-def sizing_key(spec, context: int | None, data) -> str | None:
+def sizing_key(spec: ModelSpec, context: int | None, data: DataSpec | None) -> str | None:
     """The key of ``spec``'s sizing (a ``ModelSpec`` of kind "hf", or "user" with a file factory), or
     None where it is not kept."""
     if data is not None and not source_of(data.kind).token_ids:     # sized from a row of its own tensors
         return None
+    model: dict[str, object]
     try:
-        if spec.kind == "hf":
+        if spec.kind == "hf" and spec.path is not None:
             folder = Path(spec.path)
             config = (folder / "config.json").read_bytes()
             files = sorted((p.name, st.st_size, st.st_mtime_ns) for p in folder.iterdir()
@@ -84,7 +87,7 @@ def load(key: str) -> list[UnitSpec] | None:
         return None
 
 
-def store(key: str, units: list[UnitSpec], sources: list[str] = ()) -> None:
+def store(key: str, units: list[UnitSpec], sources: Sequence[str] = ()) -> None:
     """Keep ``units`` under ``key``; ``sources``: files whose change makes it a miss (checked on load)."""
     path = _path(key)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -98,7 +101,7 @@ def store(key: str, units: list[UnitSpec], sources: list[str] = ()) -> None:
 
 
 @contextlib.contextmanager
-def files_read(spec):
+def files_read(spec: ModelSpec) -> Iterator[set[str]]:
     """A set of the files this process opens for reading while the block runs, filled as they are
     opened (Python's ``open`` audit event: ``open()``, ``os.open`` and what is built on them, such
     as ``json.load``, ``numpy.load`` and ``torch.load``; a file opened by native code alone, such as
@@ -131,7 +134,7 @@ def _on_audit(event: str, args: tuple) -> None:
             seen.add(path)
 
 
-def sources(spec, read: set[str] | frozenset = frozenset()) -> list[str]:
+def sources(spec: ModelSpec, read: set[str] | frozenset = frozenset()) -> list[str]:
     """The files whose change makes ``spec``'s kept sizing a miss, beyond its key: for a user's
     factory, what it may have read: the files beside its file (a config it loads), the Python
     files of every module loaded in this process that is the user's, and the files in ``read``
@@ -147,7 +150,7 @@ def sources(spec, read: set[str] | frozenset = frozenset()) -> list[str]:
     except OSError:
         beside = set()
     libraries = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    libraries |= {*site.getsitepackages(), site.getusersitepackages(), *_code_roots(), cache_dir()}
+    libraries |= {*site.getsitepackages(), site.getusersitepackages(), *map(str, _code_roots()), str(cache_dir())}
     roots = tuple(os.path.join(os.path.realpath(p), "") for p in libraries if p) + _NOT_FILES
     files = {os.path.realpath(f) for m in list(sys.modules.values())
              if isinstance(f := getattr(m, "__file__", None), str) and f.endswith(".py")}
@@ -155,7 +158,7 @@ def sources(spec, read: set[str] | frozenset = frozenset()) -> list[str]:
     return sorted(beside | {f for f in files if not f.startswith(roots)})
 
 
-def _factory_file(spec) -> Path | None:
+def _factory_file(spec: ModelSpec) -> Path | None:
     """The file of a user's factory named by its file (absolute: the checker resolved it), or None."""
     if spec.kind != "user" or not spec.factory:
         return None

@@ -29,6 +29,7 @@ from zdsl.lang.errors import Diagnostic
 from zdsl.lang.sizes import human_bytes
 from zdsl.schedule import Schedule, Span
 from zdsl.sim.graph_index import CyclicGraphError, index_graph
+from zdsl.sim.memory import MemoryTimeline
 from zdsl.sim.simulate import Simulation, simulate
 
 STATE_WORDS = {"param_full": "gathered parameters", "param_shard": "parameter shards",
@@ -169,7 +170,7 @@ class GraphVerifier:
             count[lane] += 1
         self.pos = pos
         self.lanes = len(lane_ix)
-        self.clocks = None
+        self.clocks: list[list[int]] | None = None
 
     def vector_clocks(self) -> list[list[int]]:
         """clock[i][l] = last position on lane l surely finished before op i starts (own lane: its own).
@@ -178,7 +179,7 @@ class GraphVerifier:
         dep (the compiler derives direct deps for every conflicting pair, so
         usually never)."""
         if self.clocks is None:
-            clocks: list[list[int] | None] = [None] * len(self.pos)
+            clocks: list[list[int]] = [[] for _ in self.pos]   # each set before read: order is topological
             empty = [-1] * self.lanes
             for i in self.order:
                 p = self.lane_prev[i]
@@ -325,7 +326,7 @@ class GraphVerifier:
             model = sum(states.values())
             working = peak - model
             if peak > budget:
-                span, hint, cause = self.blame(tier, model, working)
+                span, hint, cause = self.blame(mem, tier, model, working)
                 split = ", ".join(f"{k} {human_bytes(v)}" for k, v in states.items() if v)
                 self.error(f"peak {tier} memory {human_bytes(peak)} exceeds the budget of {human_bytes(budget)}"
                            f"{self.budget_where(tier)}: model states {human_bytes(model)}"
@@ -345,15 +346,14 @@ class GraphVerifier:
         return f" (set at line {span.line})" if span.file == self.schedule.file else \
             f" (set at {span.file}:{span.line})"
 
-    def blame(self, tier: str, model: int, working: int) -> tuple[Span | None, str, str]:
+    def blame(self, mem: MemoryTimeline, tier: str, model: int, working: int) -> tuple[Span | None, str, str]:
         """The statement that made ``tier`` too full: prefetch depth or a placement."""
-        sim_mem = self.sim.memory
-        live = sim_mem.live_at_peak(tier) if working > 0 else []
+        live = mem.live_at_peak(tier) if working > 0 else []
         kinds: dict[str, int] = {}
         for iv in live:
             kind = iv.buffer.split("[", 1)[0].split("@", 1)[0]
             kinds[kind] = kinds.get(kind, 0) + iv.bytes
-        top = max(kinds, key=kinds.get) if kinds else None
+        top = max(kinds, key=lambda k: kinds[k]) if kinds else None
         cause = ""
         if top:
             units = sorted({iv.buffer for iv in live
@@ -372,7 +372,7 @@ class GraphVerifier:
             span = self.stmt_span("recompute", "train", "prefetch", "memory")
             return span, "recompute more units (recompute blocks) or lower the batch", cause
         # model states (or unattributed working memory): the placement of the biggest state here
-        states = sim_mem.states.get(tier, {})
+        states = mem.states.get(tier, {})
         for state in sorted(states, key=lambda s: -states[s]):
             if states[state] and (span := self.stmt_span(f"offload.{state}")):
                 other = "nvme" if tier == "host" else "cpu"
@@ -399,7 +399,6 @@ class GraphVerifier:
                 sim = simulate(self.graph, self.schedule.machine, self.index)
         except CyclicGraphError:            # already reported
             return None
-        self.sim = sim
         if sim is not None:
             self.check_memory(sim)
         return sim
@@ -409,16 +408,17 @@ def cycle_through(i: int, deps: list[list[int]], lane_prev: list[int]) -> list[i
     """The ops of one cycle through op position ``i``, in dependency order."""
     preds = lambda j: [p for p in (*deps[j], lane_prev[j]) if p >= 0]  # noqa: E731
     # breadth-first back from i until we return to i
-    parent = {i: None}
+    parent: dict[int, int | None] = {i: None}
     frontier = [i]
     while frontier:
         nxt = []
         for j in frontier:
             for p in preds(j):
                 if p == i:
-                    path = [j]
-                    while parent[path[-1]] is not None:
-                        path.append(parent[path[-1]])
+                    path, back = [j], parent[j]
+                    while back is not None:
+                        path.append(back)
+                        back = parent[back]
                     return [i] + path[:-1]  # i before j before parent[j] ... before i
                 if p not in parent:
                     parent[p] = j
