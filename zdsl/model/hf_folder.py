@@ -69,7 +69,7 @@ def _cached_snapshot(name: str) -> Path | None:
     """The cached snapshot folder holding ``name``'s config.json (local files only, no network)."""
     if name.count("/") > 1 or name.startswith((".", "/", "~")) or importlib.util.find_spec("huggingface_hub") is None:
         return None
-    from huggingface_hub import try_to_load_from_cache  # reads HF_HOME / HF_HUB_CACHE itself
+    from huggingface_hub import try_to_load_from_cache  # optional extra, lazily; reads HF_HOME itself
     try:
         found = try_to_load_from_cache(repo_id=name, filename="config.json")
     except Exception:   # noqa: BLE001 - not a valid repo id: simply not cached

@@ -112,6 +112,8 @@ def flat_layout(numel: int, ranks: int, bucket_elems: int = 0, sizes: list[int] 
     trainable parameters first, then frozen ones, when some but not all are frozen."""
     if not frozen or all(frozen) or not any(frozen):
         return FlatLayout(numel, ranks, *_parts(numel, ranks, bucket_elems))
+    if sizes is None:
+        raise ValueError("flat_layout: a partly frozen unit needs its parameters' sizes")
     trainable = sum(n for n, f in zip(sizes, frozen) if not f)
     t_parts, t_numel = _parts(trainable, ranks, bucket_elems)
     f_parts, f_numel = _parts(numel - trainable, ranks, bucket_elems)

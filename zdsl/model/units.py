@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from zdsl.schedule import GPT_DEFAULTS
 
@@ -49,10 +50,15 @@ class UnitSpec:
 
 # Kernels (aten ops) per unit of runtime/models/gpt.py, forward and backward, counted by
 # runtime/models/kernel_count.py (the same for every size; tests/runtime/test_gpt_units.py recounts them).
-GPT_KERNELS = {
-    "embedding": dict(fwd_kernels=4, bwd_kernels=6),
-    "block": dict(fwd_kernels=32, bwd_kernels=68),
-    "head": dict(fwd_kernels=13, bwd_kernels=18),
+class Kernels(TypedDict):
+    fwd_kernels: int
+    bwd_kernels: int
+
+
+GPT_KERNELS: dict[str, Kernels] = {
+    "embedding": Kernels(fwd_kernels=4, bwd_kernels=6),
+    "block": Kernels(fwd_kernels=32, bwd_kernels=68),
+    "head": Kernels(fwd_kernels=13, bwd_kernels=18),
 }
 
 
