@@ -34,7 +34,8 @@ class Engine:
         self.grad_norm: float | None = None     # of the last step, where the schedule computes it
         self.loss: float | None = None          # this rank's mean loss of the last step
         self.training = True
-        self._phase, self._micro, self._output = IDLE, 0, None
+        self._phase, self._micro = IDLE, 0
+        self._output: torch.Tensor | None = None
         self._losses: list[torch.Tensor] = []
         self._failed: str | None = None
         self._closed = False
@@ -88,10 +89,9 @@ class Engine:
         problem = problem or self._forward_problem()
         self._agree(call, micro, problem)
         if micro == 0:
-            self._on_loop(self._loop.call_sync, self._flow.begin, self.global_step)
             self._losses = []
-        self._on_loop(self._loop.call_sync, self._flow.feed, micro, batch.to(self.device))
-        out = self._on_loop(self._loop.call, self._flow.wait_forward, micro, f"rank {self.rank}: {call}")
+        out = self._on_loop(self._loop.call, self._flow.forward, micro, batch.to(self.device),
+                            self.global_step if micro == 0 else None, f"rank {self.rank}: {call}")
         self._phase, self._micro, self._output = FORWARD, micro, out
         return out
 
@@ -236,7 +236,7 @@ class Engine:
         return scaler.scale if scaler.enabled else None
 
 
-def output_gradient(loss, output: torch.Tensor, scale: float | None, accumulate: int, call: str):
+def output_gradient(loss, output: torch.Tensor | None, scale: float | None, accumulate: int, call: str):
     """d loss / d output, scaled as ``zdsl run`` scales its loss (the fp16 loss scale, then 1/accumulate):
     ``(grad, None)``, or ``(None, why)`` for a loss that is no scalar or not computed from ``output``."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

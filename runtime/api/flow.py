@@ -68,6 +68,15 @@ class StepFlow:
         finally:
             self.finished.set()
 
+    async def forward(self, micro: int, batch, step: int | None, call: str):
+        """Step ``step``'s graph started (where given: the step's first micro-batch), micro-batch
+        ``micro`` fed, and its output once the forward has run (:meth:`wait_forward`): one hand-off
+        from the user's thread for what would otherwise be three."""
+        if step is not None:
+            self.begin(step)
+        self.feed(micro, batch)
+        return await self.wait_forward(micro, call)
+
     def feed(self, micro: int, batch) -> None:
         """Micro-batch ``micro`` for unit 0's forward (a ``Batch`` on the rank's device)."""
         self.state.compute.feed(micro, batch)
