@@ -76,6 +76,7 @@ def save_checkpoint(engine, folder, client_state: dict | None) -> Path:
         except OSError as exc:
             problem = f"rank {engine.rank}: {call}: cannot write under {folder}: {exc}"
     engine._agree(call, 0, problem)
+    assert saver is not None        # made, or the agreement raised its problem
     try:
         if engine.rank == 0 and client_state is not None:
             step_dir.mkdir(parents=True, exist_ok=True)
