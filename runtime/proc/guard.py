@@ -71,11 +71,12 @@ def _lifeline() -> None:
         if info is not None and info.si_signo in STOP_SIGNALS:
             stopped = Stopped(info.si_signo, f"stopped by {signal.Signals(info.si_signo).name}")
             break
-        stopped = launcher_gone()
-        if stopped is not None:
+        gone = launcher_gone()
+        if gone is not None:
+            stopped = gone
             break
     _stop.append(stopped)
-    _thread.interrupt_main(stopped.signum)       # runs _raise_stopped in the main thread
+    _thread.interrupt_main(signal.Signals(stopped.signum))       # runs _raise_stopped in the main thread
     time.sleep(RANK_DEADLINE_S)
     try:                                         # the main thread did not get out in time
         report_stop(stopped)
