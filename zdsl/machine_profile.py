@@ -206,7 +206,7 @@ class MachineProfile:
 
     def to_config(self) -> dict:
         """Plain JSON, flat by wire name: the values given (None and empty tables left out)."""
-        raw = {"name": self.name}
+        raw: dict[str, object] = {"name": self.name}
         for wire in WIRE_FIELDS:
             v = self.value(wire)
             if v is not None and v != ():
@@ -260,6 +260,20 @@ MACHINE_OPTIONS = (
     ("flops_alone_fp16", "flops_alone_fp16"),
     ("disk_ranks", "disk_ranks"), ("disk_read_alone", "disk_read_alone"), ("disk_write_alone", "disk_write_alone"),
 )
+# ``link LEVEL=(RATE, LATENCY)``: the ``machine`` keywords of each level's rate and latency. The
+# statement and the keywords set the same fields (zdsl/check/machine.py reads both through one function).
+LINK_LEVELS = {"node": ("link", "latency"), "cluster": ("cluster_link", "cluster_latency")}
+
+
+def given_links(schedule) -> dict[str, float]:
+    """The wire fields a ``link`` statement gave ``schedule`` (its ``link.LEVEL`` spans), as its
+    profile holds them: to set on the profile the schedule is planned with where that is not its
+    own (this machine's calibrated one, where it has no ``machine`` statement)."""
+    wires = dict(MACHINE_OPTIONS)
+    return {wires[key]: schedule.machine.value(wires[key]) for level, keys in LINK_LEVELS.items()
+            if f"link.{level}" in schedule.spans for key in keys}
+
+
 # Keywords (each its wire name) whose value is a tuple of numbers, one per ``flops_widths``:
 # ``flops_bf16=(5e10, 2e11, 3e11)``.
 MACHINE_TUPLES = ("flops_widths", "flops_fp32", "flops_bf16", "flops_fp16",

@@ -12,8 +12,9 @@
 #     InfiniBand 200 Gb/s for compute (one per GPU: 25 GB/s each way); 2 AMD EPYC 7742.
 #   AMD EPYC 7742: 8 channels of DDR4-3200 per socket (204.8 GB/s): 409.6 GB/s a node, 51 GB/s a
 #     GPU's share, which prices an optimizer step offloaded to the host.
-# The latencies are not datasheet figures: the order of NCCL's small-message time within a node
-# (NVSwitch) and across nodes (InfiniBand), as nccl-tests reports them.
+# The link statement gives each level (bytes a second each rank moves, seconds per collective):
+# within the node and across nodes. The latencies are not datasheet figures: the order of NCCL's
+# small-message time within a node (NVSwitch) and across nodes (InfiniBand), as nccl-tests reports.
 machine cuda(
     flops=3.12e14,                       # bf16 tensor peak, also where no table applies
     flops_widths=(4096),                 # one width: the peak at every width
@@ -22,11 +23,9 @@ machine cuda(
     flops_fp16=(3.12e14),
     memory_bw=2.039e12,                  # HBM2e
     host_memory_bw=5.12e10,              # the GPU's share of the host's DDR4
-    link=3.0e11,                         # NVLink 3 through NVSwitch, each way
-    latency=1.0e-5,
-    cluster_link=2.5e10,                 # HDR InfiniBand 200 Gb/s per GPU, each way
-    cluster_latency=2.0e-5,
     pcie=3.2e10,                         # PCIe Gen4 x16, each way
     comm_slots=1                         # NCCL: one stream per communicator
 )
+link node=(3.0e11, 1.0e-5),              # NVLink 3 through NVSwitch, each way
+     cluster=(2.5e10, 2.0e-5)            # HDR InfiniBand 200 Gb/s per GPU, each way
 memory device 80GB                       # HBM2e per GPU (80e9 bytes: under the 80 GiB, room for CUDA's own)

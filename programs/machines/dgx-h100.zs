@@ -12,8 +12,9 @@
 #     InfiniBand/Ethernet for compute (one per GPU: 50 GB/s each way); 2 Intel Xeon Platinum 8480C.
 #   Intel Xeon Platinum 8480C: 8 channels of DDR5-4800 per socket (307 GB/s): 614 GB/s a node,
 #     77 GB/s a GPU's share, which prices an optimizer step offloaded to the host.
-# The latencies are not datasheet figures: the order of NCCL's small-message time within a node
-# (NVSwitch) and across nodes (InfiniBand), as nccl-tests reports them.
+# The link statement gives each level (bytes a second each rank moves, seconds per collective):
+# within the node and across nodes. The latencies are not datasheet figures: the order of NCCL's
+# small-message time within a node (NVSwitch) and across nodes (InfiniBand), as nccl-tests reports.
 machine cuda(
     flops=9.89e14,                       # bf16 tensor peak, also where no table applies
     flops_widths=(4096),                 # one width: the peak at every width
@@ -22,11 +23,9 @@ machine cuda(
     flops_fp16=(9.89e14),
     memory_bw=3.35e12,                   # HBM3
     host_memory_bw=7.68e10,              # the GPU's share of the host's DDR5
-    link=4.5e11,                         # NVLink 4 through NVSwitch, each way
-    latency=1.0e-5,
-    cluster_link=5.0e10,                 # NDR InfiniBand 400 Gb/s per GPU, each way
-    cluster_latency=2.0e-5,
     pcie=6.4e10,                         # PCIe Gen5 x16, each way
     comm_slots=1                         # NCCL: one stream per communicator
 )
+link node=(4.5e11, 1.0e-5),              # NVLink 4 through NVSwitch, each way
+     cluster=(5.0e10, 2.0e-5)            # NDR InfiniBand 400 Gb/s per GPU, each way
 memory device 80GB                       # HBM3 per GPU (80e9 bytes: under the 80 GiB, room for CUDA's own)

@@ -25,7 +25,7 @@ from typing import Callable
 from zdsl.check.data import DataChecks
 from zdsl.check.draft import Draft, where
 from zdsl.check.hierarchy import check_hierarchy, check_per_node, check_secondary
-from zdsl.check.machine import check_machine, check_ranks, machine_for_device
+from zdsl.check.machine import check_link, check_machine, check_ranks, machine_for_device
 from zdsl.check.model import UnitsFor, check_freeze, check_model, default_units_for
 from zdsl.check.pipelines import check_pipeline, check_pipelines_complete
 from zdsl.check.placement import PlacementChecks
@@ -39,7 +39,7 @@ from zdsl.lang.parse import parse_text, read_source
 from zdsl.schedule import Schedule, Span
 
 # data before model: a model built to be sized takes python(...) data's tensors
-STATEMENT_ORDER = ("schedule", "data", "model", "train", "optimizer", "ranks", "machine", "zero",
+STATEMENT_ORDER = ("schedule", "data", "model", "train", "optimizer", "ranks", "machine", "link", "zero",
                    "shard", "secondary", "offload", "prefetch", "bucket", "overlap", "recompute", "persist",
                    "memory", "checkpoint", "freeze", "eval")
 
@@ -130,7 +130,8 @@ def _statement_checks(draft: Draft, data: DataChecks, units_for: UnitsFor) -> di
             "model": lambda st: check_model(draft, st, units_for),
             "train": lambda st: check_train(draft, st), "optimizer": lambda st: check_optimizer(draft, st),
             "ranks": lambda st: (check_ranks(draft, st), check_per_node(draft, st)),
-            "machine": lambda st: check_machine(draft, st), "shard": placement._shards,
+            "machine": lambda st: check_machine(draft, st), "link": lambda st: check_link(draft, st),
+            "shard": placement._shards,
             "secondary": lambda st: check_secondary(draft, st),
             **{k: getattr(placement, f"_{k}") for k in ("zero", "offload", "prefetch", "bucket",
                                                         "overlap", "recompute", "persist", "memory")},
@@ -156,7 +157,7 @@ def _by_keyword(statements: list[ast.Stmt], report: Reader) -> dict[str, list[as
                 continue
         elif isinstance(stmt, ast.PipelineStmt):
             key = f"pipeline.{stmt.keyword}"
-        if key in seen and key != "memory":
+        if key in seen and key not in ("memory", "link"):     # several, each of its own tiers (levels)
             first = seen[key]
             what = "sharding" if key == "zero" else \
                 f"the {stmt.keyword} pipeline" if group == "pipeline" else f"`{key}`"

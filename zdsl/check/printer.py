@@ -16,6 +16,7 @@ import re
 
 from zdsl.ir import TIERS
 from zdsl.lang.sizes import format_size
+from zdsl.machine_profile import LINK_LEVELS
 from zdsl.schedule import (
     ALL_OVERLAPS,
     MACHINE_OPTIONS,
@@ -176,9 +177,7 @@ def _policies(s: Schedule) -> list[str]:
     if s.memory:
         tiers = sorted(s.memory, key=lambda t: (TIERS + (t,)).index(t))
         out.append("memory    " + ", ".join(f"{t} {format_size(s.memory[t])}" for t in tiers))
-    machine = _machine(s)
-    if machine:
-        out.append(f"machine   {machine}")
+    out += _machine(s)
     if s.checkpoint is not None:
         c = s.checkpoint
         out.append(f"checkpoint every {c.every} steps -> {string_text(c.dir)}"
@@ -288,16 +287,31 @@ def _ranges(units: list[int]) -> str:
     return ", ".join(out)
 
 
-def _machine(s: Schedule) -> str | None:
+def _machine(s: Schedule) -> list[str]:
+    """The ``machine`` statement where the profile is not the device's default, and the ``link``
+    statement for each level it gives both values of; a schedule that had only ``link`` gets no
+    ``machine`` (it is planned with this machine's calibrated rates and those links)."""
     from zdsl.check.machine import CPU_PROFILE, CUDA_PROFILE  # the checker owns the built-in profiles
     m = s.machine
     default = CUDA_PROFILE if s.device == "cuda" else CPU_PROFILE
     if dataclasses.asdict(m) == dataclasses.asdict(default):
-        return None
+        return []
     base_name = m.name if m.name in ("cpu", "cuda") else "cpu"
     base = CUDA_PROFILE if base_name == "cuda" else CPU_PROFILE
-    items = [(opt, m.value(fld)) for opt, fld in MACHINE_OPTIONS if m.value(fld) != base.value(fld)]
-    return base_name + (f"({_kwargs(items)})" if items else "")
+    wires = dict(MACHINE_OPTIONS)
+    levels = [(level, keys) for level, keys in LINK_LEVELS.items()
+              if all(m.value(wires[k]) is not None for k in keys)
+              and any(m.value(wires[k]) != base.value(wires[k]) for k in keys)]
+    linked = {k for _, keys in levels for k in keys}
+    items = [(opt, m.value(fld)) for opt, fld in MACHINE_OPTIONS
+             if m.value(fld) != base.value(fld) and opt not in linked]
+    out = []
+    if items or base is not default or "machine" in s.spans or "link" not in s.spans:
+        out.append(f"machine   {base_name}" + (f"({_kwargs(items)})" if items else ""))
+    if levels:
+        out.append("link      " + ", ".join(f"{level}={value_text(tuple(m.value(wires[k]) for k in keys))}"
+                                            for level, keys in levels))
+    return out
 
 
 # -- pipelines ------------------------------------------------------------------

@@ -85,6 +85,12 @@ class TrainStmt(Stmt):
 
 
 @dataclass
+class LinkStmt(Stmt):
+    """``link node=(RATE, LATENCY), cluster=(RATE, LATENCY)``: the collectives' link per level."""
+    args: list[Arg] = field(default_factory=list)
+
+
+@dataclass
 class RanksStmt(Stmt):
     count: Num = None
     device: Name | None = None

@@ -249,7 +249,7 @@ def _unclosed_hint(paren: Token, found: Token, text: str) -> str:
 
 _STATEMENTS = ("schedule", "model", "data", "train", "optimizer", "ranks", "zero", "shard", "secondary",
                "offload", "prefetch", "bucket", "overlap", "recompute", "persist", "memory",
-               "machine", "include", "checkpoint", "freeze", "eval", "forward", "backward", "step")
+               "machine", "link", "include", "checkpoint", "freeze", "eval", "forward", "backward", "step")
 _PIPELINE_VERBS = ("gather", "scatter", "reduce", "read", "write", "copy", "compute", "free")
 
 
@@ -386,6 +386,9 @@ class _ToAst(Transformer):
 
     def machine(self, meta, children):
         return self._stmt(ast.CallStmt, "machine", meta, call=children[0])
+
+    def link(self, meta, children):
+        return self._stmt(ast.LinkStmt, "link", meta, args=children[0])
 
     def train(self, meta, children):
         return self._stmt(ast.TrainStmt, "train", meta, args=children[0])

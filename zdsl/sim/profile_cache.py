@@ -24,7 +24,7 @@ from pathlib import Path
 
 from zdsl import env
 from zdsl.cache import cache_dir
-from zdsl.machine_profile import MachineProfile
+from zdsl.machine_profile import MachineProfile, given_links
 from zdsl.sim.this_machine import device_in_ram, installed_torch, nvidia_gpus, usable_cores
 
 QUICK_TIMEOUT = 120     # seconds a quick calibration may take before the default profile is used
@@ -215,7 +215,8 @@ def calibrated_for(schedule) -> MachineProfile | None:
         _choice = choose(device)
         if _choice.said:
             print(_choice.said, file=sys.stderr)
-    return _choice.profile
+    profile = _choice.profile      # with what a ``link`` statement gave (calibrate measures one machine)
+    return None if profile is None else profile.with_fields(**given_links(schedule))
 
 
 def rates_line() -> str | None:
