@@ -26,6 +26,7 @@ from zdsl.sim import profile_cache
 
 DELEGATED = {                         # subcommand -> the module whose main(argv) runs it
     "run": "zdsl.runtime.run.cli",
+    "launch": "zdsl.runtime.run.launch_script",
     "export": "zdsl.runtime.checkpoint.export_cli",
     "inspect": "zdsl.runtime.checkpoint.inspect",
     "calibrate": "zdsl.runtime.calibrate.cli",
@@ -33,6 +34,7 @@ DELEGATED = {                         # subcommand -> the module whose main(argv
 }
 DELEGATED_HELP = {
     "run": "train with a schedule (one process per rank)",
+    "launch": "run your own training script (zdsl.initialize) as N ranks: zdsl launch --ranks N train.py ARGS",
     "export": "write a checkpoint as a plain state dict (safetensors) or a Hugging Face folder",
     "inspect": "show what a checkpoint holds",
     "calibrate": "measure this machine and write a `machine` profile",

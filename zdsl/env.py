@@ -56,6 +56,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "(fault injection)"),
     Variable("ZDSL_ERROR_FILE", LAUNCHER_SET, "zdsl run", "where a rank leaves its error for the launcher; "
              "its progress board lies beside it"),
+    Variable("ZDSL_LAUNCH_TIMEOUT", LAUNCHER_SET, "zdsl launch", "its --timeout; set, the script runs under "
+             "zdsl launch: zdsl.initialize() checks the schedule fits first, and waits this long for peers where "
+             "the script gives no timeout_s"),
+    Variable("ZDSL_IGNORE_LIMITS", LAUNCHER_SET, "zdsl launch", "1: its --ignore-limits: initialize() trains "
+             "where the ranks do not fit this machine, with a warning"),
     Variable("RANK", LAUNCHER_SET, "launcher", "this process's rank; unset, `zdsl run` is the launcher"),
     Variable("WORLD_SIZE", LAUNCHER_SET, "launcher", "how many ranks the run has"),
     Variable("LOCAL_RANK", LAUNCHER_SET, "launcher", "this rank's index on its host (its GPU, its cores)"),

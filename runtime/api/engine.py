@@ -19,6 +19,7 @@ import torch
 from zdsl.errors import ZdslApiError
 from zdsl.runtime.api import saving
 from zdsl.runtime.api.batches import as_batch
+from zdsl.runtime.api.calls import engine_call
 
 IDLE, FORWARD, BACKWARD = "between steps", "after engine(x)", "after engine.backward(loss)"
 
@@ -79,6 +80,7 @@ class Engine:
         return self.train(False)
 
     # -- the loop's calls ------------------------------------------------------------------
+    @engine_call
     def __call__(self, x) -> torch.Tensor:
         """The last unit's output for ``x``; attached to autograd for ``backward`` (see the module)."""
         if not torch.is_grad_enabled() or not self.training:
@@ -95,6 +97,7 @@ class Engine:
         self._phase, self._micro, self._output = FORWARD, micro, out
         return out
 
+    @engine_call
     def backward(self, loss: torch.Tensor) -> None:
         """The schedule's backward from ``loss``, a scalar computed from the last ``engine(x)``'s output."""
         call = "engine.backward(loss)"
@@ -113,6 +116,7 @@ class Engine:
             self._on_loop(self._loop.call_sync, self._flow.hand_gradient, self._micro, grad)
         self._phase, self._output = BACKWARD, None
 
+    @engine_call
     def step(self) -> None:
         """The optimizer step after the accumulation window's last backward; a no-op before it."""
         call = "engine.step()"
@@ -135,18 +139,22 @@ class Engine:
         are not kept); resharded after."""
         return saving.gathered(self)
 
+    @engine_call
     def state_dict(self) -> dict:
         """The full fp32 state dict on rank 0 (every rank calls it; the others get ``{}``)."""
         return saving.state_dict(self)
 
+    @engine_call
     def save_checkpoint(self, folder, client_state: dict | None = None):
         """A sharded checkpoint under ``folder`` (``zdsl run --resume`` reads it), with ``client_state``."""
         return saving.save_checkpoint(self, folder, client_state)
 
+    @engine_call
     def load_checkpoint(self, folder) -> dict:
         """Load ``folder``'s newest checkpoint (or a step folder), at any rank count; its ``client_state``."""
         return saving.load_checkpoint(self, folder)
 
+    @engine_call
     def export(self, folder, format: str = "hf", dtype: str = "fp32") -> list[str]:
         """The trained model as a folder ``from_pretrained`` loads (``format="hf"``, rank 0 writes;
         every rank calls it, between steps); the files written."""

@@ -14,19 +14,23 @@ import weakref
 from pathlib import Path
 
 from zdsl.errors import ZdslApiError
+from zdsl.runtime.api.calls import engine_call
 from zdsl.runtime.api.given import GIVEN_FACTORY, as_unit_model, differences, sizing_hook
-from zdsl.runtime.run.train import RunOptions
 
 
-def initialize(schedule, model=None, *, overrides: dict | None = None,
-               timeout_s: float = RunOptions.timeout_s):
+@engine_call("zdsl.initialize()")
+def initialize(schedule, model=None, *, overrides: dict | None = None, timeout_s: float | None = None):
     """The :class:`~zdsl.runtime.api.engine.Engine` of this rank for the ``.zs`` file ``schedule``.
 
     ``model``: None trains the schedule's ``model``; a module is trained itself (``given.py``:
     the unit protocol, a chain of children, or ``zdsl.units``), and then the schedule names no
     model, or the same one (the same units' parameter names and shapes). ``overrides``: ``--set``'s
     ``{key: value}``. ``timeout_s``: the longest any collective or call of the engine waits for the
-    other ranks."""
+    other ranks. Default: ``zdsl launch --timeout``, else 120 s.
+    Under ``zdsl launch`` the schedule's fit on this machine is checked before the rank allocates,
+    as ``zdsl run`` checks it (``runtime/run/script_rank.py``)."""
+    from zdsl.runtime.run.script_rank import launch_timeout
+    timeout_s = launch_timeout(timeout_s)
     given = as_unit_model(model) if model is not None else None
     compiled = compile_for(str(schedule), overrides, given)
     return start(compiled, given, timeout_s)
@@ -84,6 +88,8 @@ def diagnostics_text(compiled) -> str:
 
 def start(compiled, given, timeout_s: float):
     """Join the ranks, build the rank's state and start the engine's loop (``compile_for``'s result)."""
+    from zdsl.runtime.run.script_rank import launch_preflight
+    launch_preflight(compiled, timeout_s)          # under zdsl launch: the fit, before the rank allocates
     from zdsl.runtime.api.background import Background
     from zdsl.runtime.api.batches import Compiled
     from zdsl.runtime.api.calls import CallCheck

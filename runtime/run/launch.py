@@ -17,6 +17,10 @@ rank hang or outlive it:
 * SIGTERM, SIGHUP or SIGINT to the launcher stops every rank; the launcher
   says so and exits 128 + the signal.
 
+``zdsl launch SCRIPT`` (``launch_script.py``) starts a user's own script as the ranks through
+:func:`launch_ranks`; there a rank's board also says which call of the engine it is in, so a rank
+that hangs is named with its call, or as in its own code after one.
+
 In a rank, :func:`zdsl.runtime.proc.guard.guard_rank` stops the rank cleanly
 on SIGTERM or SIGHUP (torchrun's agent forwards them) and when its launcher
 is gone, even by SIGKILL: whatever the rank's main thread is doing, it is gone
@@ -37,7 +41,22 @@ from pathlib import Path
 from zdsl import env
 from zdsl.runtime.dist.spawn import STOP_WAIT_S, describe_exit, free_port, rank_env
 from zdsl.runtime.exec.errors import describe_op
-from zdsl.runtime.proc.board import BOARD_SLOTS, FIRST_LANE, ISSUED, LAST_DONE, STEP, STEP_DONE, new_board
+from zdsl.runtime.proc.board import (
+    BOARD_SLOTS,
+    CALL,
+    CALL_MICRO,
+    CALL_STEP,
+    CALLS_MADE,
+    ENGINE_CALLS,
+    ISSUED,
+    LAST_CALL,
+    LAST_DONE,
+    STEP,
+    STEP_DONE,
+    TIMEOUT_MS,
+    new_board,
+    running_ops,
+)
 from zdsl.runtime.proc.guard import STOP_SIGNALS
 
 GRACE_S = 3.0            # after a rank failed: for the others to fail on their own
@@ -47,6 +66,8 @@ POLL_S = 0.05
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
              "Timed out", "timed out", "Connection refused", "pair closure", "left or stopped answering",
              "through shared memory: peer rank")      # runtime/dist/shm.py: gone, or silent past the timeout
+# A rank's error that already says in zdsl's words that a peer is gone or silent (calls.py's too).
+PEER_LOST_SAID = ("left or stopped answering", "made no call of the engine")
 GLOO_SOURCE = re.compile(r"\[[^\]]*gloo[^\]]*\]\s*")
 
 
@@ -81,8 +102,9 @@ class Watch:
         """Until every rank has exited; returns their exit codes."""
         while True:
             codes = [p.poll() for p in self.procs]
-            if all(c is not None for c in codes):
-                return codes
+            ended = [c for c in codes if c is not None]
+            if len(ended) == len(codes):
+                return ended
             now = time.monotonic()
             self.read_boards(now, codes)
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
@@ -114,9 +136,13 @@ class Watch:
                 self.blame(r, now, waited_by=failed)
 
     def behind(self, r: int, waiter: int, now: float) -> bool:
-        """Rank r never issued a collective the waiter issued, and has made no progress for a while."""
-        return (self.seen[r][ISSUED] < self.seen[waiter][ISSUED]
-                and now - self.changed[r] >= self.timeout_s / 2)
+        """Rank r never issued a collective, or began a call of the engine, that the waiter did, and has
+        made no progress for a while (half the waiter's collective timeout, as its board says, else
+        the launcher's)."""
+        mine, theirs = self.seen[r], self.seen[waiter]
+        waited = theirs[TIMEOUT_MS] / 1000 if theirs[TIMEOUT_MS] > 0 else self.timeout_s
+        return ((mine[ISSUED] < theirs[ISSUED] or mine[CALLS_MADE] < theirs[CALLS_MADE])
+                and now - self.changed[r] >= waited / 2)
 
     def blame(self, r: int, now: float, waited_by: int | None = None) -> None:
         p = self.procs[r]
@@ -157,6 +183,14 @@ def nodes_problem(schedule) -> str | None:
 
 def launch_local(child_argv: list[str], ranks: int, timeout_s: float = 120.0, graph=None) -> int:
     """Run ``zdsl <child_argv>`` as ``ranks`` processes; returns the exit code for the user."""
+    return launch_ranks([sys.executable, "-m", "zdsl.cli", *child_argv], ranks, timeout_s, graph)
+
+
+def launch_ranks(command: list[str], ranks: int, timeout_s: float = 120.0, graph=None,
+                 extra_env: dict[str, str] | None = None, first_status: bool = False) -> int:
+    """Run ``command`` as ``ranks`` processes, each with its rank's variables, its error file and
+    progress board, and ``extra_env``; watch them as the module says. The exit code for the user:
+    0, or after a failure 1 (``first_status``: the status of the first rank that failed)."""
     port = free_port()
     errors = Path(tempfile.mkdtemp(prefix="zdsl-run-"))
     procs: list[subprocess.Popen] = []
@@ -164,18 +198,18 @@ def launch_local(child_argv: list[str], ranks: int, timeout_s: float = 120.0, gr
     try:
         boards = [new_board(errors / f"rank{rank}.progress") for rank in range(ranks)]
         for rank in range(ranks):
-            child_env = env.child_environment(**rank_env(rank, ranks, port),
-                                              ZDSL_ERROR_FILE=str(errors / f"rank{rank}.err"))
+            values = {**rank_env(rank, ranks, port), **(extra_env or {}),
+                      "ZDSL_ERROR_FILE": str(errors / f"rank{rank}.err")}
+            child_env = env.child_environment((), **values)
             # each rank in a session of its own, as torchrun starts them: where the kernel shares
             # CPU time between sessions first (autogroup), ranks in one session split one share
-            procs.append(subprocess.Popen([sys.executable, "-m", "zdsl.cli", *child_argv], env=child_env,
-                                          start_new_session=True))
+            procs.append(subprocess.Popen(command, env=child_env, start_new_session=True))
         watch = Watch(procs, boards, timeout_s)
         codes = watch.run()
         if all(c == 0 for c in codes):
             return 0
         report_failure(errors, codes, watch, graph)
-        return 1
+        return failed_status(codes, watch) if first_status else 1
     except (KeyboardInterrupt, LauncherStopped) as exc:
         for s in STOP_SIGNALS:               # a second signal must not cut the stopping short
             signal.signal(s, signal.SIG_IGN)
@@ -188,6 +222,13 @@ def launch_local(child_argv: list[str], ranks: int, timeout_s: float = 120.0, gr
         for s, handler in previous.items():
             signal.signal(s, handler)
         shutil.rmtree(errors, ignore_errors=True)
+
+
+def failed_status(codes: list[int], watch: Watch) -> int:
+    """The exit status of the first rank that failed (a shell's 128 + N for signal N)."""
+    first = watch.first_failure[1] if watch.first_failure else next(r for r, c in enumerate(codes) if c != 0)
+    code = codes[first] or 1
+    return 128 - code if code < 0 else code
 
 
 def raise_launcher_stopped(signum, frame):
@@ -253,7 +294,10 @@ def report_failure(errors: Path, codes: list[int], watch: Watch, graph=None) -> 
 
 def describe_culprit(r: int, watch: Watch, graph) -> str:
     board = watch.seen[r]
-    running = [op for op in board[FIRST_LANE:] if op >= 0]
+    how = "killed it" if "stopped (SIGSTOP" in watch.culprits[r] else "stopped it"
+    if board[CALLS_MADE] > 0:                 # a user's own loop: the call it is in, or its own code
+        return f"rank {r} stopped making progress {where_in_calls(board, graph)}: {watch.culprits[r]}; zdsl {how}"
+    running = running_ops(board)
     upcoming = next_collective(graph, board[ISSUED])
     if board[STEP] < 0:
         where = "before its first step"
@@ -266,8 +310,20 @@ def describe_culprit(r: int, watch: Watch, graph) -> str:
         before = f", before op {describe_op_id(graph, upcoming)}" if upcoming is not None else ""
         where = f"in step {board[STEP] + 1}" + before
     last = f" (the last op it finished: {describe_op_id(graph, board[LAST_DONE])})" if board[LAST_DONE] >= 0 else ""
-    how = "killed it" if "stopped (SIGSTOP" in watch.culprits[r] else "stopped it"
     return f"rank {r} stopped making progress {where}{last}: {watch.culprits[r]}; zdsl {how}"
+
+
+def where_in_calls(board, graph) -> str:
+    """Where a rank of a user's loop (``zdsl.initialize``) is: in a call of the engine (and the ops
+    it runs), or in its own code after its last call."""
+    call = f"{ENGINE_CALLS[board[LAST_CALL]]}"
+    if board[CALL_STEP] >= 0 and board[LAST_CALL] != ENGINE_CALLS.index("zdsl.initialize()"):
+        call += f" (step {board[CALL_STEP]}, micro-batch {board[CALL_MICRO]})"
+    if board[CALL] < 0:
+        return f"in its own code, after its call {call} returned"
+    running = running_ops(board)
+    ops = (", in op " + " and op ".join(describe_op_id(graph, op) for op in running)) if running else ""
+    return f"in its call {call}{ops}"
 
 
 def next_collective(graph, issued: int) -> int | None:
@@ -289,7 +345,7 @@ def describe_op_id(graph, op_id: int) -> str:
 
 def peer_lost_text(text: str, who: str) -> str:
     """A rank's error caused by a peer, in zdsl's words instead of gloo's."""
-    if not any(s in text for s in PEER_LOST) or "left or stopped answering" in text:
+    if not any(s in text for s in PEER_LOST) or any(s in text for s in PEER_LOST_SAID):
         return text
     head, failed, _ = text.partition(" failed: ")
     if failed:                                   # an op's error: gloo's text is the cause

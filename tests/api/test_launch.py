@@ -1,19 +1,30 @@
-"""A user's script started as a plain `python train.py`, for a schedule of `ranks 1`.
+"""A user's script started as a plain `python train.py` (a schedule of `ranks 1`), and as
+`zdsl launch --ranks 2 train.py` (issue 56).
 
 Guards: initialize joins a group of its own when no launcher set one up, trains, and leaves it
 (the script ends with status 0 and its own output); a schedule of more ranks says how to launch it.
+Under `zdsl launch` the script trains to torchrun's losses to the bit; a script that raises on
+one rank ends every rank with that rank and its message named; SIGTERM to the launcher, or the
+launcher killed, ends every rank (their pids checked); a rank stuck in its own code is named with
+the last call it made, and the one waiting for it with its call; a schedule that cannot run here
+is refused by the pre-flight in every rank, with zdsl run's reason, before any rank trains.
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
-
 from api_models import HERE, schedule
 
 pytestmark = pytest.mark.slow     # a fresh Python with torch: seconds
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "ZDSL_ERROR_FILE", "ZDSL_LAUNCH_TIMEOUT", "ZDSL_IGNORE_LIMITS")
 
 SCRIPT = """\
 import sys
@@ -32,12 +43,48 @@ with zdsl.initialize({zs!r}, model=mlp()) as engine:
 print("group left:", not dist.is_initialized(), "steps:", engine.global_step)
 """
 
+# A two-rank loop; argv: MODE FOLDER [TIMEOUT]. Each rank leaves its pid in FOLDER/pid.RANK first.
+LAUNCHED = """\
+import os, sys, time
+from pathlib import Path
+import torch.nn.functional as F
+import zdsl
+sys.path.insert(0, {here!r})
+from api_models import batches, mlp
+mode, folder = sys.argv[1], Path(sys.argv[2])
+rank = int(os.environ["RANK"])
+(folder / f"pid.{{rank}}").write_text(str(os.getpid()))
+timeout = {{"timeout_s": float(sys.argv[3])}} if len(sys.argv) > 3 else {{}}
+engine = zdsl.initialize({zs!r}, model=mlp(), **timeout)
+for step in range(3):
+    x, y = batches(0, step, 0, rank, 2, 4)
+    loss = F.cross_entropy(engine(x), y)
+    engine.backward(loss)
+    if step == 1 and rank == 1 and mode == "raise":
+        raise ValueError("rank 1's own bug")
+    if step == 1 and rank == 1 and mode == "stuck":
+        time.sleep(300)                      # in its own code: never calls engine.step()
+    engine.step()
+    with open(folder / f"losses.{{rank}}", "a") as f:          # the ranks' stdout interleaves
+        f.write(f"{{step}} {{loss.item()!r}}\\n")
+    if mode == "wait":
+        (folder / f"ready.{{rank}}").write_text("")
+        while True:
+            time.sleep(1)
+engine.close()
+"""
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env.update(extra)
+    return env
+
 
 def run_script(tmp_path, ranks: int) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(here=str(HERE), zs=str(schedule(tmp_path, ranks=ranks))))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=clean_env(), timeout=300)
 
 
 def test_python_train_py_trains_a_one_rank_schedule_in_a_group_of_its_own(tmp_path):
@@ -52,3 +99,125 @@ def test_python_train_py_of_a_two_rank_schedule_says_how_to_launch_it(tmp_path):
     assert proc.returncode == 1
     assert ("ZdslApiError: the schedule trains on 2 ranks (`ranks 2`) but this script runs as 1; start it with "
             "torchrun --nproc-per-node 2") in proc.stderr
+
+
+# -- zdsl launch ---------------------------------------------------------------------------
+
+def launched_script(tmp_path: Path, zs: Path | None = None) -> Path:
+    script = tmp_path / "launched.py"
+    script.write_text(LAUNCHED.format(here=str(HERE), zs=str(zs or schedule(tmp_path, ranks=2))))
+    return script
+
+
+def launch(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "zdsl.cli", "launch", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=clean_env(), **popen)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def losses(folder: Path) -> list[list[str]]:
+    """Each rank's losses, as the launched script writes them."""
+    return [(folder / f"losses.{r}").read_text().split("\n") if (folder / f"losses.{r}").exists() else []
+            for r in range(2)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:                                     # a zombie not yet reaped by its parent is gone too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rank_pids(folder: Path) -> list[int]:
+    return [int((folder / f"pid.{r}").read_text()) for r in range(2)]
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    """The pids still alive after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def wait_for(paths: list[Path], proc: subprocess.Popen, seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "the ranks never got ready"
+        time.sleep(0.1)
+
+
+def test_zdsl_launch_trains_to_torchrun_losses(tmp_path):
+    script = launched_script(tmp_path)
+    ours, theirs = tmp_path / "launch", tmp_path / "torchrun"
+    ours.mkdir(), theirs.mkdir()
+    code, out, err = finish(launch("--ranks", "2", str(script), "train", str(ours)))
+    assert code == 0, err
+    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(script), "train", str(theirs)], capture_output=True, text=True,
+                              env=clean_env(), timeout=300)
+    assert torchrun.returncode == 0, torchrun.stderr
+    assert [len(rank) for rank in losses(ours)] == [4, 4]            # 3 steps and the last newline
+    assert losses(ours) == losses(theirs)
+
+
+def test_a_script_that_raises_on_rank_1_ends_every_rank_naming_it(tmp_path):
+    code, out, err = finish(launch("--ranks", "2", str(launched_script(tmp_path)), "raise", str(tmp_path)))
+    assert code == 1, err
+    assert "zdsl: error: rank 1: ValueError: rank 1's own bug" in err
+    assert 'raise ValueError("rank 1\'s own bug")' in err            # its traceback, as Python prints it
+    assert "zdsl: the other ranks stopped too: rank 0" in err
+    assert gone_within(rank_pids(tmp_path), 0) == []
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_the_launcher_stopped_or_killed_ends_every_rank(tmp_path, how):
+    proc = launch("--ranks", "2", str(launched_script(tmp_path)), "wait", str(tmp_path))
+    try:
+        wait_for([tmp_path / "ready.0", tmp_path / "ready.1"], proc)
+        pids = rank_pids(tmp_path)
+        proc.send_signal(getattr(signal, how))
+        code, _, err = finish(proc, timeout=60)
+        if how == "SIGTERM":                 # the launcher stops them, and says so
+            assert code == 128 + signal.SIGTERM and "zdsl: stopped by SIGTERM; all ranks stopped" in err, err
+            assert gone_within(pids, 0) == []
+        else:                                # each rank's guard sees its launcher gone
+            assert code == -signal.SIGKILL
+            assert gone_within(pids, 15) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_rank_stuck_in_its_own_code_is_named_with_its_last_call(tmp_path):
+    code, _, err = finish(launch("--ranks", "2", str(launched_script(tmp_path)), "stuck", str(tmp_path), "3"))
+    assert code == 1, err
+    assert ("zdsl: error: rank 1 stopped making progress in its own code, after its call engine.backward(loss) "
+            "(step 1, micro-batch 0) returned: it made no progress for") in err
+    assert ("zdsl: rank 0: engine.step() (step 1, micro-batch 0): another rank made no call of the engine "
+            "within 3 s") in err
+    assert gone_within(rank_pids(tmp_path), 0) == []
+
+
+def test_the_preflight_refuses_a_schedule_this_machine_cannot_run_in_every_rank(tmp_path):
+    import torch
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has a CUDA device per rank")
+    zs = schedule(tmp_path, ranks=2)
+    zs.write_text(zs.read_text().replace("ranks 2 on cpu", "ranks 2 on cuda"))
+    code, out, err = finish(launch("--ranks", "2", str(launched_script(tmp_path, zs)), "train", str(tmp_path)))
+    assert code == 1, err
+    assert losses(tmp_path) == [[], []]
+    assert "zdsl: error: `ranks 2 on cuda` puts 2 ranks on this node, a CUDA device each, but torch sees" in err
+    assert "rank 1 (failed after it)" in err and "Traceback" not in err
