@@ -195,7 +195,10 @@ def run_peer(name: str, setup, backend: str = "gloo", argv=None) -> None:
     targets)`` does forward, backward and the optimizer step and returns
     the (detached) loss; ``info`` is a dict reported beside the numbers.
     Ranks meet at a barrier before every step so a step's time is the
-    system's, not the wait for a slower rank's previous step.
+    system's, not the wait for a slower rank's previous step. With
+    ``cfg.extra["timing"] == "loop"`` they meet once, before the first step, and a step's time
+    is the wall time of the whole loop from the previous step's end (its batch made, its loss
+    read), as ``zdsl run``'s loop is timed between its metrics lines (``zdsl_peer.py``).
     Under ``cfg.loop_policy`` gloo's event-loop threads get zdsl's policy as soon as the group
     exists, and again after ``setup`` (which may make groups of its own, each with its loops).
     """
@@ -204,6 +207,7 @@ def run_peer(name: str, setup, backend: str = "gloo", argv=None) -> None:
     bind_rank(cfg)                  # before torch starts a thread: each inherits the mask, as under taskset
     import torch
     import torch.distributed as dist
+
     from zdsl.runtime.dist.affinity import calm_gloo_loops, loop_policies
 
     torch.set_num_threads(1)
@@ -219,13 +223,21 @@ def run_peer(name: str, setup, backend: str = "gloo", argv=None) -> None:
     if cfg.loop_policy:
         calm_gloo_loops(policy=cfg.loop_policy)
     times, cpu, losses = [], [], []
-    for i in range(cfg.total_steps):
-        tokens, targets = batch_for(cfg, spec, i, rank, world)
+    whole_loop = cfg.extra.get("timing") == "loop"
+    if whole_loop:
         dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
+        end, end_cpu = time.perf_counter(), time.process_time()
+    for i in range(cfg.total_steps):
+        if whole_loop:      # from the previous step's end: the batch made, the loss read, no barrier
+            start, start_cpu = end, end_cpu
+        tokens, targets = batch_for(cfg, spec, i, rank, world)
+        if not whole_loop:
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
         loss = step(tokens, targets)
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
+        end, end_cpu = time.perf_counter(), time.process_time()
+        times.append(end - start)
+        cpu.append(end_cpu - start_cpu)
         losses.append(float(loss))
     dist.barrier()
 

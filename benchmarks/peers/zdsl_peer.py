@@ -13,6 +13,10 @@ time a metrics line appears: the step and the hand-over to the next one (batch,
 metrics exchange), which the torch peers' ``process_time`` around the step
 leaves out, so zdsl's figure is the larger by that.
 
+With ``cfg.extra["timing"] == "loop"`` (``benchmarks/api_overhead.py``) a step's time is instead
+the whole loop's wall time, from one step's metrics line appearing to the next's (batch made,
+step, metrics gathered and written), as the harness then times a torchrun job's loop.
+
 It writes ``DIR/rank0.json`` in the harness's format with ``world`` = 1
 row that already holds the across-rank figures, plus zdsl's own accounted
 peak bytes per tier and rank, and the cores and gloo loop policy its ranks were
@@ -139,7 +143,7 @@ def run_job(cfg: BenchConfig, stage: int, out: Path, timeout_s: float) -> int:
     command = [*zdsl_command(), "run", str(schedule), "--set", f"zero={stage}",
                "--metrics", str(metrics), "--quiet"]
     print("$", " ".join(command), flush=True)
-    code, cpu = run_watching_cpu(command, timeout_s, job_env(cfg), metrics)
+    code, cpu, seen_at = run_watching_cpu(command, timeout_s, job_env(cfg), metrics)
     if code is None:
         print(f"zdsl run did not finish in {timeout_s:.0f} s", file=sys.stderr)
         return 1
@@ -152,7 +156,11 @@ def run_job(cfg: BenchConfig, stage: int, out: Path, timeout_s: float) -> int:
     rows = read_metrics(metrics)
     told = ran_with(cfg)
     peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    result = dict(peer=f"zdsl{stage}", rank=0, world=1, step_s=[r["step_s"] for r in rows],
+    step_s = [r["step_s"] for r in rows]
+    if cfg.extra.get("timing") == "loop" and len(seen_at) == len(rows):
+        # the whole loop: one metrics line to the next (the first step keeps its graph time: a warm-up)
+        step_s[1:] = [b - a for a, b in zip(seen_at, seen_at[1:])]
+    result = dict(peer=f"zdsl{stage}", rank=0, world=1, step_s=step_s,
                   loss=[r["loss"] for r in rows], warmup=cfg.warmup, peak_rss=peak_rss, base_rss=None,
                   ran_with=told, cpu_s=cpu if len(cpu) == len(rows) else None,
                   cuda_peak=None, zdsl_peak_bytes=rows[-1].get("peak_bytes") if rows else None,
@@ -173,18 +181,20 @@ def _cpu_seconds(pid: int) -> float | None:
 
 
 def run_watching_cpu(command: list[str], timeout_s: float, env: dict, metrics: Path,
-                     poll_s: float = 0.005) -> tuple[int | None, list[float | None]]:
-    """Run ``zdsl run``; its exit status (None: timed out) and, per step, the largest CPU seconds
+                     poll_s: float = 0.005) -> tuple[int | None, list[float | None], list[float]]:
+    """Run ``zdsl run``; its exit status (None: timed out), per step the largest CPU seconds
     any rank spent from the previous metrics line to this one (None for the first step, which
-    has no start, and where /proc is not there). Stopped like :func:`run_bounded`."""
+    has no start, and where /proc is not there), and per step the time its metrics line was
+    seen (``time.monotonic``, within ``poll_s``). Stopped like :func:`run_bounded`."""
     proc = subprocess.Popen(command, env=env)
     deadline = time.monotonic() + timeout_s
     seen, last, cpu = 0, None, []
+    seen_at: list[float] = []
     try:
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 stop_tree(proc)
-                return None, cpu
+                return None, cpu, seen_at
             time.sleep(poll_s)
             try:
                 lines = metrics.read_bytes().count(b"\n")
@@ -192,6 +202,7 @@ def run_watching_cpu(command: list[str], timeout_s: float, env: dict, metrics: P
                 continue
             if lines == seen:
                 continue
+            seen_at.extend([time.monotonic()] * (lines - seen))
             now = {pid: _cpu_seconds(pid) for pid in _descendants(proc.pid)}
             if last is None:
                 cpu.extend([None] * (lines - seen))
@@ -202,7 +213,7 @@ def run_watching_cpu(command: list[str], timeout_s: float, env: dict, metrics: P
     except BaseException:
         stop_tree(proc)
         raise
-    return proc.returncode, cpu
+    return proc.returncode, cpu, seen_at
 
 
 def ran_with(cfg: BenchConfig, ranks: int = 2) -> dict:
