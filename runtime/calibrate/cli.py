@@ -100,8 +100,14 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from zdsl import env
+from zdsl.check.checker import load_schedule
+from zdsl.lang.errors import ZsError
 from zdsl.runtime.calibrate.measure import (
     TABLE_CONTEXT,
     CalibrationError,
@@ -131,7 +137,11 @@ from zdsl.runtime.calibrate.reference import (
 )
 from zdsl.runtime.calibrate.slow_spell import remeasure
 from zdsl.runtime.calibrate.summary import ZS_KEYS, Calibration, summarise  # noqa: F401 (ZS_KEYS: re-exported)
+from zdsl.runtime.dist.affinity import bind_rank
 from zdsl.runtime.dist.spawn import LocalRanks, RankFailed, free_port
+from zdsl.runtime.run.cli import configure_rank_logging
+from zdsl.schedule import GPT_DEFAULTS
+from zdsl.sim.profile_cache import add_reference, profile_path, read_profile, usual_reference, write_profile
 
 # -- one rank ---------------------------------------------------------------------------------
 
@@ -215,7 +225,6 @@ def _run_rank(rank: int, world: int, port: int, s: Settings, backend: str, repor
 def _child(rank: int, world: int, port: int, s: Settings) -> None:
     """A spawned rank (1..world-1); rank 0 gathers its numbers, and a failure is reported to it
     by the spawner (runtime/dist/spawn.py)."""
-    from zdsl.runtime.run.cli import configure_rank_logging
     configure_rank_logging(rank)      # warnings only, as rank 0's (the swapper logs its opening)
     _run_rank(rank, world, port, s, _pick_backend(s), lambda step: None)
 
@@ -266,7 +275,6 @@ def _every_core(unbound: set[int] | None, device, rank: int, world: int):
     finally:
         torch.set_num_threads(threads)
         if device.type == "cpu":
-            from zdsl.runtime.dist.affinity import bind_rank
             bind_rank(rank, world)
 
 
@@ -279,9 +287,6 @@ def calibrate(backend: str = "auto", ranks: int = 2, disk_folder: str | None = N
     GPT-2 small on CUDA) and the NVMe request size and depth (block, depth).
     ``disk_folder`` should be where NVMe swap files go.
     """
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     s = Settings(ranks=ranks, backend=backend, disk_folder=disk_folder, quick=quick,
                  usual_reference_s=_usual_reference(ranks), **shape)
     from zdsl.runtime.dist.collectives import check_settings
@@ -344,7 +349,6 @@ def _usual_reference(ranks: int) -> float | None:
     ``cache_profile`` writes (none where the cache is off)."""
     if env.get("ZDSL_CALIBRATE") == "0":
         return None
-    from zdsl.sim.profile_cache import usual_reference
     usual = usual_reference(ranks)
     return usual[0] if usual else None
 
@@ -354,19 +358,16 @@ def _in_words(failures: list[RankFailed]) -> str:
     return "\n".join(f"rank {f.rank}: {f.error}" if f.error is not None else str(f) for f in failures)
 
 
-def shape_of_schedule(path: str) -> tuple[dict, int, str | None]:
+def shape_of_schedule(path: str) -> tuple[dict[str, Any], int, str | None]:
     """(model shape and NVMe request settings, ranks, NVMe folder) of a schedule file."""
-    from zdsl.check.checker import load_schedule
-    from zdsl.lang.errors import ZsError
     try:
         schedule, _ = load_schedule(path)
     except ZsError as e:
         raise CalibrationError(f"{path}: {e}") from None
     except OSError as e:
         raise CalibrationError(f"cannot read {path}: {e.strerror}") from None
-    shape: dict = {}
+    shape: dict[str, Any] = {}
     if schedule.model.kind == "gpt":
-        from zdsl.schedule import GPT_DEFAULTS
         args = {**GPT_DEFAULTS, **schedule.model.args}
         shape.update(width=args["width"], heads=args["heads"], context=args["context"],
                      layers=args["layers"], vocab=args["vocab"])
@@ -402,7 +403,6 @@ def describe_nvme(place) -> str:
 
 def cache_profile(cal: Calibration) -> str:
     """Cache the profile where ``zdsl plan`` finds it (zdsl.sim.profile_cache); says where, or why not."""
-    from zdsl.sim.profile_cache import add_reference, profile_path, read_profile, write_profile
     if env.get("ZDSL_CALIBRATE") == "0":
         return "not cached for zdsl plan: ZDSL_CALIBRATE=0"
     reference = cal.details.get("reference")
@@ -442,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure at this schedule's model size, ranks and NVMe folder, block and depth")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    shape, ranks = {}, 2
+    shape: dict[str, Any] = {}
+    ranks = 2
     if a.schedule:
         try:
             shape, ranks, folder = shape_of_schedule(a.schedule)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 
+from zdsl.model.units import gpt_units
 from zdsl.planner.calibration_fit import fit_latency_bandwidth
 from zdsl.schedule import Placement
 
@@ -104,8 +106,6 @@ def measure_compute(device, s: Settings, dtype) -> dict:
     """Matmul ceiling at the block's shapes, and the block's forward+backward rate."""
     import torch
 
-    from zdsl.model.units import gpt_units
-
     shape = _model_shape(s, device)
     d, tokens = shape["width"], shape["batch"] * shape["context"]
     sync = _sync_for(device)
@@ -184,7 +184,6 @@ def measure_compute_table(device, s: Settings, fixed_s: float = 0.0, known: dict
     ``known``: rates already measured at this shape, by (precision, width)."""
     import torch
 
-    from zdsl.model.units import gpt_units
     from zdsl.runtime.models.gpt import Block
     from zdsl.runtime.state.precision import DTYPES
     kind = "cpu" if device.type == "cpu" else "cuda"
@@ -406,7 +405,8 @@ def measure_disk(folder: str, s: Settings, rank: int, barrier=lambda: None, besi
         raise CalibrationError(f"disk test in {folder} failed: {e}") from None
     finally:
         shutil.rmtree(where, ignore_errors=True)
-    points = {way: [(size, statistics.median(ts)) for size, ts in by_size.items()] for way, by_size in times.items()}
+    points: dict[str, list[tuple[float, float]]] = {
+        way: [(size, statistics.median(ts)) for size, ts in by_size.items()] for way, by_size in times.items()}
     result = {"direct": direct, "sizes": list(sizes), "points": points, "rounds": rounds, "beside_compute": cpu}
     for way in ("read", "write"):
         latency, rate = fit_latency_bandwidth(points[way])
@@ -424,8 +424,6 @@ def _disk_beside_compute(swapper, s: Settings) -> dict:
     swapper's threads make system calls for each request and checksum each block; on one core
     they do not keep their rate beside compute, and a transfer beside a block's forward+backward
     takes up to a few times its time alone."""
-    import threading
-
     import torch
 
     from zdsl.runtime.models.gpt import Block

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from zdsl.runtime.calibrate.measure import Settings
+from zdsl.runtime.dist.affinity import _thread_ids, set_cpu_threads
 from zdsl.runtime.dist.spawn import MASTER_ADDR
 
 
@@ -37,7 +38,6 @@ def joined(rank: int, world: int, port: int, s: Settings, backend: str):
         torch.cuda.set_device(device)
     unbound = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     if device.type == "cpu":
-        from zdsl.runtime.dist.affinity import set_cpu_threads
         threads = set_cpu_threads(rank, world)
     else:
         threads = max(1, (os.cpu_count() or 1) // world)
@@ -60,7 +60,6 @@ def restore_cores(cores: set[int] | None) -> None:
     process and binds it to its share, which left a caller (a test session) on one core."""
     if cores is None:
         return
-    from zdsl.runtime.dist.affinity import _thread_ids
     for tid in _thread_ids():
         try:
             os.sched_setaffinity(tid, cores)

@@ -8,9 +8,15 @@ import statistics
 import tempfile
 import time
 
+import trio
+
+from zdsl.driver import compile_file
 from zdsl.machine_profile import MachineProfile
 from zdsl.planner.calibration_fit import comm_intervals, comm_ops, comm_under_compute, lane_ops, wake_delays
 from zdsl.runtime.calibrate.measure import CalibrationError, Settings
+from zdsl.runtime.data import make_batch
+from zdsl.runtime.exec.executor import Executor
+from zdsl.runtime.proc.guard import run_stoppable
 from zdsl.sim.lanes import slots_of
 
 # Reference steps (full, quick), split into RUNTIME_BLOCKS blocks spread over the calibration,
@@ -84,7 +90,6 @@ def reference_graph(ranks: int, device: str, width: int = REFERENCE_WIDTH, clip:
     """The compiled reference schedule at ``width`` (unclipped where ``clip`` is off, at ZeRO
     ``stage``): once per process, for the runtime blocks and the fit alike (nothing that runs it
     changes it)."""
-    from zdsl.driver import compile_file
     with tempfile.TemporaryDirectory(prefix="zdsl-calibrate-") as tmp:
         path = os.path.join(tmp, "reference.zs")
         with open(path, "w", encoding="utf-8") as f:
@@ -99,8 +104,6 @@ def reference_graph(ranks: int, device: str, width: int = REFERENCE_WIDTH, clip:
 def _stepper(compiled, device, rank: int, world: int):
     """(the rank's state, an async function running step ``n`` of ``compiled`` through the
     executor and returning (its record, the event loop's CPU seconds in its ops))."""
-    from zdsl.runtime.data import make_batch
-    from zdsl.runtime.exec.executor import Executor
     from zdsl.runtime.exec.streams import lane_streams
     from zdsl.runtime.models.batch import as_batch
     from zdsl.runtime.models.protocol import build_model
@@ -140,9 +143,6 @@ def measure_runtime(device, s: Settings, rank: int, world: int, steps: int, slot
     op's CPU time in its thread too (the wide step's, for ``compute_excess``; not the blocks' the
     overheads are fitted on, whose op times it would add to)."""
     import torch
-    import trio
-
-    from zdsl.runtime.proc.guard import run_stoppable
     compiled = reference_graph(world, device.type, width, True, 3)
     graph = compiled.graph
     state, step = _stepper(compiled, device, rank, world)
@@ -192,9 +192,6 @@ def measure_variants(device, s: Settings, rank: int, world: int, steps: int) -> 
     warm-up, taken in turn step by step (reference, unclipped, zero1, reference, ...), so that
     the host's speed, which moves from one second to the next, is the same for each's steps; by
     name (the reference's: ``"reference"``)."""
-    import trio
-
-    from zdsl.runtime.proc.guard import run_stoppable
     kinds = (("reference", True, 3), *VARIANTS)
     steppers = {name: _stepper(reference_graph(world, device.type, REFERENCE_WIDTH, clip, stage), device, rank,
                               world)[1]

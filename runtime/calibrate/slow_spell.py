@@ -31,6 +31,7 @@ from zdsl.runtime.calibrate.measure import CalibrationError, Settings
 from zdsl.runtime.calibrate.ranks import joined
 from zdsl.runtime.calibrate.reference import REMEASURE_PAUSE_S, REMEASURES, is_off_usual, measure_set, set_step
 from zdsl.runtime.dist.spawn import LocalRanks, RankFailed, free_port
+from zdsl.runtime.run.cli import configure_rank_logging
 
 KEPT = ("runtime", "runtime_variants")      # a rank's reference set: what a new set replaces
 
@@ -93,6 +94,5 @@ def _measure(rank: int, world: int, port: int, s: Settings, backend: str) -> lis
 
 
 def _child(rank: int, world: int, port: int, s: Settings, backend: str) -> None:
-    from zdsl.runtime.run.cli import configure_rank_logging
     configure_rank_logging(rank)
     _measure(rank, world, port, s, backend)

@@ -15,6 +15,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass, field
 
+from zdsl.check.printer import wrap_statement
 from zdsl.lang.sizes import human_bytes
 from zdsl.machine_profile import (
     MACHINE_MAY_BE_ZERO,
@@ -23,7 +24,7 @@ from zdsl.machine_profile import (
     NEGATIVE_UNSET,
     MachineProfile,
 )
-from zdsl.planner.calibration_fit import compute_excess, fit_overhead, scaled_latencies
+from zdsl.planner.calibration_fit import OverheadFit, compute_excess, fit_overhead, scaled_latencies
 from zdsl.runtime.calibrate.measure import COLLECTIVES, DISK_SIZES, Settings
 from zdsl.runtime.calibrate.reference import (
     REFERENCE_WIDTH,
@@ -67,7 +68,6 @@ class Calibration:
 
     def to_zs(self) -> str:
         """The text of ``machine.zs``: comments saying how, then one statement, a setting a line."""
-        from zdsl.check.printer import wrap_statement
         lines = [f"# {line}" for line in self.details.get("notes", [])]
         return "\n".join(lines + wrap_statement(self.machine_statement())) + "\n"
 
@@ -181,7 +181,7 @@ class _ReferenceFit:
     block_s: list[float]           # each block's step (s)
     lane_op_s: dict
     also: tuple                    # (graph, step s) of each variant fitted with it
-    fit: object                    # fit_overhead's result
+    fit: OverheadFit
     measured_latency: float        # the all-gather's latency before the fit scaled the latencies
 
 
@@ -199,7 +199,7 @@ def _fit_reference(profile: MachineProfile, raw: list[dict], world: int) -> _Ref
     times = (step_s, lane_op_s, comm_service_s, comm_loaded_s)
     if "runtime_wide" in first:
         _fit_compute_excess(profile, raw, world, graph, times, also)
-    fit = fit_overhead(graph, profile, *times, also)
+    fit = fit_overhead(graph, profile, *times, also=also)
     costs.op, costs.kernel = fit.op, fit.kernel
     measured_latency = profile.collectives.node.latency
     # the same unless they overshot the reference: only the link's latencies differ
@@ -218,7 +218,8 @@ def _variants_fitted_with(raw: list[dict], world: int, device: str, step_s: floa
                  for name, clip, stage in VARIANTS) if variants else ()
 
 
-def _fit_compute_excess(profile: MachineProfile, raw: list[dict], world: int, graph, times: tuple,
+def _fit_compute_excess(profile: MachineProfile, raw: list[dict], world: int, graph,
+                        times: tuple[float, dict[int, float], dict[int, float], dict[int, float]],
                         also: tuple) -> None:
     """The fixed costs (fitted on the small step) and the excess (on the wide one) each take a
     share of the other's time: fitted in turn, before the step's costs once more with the excess."""
@@ -226,7 +227,7 @@ def _fit_compute_excess(profile: MachineProfile, raw: list[dict], world: int, gr
     wide_cpu = {i: _mean(raw, lambda r: r["runtime_wide"]["compute_cpu_s"][i])
                 for i in raw[0]["runtime_wide"]["compute_cpu_s"]}
     for _ in range(2):
-        fit = fit_overhead(graph, profile, *times, also)
+        fit = fit_overhead(graph, profile, *times, also=also)
         profile.costs.op, profile.costs.kernel = fit.op, fit.kernel
         profile.costs.compute_excess = compute_excess(wide, profile, wide_cpu)
 
@@ -311,7 +312,9 @@ def _link_notes(first: dict, world: int) -> list[str]:
 
 def _sharing_notes(profile: MachineProfile, world: int, backend: str) -> list[str]:
     """What a rank's lanes share: its cores, the backend's slots, a collective's rate under load."""
-    notes = [f"  cores       {_num(profile.costs.cores)} per rank ({os.cpu_count()} cores, {world} rank(s)): "
+    cores = profile.costs.cores
+    assert cores is not None, "a calibrated profile has the rank's share of the cores (_cores_per_rank)"
+    notes = [f"  cores       {_num(cores)} per rank ({os.cpu_count()} cores, {world} rank(s)): "
              "lanes running at once share them",
              f"  comm_slots  {profile.collectives.slots}: collectives the {backend} backend runs at once"
              + (" (its worker threads)" if backend == "gloo" else " (one stream)")]
