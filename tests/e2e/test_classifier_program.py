@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from helpers import zdsl
 
 PROGRAMS = Path(__file__).parents[2] / "programs"
@@ -18,6 +20,7 @@ def on_nvme_in(folder: Path) -> list[str]:
     return ["--set", f"offload.parameters={nvme}", "--set", f"offload.optimizer={nvme}"]
 
 
+@pytest.mark.slow      # spawns 2 ranks
 def test_the_classifier_learns_at_two_ranks_on_nvme(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = zdsl("run", str(CLASSIFIER), "--quiet", "--set", "steps=6", "--metrics", str(metrics),

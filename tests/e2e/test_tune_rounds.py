@@ -27,6 +27,7 @@ def cand(**combo) -> Candidate:
     return Candidate(dict(combo), dict(combo), predicted_s=0.01, predicted_peak={"device": 1000})
 
 
+@pytest.mark.slow      # spawns ranks
 def test_each_variant_is_a_fresh_run_with_its_own_schedule_and_metrics(tmp_path):
     zs = tmp_path / "small.zs"
     zs.write_text(SMALL)
@@ -73,6 +74,7 @@ def tokens(seed, step, micro, rank, world, batch):
 """
 
 
+@pytest.mark.slow      # spawns ranks
 def test_a_candidate_failing_in_its_run_is_named_and_the_others_still_measured(tmp_path):
     """Seed 7's data fails at step 2, inside the ranks: the launch names the variant, and the
     tuner, running the round's candidates one by one, gives the failure to that candidate only."""
