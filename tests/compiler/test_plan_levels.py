@@ -12,8 +12,7 @@ import pytest
 from zdsl.check.checker import check_text
 from zdsl.driver import compile_schedule
 from zdsl.model.units import gpt_units
-from zdsl.planner.report import build_plan
-from zdsl.planner.report import render_plan
+from zdsl.planner.report import build_plan, render_plan
 
 SHAPE = dict(layers=2, width=32, heads=4, vocab=64, context=8)
 MODEL = "model gpt(layers=2, width=32, heads=4, vocab=64, context=8)\ntrain batch=2, precision=fp32\n"
@@ -94,5 +93,5 @@ def test_a_slower_cluster_link_slows_only_what_crosses_nodes(form):
     across = slow.to_json()["comm_bytes_per_step_by_level"]["across_nodes"]
     assert slow.sim.step_s - same >= across * (1 / 1e7 - 1 / 1e9) / 2
     text = render_plan(slow)
-    assert "across nodes" in text and "cluster_link 1e+07 B/s" in text
+    assert "across nodes" in text and "cluster=(1e+07 B/s, 1e-05 s)" in text
     assert "no rate across nodes" in render_plan(plan(form, machine="machine cpu(link=1e9)"))

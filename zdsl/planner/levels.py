@@ -79,9 +79,9 @@ def level_lines(graph: TaskGraph, machine) -> list[str]:
     node, cluster = machine.collectives.node, machine.collectives.level(True)
     out = [f"sent per step per rank: {human_bytes(sent['within_node'])} within its node, "
            f"{human_bytes(sent['across_nodes'])} across nodes",
-           f"  priced at link {node.bandwidth:.3g} B/s and latency {node.latency:.3g} s within a node, "
-           f"cluster_link {cluster.bandwidth:.3g} B/s and cluster_latency {cluster.latency:.3g} s across"]
+           f"  priced at link node=({node.bandwidth:.3g} B/s, {node.latency:.3g} s) within a node, "
+           f"cluster=({cluster.bandwidth:.3g} B/s, {cluster.latency:.3g} s) across"]
     if cluster is node:
-        out.append("  the profile gives no rate across nodes (cluster_link, cluster_latency): collectives across "
+        out.append("  the profile gives no rate across nodes (link cluster=(RATE, LATENCY)): collectives across "
                    "nodes are priced at the link within one, which a cluster's network seldom matches")
     return out
