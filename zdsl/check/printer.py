@@ -76,7 +76,8 @@ def wrap_statement(line: str, width: int = WIDTH) -> list[str]:
     """
     if len(line) <= width:
         return [line]
-    depth, start, parts, opened, closed = 0, 0, [], None, None
+    depth, start, opened, closed = 0, 0, None, None
+    parts: list[str] = []
     i = 0
     while i < len(line):
         c = line[i]
@@ -228,7 +229,7 @@ def _data_text(d) -> str:
 
 
 def _optimizer(o: OptimizerSpec) -> str:
-    items = [("lr", o.lr)]
+    items: list[tuple[str, object]] = [("lr", o.lr)]
     if o.kind == "sgd":
         items.append(("momentum", o.momentum))
     else:
@@ -248,7 +249,7 @@ def _optimizer(o: OptimizerSpec) -> str:
 
 def _placement(p: Placement) -> str:
     base = Placement()
-    items = []
+    items: list[tuple[str, object]] = []
     if p.pinned != base.pinned:
         items.append(("pinned", p.pinned))
     if p.ratio != base.ratio:

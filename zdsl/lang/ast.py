@@ -67,40 +67,40 @@ class Stmt:
     key_span: Span             # the keyword itself
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ScheduleStmt(Stmt):
-    name: Name = None
+    name: Name
     description: Str | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CallStmt(Stmt):
     """model, data, optimizer, machine: a keyword and a call."""
-    call: Call = None
+    call: Call
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainStmt(Stmt):
     args: list[Arg] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LinkStmt(Stmt):
     """``link node=(RATE, LATENCY), cluster=(RATE, LATENCY)``: the collectives' link per level."""
     args: list[Arg] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RanksStmt(Stmt):
-    count: Num = None
+    count: Num
     device: Name | None = None
     per_node: Num | None = None    # ``ranks 16 on cuda, 8 per node``: ranks on each node
     per_word: Name | None = None   # the word after ``per`` (``node``)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ZeroStmt(Stmt):
-    stage: Num = None
+    stage: Num
 
 
 @dataclass
@@ -111,36 +111,36 @@ class Over:
     span: Span
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ShardStmt(Stmt):
     states: list[Name] = field(default_factory=list)
     over: Over | None = None       # ``shard STATES over node``; None: over all
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SecondaryStmt(Stmt):
     """``secondary parameters over node``: a second, node-local shard of the parameters (hpZ)."""
-    state: Name = None
-    over: Over = None
+    state: Name
+    over: Over
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OffloadStmt(Stmt):
-    state: Name = None
-    target: Call = None
+    state: Name
+    target: Call
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PrefetchStmt(Stmt):
     state: Name | None = None
-    depth: Num = None
+    depth: Num
     ahead: bool = False        # "units ahead" written
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SizeStmt(Stmt):
     """bucket SIZE, persist below SIZE."""
-    size: Num = None
+    size: Num
 
 
 @dataclass
@@ -150,7 +150,7 @@ class Pair:
     span: Span
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OverlapStmt(Stmt):
     pairs: list[Pair] = field(default_factory=list)
 
@@ -162,7 +162,7 @@ class Range:
     span: Span
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RecomputeStmt(Stmt):
     mode: Name | None = None   # blocks | all | none; None when units are listed
     ranges: list[Range] = field(default_factory=list)
@@ -175,32 +175,32 @@ class Budget:
     span: Span
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MemoryStmt(Stmt):
     budgets: list[Budget] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class IncludeStmt(Stmt):
-    path: Str = None
+    path: Str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointStmt(Stmt):
-    every: Num = None
-    dir: Str = None
+    every: Num
+    dir: Str
     keep: Num | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FreezeStmt(Stmt):
     patterns: list[Str] = field(default_factory=list)   # parameter-name globs, quoted or not
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EvalStmt(Stmt):
-    every: Num = None
-    source: Call = None        # a data source, as in ``data``
+    every: Num
+    source: Call        # a data source, as in ``data``
     batches: Num | None = None
 
 
@@ -232,9 +232,9 @@ class PipeLine:
     span: Span
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PipelineStmt(Stmt):
-    var: Name = None
+    var: Name
     body: list[PipeLine] = field(default_factory=list)
 
 

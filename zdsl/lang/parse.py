@@ -182,7 +182,8 @@ def _accepted(exc: UnexpectedToken) -> set[str]:
 
 def _syntax_error(exc: UnexpectedInput, text: str, file: str):
     if isinstance(exc, UnexpectedCharacters):
-        ch = text[exc.pos_in_stream] if 0 <= exc.pos_in_stream < len(text) else ""
+        pos = exc.pos_in_stream if exc.pos_in_stream is not None else -1
+        ch = text[pos] if 0 <= pos < len(text) else ""
         span = Span(file, exc.line, exc.column, exc.column + 1)
         if ch == '"':
             return error(span, "unterminated string", hint='close the string with " on the same line')
@@ -198,12 +199,11 @@ def _syntax_error(exc: UnexpectedInput, text: str, file: str):
         if stray is not None and (stray[1] is None or str(stray[1]) in _STATEMENTS):
             comma, first = stray
             went_on = "the end of the file" if first is None else f"line {first.line}'s {str(first)!r}"
-            return error(Span(file, comma.line, comma.column, comma.column + 1),
-                         "a statement does not end with ','",
+            return error(_at(file, comma), "a statement does not end with ','",
                          hint=f"remove this ','; with it the statement goes on to {went_on}")
         paren = _CONTINUATION.unclosed(tok)
         if paren is not None:
-            return error(Span(file, paren.line, paren.column, paren.column + 1), "'(' is never closed",
+            return error(_at(file, paren), "'(' is never closed",
                          hint=_unclosed_hint(paren, tok, text))
         accepted = _accepted(exc)
         expected = _expected_words(accepted)
@@ -212,11 +212,8 @@ def _syntax_error(exc: UnexpectedInput, text: str, file: str):
             span = Span(file, line, col, col + 1)
             found = "end of file"
         else:
-            span = Span(file, tok.line, tok.column,
-                        tok.end_column if tok.end_line == tok.line else tok.column + 1)
+            span = _at(file, tok, whole=tok.type != "_NL")
             found = "end of line" if tok.type == "_NL" else repr(str(tok))
-            if tok.type == "_NL":
-                span = Span(file, tok.line, tok.column, tok.column + 1)
         hint = None
         starts = _starts_statement(accepted) and tok.type not in ("$END", "_NL")
         if tok.type in ("NAME", "NUMBER") or (tok.type not in ("$END", "_NL") and str(tok).isalpha()):
@@ -237,10 +234,19 @@ def _syntax_error(exc: UnexpectedInput, text: str, file: str):
                  f"syntax error: {exc}")
 
 
+def _at(file: str, tok: Token, whole: bool = False) -> Span:
+    """Where ``tok`` is: its first character, or ``whole`` its text on its line. lark types a
+    token's position as optional; the lexer sets it on every token the parser reports."""
+    line, column = tok.line or 1, tok.column or 1
+    end = tok.end_column if whole and tok.end_line == tok.line and tok.end_column else column + 1
+    return Span(file, line, column, end)
+
+
 def _unclosed_hint(paren: Token, found: Token, text: str) -> str:
     """How to fix an unclosed '(' whose statement ran on to ``found``."""
     lines = text.splitlines()
-    last = statement_end(lines, paren.line - 1, len(lines) if found.type == "$END" else found.line - 1) + 1
+    stop = len(lines) if found.type == "$END" else (found.line or 1) - 1
+    last = statement_end(lines, (paren.line or 1) - 1, stop) + 1
     hint = f"close it with ')' at the end of line {last}"
     if found.type != "$END":
         hint += f", or end line {last} with ',' if the statement goes on to line {found.line}"
@@ -280,8 +286,8 @@ class _ToAst(Transformer):
 
     # spans
     def tspan(self, tok: Token) -> Span:
-        end = tok.end_column if tok.end_line == tok.line else None
-        return Span(self.file, tok.line, tok.column, end)
+        at = _at(self.file, tok, whole=True)
+        return Span(self.file, at.line, at.column, at.end_column if tok.end_line == tok.line else None)
 
     def mspan(self, meta) -> Span:
         if getattr(meta, "empty", True):
