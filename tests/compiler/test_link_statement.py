@@ -124,3 +124,16 @@ def test_a_level_given_by_two_link_statements_names_both():
     (error,) = errors("link node=(3e11, 1e-5)\nlink cluster=(2e10, 2e-5)\nlink node=(2e11, 1e-5)\n")
     assert (error.span.line, error.span.column) == (7, 6)
     assert "node link is given twice" in error.message and "bad.zs:5:6" in error.message
+
+
+def test_set_link_replaces_only_the_levels_it_names():
+    """``--set link="cluster=(...)"`` on a schedule whose links come from an included machine file:
+    the cluster's rate is the override's, the node's the file's."""
+    schedule, _ = check_text(HEAD + STATEMENT, "s.zs", overrides={"link": "cluster=(1e10, 5e-5)"})
+    collectives = schedule.machine.collectives
+    assert (collectives.node.bandwidth, collectives.node.latency) == (3e11, 1e-5)
+    assert (collectives.cluster_bandwidth, collectives.cluster_latency) == (1e10, 5e-5)
+    with pytest.raises(ZsError) as info:
+        check_text(HEAD + STATEMENT, "s.zs", overrides={"link": "rack=(1e10, 5e-5)"})
+    (error,) = [d for d in info.value.diagnostics if d.is_error]
+    assert error.span.file == "--set" and "no level 'rack'" in error.message

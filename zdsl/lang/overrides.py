@@ -25,7 +25,7 @@ MACHINE_KEYS = tuple(key for key, _ in MACHINE_OPTIONS)
 OFFLOAD_KEYS = ("pinned", "ratio", "block", "depth")
 # Statements replaced whole by ``--set KEYWORD=REST`` (the rest of the statement's line).
 STATEMENT_KEYS = ("model", "data", "optimizer", "ranks", "zero", "shard", "secondary", "prefetch", "bucket",
-                  "overlap", "recompute", "persist", "memory", "machine", "checkpoint", "freeze", "eval")
+                  "overlap", "recompute", "persist", "memory", "machine", "link", "checkpoint", "freeze", "eval")
 CALL_STATEMENTS = ("model", "data", "optimizer", "machine")
 
 
@@ -151,6 +151,8 @@ def _splice(statements: list[ast.Stmt], key: str, new: ast.Stmt) -> list[ast.Stm
             else:
                 out.append(s)
         return out + [new]
+    if isinstance(new, ast.LinkStmt):       # --set link="cluster=(...)" replaces the levels it names
+        return _without_levels(statements, {a.key.value for a in new.args if a.key is not None}) + [new]
     if isinstance(new, ast.RanksStmt):      # --set ranks=N keeps the device and the ranks per node
         old = next((s for s in statements if isinstance(s, ast.RanksStmt)), None)
         if old is not None and new.device is None:
@@ -159,6 +161,19 @@ def _splice(statements: list[ast.Stmt], key: str, new: ast.Stmt) -> list[ast.Stm
             new = dataclasses.replace(new, per_node=old.per_node, per_word=old.per_word)
     replaced = {"zero", "shard"} if new.keyword in ("zero", "shard") else {new.keyword}
     return [s for s in statements if s.keyword not in replaced] + [new]
+
+
+def _without_levels(statements: list[ast.Stmt], levels: set[str]) -> list[ast.Stmt]:
+    """The statements with ``levels`` taken out of every ``link`` statement (one left with none, out)."""
+    out: list[ast.Stmt] = []
+    for s in statements:
+        if isinstance(s, ast.LinkStmt):
+            kept = [a for a in s.args if a.key is None or a.key.value not in levels]
+            if not kept:
+                continue
+            s = dataclasses.replace(s, args=kept)
+        out.append(s)
+    return out
 
 
 def _missing(keyword: str, key: str):
