@@ -13,6 +13,8 @@ import pytest
 
 from zdsl.runtime.dist.spawn import LocalRanks, run_ranks
 
+pytestmark = pytest.mark.slow     # every test spawns 2 ranks: deselect with -m 'not slow'
+
 SLOT = 4096                    # small slots: several pieces and slot reuse even at these sizes
 SIZES = (2 * 1237, 2 * 5003 + 2, 2 * 12289)     # element counts; no nice multiples
 DTYPES = ("float32", "bfloat16", "float64")
