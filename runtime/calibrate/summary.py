@@ -69,7 +69,9 @@ class Calibration:
     def to_zs(self) -> str:
         """The text of ``machine.zs``: comments saying how, then one statement, a setting a line."""
         lines = [f"# {line}" for line in self.details.get("notes", [])]
-        return "\n".join(lines + wrap_statement(self.machine_statement())) + "\n"
+        across = ["# across nodes (ranks N, P per node) is not on this machine: give your network's rate per rank",
+                  "# and its latency, e.g. link cluster=(2.5e10, 2e-5)"]
+        return "\n".join(lines + wrap_statement(self.machine_statement()) + across) + "\n"
 
 
 def _num(v: float) -> str:
