@@ -18,7 +18,9 @@ between steps. A step counts as its slowest rank's; warm-up steps (at least 1: t
 ``zdsl run`` has no line before it) are left out.
 
 It prints each side's median step, the ratio api / run of the medians over every round's steps,
-each round's ratio (round i's api over its run) and their spread. Target: within 5% (ratio <=
+each round's ratio (round i's api over its run) and their spread, and the median CPU seconds a
+step of the busiest rank (every thread, over the same span of the loop), which a shared host
+moves less than the wall time. Target: within 5% (ratio <=
 1.05). It also prints the largest difference of the per-step loss, which should be 0 (the API
 trains ``zdsl run``'s bits).
 
@@ -120,6 +122,10 @@ def report(outcomes: dict[str, Outcome], rounds: dict[str, list[float]]) -> bool
     per_round = [a / r for r, a in zip(*(rounds[k] for k in SIDES))]
     print(f"  per round: {' '.join(f'{x:.3f}' for x in per_round)} (median {statistics.median(per_round):.3f}, "
           f"spread {min(per_round):.3f}-{max(per_round):.3f})")
+    if run.cpu_s and api.cpu_s:     # CPU seconds move less than wall time on a shared host
+        cpu_run, cpu_api = statistics.median(run.cpu_s), statistics.median(api.cpu_s)
+        print(f"  CPU s a step (busiest rank, every thread): run {cpu_run:.3f}, api {cpu_api:.3f}, "
+              f"api / run {cpu_api / cpu_run:.3f}")
     diff = max_loss_diff(api.loss, run.loss)
     print(f"  max |loss(api) - loss(run)| per step: {'-' if diff is None else format(diff, '.2e')}")
     return True
