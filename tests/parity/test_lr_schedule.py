@@ -97,8 +97,10 @@ def reference(rank: int, world: int, data, optimizer: dict, steps: int, variant:
     return {n: p.detach().clone() for n, p in params.items()}, losses, rates
 
 
-def reference_all(rank: int, world: int, data, optimizer: dict, steps: int):
-    return {v: reference(rank, world, data, optimizer, steps, v) for v in ("groups", "one_group", "constant_lr")}
+def reference_all(rank: int, world: int, data, optimizers: dict[str, dict], steps: int):
+    """Every variant of the reference for each optimizer, in one group of ranks (one start of the ranks)."""
+    return {name: {v: reference(rank, world, data, optimizer, steps, v) for v in ("groups", "one_group", "constant_lr")}
+            for name, optimizer in optimizers.items()}
 
 
 def zdsl_run(program: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
@@ -115,15 +117,27 @@ def metrics(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lr")
-    out = {}
+    compiled = {}
     for name, optimizer in (("adamw", ADAMW), ("sgd", SGD)):
         path = folder / f"{name}.zs"
         path.write_text(PROGRAM.format(optimizer=optimizer))
         c = compile_file(str(path), {}, simulate=False)
         assert c.ok, c.diagnostics
-        ref = spawn(reference_all, 2, c.schedule.data, c.graph.config["optimizer"], 8)
-        out[name] = (path, c.graph.config["optimizer"], ref)
-    return out
+        compiled[name] = (path, c.graph.config["optimizer"], c.schedule.data)    # the same data for both
+    refs = spawn(reference_all, 2, compiled["adamw"][2], {name: c[1] for name, c in compiled.items()}, 8)
+    return {name: (path, optimizer, [by_rank[name] for by_rank in refs])
+            for name, (path, optimizer, _) in compiled.items()}
+
+
+@pytest.fixture(scope="module")
+def checkpointed(programs, tmp_path_factory):
+    """The adamw program as written (zero 3), checkpointing every 2 steps: its export and metrics are the
+    zero3 case's (which holds them to torch's, so the checkpoints changed no bit), its step 2 the start
+    of the resumed run."""
+    folder = tmp_path_factory.mktemp("checkpointed")
+    zdsl_run(programs["adamw"][0], "--checkpoint-every", "2", "--checkpoint-dir", str(folder / "ck"),
+             "--export", str(folder / "out.safetensors"), "--metrics", str(folder / "m.jsonl"))
+    return folder
 
 
 CASES = {   # name: (optimizer, --set overrides)
@@ -137,7 +151,7 @@ CASES = {   # name: (optimizer, --set overrides)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_run_equals_torch_with_lambdalr_and_two_groups(programs, name, tmp_path):
+def test_run_equals_torch_with_lambdalr_and_two_groups(programs, checkpointed, name, tmp_path):
     kind, sets = CASES[name]
     path, optimizer, ref = programs[kind]
     args = []
@@ -146,7 +160,10 @@ def test_run_equals_torch_with_lambdalr_and_two_groups(programs, name, tmp_path)
             s = f'offload.optimizer=nvme("{tmp_path / "swap"}")'
         args += ["--set", s]
     out, jsonl = tmp_path / "out.safetensors", tmp_path / "m.jsonl"
-    zdsl_run(path, *args, "--export", str(out), "--metrics", str(jsonl))
+    if sets:
+        zdsl_run(path, *args, "--export", str(out), "--metrics", str(jsonl))
+    else:                                   # the program as written: the checkpointed run's outputs
+        out, jsonl = checkpointed / "out.safetensors", checkpointed / "m.jsonl"
     mine, rows = load_file(str(out)), metrics(jsonl)
     rates = ref[0]["groups"][2]
     assert [r["lr"] for r in rows] == rates
@@ -160,16 +177,14 @@ def test_run_equals_torch_with_lambdalr_and_two_groups(programs, name, tmp_path)
         assert same == (variant == "groups"), variant
 
 
-def test_resume_mid_warmup_continues_the_rates_and_losses(programs, tmp_path):
+def test_resume_mid_warmup_continues_the_rates_and_losses(programs, checkpointed, tmp_path):
     path = programs["adamw"][0]
-    ck, full, resumed = tmp_path / "ck", tmp_path / "full.safetensors", tmp_path / "resumed.safetensors"
-    zdsl_run(path, "--checkpoint-every", "2", "--checkpoint-dir", str(ck), "--export", str(full),
-             "--metrics", str(tmp_path / "full.jsonl"))
-    step2 = ck / "step-000002"
+    full, resumed = checkpointed / "out.safetensors", tmp_path / "resumed.safetensors"
+    step2 = checkpointed / "ck" / "step-000002"
     assert step2.is_dir()
     proc = zdsl_run(path, "--resume", str(step2), "--export", str(resumed), "--metrics", str(tmp_path / "r.jsonl"))
     assert "resumed at step 2" in proc.stdout
-    before, after = metrics(tmp_path / "full.jsonl"), metrics(tmp_path / "r.jsonl")
+    before, after = metrics(checkpointed / "m.jsonl"), metrics(tmp_path / "r.jsonl")
     assert [r["step"] for r in after] == list(range(2, 8))
     assert after[0]["lr"] == programs["adamw"][2][0]["groups"][2][2] < 3e-3      # still warming up
     assert [(r["lr"], r["loss"]) for r in after] == [(r["lr"], r["loss"]) for r in before[2:]]
