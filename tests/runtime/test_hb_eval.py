@@ -70,6 +70,7 @@ def test_the_evaluation_is_ordered_by_its_own_graph_on_the_runs_streams(tmp_path
     assert streams_for(None, c.eval_graph, torch.device("cpu"), "evaluation") is None   # a plain CPU run
 
 
+@pytest.mark.slow        # starts a rank (seconds of CPU to import torch); the cases above are the quick part
 def test_zdsl_run_with_the_checker_and_eval_succeeds(tmp_path):
     """The same through ``zdsl run``: the run's checker reaches its evaluator."""
     (tmp_path / "hb_eval.zs").write_text(SCHEDULE.format(stage=3, steps=2))
