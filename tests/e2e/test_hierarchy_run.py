@@ -65,7 +65,7 @@ def torchrun_two_agents(zs: Path, args: list[str], tmp: Path, timeout: float = 3
 
 
 @pytest.mark.slow
-def test_a_checkpoint_continues_from_flat_at_two_ranks_to_hsdp_under_torchrun_to_hpz(tmp_path):
+def test_a_checkpoint_continues_from_flat_at_two_ranks_to_hsdp_under_torchrun_to_hpz(tmp_path, capsys):
     files = {}
     for name, text in (("flat", FLAT), ("hsdp", HSDP), ("hpz", HPZ)):
         files[name] = tmp_path / f"{name}.zs"
@@ -84,8 +84,11 @@ def test_a_checkpoint_continues_from_flat_at_two_ranks_to_hsdp_under_torchrun_to
     assert abs(b[1] - a[1]) <= 1e-6 * abs(a[1])    # HSDP at 4 ranks from flat's step 1 at 2
     assert abs(b[2] - a[2]) <= 1e-6 * abs(a[2])
     assert c[2] == b[2]                            # hpZ from HSDP's step 2, to the bit
-    shown = zdsl("inspect", str(tmp_path / "hsdp" / "step-000002"))
-    assert "shards written by ranks 0-1" in shown.stdout, shown.stdout + shown.stderr
+    from zdsl.cli import main            # in this process: a process of its own would import torch again
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "hsdp" / "step-000002")]) == 0
+    shown = capsys.readouterr()
+    assert "shards written by ranks 0-1" in shown.out, shown.out + shown.err
     from zdsl.runtime.checkpoint import parse_shard_key, read_index
     index = read_index(tmp_path / "hsdp" / "step-000002")      # one replica wrote each shard
     written = [sorted({parse_shard_key(k)[1] for k in f.tensors if parse_shard_key(k)}) for f in index.files]
