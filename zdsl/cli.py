@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from zdsl import env
 from zdsl.driver import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, compile_file, load, memo_units_for, report, status_of
@@ -52,32 +53,73 @@ def cmd_check(args, parser) -> int:
         report(compiled)
         status = status_of(compiled)
         if status == EXIT_OK:
-            g = compiled.graph
-            warnings = sum(d.severity == "warning" for d in compiled.diagnostics)
-            print(f"{path}: ok ({len(g.units)} units, {sum(u.numel for u in g.units):,} parameters, "
-                  f"{len(g.ops):,} ops{f', {warnings} warning(s)' if warnings else ''})")
+            print(f"{path}: ok ({checked_line(compiled)})")
         worst = max(worst, status)
     return worst
 
 
+def checked_line(compiled) -> str:
+    """What ``zdsl check`` says of a schedule that checks: its graph's size, what the user's loop gives."""
+    from zdsl.check.loop import PLAN_MODEL, from_loop
+    warnings = sum(d.severity == "warning" for d in compiled.diagnostics)
+    g = compiled.graph
+    parts = [] if compiled.model_from_loop else \
+        [f"{len(g.units)} units, {sum(u.numel for u in g.units):,} parameters, {len(g.ops):,} ops"]
+    parts += [f"{warnings} warning(s)"] if warnings else []
+    loop = from_loop(compiled.schedule)
+    if loop:
+        parts.append(f"{' and '.join(loop)} come from your own loop (zdsl.initialize)")
+    if compiled.model_from_loop:
+        parts.append(f"planned with {PLAN_MODEL}")
+    return "; ".join(parts)
+
+
+def model_option(args, overrides: dict[str, str], parser) -> dict[str, str]:
+    """``--model FILE.py:FUNCTION``: the overrides as if the schedule said ``model "FILE.py:FUNCTION"()``
+    (the file made absolute here: it is the command line's, relative to the working folder)."""
+    if args.model is None:
+        return overrides
+    if "model" in overrides:
+        parser.error("--model and --set model=... both give the model: give one")
+    where, sep, function = args.model.rpartition(":")
+    if not sep or not where or not function.isidentifier():
+        parser.error(f"--model {args.model}: expected FILE.py:FUNCTION or package.module:FUNCTION")
+    if where.endswith(".py"):
+        where = str(Path(where).expanduser().resolve())
+    from zdsl.check.printer import string_text
+    return {**overrides, "model": f"{string_text(f'{where}:{function}')}()"}
+
+
+def no_model_problem(compiled) -> int:
+    """``zdsl plan`` of a schedule without a model and without ``--model``: say how to give one."""
+    from zdsl.check.loop import PLAN_MODEL
+    print(f"zdsl plan: {compiled.path}: the schedule has no model statement (the model comes from your own "
+          f"loop); plan it with {PLAN_MODEL} (a function that returns the module), or add a model statement",
+          file=sys.stderr)
+    return EXIT_USAGE
+
+
 def cmd_plan(args, parser) -> int:
-    overrides = parse_sets(args.set, parser)
+    overrides = model_option(args, parse_sets(args.set, parser), parser)
     units_for = memo_units_for()
     if args.lowered:
         return print_lowered(args.file, overrides, units_for)
     profile_cache.enable(not args.no_calibrate)
     compiled = compile_file(args.file, overrides, units_for)
     report(compiled)
-    if compiled.sim is None:                 # did not get as far as a simulated step
+    if compiled.model_from_loop:
+        return no_model_problem(compiled)
+    graph, schedule = compiled.graph, compiled.schedule
+    if compiled.sim is None or graph is None or schedule is None:     # not as far as a simulated step
         return status_of(compiled)
     from zdsl.planner.machine_fit import render_fit, schedule_fit
     from zdsl.planner.report import build_plan, render_plan
-    plan = build_plan(compiled.graph, compiled.schedule, compiled.sim, units=compiled.units)
+    plan = build_plan(graph, schedule, compiled.sim, units=compiled.units)
     fit = schedule_fit(compiled, overrides)          # what `zdsl run` compares before starting ranks
     evaluation = None
-    if compiled.eval_sim is not None:
+    if compiled.eval_sim is not None and compiled.eval_graph is not None:
         from zdsl.planner.eval_plan import eval_plan
-        evaluation = eval_plan(compiled.graph, compiled.eval_graph, compiled.schedule, compiled.eval_sim)
+        evaluation = eval_plan(graph, compiled.eval_graph, schedule, compiled.eval_sim)
     if args.json:
         extra = {"eval": evaluation.to_json()} if evaluation is not None else {}
         print(json.dumps({**plan.to_json(), **extra, "machine_fit": fit.to_json()}, indent=2))
@@ -86,7 +128,7 @@ def cmd_plan(args, parser) -> int:
         sys.stdout.write(shown + (evaluation.line() + "\n" if evaluation is not None else "") + render_fit(fit))
     if args.trace or args.timeline:
         from zdsl.observe.trace import predicted_trace, write_trace
-        g = compiled.graph
+        g = graph
         if args.trace_ranks is not None and args.trace_ranks < 1:
             parser.error("--trace-ranks must be at least 1")
         ranks = args.trace_ranks or traced_ranks(len(g.ops), g.ranks)
@@ -115,8 +157,11 @@ def print_lowered(path: str, overrides, units_for) -> int:
     from zdsl.compile.lower import lower_policies
     from zdsl.sources import sizing_data
     compiled = load(path, overrides, units_for)
-    if compiled.ok:
-        schedule = compiled.schedule
+    schedule = compiled.schedule
+    if compiled.ok and schedule is not None and schedule.model.kind == "loop":
+        report(compiled)
+        return no_model_problem(compiled)
+    if compiled.ok and schedule is not None:
         units = units_for(schedule.model, **sizing_data(schedule.data))
         sys.stdout.write(print_schedule(schedule, lower_policies(schedule, units)))
     report(compiled)
@@ -179,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--trace-ranks", type=int, metavar="N", default=None,
                       help="ranks in the predicted trace (default: all, fewer for very large graphs)")
     plan.add_argument("--lowered", action="store_true", help="print the pipelines the policies expand to (.zs)")
+    plan.add_argument("--model", metavar="FILE.py:FUNCTION",
+                      help="the model of a schedule without a model statement (trained from your own loop): "
+                           "planned as `model \"FILE.py:FUNCTION\"()` in the schedule would be")
     plan.add_argument("--no-calibrate", action="store_true",
                       help="without a machine statement, plan with zdsl's default rates: neither calibrate "
                            "this machine nor use its cached profile")

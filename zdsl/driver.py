@@ -52,6 +52,12 @@ class Compiled:
     def ok(self) -> bool:
         return not any(d.severity == "error" for d in self.diagnostics)
 
+    @property
+    def model_from_loop(self) -> bool:
+        """Checked, but no graph: the schedule has no model statement and nothing sized the module
+        the user's loop gives (``zdsl.initialize``'s ``model=``; ``zdsl plan --model``)."""
+        return self.schedule is not None and self.schedule.model.kind == "loop" and self.units is None
+
 
 def compile_file(path: str, overrides: dict[str, str] | None, units_for=None,
                  simulate: bool = True) -> Compiled:
@@ -62,8 +68,13 @@ def compile_file(path: str, overrides: dict[str, str] | None, units_for=None,
 
 
 def _compile(path: str, overrides: dict[str, str] | None, units_for, simulate: bool) -> Compiled:
+    return compile_loaded(load(path, overrides, units_for), units_for, simulate)
+
+
+def compile_loaded(out: Compiled, units_for, simulate: bool = True) -> Compiled:
+    """Steps 2 to 6 of ``load``'s result, in place: for a caller that completes the schedule between
+    (the Python API records the row of a fed batch, ``runtime/api/deferred.py``)."""
     from zdsl.compile.verify import findings, to_diagnostic
-    out = load(path, overrides, units_for)
     if out.ok and size(out, units_for) and instantiate_graph(out):
         found, out.sim = findings(out.graph, out.schedule, want_sim=simulate)
         out.diagnostics.extend(to_diagnostic(f) for f in found)
@@ -111,7 +122,7 @@ def size(out: Compiled, units_for) -> bool:
         out.diagnostics.append(Diagnostic("error", model_span, f"cannot size the model: "
                                           f"{type(exc).__name__}: {exc}"))
         return False
-    return True
+    return out.units is not None              # None: the user's loop gives the model (model_from_loop)
 
 
 def instantiate_graph(out: Compiled) -> bool:
@@ -182,6 +193,8 @@ def memo_units_for():
     cache: dict[tuple[str, int | None], list] = {}
 
     def cached(spec, context: int | None = None, data=None):
+        if spec.kind == "loop":       # no model statement: the user's loop gives the module, unknown here
+            return None
         key = (repr(spec), context, repr(data))
         if key not in cache:
             cache[key] = units_for(spec, context, data)

@@ -46,7 +46,7 @@ GPT_DEFAULTS = dict(layers=4, width=128, heads=4, vocab=256, context=64)
 
 @dataclass
 class ModelSpec:
-    kind: str                              # "gpt", "user" or "hf"
+    kind: str                              # "gpt", "user", "hf", or "loop" (no statement: initialize's model=)
     args: dict = field(default_factory=dict)   # gpt: sizes; user: the factory's kwargs; hf: config overrides
     factory: str | None = None             # "path/to/file.py:build" or "pkg.module:build" for kind "user"
     path: str | None = None                # kind "hf": the model folder (absolute)

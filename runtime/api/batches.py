@@ -3,7 +3,8 @@
 ``x`` is a tensor (unit 0's input), a pair ``(inputs, labels)`` (the last unit of a model of the
 unit protocol scores ``labels``, as ``zdsl run``'s batches give them), or a ``Batch``. The step
 graph was planned for one shape: ``train batch=`` rows of what the schedule's data gives (a
-``python(...)`` function's row, else ``context`` token ids). A training batch of another shape is
+``python(...)`` function's row, a fed batch's as the first ``engine(x)`` gave it, else ``context``
+token ids). A training batch of another shape is
 refused, saying what was compiled and what to change; a forward-only pass may have any number of
 rows (it holds no activations for a backward), its row shape checked the same way.
 """
@@ -29,15 +30,17 @@ class Compiled:
 
     @classmethod
     def of(cls, schedule) -> "Compiled":
+        """What the schedule's data sizes the graph with (``runtime/sizing.py``'s ``sizing_inputs``):
+        one row of the source's own tensors, else token ids of the run's context."""
         from zdsl.compile.models import run_context
-        rows = schedule.train.batch
-        data = schedule.data
-        if data is not None and data.kind == "python":
-            from zdsl.runtime.sizing import sizing_inputs
-            _, (inputs, labels), _ = sizing_inputs(data)
+        from zdsl.runtime.data import runtime_source
+        from zdsl.runtime.sizing import sizing_inputs
+        rows, data = schedule.train.batch, schedule.data
+        context, sample, _ = sizing_inputs(data, run_context(schedule))
+        if sample is not None:
+            inputs, labels = sample
             return cls(rows, tuple(inputs.shape[1:]), inputs.dtype, tuple(labels.shape[1:]), labels.dtype,
-                       f'each row as data python("{data.source}") gives it')
-        context = run_context(schedule)
+                       runtime_source(data.kind).row_origin(data))
         return cls(rows, (context,), torch.int64, (context,), torch.int64,
                    f"each row {context} token ids (the data's context)")
 

@@ -19,11 +19,13 @@ is the model's, for the user's own loss. Parameter names stay the model's own (`
 so ``engine.state_dict()`` loads into the model, and checkpoints name them so.
 
 Sizing: the compiler sizes the model through ``units_for`` (``zdsl/driver.py``'s hook); a schedule
-without a model statement trained with ``model=`` names :data:`GIVEN_FACTORY` as its model
-(``--set model=...``), which :func:`sizing_hook` answers with a meta-device copy of the object (no
-memory, no init). A schedule that names a model trains the object only where both are the same
-model (:func:`differences`: each unit's parameter names and shapes), the statement honoured and
-the object's weights trained; else initialize refuses.
+without a model statement has the model of kind "loop" (``zdsl/check/loop.py``), which
+:func:`sizing_hook` answers with a meta-device copy of the object (no memory, no init). Where the
+batches are fed (no ``data`` statement) and the model is the user's, its row is the first batch's:
+the hook leaves it unsized until ``initialize`` records that row (``deferred.py``). A schedule that
+names a model trains the object only where both are the same model (:func:`differences`: each
+unit's parameter names and shapes), the statement honoured and the object's weights trained; else
+initialize refuses.
 """
 from __future__ import annotations
 
@@ -36,9 +38,6 @@ import torch.nn as nn
 
 from zdsl.errors import ZdslApiError
 
-# The model statement a schedule trained with ``model=`` gets: a name the checker accepts without
-# importing anything, and that sizing_hook recognises. Never loaded: this module defines no ``model``.
-GIVEN_FACTORY = "zdsl.runtime.api.given:model"
 HOW_TO_LIST = ("list its units with zdsl.units(model, [\"embed\", [\"block0\", \"block1\"], \"head\"]) "
                "(module names in the order they run, one item per unit), or give it a units() method "
                "(the unit protocol, zdsl.runtime.models.protocol)")
@@ -89,7 +88,7 @@ def place(root: nn.Module, dotted: str, module: nn.Module) -> None:
     for part in path:
         if part not in root._modules:
             root.add_module(part, nn.Module())
-        root = root._modules[part]
+        root = root.get_submodule(part)
     root.add_module(leaf, module)
 
 
@@ -220,14 +219,20 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def sizing_hook(given: nn.Module, units_for):
-    """``units_for`` (zdsl/driver.py) that sizes ``given`` where the schedule names :data:`GIVEN_FACTORY`
-    and leaves every other model to ``units_for``; sized once per context and data."""
+def sizing_hook(given: nn.Module | None, units_for):
+    """``units_for`` (zdsl/driver.py) that sizes ``given`` where the schedule has no model statement
+    (kind "loop"; None without ``given``), leaves a user's model with fed batches unsized (None) until
+    their row is recorded, and every other model to ``units_for``; sized once per context and data."""
+    from zdsl.sources.fed import FedSource
     sized: dict[tuple, list] = {}
 
     def hooked(spec, context: int | None = None, data=None):
-        if getattr(spec, "factory", None) != GIVEN_FACTORY:
+        if data is not None and FedSource.deferred(data, spec.kind):
+            return None                 # sized from the first batch (deferred.py)
+        if spec.kind != "loop":
             return units_for(spec, context, data)
+        if given is None:
+            return None
         key = (context, repr(data))
         if key not in sized:
             sized[key] = size_given(given, context, data)
@@ -243,10 +248,16 @@ def size_given(given: nn.Module, context: int | None, data) -> list:
     return model_unit_specs(meta_copy(given), f"model={name}", context, sample=sample, masked=masked)
 
 
+def as_units(model: nn.Module) -> list[nn.Module]:
+    """A unit-protocol model's units (read through getattr: nn.Module's ``__getattr__`` types every
+    attribute it does not declare as a tensor or a module)."""
+    return list(getattr(model, "units")())
+
+
 def differences(units: list, given: nn.Module) -> str | None:
     """Where ``given``'s units differ from the compiler's ``units`` (a schedule's model), in
     parameter names and shapes, or None when they are the same model."""
-    mine = [[(n, tuple(p.shape)) for n, p in u.named_parameters()] for u in given.units()]
+    mine = [[(n, tuple(p.shape)) for n, p in u.named_parameters()] for u in as_units(given)]
     theirs = [[(n, tuple(shape)) for n, shape in spec.params] for spec in units]
     if len(mine) != len(theirs):
         return f"model= has {len(mine)} units, the schedule's model {len(theirs)}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from zdsl.errors import ZdslApiError
 from zdsl.runtime.api.calls import engine_call
-from zdsl.runtime.api.given import GIVEN_FACTORY, as_unit_model, differences, sizing_hook
+from zdsl.runtime.api.given import as_unit_model, differences, sizing_hook
 
 
 @engine_call("zdsl.initialize()")
@@ -24,55 +24,69 @@ def initialize(schedule, model=None, *, overrides: dict | None = None, timeout_s
 
     ``model``: None trains the schedule's ``model``; a module is trained itself (``given.py``:
     the unit protocol, a chain of children, or ``zdsl.units``), and then the schedule names no
-    model, or the same one (the same units' parameter names and shapes). ``overrides``: ``--set``'s
-    ``{key: value}``. ``timeout_s``: the longest any collective or call of the engine waits for the
-    other ranks. Default: ``zdsl launch --timeout``, else 120 s.
+    model, or the same one (the same units' parameter names and shapes). A schedule without
+    ``data`` trains on the batches the loop feeds; where the model is the user's, its graph is
+    compiled at the first ``engine(x)``, from that batch's row (``deferred.py``). ``overrides``:
+    ``--set``'s ``{key: value}``. ``timeout_s``: the longest any collective or call of the engine
+    waits for the other ranks. Default: ``zdsl launch --timeout``, else 120 s.
     Under ``zdsl launch`` the schedule's fit on this machine is checked before the rank allocates,
     as ``zdsl run`` checks it (``runtime/run/script_rank.py``)."""
     from zdsl.runtime.run.script_rank import launch_timeout
     timeout_s = launch_timeout(timeout_s)
     given = as_unit_model(model) if model is not None else None
-    compiled = compile_for(str(schedule), overrides, given)
-    return start(compiled, given, timeout_s)
+    loaded, units_for = load_for(str(schedule), overrides, given)
+    if loaded.graph is None:            # the model's row is the first batch's
+        from zdsl.runtime.api.deferred import DeferredEngine
+        return DeferredEngine(loaded, lambda completed, agree: start(finish_for(completed, given, units_for), given,
+                                                                     timeout_s, agree))
+    return start(loaded, given, timeout_s)
+
+
+def load_for(path: str, overrides: dict | None, given):
+    """``path`` checked, with ``given`` sized where the schedule has no model statement, and compiled
+    (:func:`finish_for`) unless the model's row comes from the first fed batch (then its graph is
+    None); with the sizing hook used. :class:`ZdslApiError` with the positioned diagnostics where it
+    does not compile."""
+    from zdsl.driver import load, memo_units_for
+    from zdsl.sources.fed import FedSource
+    overrides = {str(k): str(v) for k, v in (overrides or {}).items()}
+    if given is not None and "model" in overrides:
+        raise ZdslApiError("initialize(): overrides set `model` and model= gives one: one model only")
+    units_for = sizing_hook(given, memo_units_for())
+    loaded = load(path, overrides, units_for)
+    if not loaded.ok:
+        raise ZdslApiError(f"{path} does not compile:\n{diagnostics_text(loaded)}")
+    schedule = loaded.schedule
+    assert schedule is not None           # loaded.ok: the check went through
+    if schedule.model.kind == "loop" and given is None:
+        raise ZdslApiError(f"{path} has no model statement: give initialize() the model (model=m), or add a model "
+                           f"statement")
+    if FedSource.deferred(schedule.data, schedule.model.kind):
+        return loaded, units_for
+    return finish_for(loaded, given, units_for), units_for
 
 
 def compile_for(path: str, overrides: dict | None, given):
-    """``compile_file`` of ``path`` (with ``given`` sized where the schedule's model would be);
-    :class:`ZdslApiError` with the positioned diagnostics when it does not compile."""
-    from zdsl.driver import compile_file, memo_units_for
-    overrides = {str(k): str(v) for k, v in (overrides or {}).items()}
-    units_for, named = None, None
-    if given is not None:
-        if "model" in overrides:
-            raise ZdslApiError("initialize(): overrides set `model` and model= gives one: one model only")
-        named = model_statement(path)
-        if named is None:
-            overrides["model"] = f'"{GIVEN_FACTORY}"()'
-            units_for = sizing_hook(given, memo_units_for())
-    compiled = compile_file(path, overrides, units_for, simulate=False)
+    """:func:`load_for`'s schedule alone: compiled, or checked where its graph waits for the first batch."""
+    return load_for(path, overrides, given)[0]
+
+
+def finish_for(loaded, given, units_for):
+    """Size, lower and verify a checked schedule (``load_for``'s; ``units_for``: its sizing hook), and
+    check that a model the schedule names is ``given``'s; :class:`ZdslApiError` where it fails."""
+    from zdsl.driver import compile_loaded, gc_paused
+    with gc_paused():
+        compiled = compile_loaded(loaded, units_for, simulate=False)
     if not compiled.ok:
-        raise ZdslApiError(f"{path} does not compile:\n{diagnostics_text(compiled)}")
-    differ = differences(compiled.units, given) if named is not None else None
+        raise ZdslApiError(f"{compiled.path} does not compile:\n{diagnostics_text(compiled)}")
+    named = compiled.schedule.spans.get("model")
+    differ = differences(compiled.units, given) if named is not None and given is not None else None
     if differ is not None:
-        raise ZdslApiError(f"{named}: the schedule names a model and initialize() was given model="
-                           f"{getattr(given, 'given', type(given).__name__)}, another one ({differ}): one model "
-                           f"only; remove the model statement to train the object, or leave out model= to train "
-                           f"the schedule's")
+        raise ZdslApiError(f"{named.file}:{named.line}:{named.column}: the schedule names a model and initialize() "
+                           f"was given model={getattr(given, 'given', type(given).__name__)}, another one ({differ}): "
+                           f"one model only; remove the model statement to train the object, or leave out model= to "
+                           f"train the schedule's")
     return compiled
-
-
-def model_statement(path: str) -> str | None:
-    """``file:line:col`` of the schedule's own ``model`` statement (its includes too), or None;
-    None also when it does not parse (compiling then says why)."""
-    from zdsl.lang.include import expand_includes
-    from zdsl.lang.parse import parse_file
-    try:
-        program = parse_file(path)
-        statements = expand_includes(program, {program.file: program.source})
-    except Exception:       # noqa: BLE001 - compile_file then reports it, positioned
-        return None
-    found = next((s for s in statements if getattr(s, "keyword", None) == "model"), None)
-    return None if found is None else f"{found.span.file}:{found.span.line}:{found.span.column}"
 
 
 def diagnostics_text(compiled) -> str:
@@ -86,8 +100,9 @@ def diagnostics_text(compiled) -> str:
     return "\n".join(render(d) for d in errors)
 
 
-def start(compiled, given, timeout_s: float):
-    """Join the ranks, build the rank's state and start the engine's loop (``compile_for``'s result)."""
+def start(compiled, given, timeout_s: float, agree=None):
+    """Join the ranks, build the rank's state and start the engine's loop (``finish_for``'s result);
+    ``agree(rank, world)``, once joined, checks what the ranks must share besides the graph."""
     from zdsl.runtime.run.script_rank import launch_preflight
     launch_preflight(compiled, timeout_s)          # under zdsl launch: the fit, before the rank allocates
     from zdsl.runtime.api.background import Background
@@ -100,6 +115,8 @@ def start(compiled, given, timeout_s: float):
     stack = contextlib.ExitStack()
     try:
         rank, world, device = join(graph, stack, timeout_s)
+        if agree is not None:
+            agree(rank, world)
         run = open_rank(stack, graph, schedule, compiled.units, rank, world, device, model=given,
                         eval_graph=compiled.eval_graph)
         eval_executor = forward_only_executor(compiled, run)

@@ -1,5 +1,5 @@
 """Data sources at run time: one object per kind (``corpus``, ``tokens``, ``text``, ``jsonl``,
-``synthetic``, ``python``), each ``SOURCE`` in ``zdsl/runtime/data/<kind>.py``, found here by its kind.
+``synthetic``, ``python``, ``fed``), each ``SOURCE`` in ``zdsl/runtime/data/<kind>.py``, found here by its kind.
 
 :func:`make_batch` is the only entry point the runtime and the DDP reference use for a batch;
 :func:`prepare` is what runs once before any rank starts (``zdsl run``'s pre-flight). A step's
@@ -23,7 +23,8 @@ from zdsl.runtime.data.source import RuntimeSource
 # kind -> the module whose SOURCE is its run-time side
 MODULES = {"corpus": "zdsl.runtime.data.corpus", "tokens": "zdsl.runtime.data.tokens",
            "text": "zdsl.runtime.data.text", "jsonl": "zdsl.runtime.data.jsonl",
-           "synthetic": "zdsl.runtime.data.synthetic", "python": "zdsl.runtime.data.python"}
+           "synthetic": "zdsl.runtime.data.synthetic", "python": "zdsl.runtime.data.python",
+           "fed": "zdsl.runtime.data.fed"}
 
 
 def runtime_source(kind: str) -> RuntimeSource:

@@ -234,5 +234,8 @@ class PythonSource(RuntimeSource):
     def meta_sample(self, spec) -> tuple[torch.Tensor, torch.Tensor]:
         return meta_sample(spec)
 
+    def row_origin(self, spec) -> str:
+        return f'each row as data python("{spec.source}") gives it'
+
 
 SOURCE = PythonSource()

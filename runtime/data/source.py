@@ -33,6 +33,10 @@ class RuntimeSource:
         sized from it (the source's tensors are its own), else None: sized at the context."""
         return None
 
+    def row_origin(self, spec) -> str:
+        """Where :meth:`meta_sample`'s row comes from, for a message about a batch of another shape."""
+        return f"each row as data {spec.kind}(...) gives it"
+
 
 class TokenWindows(RuntimeSource):
     """A source whose sample is ``context + 1`` token ids: the inputs, and the same shifted by one as targets."""

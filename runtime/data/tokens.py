@@ -166,8 +166,9 @@ def check_token_file(path: str, dtype: str, vocab: int, context: int | None = No
         if largest is None:
             largest = scan_max(data)
             _save_max(path, stamp, largest)
-    if largest >= vocab:
-        index, value = first_at_or_above(data, vocab)
+    first = first_at_or_above(data, vocab) if largest >= vocab else None
+    if first is not None:
+        index, value = first
         width = data.dtype.itemsize
         raise TokenFileError(f"token file {path} holds id {value} at token {index} (byte offset "
                              f"{index * width}), not below the model's vocab {vocab}: is dtype={dtype} "

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(argv: list[str] | None) -> int:
+    from zdsl.check.loop import refuse_for_run
     from zdsl.driver import compile_file, report, status_of
     from zdsl.lang.overrides import parse_sets
 
@@ -99,6 +100,7 @@ def run_command(argv: list[str] | None) -> int:
         from zdsl.sim import profile_cache
         profile_cache.enable()
     compiled = compile_file(args.file, overrides, simulate=False)
+    refuse_for_run(compiled)                       # a model or batches only the user's loop gives
     if rank in (None, "0") or not compiled.ok:
         report(compiled)          # errors and warnings once, not once per rank
     if not compiled.ok:

@@ -93,9 +93,12 @@ def run_variants(args, base: dict[str, str], parser: argparse.ArgumentParser, ru
 
 
 def compile_variant(args, base: dict[str, str], variant: Variant, parser):
+    from zdsl.check.loop import refuse_for_run
     from zdsl.driver import compile_file
     from zdsl.lang.overrides import parse_sets
-    return compile_file(args.file, {**base, **parse_sets(variant.overrides, parser)}, simulate=False)
+    compiled = compile_file(args.file, {**base, **parse_sets(variant.overrides, parser)}, simulate=False)
+    refuse_for_run(compiled)
+    return compiled
 
 
 def launch_variants(args, base: dict[str, str], variants: list[Variant], parser) -> int:

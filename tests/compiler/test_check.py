@@ -159,9 +159,9 @@ def test_prefetch_deeper_than_model_is_a_warning():
     assert "deeper than the model (4 units)" in warnings[0].message
 
 
-def test_missing_model():
-    d, at = first("schedule s\n")
-    assert at == (1, 1) and "model" in d.message
+def test_missing_model_and_data_are_the_loops():
+    s, _ = check_text("schedule s\n")
+    assert s.model.kind == "loop" and s.data.kind == "fed"      # zdsl.initialize gives both
 
 
 def test_data_must_fit_the_model():
@@ -300,7 +300,7 @@ def test_units_for_resolves_recompute_of_a_user_model(tmp_path):
 
 
 def test_units_for_failure_is_an_error_at_the_model(tmp_path):
-    def units_for(spec):
+    def units_for(spec, data=None):
         raise RuntimeError("boom")
     d, at = first(HEADER, units_for=units_for)
     assert at == (1, 7) and "boom" in d.message
@@ -318,8 +318,8 @@ def test_model_factory_errors(tmp_path):
 def test_a_user_model_needs_the_data_shape():
     d, at = first('model "mypkg.models:build"()\ndata corpus("stdlib")\n')
     assert at == (2, 1) and "context" in d.message and "context=" in d.hint
-    d, at = first('model "mypkg.models:build"()\n')
-    assert at == (1, 1) and "context and vocab" in d.message
+    s, _ = check_text('model "mypkg.models:build"()\n')     # no data: the loop feeds the batches
+    assert s.data.kind == "fed"
 
 
 @pytest.mark.parametrize("key, field", [("comm_overhead", "comm_overhead"), ("scatter_overhead", "scatter_overhead"),

@@ -12,7 +12,8 @@ are reported at once. The span of each statement is kept in
 This module reads the statements in order and applies the rules across them; each
 statement's own check lives with its concept: ``model``, ``data`` (with the sources of
 ``zdsl/sources/``), ``training``, ``machine``, ``placement`` and ``pipelines``, all
-filling one :class:`~zdsl.check.draft.Draft`.
+filling one :class:`~zdsl.check.draft.Draft`. A schedule may leave ``model`` and ``data`` to the
+user's own loop (``loop.py``).
 
 Public API: :func:`load_schedule` and :func:`check_text`.
 """
@@ -26,7 +27,7 @@ from zdsl.check.data import DataChecks
 from zdsl.check.draft import Draft, where
 from zdsl.check.hierarchy import check_hierarchy, check_per_node, check_secondary
 from zdsl.check.machine import check_link, check_machine, check_ranks, machine_for_device
-from zdsl.check.model import UnitsFor, check_freeze, check_model, default_units_for
+from zdsl.check.model import UnitsFor, check_freeze, check_loop_model, check_model, default_units_for
 from zdsl.check.pipelines import check_pipeline, check_pipelines_complete
 from zdsl.check.placement import PlacementChecks
 from zdsl.check.training import check_checkpoint, check_optimizer, check_train
@@ -36,7 +37,7 @@ from zdsl.lang.errors import NOTE, Diagnostic, ZsError, attach_sources, error, n
 from zdsl.lang.include import expand_includes
 from zdsl.lang.overrides import apply_overrides
 from zdsl.lang.parse import parse_text, read_source
-from zdsl.schedule import Schedule, Span
+from zdsl.schedule import DataSpec, Schedule
 
 # data before model: a model built to be sized takes python(...) data's tensors
 STATEMENT_ORDER = ("schedule", "data", "model", "train", "optimizer", "ranks", "machine", "link", "zero",
@@ -92,20 +93,21 @@ def check_program(program: ast.Program, overrides: dict[str, str],
     by_key = _by_keyword(statements, draft.report)
     data = DataChecks(draft)
     checks = _statement_checks(draft, data, units_for)
+    if "data" not in by_key:
+        draft.schedule.data = DataSpec("fed")       # the batches come from the user's loop
     for keyword in STATEMENT_ORDER:
+        if keyword == "model" and "model" not in by_key:
+            check_loop_model(draft, units_for)      # the model comes from the user's loop
         if keyword == "shard" and "shard" in by_key:     # several `shard ... over` statements are one sharding
             checks[keyword](by_key[keyword])
             continue
         for stmt in by_key.get(keyword, []):
             checks[keyword](stmt)
     check_hierarchy(draft)
-    if "model" not in by_key:
-        draft.report.error(Span(program.file, 1, 1), "the schedule has no model statement",
-                           hint="add e.g. `model gpt(layers=2, width=64, heads=4)`")
     machine_for_device(draft, "machine" in by_key)
     data.against_model()
     _placement_warnings(draft)
-    pipelines = by_key.get("pipeline", [])
+    pipelines = [s for s in by_key.get("pipeline", []) if isinstance(s, ast.PipelineStmt)]
     for stmt in pipelines:
         check_pipeline(draft, stmt)
     if pipelines:
@@ -129,7 +131,7 @@ def _statement_checks(draft: Draft, data: DataChecks, units_for: UnitsFor) -> di
     return {"schedule": lambda st: _schedule(draft, st), "data": data.check_data,
             "model": lambda st: check_model(draft, st, units_for),
             "train": lambda st: check_train(draft, st), "optimizer": lambda st: check_optimizer(draft, st),
-            "ranks": lambda st: (check_ranks(draft, st), check_per_node(draft, st)),
+            "ranks": lambda st: _ranks(draft, st),
             "machine": lambda st: check_machine(draft, st), "link": lambda st: check_link(draft, st),
             "shard": placement._shards,
             "secondary": lambda st: check_secondary(draft, st),
@@ -137,6 +139,11 @@ def _statement_checks(draft: Draft, data: DataChecks, units_for: UnitsFor) -> di
                                                         "overlap", "recompute", "persist", "memory")},
             "checkpoint": lambda st: check_checkpoint(draft, st), "freeze": lambda st: check_freeze(draft, st),
             "eval": data.check_eval}
+
+
+def _ranks(draft: Draft, st: ast.RanksStmt) -> None:
+    check_ranks(draft, st)
+    check_per_node(draft, st)
 
 
 def _by_keyword(statements: list[ast.Stmt], report: Reader) -> dict[str, list[ast.Stmt]]:
@@ -175,8 +182,9 @@ def _by_keyword(statements: list[ast.Stmt], report: Reader) -> dict[str, list[as
 def _more_groups(stmt: ast.Stmt, shards: list[ast.Stmt], first: ast.Stmt | None) -> bool:
     """A second ``shard ... over`` statement after others that all say ``over`` (and no ``zero``):
     the states each names are sharded over its group."""
-    return first is not None and stmt.over is not None and bool(shards) and first is shards[0] \
-        and all(s.over is not None for s in shards)
+    def over(s: ast.Stmt) -> bool:
+        return isinstance(s, ast.ShardStmt) and s.over is not None
+    return first is not None and over(stmt) and bool(shards) and first is shards[0] and all(map(over, shards))
 
 
 def _schedule(draft: Draft, st: ast.ScheduleStmt) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from zdsl.check.draft import Draft
 from zdsl.lang import ast
 from zdsl.model.hf_folder import model_sizes
-from zdsl.schedule import DataSpec, EvalSpec
+from zdsl.schedule import GPT_DEFAULTS, DataSpec, EvalSpec
 from zdsl.sources import SOURCES, listing, source_of
 from zdsl.sources.base import ModelFit, SourceCall
 
@@ -38,7 +38,7 @@ class DataChecks:
         batches = 1 if st.batches is None else report.integer(st.batches, "eval batches", 1, 10 ** 6)
         draft.span("eval.data", st.source.span)
         data = self._source(st.source, "eval.data")
-        if None not in (every, batches, data):
+        if every is not None and batches is not None and data is not None:
             draft.schedule.eval = EvalSpec(every, data, batches)
 
     def _source(self, call: ast.Call, key: str) -> DataSpec | None:
@@ -72,20 +72,23 @@ class DataChecks:
                 source_of(spec.kind).check_length(spec, self.calls[key], schedule.spans)
 
     def _spec(self, key: str) -> DataSpec:
-        return self.draft.schedule.data if key == "data" else self.draft.schedule.eval.data
+        evaluation = self.draft.schedule.eval
+        return evaluation.data if key == "eval.data" and evaluation is not None else self.draft.schedule.data
 
     def _fit_model(self, key: str) -> None:
         """The source ``key`` against the model's context and vocab, where they are known."""
         draft = self.draft
         model, spans = draft.schedule.model, draft.schedule.spans
         if model.kind == "gpt" and draft.units is not None:
-            self._fit(model.args.get("context"), model.args.get("vocab"), "gpt(", key)
+            sizes = {**GPT_DEFAULTS, **model.args}
+            self._fit(sizes["context"], sizes["vocab"], "gpt(", key)
         if model.kind == "hf" and model.path is not None:
-            sizes = model_sizes(Path(model.path), model.args)
-            if None in sizes.values():
+            hf = model_sizes(Path(model.path), model.args)
+            context, vocab = hf["context"], hf["vocab"]
+            if context is None or vocab is None:
                 self._stated_for_user_model(key)
             else:
-                self._fit(sizes["context"], sizes["vocab"], 'hf(..., ', key)
+                self._fit(context, vocab, 'hf(..., ', key)
         if model.kind == "user" and "model" in spans:
             self._stated_for_user_model(key)
 

@@ -2,7 +2,8 @@
 
 ``model gpt(...)`` is the built-in GPT (sized here, analytically); ``model hf("DIR", ...)`` a
 Hugging Face folder and overrides of its config; ``model "file.py:build"(...)`` a user's
-factory and its keyword arguments. Once the statement is read the model is sized
+factory and its keyword arguments; no statement, the module the user's loop gives (kind "loop").
+Once the statement is read the model is sized
 (``units_for``, which builds a user's or an HF model through the runtime), so the checks that
 need its units (recompute ranges, prefetch depth, freeze globs, pipelines) can use them.
 """
@@ -25,7 +26,7 @@ from zdsl.model.hf_folder import (
     transformers_installed,
 )
 from zdsl.model.units import UnitSpec, gpt_units
-from zdsl.schedule import GPT_DEFAULTS, ModelSpec
+from zdsl.schedule import GPT_DEFAULTS, ModelSpec, Span
 from zdsl.sources import sizing_data
 from zdsl.sources.python import PythonDataError
 
@@ -69,6 +70,21 @@ def check_model(draft: Draft, st: ast.CallStmt, units_for: UnitsFor) -> None:
         draft.schedule.model = ModelSpec("user", _model_settings(draft, call), factory)
     if draft.errors() == errors_before:     # sized only as written
         _size(draft, st, units_for)
+
+
+def check_loop_model(draft: Draft, units_for: UnitsFor) -> None:
+    """No ``model`` statement: the module the user's loop gives (``initialize(..., model=m)``), kind
+    "loop". Sized by ``units_for`` where it knows that module (the API's hook), else unknown here."""
+    schedule = draft.schedule
+    schedule.model = ModelSpec("loop")
+    try:
+        units = units_for(schedule.model, **sizing_data(schedule.data))
+    except ZsError:
+        raise
+    except Exception as exc:   # noqa: BLE001 - a user's module may raise anything
+        draft.report.error(Span(schedule.file, 1, 1), f"cannot size initialize()'s model=: {type(exc).__name__}: {exc}")
+        return
+    draft.units = list(units) if units else None
 
 
 def _model_settings(draft: Draft, call: ast.Call) -> dict:

@@ -144,6 +144,8 @@ def _tier(draft: Draft, verb: str, line: ast.PipeLine):
         report.error(line.prep.span, f"{verb} takes '{prep}', not '{line.prep.value}'",
                      hint=f"write {EXAMPLES[verb]}")
         return False
+    if line.tier is None:           # the grammar writes a tier after each preposition
+        return False
     tier = line.tier.value
     if tier not in tiers:
         report.error(line.tier.span, f"{verb} {prep} {tier!r}: expected " + " or ".join(tiers),

@@ -14,6 +14,7 @@ import os
 
 from zdsl.check.draft import StatementChecks
 from zdsl.check.hierarchy import check_over
+from zdsl.check.values import describe
 from zdsl.ir import DTYPE_BYTES, TIERS
 from zdsl.lang import ast
 from zdsl.lang.errors import did_you_mean
@@ -115,24 +116,24 @@ class PlacementChecks(StatementChecks):
         for opt, arg in given.items():
             self.span(f"{key}.{opt}", arg.span)
             if opt == "pinned":
-                value = self.r.boolean(arg.value, "pinned")
-                if value is not None:
-                    p.pinned = value
+                pinned = self.r.boolean(arg.value, "pinned")
+                if pinned is not None:
+                    p.pinned = pinned
             elif opt == "ratio":
-                value = self.r.real(arg.value, "ratio", 0.0, 1.0, lo_open=True)
-                if value is not None:
-                    p.ratio = value
+                ratio = self.r.real(arg.value, "ratio", 0.0, 1.0, lo_open=True)
+                if ratio is not None:
+                    p.ratio = ratio
             elif opt == "block":
-                value = self.r.size(arg.value, "block", lo=DIRECT_IO_ALIGN)
-                if value is not None and value % DIRECT_IO_ALIGN:
+                block = self.r.size(arg.value, "block", lo=DIRECT_IO_ALIGN)
+                if block is not None and block % DIRECT_IO_ALIGN:
                     self.r.error(arg.value.span, f"block must be a multiple of 4KiB (O_DIRECT), "
-                                                 f"not {arg.value.text}", hint="e.g. block=1MiB")
-                elif value is not None:
-                    p.block_bytes = value
+                                                 f"not {describe(arg.value)}", hint="e.g. block=1MiB")
+                elif block is not None:
+                    p.block_bytes = block
             else:
-                value = self.r.integer(arg.value, "depth", 1, 1024)
-                if value is not None:
-                    p.queue_depth = value
+                depth = self.r.integer(arg.value, "depth", 1, 1024)
+                if depth is not None:
+                    p.queue_depth = depth
         if tier == "device":
             self.s.placement.pop(state, None)
             return

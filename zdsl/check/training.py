@@ -27,10 +27,8 @@ def check_train(draft: Draft, st: ast.TrainStmt) -> None:
     train = TrainSpec()
     for key, arg in given.items():
         draft.span(f"train.{key}", arg.span)
-        if key == "precision":
-            value = report.choice(arg.value, "precision", PRECISIONS)
-        else:
-            value = report.integer(arg.value, key, *TRAIN_RANGES[key])
+        value: str | int | None = report.choice(arg.value, "precision", PRECISIONS) if key == "precision" \
+            else report.integer(arg.value, key, *TRAIN_RANGES[key])
         if value is not None:
             setattr(train, key, value)
     draft.schedule.train = train
@@ -118,8 +116,8 @@ def _betas(draft: Draft, v) -> tuple[float, float] | None:
     if not isinstance(v, ast.Tuple) or len(v.items) != 2:
         draft.report.error(v.span, f"betas must be two numbers, not {describe(v)}", hint="betas=(0.9, 0.999)")
         return None
-    b = [draft.report.real(x, "a beta", 0.0, 1.0, hi_open=True) for x in v.items]
-    return None if None in b else (b[0], b[1])
+    first, second = (draft.report.real(x, "a beta", 0.0, 1.0, hi_open=True) for x in v.items)
+    return None if first is None or second is None else (first, second)
 
 
 def check_checkpoint(draft: Draft, st: ast.CheckpointStmt) -> None:
@@ -128,5 +126,5 @@ def check_checkpoint(draft: Draft, st: ast.CheckpointStmt) -> None:
     every = report.integer(st.every, "checkpoint interval", 1, 10 ** 9)
     directory = report.string(st.dir, "the checkpoint folder")
     keep = 0 if st.keep is None else report.integer(st.keep, "keep", 0, 10 ** 6)
-    if None not in (every, directory, keep):
+    if every is not None and directory is not None and keep is not None:
         draft.schedule.checkpoint = CheckpointSpec(every, directory, keep)

@@ -7,18 +7,17 @@ of the same kind (prepared once before the ranks start, then its batches) is
 ``zdsl/runtime/data/<kind>.py``, registered in ``zdsl/runtime/data/__init__.py``.
 
 Adding a source: its module here, its module in the runtime, and a line in each registry. A
-source whose batches come from outside (a user's own loop) is one more: no file argument
-(``argument = None``), its own tensors (``token_ids = False``), and a runtime side whose
-batches are handed in.
+source whose batches come from outside is ``fed`` (``fed.py``): a schedule without ``data``,
+whose batches the user's own loop feeds.
 """
 from __future__ import annotations
 
-from zdsl.sources import corpus, jsonl, python, synthetic, text, tokens
+from zdsl.sources import corpus, fed, jsonl, python, synthetic, text, tokens
 from zdsl.sources.base import DataSource
 
 # kind -> source, in the order hints list them
 SOURCES: dict[str, DataSource] = {s.kind: s for s in (
-    corpus.SOURCE, tokens.SOURCE, python.SOURCE, text.SOURCE, synthetic.SOURCE, jsonl.SOURCE)}
+    corpus.SOURCE, tokens.SOURCE, python.SOURCE, text.SOURCE, synthetic.SOURCE, jsonl.SOURCE, fed.SOURCE)}
 # how "data is ..." lists them: the sources of a file first, the user's function last
 _LISTED_BY_ARGUMENT = ("file", None, "function")
 
@@ -39,7 +38,8 @@ def listing() -> str:
 
 def sizing_data(data) -> dict:
     """``{"data": data}`` where the model's sizing takes the source (``zdsl.compile.models.units_for``:
-    one row of a ``python(...)`` function's tensors sizes a built model; ``jsonl(...)``'s padded or
-    packed rows make the built-in GPT hold an attention mask); else nothing, so sizers that take the
-    model alone still work."""
-    return {"data": data} if data is not None and source_of(data.kind).sizing_needs_data else {}
+    one row of a ``python(...)`` function's tensors, or of a fed batch, sizes a built model;
+    ``jsonl(...)``'s padded or packed rows make the built-in GPT hold an attention mask; fed batches,
+    whose row the Python API records from the first); else nothing, so sizers that take the model
+    alone still work for such data."""
+    return {"data": data} if data is not None and source_of(data.kind).sizes_the_model(data) else {}

@@ -80,9 +80,8 @@ class DataSource:
     vocab_from_model = False           # its vocab defaults to the model's (else fixed, or the tokenizer's)
     bare: tuple[str, ...] = ()         # settings whose value is a name, printed unquoted (``dtype=uint16``)
 
-    @property
-    def sizing_needs_data(self) -> bool:
-        """Whether the model's sizing takes this source (``zdsl.compile.models.units_for``'s ``data``)."""
+    def sizes_the_model(self, spec: DataSpec) -> bool:
+        """Whether the model's sizing takes ``spec`` (``zdsl.compile.models.units_for``'s ``data``)."""
         return self.masked or not self.token_ids
 
     # -- the call -----------------------------------------------------------------------

@@ -42,6 +42,7 @@ def resolve(target: str, schedule_file: str) -> str:
     if not sep or not where or not name.isidentifier():
         raise PythonDataError(f'data python("{target}"): expected "file.py:function" or '
                                 f'"package.module:function"', hint=EXAMPLE)
+    path: Path | None
     if where.endswith(".py") or "/" in where:
         path = Path(where).expanduser()
         if not path.is_absolute() and not schedule_file.startswith("<"):
@@ -54,12 +55,13 @@ def resolve(target: str, schedule_file: str) -> str:
     else:
         if not all(part.isidentifier() for part in where.split(".")):
             raise PythonDataError(f"{where!r} is neither a .py file nor a module name", hint=EXAMPLE)
-        path = module_file(where)
-        if path is False:
+        found = module_file(where)
+        if found is False:
             raise PythonDataError(f"no module named {where!r} on the Python path",
                                     hint="install it, or name a file: python(\"file.py:function\")")
+        path = found if isinstance(found, Path) else None
         resolved = target
-    if path and not defines(path, name):
+    if path is not None and not defines(path, name):
         raise PythonDataError(f"{path} defines no function {name!r}",
                                 hint=f"def {name}({', '.join(CALL_ARGS)}): return inputs, targets")
     return resolved

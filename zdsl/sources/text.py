@@ -47,7 +47,7 @@ def is_text_file(path: Path) -> bool:
 def stdlib_files() -> list[Path]:
     """The standard library's ``.py`` files (the folder of ``os.__file__``, no site-packages), sorted."""
     root = Path(os.__file__).resolve().parent
-    files = []
+    files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))

@@ -47,7 +47,7 @@ class TokensSource(DataSource):
     def finish(self, spec: DataSpec, given: dict[str, ast.Arg], at: SourceCall) -> DataSpec:
         if "dtype" not in given:
             spec.dtype = DEFAULT_DTYPE
-        if spec.source is not None and spec.dtype is not None:
+        if spec.source is not None and spec.dtype is not None and at.source_span is not None:
             at.length = whole_tokens(spec.source, spec.dtype, at.source_span, at.report)
         return spec
 
