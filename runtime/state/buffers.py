@@ -65,25 +65,32 @@ class BufferTable:
         return StateError(f"rank {self.rank}: {where}: {cause}")
 
     # -- sizes -------------------------------------------------------------------
+    def unit_of(self, buf: Buffer) -> int:
+        """The unit a flat buffer (parameters, gradients, optimizer state) belongs to."""
+        if buf.unit is None:
+            raise StateError(f"rank {self.rank}: {buf.name} belongs to no unit, so it has no flat layout")
+        return buf.unit
+
     def numel(self, buf: Buffer) -> int:
-        lay = self.flats[buf.unit].layout
+        unit = self.unit_of(buf)
+        lay = self.flats[unit].layout
         if buf.kind == "param_full":
             return lay.padded_numel
         if buf.kind == "param_shard":
             return lay.shard_numel
         if buf.kind == "param_sec":      # hpZ's node-local shard
-            return self.flats[buf.unit].secondary.shard_numel
+            return self.flats[unit].secondary_layout().shard_numel
         if buf.kind == "grad_full":      # gradients cover the trainable parts (zdsl/model/layout.py)
             return lay.trainable_numel
         if buf.kind == "grad_shard":
             return lay.trainable_shard_numel
-        return self.optims[buf.unit].flat_numel   # optim
+        return self.optims[unit].flat_numel   # optim
 
     def dtype_of(self, buf: Buffer) -> torch.dtype:
         if buf.kind == "optim" or buf.kind in ("norm", "loss"):
             return torch.float32
         if buf.kind in ("grad_full", "grad_shard"):
-            return self.flats[buf.unit].grad.dtype
+            return self.flats[self.unit_of(buf)].grad.dtype
         return self.dtype
 
     @staticmethod
@@ -107,7 +114,11 @@ class BufferTable:
     def write(self, name: str, op: Op) -> torch.Tensor:
         """The tensor an op writes, allocated if the buffer is not live."""
         slot = self.slot(name, op)
-        return slot.tensor if slot.live else self.alloc(slot)
+        if not slot.live:
+            return self.alloc(slot)
+        if slot.tensor is None:
+            raise self.error(op, f"writes {name}, which holds an activation record, not a tensor")
+        return slot.tensor
 
     def tensor(self, name: str) -> torch.Tensor:
         """The live tensor of a flat or scalar buffer (tests, checkpoints)."""
@@ -138,7 +149,7 @@ class BufferTable:
         if buf.kind in ("norm", "loss"):
             t = torch.zeros((), dtype=torch.float32, device=dev)
         elif buf.kind in ("param_full", "grad_full") and buf.tier == "device":
-            flat = self.flats[buf.unit]
+            flat = self.flats[self.unit_of(buf)]
             t = flat.full if buf.kind == "param_full" else flat.grad
             if dev.type == "cpu" and can_lend():
                 slot.block = self.pool.take(t.numel() * t.element_size())

@@ -76,10 +76,10 @@ def plan_prescale(graph: TaskGraph, world: int, error: Callable[[Op, str], State
     in_comm: dict[str, bool] = {}     # grad_full name -> this reduction scales in the collective
     for op in graph.ops:
         if op.kind == "compute.backward":
-            for w in op.writes:
-                if w.startswith("grad_full["):
-                    writer[w] = op.id
-                    scattered.pop(w, None)
+            for written in op.writes:
+                if written.startswith("grad_full["):
+                    writer[written] = op.id
+                    scattered.pop(written, None)
         elif op.kind in ("comm.reduce_scatter", "comm.all_reduce") and op.reads \
                 and op.reads[0].startswith("grad_full["):
             name = op.reads[0]
@@ -92,8 +92,9 @@ def plan_prescale(graph: TaskGraph, world: int, error: Callable[[Op, str], State
                 if op.kind == "comm.reduce_scatter":
                     scattered[name] = op.id
                 in_comm[name] = w is None and op.kind == "comm.all_reduce"
-                if w is not None:
-                    plan.after_backward.setdefault(w, []).append(parse_buffer_name(name)[1])
+                unit = parse_buffer_name(name)[1]     # never None: the name is grad_full[u]
+                if w is not None and unit is not None:
+                    plan.after_backward.setdefault(w, []).append(unit)
             if in_comm[name]:
                 plan.in_collective.add(op.id)
     return plan

@@ -247,8 +247,14 @@ class Compute:
             self.prepared.clear()
 
     # -- forward, recompute, backward --------------------------------------------------
+    def _unit(self, op: Op) -> int:
+        """The unit a forward, recompute, backward or step runs."""
+        if op.unit is None:
+            raise self.table.error(op, "names no unit, which a unit's compute op must")
+        return op.unit
+
     def _unit_input(self, op: Op) -> torch.Tensor:
-        u = op.unit
+        u = self._unit(op)
         if u == 0:
             if op.micro >= len(self.batches):
                 raise self.table.error(op, "no batch for this micro-batch (step_begin not called?)")
@@ -292,7 +298,7 @@ class Compute:
 
     def _forward(self, op: Op) -> None:
         table = self.table
-        u = op.unit
+        u = self._unit(op)
         for name in op.reads:
             if name != "token":
                 table.read(name, op)
@@ -321,7 +327,7 @@ class Compute:
 
     def _recompute(self, op: Op) -> None:
         table = self.table
-        u = op.unit
+        u = self._unit(op)
         rec = table.read(f"act[{u}]", op).record
         x_in = rec.input.detach()
         if x_in.is_floating_point() and self._wants_input_grad(u):
@@ -346,7 +352,7 @@ class Compute:
 
     def _backward(self, op: Op) -> None:
         table, flats = self.table, self.table.flats
-        u = op.unit
+        u = self._unit(op)
         for name in op.reads:
             if name != "token" and not name.startswith("grad_full["):
                 table.read(name, op)
@@ -410,10 +416,10 @@ class Compute:
         with torch.no_grad():
             if op.unit is not None:
                 (grad,) = (table.read(n, op).tensor for n in reads)
-                blocks = []
+                blocks: list[torch.Tensor] = []
                 g = upcast_on_host(table.pool, grad, blocks)
                 table.write(out, op).copy_(torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2)
-                g = None
+                del g    # the pool keeps a block only once no view of it is left
                 give_back(table.pool, blocks)
                 return
             if not self.norm_reduced and not self.mixed and self.stage == 0:
@@ -452,7 +458,7 @@ class Compute:
 
     def _step(self, op: Op) -> None:
         table = self.table
-        u = op.unit
+        u = self._unit(op)
         fp, opt = table.flats[u], table.optims[u]
         kinds = {parse_buffer_name(n)[0]: n for n in op.reads if n != "token"}
         wkinds = {parse_buffer_name(n)[0]: n for n in op.writes if n != "token"}
@@ -488,24 +494,19 @@ class Compute:
                     for d, m in zip(d_parts, masters):
                         dest[d].copy_(m)
                 return
-            blocks = []
+            blocks: list[torch.Tensor] = []
             if opt.master:
                 g32 = [upcast_on_host(table.pool, grad[s], blocks).float() for s in g_parts]
                 params = masters
             else:
                 g32 = [grad[s] for s in g_parts]
                 params = [dest[d] for d in d_parts]
-            for g in g32:
-                if plan.inv_scale != 1.0:
-                    g.mul_(plan.inv_scale)
-                coef = plan.coef_for(g)
-                if coef is not None:
-                    g.mul_(coef)
+            _unscale_and_clip(g32, plan)
             opt.step(optflat, params, g32)
             if masters is not None:
                 for d, m in zip(d_parts, masters):
                     dest[d].copy_(m)
-            g32 = g = None
+            del g32    # the pool keeps a block only once no view of it is left
             give_back(table.pool, blocks)
 
     def _load_current(self, op: Op, u: int, dest: torch.Tensor, d_parts: list[slice]) -> None:
@@ -540,6 +541,16 @@ def upcast_on_host(pool, t: torch.Tensor, blocks: list[torch.Tensor]) -> torch.T
     block = pool.take(t.numel() * 4)
     blocks.append(block)
     return typed(block, t.numel(), torch.float32).copy_(t)
+
+
+def _unscale_and_clip(grads: list[torch.Tensor], plan: StepPlan) -> None:
+    """The fp32 gradients of a step, in place: unscaled (loss scaling), then clipped."""
+    for g in grads:
+        if plan.inv_scale != 1.0:
+            g.mul_(plan.inv_scale)
+        coef = plan.coef_for(g)
+        if coef is not None:
+            g.mul_(coef)
 
 
 def give_back(pool, blocks: list[torch.Tensor]) -> None:

@@ -43,7 +43,7 @@ def layout_of(numel: int, padded_numel: int, parts: int, ranks: int, info=None) 
     frozen unit's two regions), checked for consistency."""
     if info is not None and info.frozen_parts:
         lay = unit_layout(info, ranks)
-        sizes = (lay.part_numel, lay.frozen_part_numel)
+        sizes: tuple[int, ...] = (lay.part_numel, lay.frozen_part_numel)
     else:
         lay = FlatLayout(numel, ranks, parts, padded_numel // parts)
         sizes = (lay.part_numel,)
@@ -82,14 +82,14 @@ def lend_storage(t: torch.Tensor, block: torch.Tensor) -> None:
     if mine.nbytes() != 0 or lent.nbytes() < t.numel() * t.element_size():
         raise ValueError(f"lend_storage: {mine.nbytes()} bytes held, block of {lent.nbytes()} "
                          f"for {t.numel() * t.element_size()}")
-    mine._swap_data_ptr_(lent)
+    mine._swap_data_ptr_(lent)  # type: ignore[attr-defined]  # torch's stubs omit it; can_lend() checks it
 
 
 def reclaim_storage(t: torch.Tensor, block: torch.Tensor) -> None:
     """Hand the memory :func:`lend_storage` gave ``t`` back to ``block``, leaving ``t`` freed."""
     if block.untyped_storage().nbytes() != 0:
         raise ValueError("reclaim_storage: the block was not lent")
-    t.untyped_storage()._swap_data_ptr_(block.untyped_storage())
+    t.untyped_storage()._swap_data_ptr_(block.untyped_storage())  # type: ignore[attr-defined]  # as above
 
 
 class FlatParam:
@@ -167,9 +167,16 @@ class FlatParam:
                                     self.layout.frozen_parts, self.layout.frozen_part_numel, self.layout.runs)
         self.secondary_rank = rank
 
+    def secondary_layout(self) -> FlatLayout:
+        """hpZ: the secondary shard's layout over the node."""
+        # RankState sets it on every unit of a graph with a secondary group, the only graphs
+        # whose buffers and ops name a secondary shard
+        assert self.secondary is not None, "a secondary shard asked of a unit without set_secondary"
+        return self.secondary
+
     def keep_secondary(self, part: int, full: torch.Tensor, secondary: torch.Tensor) -> None:
         """Copy this rank's node-local slice of one gathered part of ``full`` into ``secondary``."""
-        lay = self.secondary
+        lay = self.secondary_layout()
         a, b = lay.full_range(part)
         n = (b - a) // lay.ranks
         c, _ = lay.shard_range(part)
@@ -186,8 +193,9 @@ class FlatParam:
 
     def gather_secondary(self, part: int, out: torch.Tensor, secondary: torch.Tensor, group, async_op: bool):
         """hpZ: all-gather one part of the node's secondary shards into ``out`` (full size)."""
-        a, b = self.secondary.full_range(part)
-        c, d = self.secondary.shard_range(part)
+        lay = self.secondary_layout()
+        a, b = lay.full_range(part)
+        c, d = lay.shard_range(part)
         return collectives.all_gather(out[a:b], secondary[c:d], group=group, async_op=async_op)
 
     def reduce_scatter(self, part: int, out_shard: torch.Tensor, grad: torch.Tensor, group, async_op: bool):

@@ -35,9 +35,11 @@ from zdsl.runtime.io.aligned import aligned_empty
 
 
 class HostPool:
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kept: dict[int, list[torch.Tensor]] = {}   # size -> blocks, oldest first
+        # id(block) -> its storage's use count when it was made, for every block taken or kept
+        self._alone_count: dict[int, int] = {}
         self.kept_bytes = 0
         self.taken_bytes = 0
         self.high_bytes = 0          # the most ever taken at one time
@@ -65,15 +67,19 @@ class HostPool:
             self.high_bytes = max(self.high_bytes, self.taken_bytes)
         if block is None:
             block = aligned_empty(nbytes, pin=False)
-            block._zdsl_alone = _use_count(block)
+            count = _use_count(block)
+            with self._lock:
+                self._alone_count[id(block)] = count
         return block
 
     def give(self, block: torch.Tensor) -> None:
         nbytes = block.numel()
-        alone = block._zdsl_alone >= 0 and _use_count(block) == block._zdsl_alone
+        count = self._alone_count[id(block)]   # only its holder gives it back: no other thread writes it
+        alone = count >= 0 and _use_count(block) == count
         with self._lock:
             self.taken_bytes -= nbytes
             if not alone:
+                del self._alone_count[id(block)]
                 self.shared += 1
                 return
             self._kept.setdefault(nbytes, []).append(block)
@@ -82,6 +88,9 @@ class HostPool:
     def clear(self) -> None:
         """Release every kept block (the rank's end; a test's)."""
         with self._lock:
+            for blocks in self._kept.values():
+                for block in blocks:
+                    del self._alone_count[id(block)]
             self._kept.clear()
             self.kept_bytes = 0
 
@@ -103,7 +112,7 @@ class HostPool:
         """The sizes of the kept blocks a new block of ``nbytes`` unmaps to fit under the mark:
         the smallest first, so the fewest bytes are faulted in again."""
         over = self.taken_bytes + self.kept_bytes + nbytes - self.high_bytes
-        drop = []
+        drop: list[int] = []
         for size in sorted(self._kept):
             for _ in self._kept[size]:
                 if over <= 0:
@@ -114,7 +123,7 @@ class HostPool:
 
     def _drop(self, size: int) -> None:
         blocks = self._kept[size]
-        blocks.pop(0)
+        del self._alone_count[id(blocks.pop(0))]
         if not blocks:
             del self._kept[size]
         self.kept_bytes -= size

@@ -81,7 +81,7 @@ class MemoryMeter:
             out = {}
             for tier in sorted(set(self.current) | set(self.peak)):
                 cur, peak = self.current[tier], self.peak[tier]
-                row = {"current": cur["total"], "peak": peak["total"]}
+                row: dict[str, int | dict[str, int]] = {"current": cur["total"], "peak": peak["total"]}
                 for key in ("model_states", *MODEL_STATES, "working"):
                     row[f"peak_{key}"] = peak[key]
                     row[f"current_{key}"] = cur[key]

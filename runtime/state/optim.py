@@ -37,6 +37,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from zdsl.runtime.offload.host_adam import host_adamw_
+
 MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq")}
 
 
@@ -146,8 +148,9 @@ class UnitOptimizer:
         self.fast_adam = self.kind in MOMENTS and not config.get("foreach") and not config.get("fused")
         self.device_step = self.kind in MOMENTS and bool(config.get("fused") or config.get("capturable"))
         self._plain_steps = 0   # SGD keeps no step count of its own
-        for p in self.params:   # our state slices replace torch's lazy init (filled in bind)
-            self.opt.state[p] = {"step": torch.tensor(0.0)} if self.kind in MOMENTS else {}
+        if self.opt is not None:
+            for p in self.params:   # our state slices replace torch's lazy init (filled in bind)
+                self.opt.state[p] = {"step": torch.tensor(0.0)} if self.kind in MOMENTS else {}
 
     @property
     def trains(self) -> bool:
@@ -165,15 +168,16 @@ class UnitOptimizer:
     @property
     def steps(self) -> int:
         """Optimizer steps taken (AdamW/Adam keep it in their state; SGD does not need it)."""
-        if self.kind in MOMENTS and self.params:
+        if self.kind in MOMENTS and self.opt is not None:     # an optimizer exactly when there are params
             return int(self.opt.state[self.params[0]]["step"].item())
         return self._plain_steps
 
     def restore_steps(self, steps: int) -> None:
         """Continue counting from ``steps`` (a loaded checkpoint's), as the optimizer would have."""
-        for p in self.params:
-            if "step" in self.opt.state[p]:
-                self.opt.state[p]["step"] = torch.tensor(float(steps))
+        if self.opt is not None:
+            for p in self.params:
+                if "step" in self.opt.state[p]:
+                    self.opt.state[p]["step"] = torch.tensor(float(steps))
         self._plain_steps = steps
 
     def set_lr(self, lr: float) -> None:
@@ -191,7 +195,8 @@ class UnitOptimizer:
     def step(self, flat: torch.Tensor, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """One update. ``params``: the parts to update (the master parts when ``master``),
         fp32, contiguous; ``grads``: fp32 gradients, already unscaled and clipped."""
-        if self.opt is None:     # this rank's shard holds only frozen elements
+        opt = self.opt
+        if opt is None:     # this rank's shard holds only frozen elements
             self._plain_steps += 1
             return
         first = 1 if self.master else 0
@@ -200,32 +205,31 @@ class UnitOptimizer:
         grads = [grads[i][lo:hi] for i, lo, hi, _ in self.pieces]
         if self.fast_adam and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                                   for t in (*params, *grads, *moments[0], *moments[1])):
-            self._host_adam(params, grads, moments)
+            self._host_adam(opt, params, grads, moments)
             self._plain_steps += 1
             return
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 p.data = params[i]
                 p.grad = grads[i]
-                state = self.opt.state[p]
+                state = opt.state[p]
                 for k, name in enumerate(self.names):
                     state[name] = moments[k][i]
                 if self.device_step and "step" in state and state["step"].device != params[i].device:
                     # fused (and capturable) Adam read the count through a device pointer: torch
                     # keeps it on the parameter's device for them (as its own lazy state init does)
                     state["step"] = state["step"].to(params[i].device)
-            self.opt.step()
+            opt.step()
         self._plain_steps += 1
         for p in self.params:   # drop the references so freed buffers are really freed
             p.grad = None
             p.data = torch.empty(0)
 
-    def _host_adam(self, params, grads, moments) -> None:
-        from zdsl.runtime.offload.host_adam import host_adamw_
+    def _host_adam(self, opt: torch.optim.Optimizer, params, grads, moments) -> None:
         for i, p in enumerate(self.params):
             group = self._group[id(p)]
             b1, b2 = group["betas"]
-            state = self.opt.state[p]
+            state = opt.state[p]
             state["step"] += 1
             host_adamw_(params[i], grads[i], moments[0][i], moments[1][i], int(state["step"].item()),
                         group["lr"], b1, b2, group["eps"], group["weight_decay"], adam_w=self.kind == "adamw",

@@ -31,7 +31,8 @@ import torch.nn as nn
 from zdsl.ir import Buffer, Op, TaskGraph, group_size
 from zdsl.runtime.dist.group import CollectiveGroups
 from zdsl.runtime.models.batch import Batch
-from zdsl.runtime.models.protocol import tied_indices
+from zdsl.runtime.models.lazy import LazyUnits
+from zdsl.runtime.models.protocol import tied_indices, unit_modules
 from zdsl.runtime.state.buffers import ACT_KINDS, BufferTable
 from zdsl.runtime.state.comm import Collective, Collectives, plan_prescale
 from zdsl.runtime.state.compute import Compute
@@ -65,7 +66,7 @@ class RankState:
         self.dtype = compute_dtype(graph.precision)
         self.meter = MemoryMeter(self.device)
 
-        modules = list(model.units())
+        modules = unit_modules(model)
         if len(modules) != len(graph.units):
             raise StateError(f"rank {rank}: the model has {len(modules)} units, the compiled graph "
                              f"{len(graph.units)}")
@@ -106,10 +107,10 @@ class RankState:
         for b in graph.buffers.values():
             if b.kind in ("grad_full", "grad_shard") and b.unit is not None:
                 grad_dtypes[b.unit] = compute_dtype(b.dtype)
-        lazy = bool(getattr(model, "is_lazy", False))
+        lazy = model if isinstance(model, LazyUnits) and model.is_lazy else None
         for info, module in zip(graph.units, modules):
-            if lazy:
-                model.materialize_unit(info.index)
+            if lazy is not None:
+                lazy.materialize_unit(info.index)
             lay = layout_of(info.numel, info.padded_numel, info.parts, shards, info)
             try:
                 fp = FlatParam(module, lay, shard, self.dtype, grad_dtypes.get(info.index, self.dtype), self.device,

@@ -17,6 +17,7 @@ import os
 import torch
 
 from zdsl.ir import BUFFER_KINDS, Op, parse_buffer_name
+from zdsl.runtime.offload import swap
 from zdsl.runtime.state.buffers import BufferTable, Slot
 from zdsl.runtime.state.errors import StateError
 from zdsl.schedule import nvme_placements
@@ -29,31 +30,27 @@ class Transfers:
         self.table = table
         self.config = config
         self._places = nvme_placements(config)
-        self._swappers: dict[tuple, object] = {}      # Placement.swap_key -> its Swapper
+        self._swappers: dict[tuple, swap.Swapper] = {}      # Placement.swap_key -> its Swapper
 
-    def swapper_of(self, name: str):
+    def swapper_of(self, name: str) -> swap.Swapper:
         """The NVMe swapper of buffer ``name``: its state's placement's, opened on first use."""
         rank = self.table.rank
         state = BUFFER_KINDS.get(parse_buffer_name(name)[0])
-        place = self._places.get(state)
+        place = self._places.get(state) if state is not None else None
         if place is None or not place.paths:
             raise StateError(f"rank {rank}: {name} is on nvme but no nvme folder is configured for "
                              f"{state or 'its state'}")
         swapper = self._swappers.get(place.swap_key)
         if swapper is None:
-            try:
-                from zdsl.runtime.offload.swap import Swapper
-            except ImportError as exc:
-                raise StateError(f"rank {rank}: the nvme tier is unavailable: {exc}") from None
             folders = [os.path.join(path, f"rank{rank}") for path in place.paths]
             # its staging pool is pinned where CUDA is present, unless the placement says pinned=false
-            swapper = Swapper(folders, place.block_bytes, place.queue_depth,
+            swapper = swap.Swapper(folders, place.block_bytes, place.queue_depth,
                               pin=None if place.pinned else False)
             self._swappers[place.swap_key] = swapper
         return swapper
 
     @property
-    def opened_swappers(self) -> list:
+    def opened_swappers(self) -> list[swap.Swapper]:
         """The NVMe swappers this rank has opened (never opens one)."""
         return list(self._swappers.values())
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from safetensors.torch import save_file
 
 from zdsl.runtime.state.buffers import BufferTable
 from zdsl.runtime.state.errors import StateError
+from zdsl.runtime.state.optim import UnitOptimizer
 from zdsl.runtime.state.transfers import Transfers
 
 # optimizer state names (torch's) -> checkpoint names
@@ -101,7 +103,6 @@ class StateViews:
         plain torch (``load_state_dict``). Every rank must call it; rank 0 writes."""
         tensors = self.export_state()
         if self.rank == 0:
-            from safetensors.torch import save_file
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
 
     # -- checkpoint shards ------------------------------------------------------------------
@@ -150,6 +151,23 @@ class StateViews:
         optims = [opt for opt in self.table.optims if opt.trains] or self.table.optims
         return optims[0].steps if optims else 0
 
+    def _fill_optim(self, u: int, opt: UnitOptimizer, flat: torch.Tensor, segment: torch.Tensor,
+                    shards: dict[str, torch.Tensor], moments: bool) -> None:
+        """Unit ``u``'s optimizer state ``flat`` from ``shards``: the master copy from ``segment`` (the
+        parameters the optimizer covers), then each moment, zero where ``moments`` is False or the
+        checkpoint holds none."""
+        if opt.master:
+            flat[:opt.numel].copy_(segment[:opt.numel])
+        first = 1 if opt.master else 0
+        for k, name in enumerate(opt.names):
+            seg = flat[(first + k) * opt.numel:(first + k + 1) * opt.numel]
+            key = f"u{u}.{SHARD_NAMES[name]}"
+            if not moments or key not in shards:
+                seg.zero_()
+                continue
+            m = shards[key].float()
+            seg.copy_((self._gathered(u, m) if self.stage == 0 else m)[:opt.numel])
+
     def load_shard_state(self, shards: dict[str, torch.Tensor], steps: int, moments: bool = True) -> None:
         """Inverse of :meth:`shard_state` (all ranks call it: stage 0-2 parameters and
         stage-0 moments are rebuilt by all-gathers). Between steps. ``moments=False``: only the
@@ -164,22 +182,16 @@ class StateViews:
                     raise StateError(f"rank {self.rank}: unit {u}: checkpoint shard has {shard.numel()} "
                                      f"elements, this layout {fp.layout.shard_numel}")
                 full = self._gathered(u, shard) if self.stage < 3 else None
+                segment = full if full is not None and self.stage == 0 else shard   # what the optimizer covers
                 flat = self._optim_flat(u) if opt.flat_numel else None
-                if opt.master:
-                    flat[:opt.numel].copy_((full if self.stage == 0 else shard)[:opt.numel])
-                first = 1 if opt.master else 0
-                for k, name in enumerate(opt.names if flat is not None else ()):
-                    seg = flat[(first + k) * opt.numel:(first + k + 1) * opt.numel]
-                    key = f"u{u}.{SHARD_NAMES[name]}"
-                    if not moments or key not in shards:
-                        seg.zero_()
-                        continue
-                    m = shards[key].float()
-                    seg.copy_((self._gathered(u, m) if self.stage == 0 else m)[:opt.numel])
+                if flat is not None:
+                    self._fill_optim(u, opt, flat, segment, shards, moments)
                 home = table.home("param_full", u) or table.home("param_shard", u)
-                value = full if home.buf.kind == "param_full" else shard
+                if home is None:
+                    raise StateError(f"rank {self.rank}: unit {u} has no parameter buffer to load into")
+                value = full if full is not None and home.buf.kind == "param_full" else shard
                 self.transfers.store(home, value.to(self.dtype))
                 optim_home = table.home("optim", u)
-                if flat is not None and optim_home.buf.tier == "nvme":
+                if flat is not None and optim_home is not None and optim_home.buf.tier == "nvme":
                     self.transfers.swapper_of(optim_home.buf.name).write_sync(optim_home.buf.name, flat)
                 opt.restore_steps(steps)
