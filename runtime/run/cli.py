@@ -13,9 +13,18 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from zdsl import env
+from zdsl.driver import compile_file, report, status_of
+from zdsl.lang.overrides import parse_sets
+from zdsl.log import configure_logging
+from zdsl.runtime.proc.guard import Stopped, guard_rank, report_stop, stop_requested
+from zdsl.runtime.run.launch import launch_local, nodes_problem, peer_lost_text
+from zdsl.runtime.run.preflight import preflight
+from zdsl.runtime.run.tensorboard import missing_tensorboard
+from zdsl.runtime.run.variants import run_variants
+from zdsl.sim import profile_cache
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     if env.raw("RANK") is None:
         return run_command(argv)
-    from zdsl.runtime.proc.guard import Stopped, guard_rank, report_stop
     guard_rank()                  # first, before any thread starts: SIGTERM, SIGHUP, a launcher gone
     try:
         return run_command(argv)
@@ -67,8 +75,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(argv: list[str] | None) -> int:
     from zdsl.check.loop import refuse_for_run
-    from zdsl.driver import compile_file, report, status_of
-    from zdsl.lang.overrides import parse_sets
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -80,7 +86,6 @@ def run_command(argv: list[str] | None) -> int:
     if args.format == "hf":
         check_hf_export(args, parser)
     if args.tensorboard:
-        from zdsl.runtime.run.tensorboard import missing_tensorboard
         missing = missing_tensorboard()
         if missing is not None:
             print(f"zdsl run: error: {missing}", file=sys.stderr)
@@ -91,13 +96,11 @@ def run_command(argv: list[str] | None) -> int:
         return 2
     rank = env.raw("RANK")
     if args.variants:
-        from zdsl.runtime.run.variants import run_variants
         code = run_variants(args, overrides, parser, run_one_rank, fail)
         if rank is None:
             return code
         leave(code)
     if args.trace and rank is None:               # the launcher: the traced run beside calibrated rates
-        from zdsl.sim import profile_cache
         profile_cache.enable()
     compiled = compile_file(args.file, overrides, simulate=False)
     refuse_for_run(compiled)                       # a model or batches only the user's loop gives
@@ -105,24 +108,23 @@ def run_command(argv: list[str] | None) -> int:
         report(compiled)          # errors and warnings once, not once per rank
     if not compiled.ok:
         return status_of(compiled)
-    if args.format == "hf" and compiled.schedule.model.kind != "hf":
+    schedule, graph = compiled.schedule, compiled.graph
+    assert schedule is not None and graph is not None, "a compile zdsl run may train has both"
+    if args.format == "hf" and schedule.model.kind != "hf":
         from zdsl.runtime.checkpoint.export_hf import not_hf_error
-        print(f"zdsl run: error: {not_hf_error(compiled.schedule.model.kind)}", file=sys.stderr)
+        print(f"zdsl run: error: {not_hf_error(schedule.model.kind)}", file=sys.stderr)
         return 2
     clash = checkpoint_clash(compiled, args)
     if clash is not None:
         print(f"zdsl run: error: {clash}", file=sys.stderr)
         return 2
-    from zdsl.runtime.run.preflight import preflight
     refused = preflight(compiled, args, overrides)   # before any rank starts (or, in a rank, before step 1)
     if refused is not None:
         return refused
     if rank is None:
-        from zdsl.runtime.run.launch import launch_local
         child = ["run", *(argv if argv is not None else sys.argv[2:])]
-        return launch_local(child, compiled.graph.ranks, timeout_s=args.timeout, graph=compiled.graph)
-    from zdsl.runtime.run.launch import nodes_problem
-    nodes = nodes_problem(compiled.schedule)
+        return launch_local(child, graph.ranks, timeout_s=args.timeout, graph=graph)
+    nodes = nodes_problem(schedule)
     if nodes is not None:
         leave(fail(int(rank), f"rank {rank}: {nodes}"))
     leave(run_one_rank(compiled, args))
@@ -181,7 +183,7 @@ def output_problem(args) -> str | None:
     return None
 
 
-def leave(code: int) -> None:
+def leave(code: int) -> NoReturn:
     """End a rank without interpreter teardown: torch's C++ statics (gloo's threads) can abort the
     process while being destroyed after a clean run, turning success into SIGABRT."""
     try:
@@ -193,11 +195,12 @@ def leave(code: int) -> None:
 
 
 def run_one_rank(compiled, args) -> int:
-    from zdsl.runtime.proc.guard import Stopped, report_stop, stop_requested
     from zdsl.runtime.run.progress import Reporter
     from zdsl.runtime.run.train import LaunchError, RunOptions, train_rank
 
-    rank = int(env.raw("RANK"))
+    rank_text = env.raw("RANK")
+    assert rank_text is not None, "only a rank trains: its launcher (or torchrun) set RANK"
+    rank = int(rank_text)
     configure_rank_logging(rank)
     saving = checkpointing(compiled, args)
     export = hf_staging(args.export, rank) if args.format == "hf" else args.export
@@ -246,7 +249,6 @@ def check_hf_export(args, parser) -> None:
 
 def hf_staging(folder: str, rank: int) -> str:
     """Where the run's plain state dict goes before ``--format hf`` converts it (in the folder)."""
-    from pathlib import Path
     if rank == 0:
         Path(folder).mkdir(parents=True, exist_ok=True)
     return str(Path(folder) / ".zdsl-state.safetensors")
@@ -254,8 +256,6 @@ def hf_staging(folder: str, rank: int) -> str:
 
 def export_hf_folder(compiled, args, staged: str) -> int:
     """Rank 0, after training: the plain state dict ``staged`` becomes the HF folder ``--export``."""
-    from pathlib import Path
-
     from zdsl.runtime.checkpoint.errors import CheckpointError
     from zdsl.runtime.checkpoint.export_hf import convert_state_dict
     try:
@@ -271,7 +271,6 @@ def export_hf_folder(compiled, args, staged: str) -> int:
 def name_lost_peer(text: str, rank: int) -> str:
     """Gloo's words for a peer gone (closed connection, timeout) in zdsl's, naming the peer where
     there is only one (two ranks); the zdsl launcher names it from how each rank ended."""
-    from zdsl.runtime.run.launch import peer_lost_text
     world = env.integer("WORLD_SIZE") or 0
     return peer_lost_text(text, f"rank {1 - rank}" if world == 2 else "a peer")
 
@@ -287,8 +286,4 @@ def fail(rank: int, text: str) -> int:
 
 
 def configure_rank_logging(rank: int) -> None:
-    try:
-        from zdsl.log import configure_logging
-    except ImportError:
-        return
     configure_logging(rank=rank)

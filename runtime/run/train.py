@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import trio
@@ -19,15 +20,23 @@ from zdsl import env
 from zdsl.ir import TIERS, TaskGraph
 from zdsl.lr import LrSchedule
 from zdsl.observe.overlap import analyze
+from zdsl.runtime.checkpoint.checkpointer import Checkpointer, resume
+from zdsl.runtime.data import make_batch
 from zdsl.runtime.dist.affinity import set_cpu_threads
 from zdsl.runtime.dist.collectives import all_gather, check_settings
 from zdsl.runtime.dist.group import init_group, leave_group
 from zdsl.runtime.exec.executor import Executor, StepRecord
 from zdsl.runtime.exec.hb_check import run_streams
+from zdsl.runtime.exec.tracing import write_measured_trace
 from zdsl.runtime.models.batch import as_batch
+from zdsl.runtime.models.protocol import build_model
 from zdsl.runtime.offload.host_adam import limit_host_threads
 from zdsl.runtime.proc.board import STEP, STEP_DONE, rank_board
 from zdsl.runtime.proc.guard import run_stoppable
+from zdsl.runtime.run.evaluate import Evaluator
+from zdsl.runtime.run.tensorboard import TensorBoardWriter
+from zdsl.runtime.state.rank import RankState
+from zdsl.schedule import Schedule
 
 
 class LaunchError(RuntimeError):
@@ -66,10 +75,15 @@ class StepMetrics:
 
 
 def env_rank() -> tuple[int, int]:
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if env.raw(key) is None:
-            raise LaunchError(f"{key} is not set; start ranks with `zdsl run` or torchrun")
-    return int(env.raw("RANK")), int(env.raw("WORLD_SIZE"))
+    rank, world, _, _ = (launcher_variable(key) for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    return int(rank), int(world)
+
+
+def launcher_variable(key: str) -> str:
+    value = env.raw(key)
+    if value is None:
+        raise LaunchError(f"{key} is not set; start ranks with `zdsl run` or torchrun")
+    return value
 
 
 def pick_device(choice: str, rank: int) -> torch.device:
@@ -131,13 +145,13 @@ class RankRun:
     on it. ``zdsl run`` (:class:`TrainLoop`) and the Python API (``runtime/api/``) both step through
     it: :meth:`begin_step`, then :meth:`run_step` (on the trio loop), then :meth:`end_step`."""
     graph: TaskGraph
-    schedule: object
+    schedule: Schedule
     units: list
     rank: int
     world: int
     device: torch.device
     model: object                   # the model whose parameters now live in ``state``
-    state: object                   # runtime/state/rank.py's RankState
+    state: RankState
     executor: Executor
     rates: LrSchedule               # from the global step: a resumed run continues it
 
@@ -174,9 +188,6 @@ def open_rank(stack: contextlib.ExitStack, graph: TaskGraph, schedule, units, ra
     """Agree on the graph with every rank, build the rank's state from ``model`` (None: the
     schedule's ``model``, built from the run's seed, unit by unit) and its executor. What must be
     undone (NVMe swap files, CUDA streams) is put on ``stack``. Every rank calls it together."""
-    from zdsl.runtime.models.protocol import build_model
-    from zdsl.runtime.state.rank import RankState
-
     cfg = graph.config
     agree_on_graph(graph, rank, world, device)
     if eval_graph is not None:
@@ -196,24 +207,28 @@ def train_rank(graph: TaskGraph, schedule, units, options: RunOptions, reporter=
                eval_graph: TaskGraph | None = None) -> list[StepMetrics]:
     """Train on this rank; returns the per-step metrics (complete on rank 0). ``eval_graph``: the
     schedule's forward-only graph (``eval``), run by ``runtime/run/evaluate.py``."""
-    from zdsl.runtime.data import make_batch
-
     rank, world, device = join_launched(graph, options.timeout_s)
     with contextlib.ExitStack() as stack:
         stack.callback(leave_group)
         run = open_rank(stack, graph, schedule, units, rank, world, device, eval_graph=eval_graph)
         scalars = None
         if rank == 0 and options.tensorboard:
-            from zdsl.runtime.run.tensorboard import TensorBoardWriter
             scalars = stack.enter_context(TensorBoardWriter(options.tensorboard, schedule.name))
         evaluator = None
         if eval_graph is not None and schedule.eval is not None:
-            from zdsl.runtime.run.evaluate import Evaluator
             evaluator = Evaluator(eval_graph, schedule.eval, run.state, seed=graph.config["train"]["seed"],
                                   rank=rank, world=world, batch=graph.config["train"]["batch"], device=device,
                                   make_batch=make_batch, run_streams=run.executor.streams)
-        loop = TrainLoop(run, options, reporter, make_batch, scalars, evaluator)
+        loop = TrainLoop(run, options, reporter, scalars, evaluator)
         return trio.run(run_stoppable, loop.train)
+
+
+class StepReporter(Protocol):
+    """What the loop tells rank 0's progress display (runtime/run/progress.py's Reporter, which
+    imports this module)."""
+    checkpoint_costs: list
+
+    def step(self, m: StepMetrics) -> None: ...
 
 
 @dataclass
@@ -221,10 +236,9 @@ class TrainLoop:
     """``zdsl run``'s loop on one rank: the schedule's data, steps, metrics, checkpoints, evaluation."""
     run: RankRun
     options: RunOptions
-    reporter: object = None          # runtime/run/progress.py's Reporter (rank 0), or None
-    make_batch: object = None        # the data sources' entry point (runtime/data)
-    scalars: object = None           # TensorBoard writer (rank 0), or None
-    evaluator: object = None         # runtime/run/evaluate.py's Evaluator, or None
+    reporter: StepReporter | None = None          # rank 0's
+    scalars: TensorBoardWriter | None = None      # rank 0's
+    evaluator: Evaluator | None = None
     records: list = field(default_factory=list)      # (step, StepRecord) kept for --trace/--timeline
 
     def say(self, text: str) -> None:
@@ -242,7 +256,6 @@ class TrainLoop:
             return history
         checkpointer = None
         if options.checkpoint_dir and options.checkpoint_every > 0:
-            from zdsl.runtime.checkpoint.checkpointer import Checkpointer
             checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every, options.checkpoint_keep,
                                         run.graph, run.units, run.rank, run.world, self.say)
         for step in range(first, steps):
@@ -261,7 +274,6 @@ class TrainLoop:
         if options.export:
             run.state.export(options.export)
         if options.trace or options.timeline:
-            from zdsl.runtime.exec.tracing import write_measured_trace
             write_measured_trace(run.graph, self.records, run.rank, run.world, options, run.state)
         return history
 
@@ -270,7 +282,6 @@ class TrainLoop:
         run, options = self.run, self.options
         if not options.resume:
             return 0
-        from zdsl.runtime.checkpoint.checkpointer import resume
         first = resume(options.resume, run.graph, run.state, run.rank, run.world, self.say,
                        fresh_optimizer=options.fresh_optimizer)
         self.say(f"resumed at step {first} from {options.resume}" if first < steps else
@@ -282,7 +293,7 @@ class TrainLoop:
         """One step of the schedule's data: run, then its metrics gathered over the ranks."""
         run, options = self.run, self.options
         train = run.graph.config["train"]
-        batches = [as_batch(self.make_batch(run.schedule.data, train["seed"], step, m, run.rank, run.world,
+        batches = [as_batch(make_batch(run.schedule.data, train["seed"], step, m, run.rank, run.world,
                                             train["batch"])).to(run.device)
                    for m in range(train["accumulate"])]
         lr = run.begin_step(step, batches, timed_step(options, step, steps))

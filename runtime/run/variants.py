@@ -27,6 +27,12 @@ from pathlib import Path
 from typing import Callable
 
 from zdsl import env
+from zdsl.driver import compile_file, report, status_of
+from zdsl.ir import TaskGraph
+from zdsl.lang.overrides import parse_sets
+from zdsl.runtime.dist.spawn import MASTER_ADDR
+from zdsl.runtime.run.launch import launch_local
+from zdsl.runtime.run.preflight import preflight
 
 EXIT_INVALID, EXIT_USAGE = 1, 2     # zdsl/cli.py's
 # options of a single run that have no meaning per variant (each writes only its metrics)
@@ -87,15 +93,14 @@ def run_variants(args, base: dict[str, str], parser: argparse.ArgumentParser, ru
     except VariantsError as exc:
         print(f"zdsl run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if env.raw("RANK") is None:
+    rank = env.raw("RANK")
+    if rank is None:
         return launch_variants(args, base, variants, parser)
-    return run_rank_variants(args, base, variants, parser, run_one, fail)
+    return run_rank_variants(int(rank), args, base, variants, parser, run_one, fail)
 
 
 def compile_variant(args, base: dict[str, str], variant: Variant, parser):
     from zdsl.check.loop import refuse_for_run
-    from zdsl.driver import compile_file
-    from zdsl.lang.overrides import parse_sets
     compiled = compile_file(args.file, {**base, **parse_sets(variant.overrides, parser)}, simulate=False)
     refuse_for_run(compiled)
     return compiled
@@ -103,12 +108,8 @@ def compile_variant(args, base: dict[str, str], variant: Variant, parser):
 
 def launch_variants(args, base: dict[str, str], variants: list[Variant], parser) -> int:
     """Check every variant before any rank starts, then launch the ranks once for all of them."""
-    from zdsl.driver import report, status_of
-    from zdsl.lang.overrides import parse_sets
-    from zdsl.runtime.run.launch import launch_local
-    from zdsl.runtime.run.preflight import preflight
-
-    ranks, graphs = None, {}
+    ranks = None
+    graphs: dict[str, TaskGraph] = {}
     for i, variant in enumerate(variants):
         name = variant.label(i, len(variants))
         compiled = compile_variant(args, base, variant, parser)
@@ -150,7 +151,6 @@ def launch_variants(args, base: dict[str, str], variants: list[Variant], parser)
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback ports nothing listens on now (held open together, so none repeats)."""
-    from zdsl.runtime.dist.spawn import MASTER_ADDR
     socks = []
     try:
         for _ in range(n):
@@ -163,12 +163,9 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def run_rank_variants(args, base: dict[str, str], variants: list[Variant], parser, run_one: RunOne,
+def run_rank_variants(rank: int, args, base: dict[str, str], variants: list[Variant], parser, run_one: RunOne,
                       fail: Fail) -> int:
     """One rank: each variant compiled and trained in turn, each in a process group of its own."""
-    from zdsl.driver import report
-
-    rank = int(env.raw("RANK"))
     if any(v.port is None for v in variants):
         return fail(rank, f"rank {rank}: --variants needs zdsl run's launcher (it gives each variant its own "
                           f"rendezvous port); start it without RANK set")
