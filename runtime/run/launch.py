@@ -295,7 +295,7 @@ def report_failure(errors: Path, codes: list[int], watch: Watch, graph=None) -> 
 def describe_culprit(r: int, watch: Watch, graph) -> str:
     board = watch.seen[r]
     how = "killed it" if "stopped (SIGSTOP" in watch.culprits[r] else "stopped it"
-    if board[CALLS_MADE] > 0:                 # a user's own loop: the call it is in, or its own code
+    if any(seen[CALLS_MADE] > 0 for seen in watch.seen):   # a user's own loop: its call, or its own code
         return f"rank {r} stopped making progress {where_in_calls(board, graph)}: {watch.culprits[r]}; zdsl {how}"
     running = running_ops(board)
     upcoming = next_collective(graph, board[ISSUED])
@@ -315,7 +315,9 @@ def describe_culprit(r: int, watch: Watch, graph) -> str:
 
 def where_in_calls(board, graph) -> str:
     """Where a rank of a user's loop (``zdsl.initialize``) is: in a call of the engine (and the ops
-    it runs), or in its own code after its last call."""
+    it runs), or in its own code after its last call, or before its first."""
+    if board[CALLS_MADE] <= 0:
+        return "in its own code, before its first call of the engine (zdsl.initialize())"
     call = f"{ENGINE_CALLS[board[LAST_CALL]]}"
     if board[CALL_STEP] >= 0 and board[LAST_CALL] != ENGINE_CALLS.index("zdsl.initialize()"):
         call += f" (step {board[CALL_STEP]}, micro-batch {board[CALL_MICRO]})"

@@ -55,6 +55,8 @@ mode, folder = sys.argv[1], Path(sys.argv[2])
 rank = int(os.environ["RANK"])
 (folder / f"pid.{{rank}}").write_text(str(os.getpid()))
 timeout = {{"timeout_s": float(sys.argv[3])}} if len(sys.argv) > 3 else {{}}
+if rank == 1 and mode == "late":
+    time.sleep(300)                          # never calls initialize
 engine = zdsl.initialize({zs!r}, model=mlp(), **timeout)
 for step in range(3):
     x, y = batches(0, step, 0, rank, 2, 4)
@@ -210,6 +212,23 @@ def test_a_rank_stuck_in_its_own_code_is_named_with_its_last_call(tmp_path):
             "(step 1, micro-batch 0) returned: it made no progress for") in err
     assert ("zdsl: rank 0: engine.step() (step 1, micro-batch 0): another rank made no call of the engine "
             "within 3 s") in err
+    assert gone_within(rank_pids(tmp_path), 0) == []
+
+
+def test_launch_timeout_is_initializes_default_and_the_script_s_own_wins(monkeypatch):
+    from zdsl.runtime.run.script_rank import launch_timeout
+    monkeypatch.delenv("ZDSL_LAUNCH_TIMEOUT", raising=False)
+    assert launch_timeout(None) == 120.0 and launch_timeout(7.0) == 7.0
+    monkeypatch.setenv("ZDSL_LAUNCH_TIMEOUT", "3")
+    assert launch_timeout(None) == 3.0 and launch_timeout(7.0) == 7.0
+
+
+def test_a_rank_that_never_calls_is_named(tmp_path):
+    code, _, err = finish(launch("--ranks", "2", "--timeout", "3", str(launched_script(tmp_path)), "late",
+                                 str(tmp_path)))
+    assert code == 1, err
+    assert ("zdsl: error: rank 1 stopped making progress in its own code, before its first call of the engine "
+            "(zdsl.initialize()): it made no progress for") in err
     assert gone_within(rank_pids(tmp_path), 0) == []
 
 
