@@ -30,9 +30,22 @@ def zdsl(*args, env=None, timeout=240):
     return proc, time.monotonic() - t0
 
 
-def test_quickstart_trains_and_exports(tmp_path):
-    metrics, export = tmp_path / "m.jsonl", tmp_path / "model.safetensors"
-    proc, _ = zdsl("run", QUICK, "--set", "steps=12", "--metrics", str(metrics), "--export", str(export))
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One run of the quickstart that the checks of training, export, trace, timeline and output folders
+    share (each a start of 2 ranks otherwise): 12 steps, its metrics into a folder not made yet, the
+    export, a trace of the last 2 steps and its timeline."""
+    folder = tmp_path_factory.mktemp("trained")
+    out = dict(metrics=folder / "not" / "yet" / "m.jsonl", export=folder / "model.safetensors",
+               trace=folder / "t.json", svg=folder / "t.svg")
+    proc, _ = zdsl("run", QUICK, "--set", "steps=12", "--metrics", str(out["metrics"]), "--export", str(out["export"]),
+                   "--trace", str(out["trace"]), "--trace-steps", "2", "--timeline", str(out["svg"]))
+    return proc, out
+
+
+def test_quickstart_trains_and_exports(trained):
+    proc, out = trained
+    metrics, export = out["metrics"], out["export"]
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(12))
@@ -107,16 +120,15 @@ def test_nvme_swap_files_are_removed_after_a_run(tmp_path):
     assert [p for p in swap.rglob("*") if p.is_file()] == []
 
 
-def test_run_writes_a_measured_trace_and_timeline(tmp_path):
+def test_run_writes_a_measured_trace_and_timeline(trained, tmp_path):
     """``zdsl run --trace --trace-steps 2 --timeline``: one process per rank, one thread per lane,
     every timed op of the last two steps once per rank, flow arrows, memory counters, a picture."""
     from zdsl.driver import compile_file
-    trace, svg = tmp_path / "t.json", tmp_path / "t.svg"
-    proc, _ = zdsl("run", QUICK, "--set", "steps=5", "--trace", str(trace), "--trace-steps", "2",
-                   "--timeline", str(svg), "--quiet")
+    proc, out = trained
+    trace, svg = out["trace"], out["svg"]
     assert proc.returncode == 0, proc.stderr
     data = json.loads(trace.read_text())
-    assert data["metadata"]["steps"] == [3, 4]
+    assert data["metadata"]["steps"] == [10, 11]
     events = data["traceEvents"]
     names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     graph = compile_file(QUICK, {}, simulate=False).graph
@@ -125,20 +137,19 @@ def test_run_writes_a_measured_trace_and_timeline(tmp_path):
     spans = [e for e in events if e["ph"] == "X"]
     for rank in (0, 1):         # every timed op of each traced step, each exactly once
         ops = [(e["args"]["step"], e["args"]["op"]) for e in spans if e["pid"] == rank]
-        assert sorted(ops) == sorted((s, op.id) for s in (3, 4) for op in graph.ops if op.kind != "mem.free")
+        assert sorted(ops) == sorted((s, op.id) for s in (10, 11) for op in graph.ops if op.kind != "mem.free")
     assert all(e["dur"] >= 0 for e in spans)
     assert any(e["ph"] == "s" for e in events) and any(e["ph"] == "f" for e in events)
     assert any(e["ph"] == "C" and e["name"].startswith("memory.") for e in events)
     assert "<svg" in svg.read_text()[:500]
-    proc, _ = zdsl("run", QUICK, "--trace", str(trace), "--trace-steps", "0")
+    proc, _ = zdsl("run", QUICK, "--trace", str(tmp_path / "t.json"), "--trace-steps", "0")
     assert proc.returncode == 2 and "--trace-steps must be at least 1" in proc.stderr
 
 
-def test_output_folders_are_made_before_training_or_refused(tmp_path):
-    metrics = tmp_path / "not" / "yet" / "m.jsonl"
-    proc, _ = zdsl("run", QUICK, "--set", "steps=2", "--quiet", "--metrics", str(metrics))
+def test_output_folders_are_made_before_training_or_refused(trained, tmp_path):
+    proc, out = trained                 # its metrics went into a folder that did not exist
     assert proc.returncode == 0, proc.stderr
-    assert len(metrics.read_text().splitlines()) == 2
+    assert len(out["metrics"].read_text().splitlines()) == 12
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     for flag, path, words in (("--metrics", tmp_path, "is a folder"),
