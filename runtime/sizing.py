@@ -24,10 +24,12 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from zdsl.model.units import UnitSpec, gpt_units
 from zdsl.runtime.data import runtime_source
 from zdsl.runtime.models.batch import Batch
+from zdsl.runtime.models.kernel_count import model_kernels
 from zdsl.runtime.models.protocol import (
     ModelProtocolError,
     build_model,
@@ -124,8 +126,6 @@ def meta_batch(context: int, sample=None, rows: int = 1, masked: bool = False) -
 
 def _measure(model, units, specs: list[UnitSpec], example) -> Batch:
     """``example()``: a fresh meta batch of one sequence; returns it, its extras made."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     batch = prepare_batch(model, example())
     x = batch.input_ids
     for i, (unit, spec) in enumerate(zip(units, specs)):
@@ -197,7 +197,6 @@ def _count_extras(model, units, first: UnitSpec, one_row: Batch, two_rows: Batch
 
 
 def _count_kernels(model, units, specs: list[UnitSpec], example) -> None:
-    from zdsl.runtime.models.kernel_count import model_kernels
     batch = example()
     for spec, (fwd, bwd) in zip(specs, model_kernels(model, units, batch.input_ids, batch.labels)):
         spec.fwd_kernels, spec.bwd_kernels = fwd, bwd

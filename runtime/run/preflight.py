@@ -50,6 +50,7 @@ from zdsl.planner.machine_fit import (
     installed_torch,
     schedule_fit,
 )
+from zdsl.runtime.data import prepare  # torch only for a source that needs it
 
 EXIT_INVALID, EXIT_USAGE = 1, 2     # zdsl/cli.py's: the schedule cannot run here / the command is wrong
 
@@ -106,7 +107,6 @@ def preflight(compiled, args, overrides: dict[str, str]) -> int | None:
 def data_problem(data, schedule, rank: str | None) -> int | None:
     """Prepare and check one data source (the training's, or ``eval``'s) before the ranks start;
     None to go on, else the exit status (already explained on rank 0 or the launcher)."""
-    from zdsl.runtime.data import prepare  # imports torch only for a source that needs it
     problem, note = prepare(data, schedule, progress=rank in (None, "0"))
     if rank in (None, "0") and (problem or note):
         print(f"zdsl: {'error' if problem else 'warning'}: {problem or note}", file=sys.stderr)

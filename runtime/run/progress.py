@@ -5,6 +5,7 @@ import statistics
 import sys
 
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from zdsl.lang.sizes import human_bytes
@@ -24,7 +25,6 @@ class Reporter:
         self.every = 1 if self.console.is_terminal else max(1, steps // 20)
         self.progress = None
         if show and self.console.is_terminal:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
             self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                                      TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
                                      TimeRemainingColumn(), console=self.console)
