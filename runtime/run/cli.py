@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple, NoReturn
 
 from zdsl import env
+from zdsl.check.loop import refuse_for_run
 from zdsl.driver import compile_file, report, status_of
 from zdsl.lang.overrides import parse_sets
 from zdsl.log import configure_logging
@@ -74,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(argv: list[str] | None) -> int:
-    from zdsl.check.loop import refuse_for_run
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from zdsl import env
+from zdsl.check.loop import refuse_for_run
 from zdsl.driver import compile_file, report, status_of
 from zdsl.ir import TaskGraph
 from zdsl.lang.overrides import parse_sets
@@ -100,7 +101,6 @@ def run_variants(args, base: dict[str, str], parser: argparse.ArgumentParser, ru
 
 
 def compile_variant(args, base: dict[str, str], variant: Variant, parser):
-    from zdsl.check.loop import refuse_for_run
     compiled = compile_file(args.file, {**base, **parse_sets(variant.overrides, parser)}, simulate=False)
     refuse_for_run(compiled)
     return compiled
