@@ -39,12 +39,13 @@ def bare(folder, ranks: int = 1, extra: str = ""):
     return path
 
 
-def written(folder, ranks: int = 1):
-    """``bare`` with the model and data written in: the same model as ``mlp()`` split as given.py splits it."""
+def written(folder, ranks: int = 1, data: bool = True):
+    """``bare`` with the model (and ``data``) written in: the same model as ``mlp()`` split as given.py
+    splits it."""
     (folder / "build.py").write_text(BUILD)
-    path = folder / "written.zs"
-    path.write_text(BARE.format(ranks=ranks) + f'model "build.py:build"()\n'
-                    f'data python("{HERE / "api_models.py"}:batches")\n')
+    path = folder / f"written{'' if data else '_no_data'}.zs"
+    path.write_text(BARE.format(ranks=ranks) + 'model "build.py:build"()\n'
+                    + (f'data python("{HERE / "api_models.py"}:batches")\n' if data else ""))
     return path
 
 
@@ -97,10 +98,15 @@ def loop(engine, steps: int, rank: int = 0, world: int = 1) -> tuple[list[float]
     return losses, engine.state_dict()
 
 
-def test_the_loop_trains_the_bits_of_the_schedule_with_model_and_data_written(tmp_path, one_rank_group):
-    with zdsl.initialize(bare(tmp_path), model=mlp()) as engine:
+@pytest.mark.parametrize("named", [False, True])
+def test_the_loop_trains_the_bits_of_the_schedule_with_model_and_data_written(tmp_path, one_rank_group, recwarn,
+                                                                              named):
+    """Without data, the model given (or named as well): compiled at the first engine(x)."""
+    fed = written(tmp_path, data=False) if named else bare(tmp_path)
+    with zdsl.initialize(fed, model=mlp()) as engine:
         assert type(engine).__name__ == "DeferredEngine"
         losses, state = loop(engine, 4)
+    assert not [w for w in recwarn if "meta device" in str(w.message)]     # never sized before its row
     with zdsl.initialize(written(tmp_path), model=mlp()) as engine:
         ref_losses, ref_state = loop(engine, 4)
     assert losses == ref_losses and losses[-1] < losses[0]
