@@ -101,6 +101,9 @@ def gpt_units(layers: int, width: int, heads: int, vocab: int, context: int,
         uses=[0],
         fwd_flops_per_seq=2.0 * T * d * V,
         act_elems_per_seq=T * d * 2 + T * V,       # ln_f in/out and the logits for cross-entropy
+        # in a 2-byte dtype the loss still runs in fp32 (runtime/models/loss.py): its log-probabilities
+        # are kept at 4 bytes, two 2-byte elements each
+        half_act_elems_per_seq=T * d * 2 + 2 * T * V,
         input_elems_per_seq=T * d,
         **GPT_KERNELS["head"],
     )
