@@ -27,14 +27,13 @@ def predecessors(graph: TaskGraph) -> tuple[list[list[int]], list[int]]:
     n = len(ops)
     last_on_lane: dict[str, int] = {}
     lane_prev = [0] * n
-    deps = [None] * n
+    deps = [op.deps for op in ops]
     positional = True                   # ids are positions and deps point inside (the compiler's case)
     for i, op in enumerate(ops):
         lane = op.lane
         lane_prev[i] = last_on_lane.get(lane, -1)
         last_on_lane[lane] = i
         ds = op.deps
-        deps[i] = ds
         if positional and (op.id != i or (ds and (min(ds) < 0 or max(ds) >= n))):
             positional = False
     if not positional:

@@ -74,14 +74,15 @@ class BackendThreads:
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by intervals (ops of one lane may touch or, measured, overlap)."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
+    total = 0.0
+    ordered = sorted(intervals)
+    if not ordered:
+        return total
+    cur_s, cur_e = ordered[0]
+    for s, e in ordered[1:]:
+        if s > cur_e:
+            total += cur_e - cur_s
             cur_s, cur_e = s, e
         elif e > cur_e:
             cur_e = e
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
+    return total + (cur_e - cur_s)
