@@ -70,7 +70,8 @@ def comm_intervals(graph, record, slots: int = 1) -> dict[int, tuple[float, floa
     two threads), so one issued behind others starts when the ``slots``-th latest end before it
     has passed. The planner runs a lane's collectives the same way (``comm_slots``), so this is
     the measured time comparable to its duration."""
-    intervals, lanes = {}, {}
+    intervals: dict[int, tuple[float, float]] = {}
+    lanes: dict[str, BackendThreads] = {}
     for i in comm_ops(graph):
         t = record.timings[i]
         start, _ = lanes.setdefault(graph.ops[i].lane, BackendThreads(slots)).take(t.start, t.end)
@@ -146,7 +147,7 @@ def fit_overhead(graph, profile: MachineProfile, measured_s: float,
 
     def bisect(key, fixed: dict | None = None) -> float:
         """The x that makes the step match; ``key`` names the field x sets, or maps x to fields."""
-        fields = key if callable(key) else (lambda x: {**fixed, key: x})
+        fields = key if callable(key) else (lambda x: {**(fixed or {}), key: x})
 
         def step(x: float) -> float:
             """The reference's predicted step, scaled by the other steps' errors (their geometric mean)."""
@@ -269,7 +270,8 @@ def compute_excess(graph, profile: MachineProfile, compute_cpu_s: dict[int, floa
 def scatter_extra(graph, profile: MachineProfile, comm_service_s: dict[int, float]) -> float | None:
     """Seconds a reduce-scatter took beyond its rated time more than the other collectives did
     (median against median), or None without both kinds measured."""
-    scatter, other = [], []
+    scatter: list[float] = []
+    other: list[float] = []
     for i, sec in comm_service_s.items():
         op = graph.ops[i]
         (scatter if op.kind == "comm.reduce_scatter" else other).append(sec - rated_duration(graph, op, profile))

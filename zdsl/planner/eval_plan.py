@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zdsl.compile.eval_graph import eval_peak
 from zdsl.ir import TIERS, TaskGraph
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.report import fmt_s
@@ -38,6 +39,5 @@ class EvalPlan:
 
 def eval_plan(train: TaskGraph, evaluation: TaskGraph, schedule, sim) -> EvalPlan:
     """The plan of a compiled evaluation (``Compiled.eval_graph`` and ``eval_sim``)."""
-    from zdsl.compile.eval_graph import eval_peak
     return EvalPlan(every=schedule.eval.every, batches=schedule.eval.batches, ops=len(evaluation.ops),
                     batch_s=sim.step_s, peak=eval_peak(train, evaluation, sim))

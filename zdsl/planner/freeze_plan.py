@@ -11,6 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from zdsl.driver import compile_schedule
 from zdsl.ir import TIERS, TaskGraph
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.comm import comm_plan
@@ -43,7 +44,6 @@ def freeze_plan(graph: TaskGraph, schedule, units) -> FreezePlan | None:
     """The saving of ``schedule.freeze`` (None without one); ``units``: the model's UnitSpecs."""
     if not schedule.freeze:
         return None
-    from zdsl.driver import compile_schedule
     unfrozen = compile_schedule(dataclasses.replace(schedule, freeze=()), units)
     frozen = sum(math.prod(units[u.index].params[k][1]) for u in graph.units for k in (u.frozen or ()))
     now, before = model_states(graph), model_states(unfrozen)

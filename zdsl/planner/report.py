@@ -10,7 +10,10 @@ import io
 from dataclasses import dataclass
 from functools import cached_property
 
-from zdsl.ir import LANES, TIERS, TaskGraph, group_size
+from rich.console import Console
+from rich.table import Table
+
+from zdsl.ir import LANES, TIERS, TaskGraph, group_size, parse_buffer_name
 from zdsl.lang.sizes import human_bytes
 from zdsl.planner.bound import worst_working
 from zdsl.planner.comm import CommPlan, comm_plan, zero_comm_elements
@@ -125,7 +128,7 @@ class Plan:
         if worst is not None:
             for tier, row in memory.items():
                 row["working_worst"] = worst.get(tier, 0)
-        extra = {} if worst is not None else {"working_worst_note": self.working_worst_note()}
+        extra: dict[str, object] = {} if worst is not None else {"working_worst_note": self.working_worst_note()}
         if self.decay_split() is not None:
             extra["weight_decay_groups"] = self.decay_split()
         if self.freeze is not None:
@@ -210,8 +213,6 @@ def optimizer_lines(plan: Plan) -> list[str]:
 
 def moved_table(console, plan: Plan) -> None:
     """Bytes per tier path per step against ZeRO-Infinity's minimum, and what host residency saves."""
-    from rich.table import Table
-
     rows = traffic_json(plan.graph)
     if not rows:
         return
@@ -240,11 +241,11 @@ def moved_table(console, plan: Plan) -> None:
 
 def held_words(names: list[str]) -> str:
     """``parameters of units 0-8, 41; optimizer state of units 0, 41`` from NVMe buffer names."""
-    from zdsl.ir import parse_buffer_name
     by_kind: dict[str, list[int]] = {}
     for name in names:
         kind, u, _ = parse_buffer_name(name)
-        by_kind.setdefault(kind, []).append(u)
+        if u is not None:
+            by_kind.setdefault(kind, []).append(u)
     out = []
     for kind, words in (("param_shard", "parameters"), ("optim", "optimizer state")):
         units = sorted(by_kind.get(kind, []))
@@ -261,9 +262,6 @@ def held_words(names: list[str]) -> str:
 
 def render_plan(plan: Plan, width: int = 124, color: bool = False) -> str:
     """The readable report: summary, memory per tier, communication, lanes."""
-    from rich.console import Console
-    from rich.table import Table
-
     g, sim = plan.graph, plan.sim
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=color, color_system="standard" if color else None,

@@ -48,7 +48,7 @@ def infinity_minimum(graph: TaskGraph) -> dict[str, int]:
             placed = "nvme" if buf.name.replace("@host", "@nvme") in on_nvme else buf.tier
             key = (buf.kind, placed)
             held[key] = held.get(key, 0) + buf.bytes
-            if trains.get(buf.unit, True):
+            if buf.unit is None or trains.get(buf.unit, True):
                 trained[key] = trained.get(key, 0) + buf.bytes
     acc = graph.accumulate
     params_nvme, optim_nvme = held.get(("param_shard", "nvme"), 0), held.get(("optim", "nvme"), 0)
