@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from zdsl.ir import TaskGraph
+from zdsl.ir import Op, TaskGraph
 from zdsl.sim.graph_index import topological_order
 from zdsl.sim.lanes import BackendThreads, comm_slots, union_length
 
@@ -101,7 +101,7 @@ class OverlapReport:
             by_id = {op.id: op for op in graph.ops}
             steps = [by_id[i] for i in self.critical_path if by_id[i].kind != "mem.free"]
             half = max(1, show_path // 2)
-            shown = steps if len(steps) <= show_path else steps[:half] + [None] + steps[-half:]
+            shown: list[Op | None] = [*steps] if len(steps) <= show_path else [*steps[:half], None, *steps[-half:]]
             lines.append("  path: " + " -> ".join(
                 "..." if op is None else (f"{op.kind}[{op.unit}]" if op.unit is not None else op.kind)
                 for op in shown))

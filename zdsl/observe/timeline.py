@@ -71,7 +71,7 @@ CHAR_W = 6.1        # average glyph width at font-size 10, for label fitting
 
 @dataclass
 class Bar:
-    rank: int
+    rank: int | tuple[int, int]     # the trace's rank; once merged, (the trace's index, its rank)
     lane: str
     start: float     # µs since the step's first op
     dur: float
@@ -295,7 +295,7 @@ def _critical_ids(critical) -> set | dict | None:
 
 
 def _on_critical(critical, b: Bar) -> bool:
-    if critical is None or b.op is None or b.rank[0] != 0:
+    if critical is None or b.op is None or not isinstance(b.rank, tuple) or b.rank[0] != 0:
         return False
     ids = critical.get(b.rank[1], ()) if isinstance(critical, dict) else critical
     return b.op in ids
@@ -326,7 +326,7 @@ def _lane_tops(lanes: list[tuple], lane_h: dict[tuple, float]):
     """Each lane's top and each rank group's header top, and where the last lane ends."""
     lane_y: dict[tuple, float] = {}
     rank_y: dict[tuple, float] = {}
-    y = TOP
+    y: float = TOP
     for rank, lane in lanes:
         if rank not in rank_y:
             if rank_y:
@@ -608,12 +608,13 @@ def main(argv: list[str] | None = None) -> int:
         except json.JSONDecodeError as e:
             print(f"error: {path} is not JSON (line {e.lineno}, column {e.colno}: {e.msg})", file=sys.stderr)
             return 2
-    labels = tuple(_source_label(t, d) for t, d in zip(traces, ("measured", "predicted"))) + ("",)
+    names = [_source_label(t, d) for t, d in zip(traces, ("measured", "predicted"))] + [""]
+    labels = (names[0], names[1])
     if labels[0] == labels[1]:
         labels = (labels[0], f"{labels[1]} ({os.path.basename(args.compare)})")
     try:
         path = render_timeline(traces[0], args.out, title=args.title, step=args.step,
-                               compare=traces[1] if args.compare else None, labels=labels[:2])
+                               compare=traces[1] if args.compare else None, labels=labels)
     except TraceError as e:
         print(f"error: {args.trace if not args.compare else 'the traces'}: {e}", file=sys.stderr)
         return 2

@@ -76,8 +76,9 @@ def chrome_trace(spans: list[TraceSpan], deps: dict[int, list[int]] | None = Non
                        "tid": lane_tid(s.lane), "ts": s.start_s * US,
                        "dur": max(s.end_s - s.start_s, 0.0) * US, "args": args})
     flow = 0
-    for (rank, op), s in where.items() if deps else ():
-        for d in deps.get(op, ()):
+    links = deps or {}
+    for (rank, op), s in where.items() if links else ():
+        for d in links.get(op, ()):
             src = where.get((rank, d))
             if src is None or src.lane == s.lane:
                 continue
