@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from zdsl.driver import compile_file, memo_units_for, report, status_of
+from zdsl.lang.overrides import parse_sets
+from zdsl.sim import profile_cache
 from zdsl.tune import noise
 from zdsl.tune.measure import RUN_QUANTILE, measure_round
 from zdsl.tune.rounds import (
@@ -128,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     does not check; a usage error exits 2."""
     parser = build_parser()
     args = _parse_arguments(parser, sys.argv[1:] if argv is None else argv)
-    from zdsl.driver import compile_file, memo_units_for, report, status_of
-    from zdsl.sim import profile_cache
     profile_cache.enable()                         # predictions with this machine's calibrated rates
     base, vary = _overrides(parser, args)
     units_for = memo_units_for()
@@ -186,7 +187,6 @@ def _parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argpar
 def _overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict, list]:
     """The fixed ``--set`` overrides and the ``--vary`` keys with their values; a usage error where
     one names the run's length, both name one key, or the file is missing."""
-    from zdsl.lang.overrides import parse_sets
     base = parse_sets(args.set, parser)
     if "steps" in base or "train.steps" in base:
         parser.error("set the measured run length with --steps, not --set steps")
@@ -245,7 +245,6 @@ def _choose_winner(args: argparse.Namespace, to_measure: list, distinct: list, v
 def _report(args: argparse.Namespace, cands: list, to_measure: list, winner, why: str, result) -> bool:
     """The table, where the cost model missed, whether the profile the plans used is off, and
     the ``--json`` file; False where that file cannot be written."""
-    from zdsl.sim import profile_cache
     print_table(cands, winner, why, args, title(args, cands, result))
     for line in noise.model_gaps(cands):
         print(line)

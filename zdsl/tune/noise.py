@@ -126,7 +126,7 @@ def clearly_slower(cand: Candidate, leader: Candidate) -> bool:
 def leader(cands: list[Candidate]) -> Candidate | None:
     """The measured candidate with the lowest median (the order given breaks exact ties)."""
     measured = [c for c in cands if c.rounds and not c.failed]
-    return min(measured, key=lambda c: c.measured_s) if measured else None
+    return min(measured, key=lambda c: c.median) if measured else None
 
 
 def undominated(cands: list[Candidate]) -> list[Candidate]:
@@ -222,7 +222,7 @@ def verdict(cand: Candidate, winner: Candidate, cands: list[Candidate]) -> str:
         return (f"slower{whom} by {cmp.ratios[1] - 1:.0%} "
                 f"({_ms(cand, other)}; round by round {ratio_text(cmp)}; "
                 f"slower in {cmp.b_wins}/{cmp.shared} rounds)")
-    fast, slow = (winner, cand) if cand.measured_s >= winner.measured_s else (cand, winner)
+    fast, slow = (winner, cand) if cand.median >= winner.median else (cand, winner)
     cmp = compare(slow, fast)
     if cmp.shared < MIN_ROUNDS:
         return f"undecided ({_ms(cand, winner)}; {cmp.shared} shared round(s): a verdict needs {MIN_ROUNDS})"
@@ -244,7 +244,7 @@ def ratio_text(cmp: Comparison) -> str:
 
 
 def _ms(a: Candidate, b: Candidate) -> str:
-    return f"{a.measured_s * 1e3:.2f} vs {b.measured_s * 1e3:.2f} ms"
+    return f"{a.median * 1e3:.2f} vs {b.median * 1e3:.2f} ms"
 
 
 def _iqr(cand: Candidate) -> str:
@@ -255,16 +255,16 @@ def _iqr(cand: Candidate) -> str:
 def model_gaps(cands: list[Candidate]) -> list[str]:
     """Pairs the planner predicts within 1% of each other that measure apart beyond the noise."""
     measured = sorted((c for c in cands if c.rounds and not c.failed and c.predicted_s),
-                      key=lambda c: c.measured_s)
+                      key=lambda c: c.median)
     lines = []
     for i, fast in enumerate(measured):
         for slow in measured[i + 1:]:
-            pa, pb = fast.predicted_s, slow.predicted_s
+            pa, pb = fast.predicted, slow.predicted
             if abs(pa - pb) > MODEL_EQUAL * min(pa, pb) or not compare(slow, fast).faster:
                 continue
             lines.append(f"the cost model does not see the difference between {fast.label} and {slow.label} "
                          f"(predicted {pa * 1e3:.2f} vs {pb * 1e3:.2f} ms, measured "
-                         f"{fast.measured_s * 1e3:.2f} vs {slow.measured_s * 1e3:.2f} ms, spreads "
+                         f"{fast.median * 1e3:.2f} vs {slow.median * 1e3:.2f} ms, spreads "
                          f"{_iqr(fast)} and {_iqr(slow)})")
     return lines
 

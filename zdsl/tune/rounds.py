@@ -147,5 +147,5 @@ def progress(r: int, spent: float, budget_s: float, lead: Candidate | None, acti
     others = len(active) - (lead in active)
     state = (f"{others} other(s) still in the race (verdicts from round {MIN_ROUNDS})" if r < MIN_ROUNDS
              else f"{others} still tie with it, {out} clearly slower (not run again)")
-    return (f"{head}; fastest median {lead.label} {lead.measured_s * 1e3:.2f} ms; {state}"
+    return (f"{head}; fastest median {lead.label} {lead.median * 1e3:.2f} ms; {state}"
             + (f", {failed} failed" if failed else ""))

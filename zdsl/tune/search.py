@@ -18,9 +18,13 @@ import itertools
 import statistics
 from dataclasses import dataclass, field
 
+from zdsl.driver import compile_file, memo_units_for
 from zdsl.ir import TIERS
 from zdsl.lang.errors import UsageError
+from zdsl.lang.overrides import statement_text
+from zdsl.lang.sizes import SizeError, parse_size
 from zdsl.tune import ranges
+from zdsl.tune.write import LOWERED_CONFIG, graph_key
 
 
 class TuneUsageError(ValueError):
@@ -81,7 +85,6 @@ def _top_level(text: str, sep: str) -> bool:
 def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
     """``["prefetch=0..4", "bucket=16MiB,64MiB"]`` -> [(key, values)], ranges expanded
     (``zdsl.tune.ranges``), keys checked against ``--set``'s."""
-    from zdsl.lang.overrides import statement_text
     out: list[tuple[str, list[str]]] = []
     seen: set[str] = set()
     for item in items:
@@ -153,8 +156,22 @@ class Candidate:
 
     @property
     def measured_s(self) -> float | None:
-        """The median of the round figures."""
-        return statistics.median(self.rounds.values()) if self.rounds else None
+        """The median of the round figures; None before any round."""
+        return self.median if self.rounds else None
+
+    @property
+    def predicted(self) -> float:
+        """``predicted_s`` of an accepted candidate (:func:`predict` gives each one it accepts)."""
+        if self.predicted_s is None:
+            raise ValueError(f"{self.label} has no prediction: {self.rejected or 'not predicted'}")
+        return self.predicted_s
+
+    @property
+    def median(self) -> float:
+        """``measured_s`` of a candidate with rounds."""
+        if not self.rounds:
+            raise ValueError(f"{self.label} has no measured rounds")
+        return statistics.median(self.rounds.values())
 
     @property
     def typical_s(self) -> float | None:
@@ -168,7 +185,6 @@ def validate_values(path: str, base: dict[str, str], vary: list[tuple[str, list[
     (A value valid alone but invalid with others, or over a budget, is a rejection, not
     a usage error.)
     """
-    from zdsl.driver import compile_file
     for key, values in vary:
         for value in values:
             compiled = compile_file(path, {**base, key: value}, units_for, simulate=False)
@@ -183,7 +199,6 @@ def validate_values(path: str, base: dict[str, str], vary: list[tuple[str, list[
 
 def predict(path: str, base: dict[str, str], combos: list[dict[str, str]], units_for=None) -> list[Candidate]:
     """Compile and simulate every combination (no torch); rejected ones carry the reason."""
-    from zdsl.driver import compile_file, memo_units_for
     units_for = units_for or memo_units_for()
     out = []
     for combo in combos:
@@ -212,12 +227,11 @@ def short(text: str, limit: int = 160) -> str:
 def ranked(cands: list[Candidate]) -> list[Candidate]:
     """Accepted candidates, fastest predicted first (ties: less peak memory, then the order given)."""
     ok = [c for c in cands if c.rejected is None]
-    return sorted(ok, key=lambda c: (round(c.predicted_s, 9), sum(c.predicted_peak.values())))
+    return sorted(ok, key=lambda c: (round(c.predicted, 9), sum(c.predicted_peak.values())))
 
 
 def run_identity(graph) -> tuple[str, tuple]:
     """(the key graphs that run alike share, the graph's values of the config entries its ops carry)."""
-    from zdsl.tune.write import LOWERED_CONFIG, graph_key
     return graph_key(graph, runs_alike=True), tuple(repr(graph.config.get(k)) for k in LOWERED_CONFIG)
 
 
@@ -227,7 +241,7 @@ def same_runs(survivors: list[Candidate], own: tuple, order: dict[str, list[str]
     smallest). The one kept has the fewest of those values changed from the file's own (``own``:
     the file's :func:`run_identity` values), then the smaller values in ``--vary`` order; the
     others are marked with its label (``same_run``)."""
-    groups: dict[str, list[Candidate]] = {}
+    groups: dict[str | int, list[Candidate]] = {}   # a candidate with no run key is alone
     for cand in survivors:
         groups.setdefault(cand.run_key or id(cand), []).append(cand)
     kept = []
@@ -247,7 +261,6 @@ def value_ranks(cand: Candidate, order: dict[str, list[str]]) -> tuple:
 
 def value_rank(values: list[str], value: str) -> float:
     """A value's size among its key's values: its number where it is a number or a size, else its position."""
-    from zdsl.lang.sizes import SizeError, parse_size
     try:
         return float(parse_size(value))
     except SizeError:
@@ -270,18 +283,16 @@ def prune(cands: list[Candidate], factor: float = PRUNE_FACTOR) -> list[Candidat
     ok = ranked(cands)
     if not ok:
         return []
-    best = ok[0].predicted_s
+    best = ok[0].predicted
     for c in ok:
-        if c.predicted_s > factor * best:
-            c.pruned = (f"predicted {c.predicted_s / best:.2f}x the best predicted "
-                        f"({c.predicted_s * 1e3:.2f} vs {best * 1e3:.2f} ms; pruned above {factor:g}x)")
+        if c.predicted > factor * best:
+            c.pruned = (f"predicted {c.predicted / best:.2f}x the best predicted "
+                        f"({c.predicted * 1e3:.2f} vs {best * 1e3:.2f} ms; pruned above {factor:g}x)")
     return [c for c in ok if c.pruned is None]
 
 
 def count_changes(path: str, cand: Candidate, units_for) -> int:
     """How many of ``cand``'s varied values change the task graph from what the file (with --set) gives."""
-    from zdsl.driver import compile_file
-    from zdsl.tune.write import graph_key
     mine = compile_file(path, cand.overrides, units_for, simulate=False)
     if mine.graph is None:
         return len(cand.combo)

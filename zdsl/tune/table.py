@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from rich.console import Console
+from rich.table import Table
+
 from zdsl.ir import TIERS
 from zdsl.lang.sizes import human_bytes
 from zdsl.tune import noise
@@ -48,8 +51,6 @@ def verdict(cand: Candidate, winner: Candidate | None, why: str, rank: int | Non
 
 
 def print_table(cands: list[Candidate], winner: Candidate | None, why: str, args, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
     console = Console(width=None if sys.stdout.isatty() else 240, highlight=False)
     order = {id(c): i for i, c in enumerate(ranked(cands), 1)}
     tiers = [t for t in TIERS if any(c.predicted_peak.get(t) or c.measured_peak.get(t) for c in cands)] \

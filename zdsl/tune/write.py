@@ -14,8 +14,13 @@ import os
 import tempfile
 from pathlib import Path
 
+from zdsl.check.printer import print_schedule, string_text
+from zdsl.driver import compile_file, memo_units_for
+from zdsl.lang import ast
 from zdsl.lang.continuation import statement_end
-from zdsl.lang.errors import UsageError
+from zdsl.lang.errors import UsageError, ZsError
+from zdsl.lang.overrides import statement_text
+from zdsl.lang.parse import parse_file
 
 WHOLE_STATEMENT_KEYS = ("ranks", "zero", "shard", "prefetch", "bucket", "overlap", "recompute",
                         "persist", "model", "data", "optimizer", "machine", "checkpoint")
@@ -36,7 +41,6 @@ def write_schedule_text(path: str, overrides: dict[str, str], out_path: str, not
     Paths relative to the schedule (includes) are rewritten for ``out_path``'s folder.
     Returns (text, how); raises ValueError when neither way reproduces the graph.
     """
-    from zdsl.driver import compile_file, memo_units_for
     units_for = units_for or memo_units_for()
     target = compile_file(path, overrides, units_for, simulate=False)
     if not target.ok or target.graph is None:
@@ -92,7 +96,6 @@ def _first_error(compiled) -> str:
 
 def _compile_text(text: str, out_path: str, units_for):
     """Compile text as if it were the file at out_path (written to a temp file beside it)."""
-    from zdsl.driver import compile_file
     folder = Path(out_path).resolve().parent
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".zs", prefix=".tune-", dir=folder)
@@ -114,11 +117,6 @@ def _relocated(rel: str, src: str, out_path: str) -> str:
 
 
 def _edited_text(path: str, overrides: dict[str, str], out_path: str) -> str | None:
-    from zdsl.check.printer import string_text
-    from zdsl.lang import ast
-    from zdsl.lang.errors import ZsError
-    from zdsl.lang.overrides import statement_text
-    from zdsl.lang.parse import parse_file
     try:
         program = parse_file(path)
         source = Path(path).read_text(encoding="utf-8-sig")
@@ -177,7 +175,6 @@ def _statement_lines(program, stmt, lines: list[str]) -> tuple[int, int]:
 
 
 def _printed_text(compiled, out_path: str) -> str:
-    from zdsl.check.printer import print_schedule
     schedule = copy.deepcopy(compiled.schedule)
     factory = schedule.model.factory
     if factory and ".py:" in factory:       # "my_model.py:build" is relative to the schedule
