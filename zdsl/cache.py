@@ -11,4 +11,6 @@ from zdsl import env
 
 
 def cache_dir() -> Path:
-    return Path(env.get("ZDSL_CACHE")).expanduser()
+    folder = env.get("ZDSL_CACHE")
+    assert folder is not None, "ZDSL_CACHE has a registered default"
+    return Path(folder).expanduser()

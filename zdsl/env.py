@@ -10,6 +10,7 @@ Torch-free: the compiler's ``zdsl env`` and the runtime both import it.
 """
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 
@@ -141,9 +142,7 @@ def export(**values: str) -> None:
 
 def render(color: bool = False, width: int | None = None) -> str:
     """The registry as a table: each variable's kind, who sets it, default, value here and meaning."""
-    import io
-
-    from rich.console import Console
+    from rich.console import Console  # only zdsl env
     from rich.table import Table
 
     table = Table(title="environment variables zdsl reads (zdsl/env.py)", title_justify="left")

@@ -1,6 +1,7 @@
 """Logging: structlog to stderr, configured once per process, with the rank bound in ranks."""
 from __future__ import annotations
 
+import logging
 import sys
 
 _logging_configured = False
@@ -20,9 +21,7 @@ class _CurrentStderr:
 def configure_logging(rank: int | None = None, level: str = "warning") -> None:
     """Configure structlog once per process (again only to bind a rank); events go to stderr."""
     global _logging_configured
-    import logging
-
-    import structlog
+    import structlog  # only when configured
     lvl = logging.getLevelName(level.upper()) if isinstance(level, str) else int(level)
     if not isinstance(lvl, int):
         lvl = logging.WARNING
@@ -35,7 +34,8 @@ def configure_logging(rank: int | None = None, level: str = "warning") -> None:
                 structlog.dev.ConsoleRenderer(colors=False),
             ],
             wrapper_class=structlog.make_filtering_bound_logger(lvl),
-            logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
+            # structlog types file as TextIO but calls only write and flush, which this has
+            logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
             cache_logger_on_first_use=False,
         )
         _logging_configured = True

@@ -74,12 +74,12 @@ class Continuation:
         if state is None or not state.open:
             return None
         paren = state.open[-1]
-        if state.joined_after < paren.line:
+        if state.joined_after < _line(paren):
             return None       # every dropped line end came before this '(' opened
         if found.type == "$END":
             return paren
         previous = state.before if found is state.last else state.last
-        if previous is not None and previous.line < found.line:
+        if previous is not None and _line(previous) < _line(found):
             return paren
         return None
 
@@ -95,6 +95,11 @@ class Continuation:
         if first is not None and first.line == found.line:
             return state.comma, first
         return None
+
+
+def _line(tok: Token) -> int:
+    """A lexed token's line (lark's type allows none, for a token made by hand: 0 here)."""
+    return tok.line if tok.line is not None else 0
 
 
 def has_code(line: str) -> bool:

@@ -116,7 +116,7 @@ def _splice(statements: list[ast.Stmt], key: str, new: ast.Stmt) -> list[ast.Stm
                            lambda s, args: dataclasses.replace(
                                s, call=dataclasses.replace(s.call, args=args, has_parens=True)),
                            missing=lambda: _missing(keyword, key))
-    if key in ("device", "per_node"):       # one part of the ranks statement
+    if key in ("device", "per_node") and isinstance(new, ast.RanksStmt):      # one part of the ranks statement
         part = {"device": new.device} if key == "device" else {"per_node": new.per_node, "per_word": new.per_word}
         for i, s in enumerate(statements):
             if isinstance(s, ast.RanksStmt):
@@ -125,24 +125,24 @@ def _splice(statements: list[ast.Stmt], key: str, new: ast.Stmt) -> list[ast.Stm
         return statements + [new]
     if isinstance(new, ast.OffloadStmt):
         state = parts[1]
-        index = next((i for i, s in enumerate(statements) if isinstance(s, ast.OffloadStmt)
+        found = next(((i, s) for i, s in enumerate(statements) if isinstance(s, ast.OffloadStmt)
                       and s.state.value == state), None)
         if len(parts) == 3:
-            if index is None:
+            if found is None:
                 raise _usage(f"--set {key}: the schedule does not offload {state}",
                              hint=f"--set offload.{state}=cpu first")
-            old = statements[index]
+            index, old = found
             args = _replace_arg(old.target.args, new.target.args[0])
             statements[index] = dataclasses.replace(
                 old, target=dataclasses.replace(old.target, args=args, has_parens=True))
             return statements
-        if index is None:
+        if found is None:
             return statements + [new]
-        statements[index] = new
+        statements[found[0]] = new
         return statements
     if isinstance(new, ast.MemoryStmt) and len(parts) == 2:
         tier = parts[1]
-        out = []
+        out: list[ast.Stmt] = []
         for s in statements:
             if isinstance(s, ast.MemoryStmt):
                 budgets = [b for b in s.budgets if b.tier.value != tier]
@@ -154,11 +154,11 @@ def _splice(statements: list[ast.Stmt], key: str, new: ast.Stmt) -> list[ast.Stm
     if isinstance(new, ast.LinkStmt):       # --set link="cluster=(...)" replaces the levels it names
         return _without_levels(statements, {a.key.value for a in new.args if a.key is not None}) + [new]
     if isinstance(new, ast.RanksStmt):      # --set ranks=N keeps the device and the ranks per node
-        old = next((s for s in statements if isinstance(s, ast.RanksStmt)), None)
-        if old is not None and new.device is None:
-            new = dataclasses.replace(new, device=old.device)
-        if old is not None and new.per_node is None:
-            new = dataclasses.replace(new, per_node=old.per_node, per_word=old.per_word)
+        given = next((s for s in statements if isinstance(s, ast.RanksStmt)), None)
+        if given is not None and new.device is None:
+            new = dataclasses.replace(new, device=given.device)
+        if given is not None and new.per_node is None:
+            new = dataclasses.replace(new, per_node=given.per_node, per_word=given.per_word)
     replaced = {"zero", "shard"} if new.keyword in ("zero", "shard") else {new.keyword}
     return [s for s in statements if s.keyword not in replaced] + [new]
 
@@ -183,7 +183,8 @@ def _missing(keyword: str, key: str):
 
 
 def _replace_arg(args: list[ast.Arg], new: ast.Arg) -> list[ast.Arg]:
-    kept = [a for a in args if a.key is None or a.key.value != new.key.value]
+    name = new.key.value if new.key is not None else None      # a positional one replaces nothing
+    kept = [a for a in args if a.key is None or a.key.value != name]
     return kept + [new]
 
 
