@@ -14,7 +14,9 @@ benchmarks) calls :func:`compile_file`; it reads top-down as the steps it chains
 
 Contract: never raises for a bad schedule or model. Everything wrong is a positioned
 diagnostic in the returned :class:`Compiled`, which is carried as far as it would go.
-No torch is imported here (a user's model factory may import it when sized).
+No torch is imported here (a user's model factory may import it when sized). The checker (lark)
+and the compiler are imported by the steps that use them: ``zdsl.cli`` imports this module for
+every command, most of which compile nothing.
 """
 from __future__ import annotations
 
@@ -23,13 +25,15 @@ import gc
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
+
+from zdsl.lang.errors import Diagnostic, UsageError, ZsError, attach_sources, capped, more_line, render
+from zdsl.sim.profile_cache import calibrated_for
 
 if TYPE_CHECKING:
     from zdsl.ir import TaskGraph
-    from zdsl.lang.errors import Diagnostic
     from zdsl.model.units import UnitSpec
-    from zdsl.schedule import Schedule
+    from zdsl.schedule import DataSpec, ModelSpec, Schedule
     from zdsl.sim.simulate import Simulation
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
@@ -74,8 +78,9 @@ def _compile(path: str, overrides: dict[str, str] | None, units_for, simulate: b
 def compile_loaded(out: Compiled, units_for, simulate: bool = True) -> Compiled:
     """Steps 2 to 6 of ``load``'s result, in place: for a caller that completes the schedule between
     (the Python API records the row of a fed batch, ``runtime/api/deferred.py``)."""
-    from zdsl.compile.verify import findings, to_diagnostic
+    from zdsl.compile.verify import findings, to_diagnostic  # light CLI start
     if out.ok and size(out, units_for) and instantiate_graph(out):
+        assert out.schedule is not None and out.graph is not None, "set by load and instantiate_graph"
         found, out.sim = findings(out.graph, out.schedule, want_sim=simulate)
         out.diagnostics.extend(to_diagnostic(f) for f in found)
         if out.ok and out.schedule.eval is not None:
@@ -85,9 +90,7 @@ def compile_loaded(out: Compiled, units_for, simulate: bool = True) -> Compiled:
 
 def load(path: str, overrides: dict[str, str] | None, units_for=None) -> Compiled:
     """Step 1: read, parse and check; ``schedule`` is set when nothing stopped the check."""
-    from zdsl.check.checker import load_schedule
-    from zdsl.lang.errors import UsageError, ZsError
-    from zdsl.sim.profile_cache import calibrated_for
+    from zdsl.check.checker import load_schedule  # light CLI start
     out = Compiled(path)
     try:
         out.schedule, diags = load_schedule(path, overrides, units_for or memo_units_for())
@@ -105,18 +108,19 @@ def load(path: str, overrides: dict[str, str] | None, units_for=None) -> Compile
 
 def size(out: Compiled, units_for) -> bool:
     """Step 2: the model's units (sizes, flops, activations) at the schedule's context."""
-    from zdsl.compile.models import ModelSizingError, run_context
-    from zdsl.lang.errors import Diagnostic
+    from zdsl.compile.models import ModelSizingError, run_context  # light CLI start
     from zdsl.sources import sizing_data
     from zdsl.sources.python import PythonDataError
-    model_span = out.schedule.spans.get("model")
+    schedule = out.schedule
+    assert schedule is not None, "size follows a load that checked"
+    model_span = schedule.spans.get("model")
     try:
-        out.units = units_for(out.schedule.model, run_context(out.schedule), **sizing_data(out.schedule.data))
+        out.units = units_for(schedule.model, run_context(schedule), **sizing_data(schedule.data))
     except ModelSizingError as exc:
         out.diagnostics.append(Diagnostic("error", model_span, str(exc)))
         return False
     except PythonDataError as exc:            # the data function sizing called broke its contract
-        out.diagnostics.append(Diagnostic("error", out.schedule.spans.get("data") or model_span, str(exc)))
+        out.diagnostics.append(Diagnostic("error", schedule.spans.get("data") or model_span, str(exc)))
         return False
     except Exception as exc:                  # a user's model factory that fails to build
         out.diagnostics.append(Diagnostic("error", model_span, f"cannot size the model: "
@@ -127,8 +131,7 @@ def size(out: Compiled, units_for) -> bool:
 
 def instantiate_graph(out: Compiled) -> bool:
     """Steps 3 and 4: lower the policies and instantiate them for every unit."""
-    from zdsl.compile.instantiate import LoweringError
-    from zdsl.lang.errors import Diagnostic, ZsError
+    from zdsl.compile.instantiate import LoweringError  # light CLI start
     try:
         out.graph = compile_schedule(out.schedule, out.units)
     except LoweringError as exc:
@@ -143,14 +146,15 @@ def instantiate_graph(out: Compiled) -> bool:
 def evaluation_graph(out: Compiled, units_for, simulate: bool = True) -> bool:
     """Step 6: the forward-only graph ``eval`` runs, from the same lowered pipelines, its units
     sized at the eval data's context; verified, its findings added to the diagnostics."""
-    from zdsl.compile.eval_graph import eval_context, eval_findings
+    from zdsl.compile.eval_graph import eval_context, eval_findings  # light CLI start
     from zdsl.compile.instantiate import LoweringError
     from zdsl.compile.models import ModelSizingError
     from zdsl.compile.verify import to_diagnostic
-    from zdsl.lang.errors import Diagnostic
     from zdsl.sources import sizing_data
     from zdsl.sources.python import PythonDataError
-    schedule = out.schedule
+    schedule, train = out.schedule, out.graph
+    assert schedule is not None and schedule.eval is not None and train is not None, \
+        "compile_loaded builds the evaluation after the step graph, for a schedule with eval"
     span = schedule.spans.get("eval.data") or schedule.spans.get("eval")
     try:
         units = units_for(schedule.model, eval_context(schedule), **sizing_data(schedule.eval.data))
@@ -166,7 +170,7 @@ def evaluation_graph(out: Compiled, units_for, simulate: bool = True) -> bool:
     except LoweringError as exc:
         out.diagnostics.append(Diagnostic("error", exc.span or span, str(exc), exc.hint))
         return False
-    found, out.eval_sim = eval_findings(out.graph, out.eval_graph, schedule, want_sim=simulate)
+    found, out.eval_sim = eval_findings(train, out.eval_graph, schedule, want_sim=simulate)
     out.diagnostics.extend(to_diagnostic(f) for f in found)
     return out.ok
 
@@ -174,7 +178,7 @@ def evaluation_graph(out: Compiled, units_for, simulate: bool = True) -> bool:
 def compile_eval(schedule, units):
     """A checked schedule with ``eval`` and its model's units at the eval context to the
     forward-only graph of one eval batch (for callers that hold a ``Schedule``: tests)."""
-    from zdsl.compile.eval_graph import instantiate_eval
+    from zdsl.compile.eval_graph import instantiate_eval  # light CLI start
     from zdsl.compile.lower import lower_policies
     return instantiate_eval(schedule, units, lower_policies(schedule, units))
 
@@ -182,17 +186,17 @@ def compile_eval(schedule, units):
 def compile_schedule(schedule, units):
     """A checked schedule and its model's units to the task graph of one step (lower, then
     instantiate); for callers that already hold a ``Schedule`` (tests, benchmarks)."""
-    from zdsl.compile.instantiate import instantiate
+    from zdsl.compile.instantiate import instantiate  # light CLI start
     from zdsl.compile.lower import lower_policies
     return instantiate(schedule, units, lower_policies(schedule, units))
 
 
-def memo_units_for():
+def memo_units_for() -> Callable[..., list[UnitSpec]]:
     """units_for with a cache, so a user model is built on the meta device once per command."""
-    from zdsl.compile.models import units_for
-    cache: dict[tuple[str, int | None], list] = {}
+    from zdsl.compile.models import units_for  # light CLI start
+    cache: dict[tuple[str, int | None, str], list[UnitSpec]] = {}
 
-    def cached(spec, context: int | None = None, data=None):
+    def cached(spec: ModelSpec, context: int | None = None, data: DataSpec | None = None):
         if spec.kind == "loop":       # no model statement: the user's loop gives the module, unknown here
             return None
         key = (repr(spec), context, repr(data))
@@ -220,7 +224,6 @@ def gc_paused():
 def report(compiled: Compiled) -> None:
     """Print a file's diagnostics (errors and warnings) to stderr, positioned; past the first
     50 of a severity only how many more there are."""
-    from zdsl.lang.errors import attach_sources, capped, more_line, render
     try:
         source = Path(compiled.path).read_bytes().decode("utf-8", errors="replace")
     except OSError:
