@@ -54,7 +54,8 @@ step frame (``RankRun.begin_step``/``run_step``/``end_step``). What differs is w
 Files: ``setup.py`` (``initialize``), ``engine.py`` (the surface), ``flow.py`` (the trio side of a
 step), ``background.py`` (the loop), ``calls.py`` (agreement), ``batches.py`` (what ``engine(x)``
 takes and the compiled shape), ``saving.py`` (gathered parameters, state dict, checkpoints),
-``given.py`` (a user's model object as units), ``errors.py``.
+``given.py`` (a user's model object as units), ``deferred.py`` (a schedule without ``data`` whose
+graph waits for the first ``engine(x)``'s row); :class:`ZdslApiError` is ``zdsl/errors.py``'s.
 
 ``import zdsl`` stays torch-free: ``zdsl.initialize`` and ``zdsl.units`` import this package when
 called.
