@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from zdsl.check.checker import check_text
+from zdsl.driver import compile_schedule
 from zdsl.ir import TaskGraph
+from zdsl.model.units import gpt_units
 from zdsl.sim.simulate import simulate
 
 
@@ -81,10 +84,6 @@ def largest_gpt(schedule_text: str, shape: dict[str, int], budget: int,
     context; its ``layers`` is what varies) whose plan peak on ``tier`` fits ``budget`` bytes under
     ``schedule_text`` (a schedule without its ``model`` statement); (0, 0) when none does. One
     compile and simulation per probe; a schedule with errors raises the checker's ``ZsError``."""
-    from zdsl.check.checker import check_text
-    from zdsl.driver import compile_schedule
-    from zdsl.model.units import gpt_units
-
     def graph(layers: int) -> TaskGraph:
         sized = {**shape, "layers": layers}
         model = "model gpt(" + ", ".join(f"{k}={v}" for k, v in sized.items()) + ")\n"
