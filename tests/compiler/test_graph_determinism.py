@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow     # three processes compiling every program at once
+
 PROGRAMS = sorted(p for p in (Path(__file__).parents[2] / "programs").glob("*.zs") if p.stem != "user_model")
 
 SCRIPT = """

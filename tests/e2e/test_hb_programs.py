@@ -55,6 +55,7 @@ if os.environ.get("RANK") is not None:
 """
 
 
+@pytest.mark.slow      # zdsl run starts 2 ranks
 def test_zdsl_run_with_the_checker_fails_on_the_zero1_race_naming_rank_ops_lanes_and_buffer(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(BEFORE_THE_FIX)
     env = dict(os.environ, ZDSL_HB_CHECK="1", PYTHONPATH=os.pathsep.join(

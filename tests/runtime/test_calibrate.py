@@ -49,6 +49,7 @@ def profile_errors(machine_zs) -> list[str]:
             and key not in MACHINE_SHAPE_FIELDS and key not in MACHINE_NOT_MEASURED]
 
 
+@pytest.mark.slow      # a real quick calibration: it starts a rank beside this process and measures for seconds
 def test_quick_profile_parses(tmp_path, capsys, monkeypatch):
     out = tmp_path / "machine.zs"
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None

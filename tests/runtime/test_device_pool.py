@@ -44,6 +44,7 @@ def _train(rank: int, world: int, stage: int, pooled: bool) -> dict:
                        and not s.buf.persistent])
 
 
+@pytest.mark.slow      # 2 groups of 2 ranks per stage
 @pytest.mark.parametrize("stage", [2, 3])
 def test_freed_flats_get_their_memory_back_next_step_with_the_same_bits(stage):
     pooled = spawn(_train, 2, stage, True)
