@@ -4,6 +4,7 @@ torch, and an edit to the factory's file, a file beside it, any file of the user
 any file it read sizes it afresh."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,10 +110,33 @@ def test_a_factory_named_by_module_is_not_kept(cache):
     assert sizing_cache.sizing_key(ModelSpec("user", {}, factory="user_models:build"), 16, None) is None
 
 
+def test_an_edited_compiler_or_runtime_file_is_another_key(model, tmp_path, monkeypatch):
+    """Why the commands below pin the code's stamp: the key holds every compiler and runtime file's
+    mtime, so another engineer's save in the same tree between two commands is a miss."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "lower.py").write_text("x = 1\n")
+    monkeypatch.setattr(sizing_cache, "_code_roots", lambda: [code])
+    monkeypatch.setattr(sizing_cache, "_code", None)
+    key = sizing_cache.sizing_key(spec(model), 16, None)
+    assert key is not None and sizing_cache.sizing_key(spec(model), 16, None) == key
+    st = (code / "lower.py").stat()
+    os.utime(code / "lower.py", ns=(st.st_atime_ns, st.st_mtime_ns + 1))     # saved again, same bytes
+    monkeypatch.setattr(sizing_cache, "_code", None)                          # by the next command
+    assert sizing_cache.sizing_key(spec(model), 16, None) != key
+
+
+# Each command stamps the compiler's and runtime's files as it finds them; the tree may be edited
+# between two commands (by another engineer or a mutation check), so both take this one stamp.
+PINNED_CODE = "from zdsl.compile import sizing_cache; sizing_cache._code = 'one code for both commands'; "
+
+
 def test_zdsl_check_of_a_sized_user_model_does_not_import_torch(model, cache):
     (model / "s.zs").write_text('schedule s\nmodel "model.py:build"(hidden=8, context=16)\n'
-                                "data synthetic(vocab=64, context=16)\ntrain steps=1, batch=2\nranks 2 on cpu\nzero 3\n")
-    probe = ("import sys; sys.path.insert(0, {tests!r}); from zdsl.cli import main; code = main(['check', 's.zs']); "
+                                "data synthetic(vocab=64, context=16)\ntrain steps=1, batch=2\n"
+                                "ranks 2 on cpu\nzero 3\n")
+    probe = ("import sys; sys.path.insert(0, {tests!r}); " + PINNED_CODE
+             + "from zdsl.cli import main; code = main(['check', 's.zs']); "
              "print('torch' in sys.modules); sys.exit(code)")
     tests = str(Path(__file__).resolve().parents[1])
     runs = [subprocess.run([sys.executable, "-c", probe.format(tests=tests)], cwd=model, capture_output=True,

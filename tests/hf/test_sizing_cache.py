@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from hf_tiny import save_tiny
+
 from zdsl.compile import sizing_cache
 from zdsl.compile.models import units_for
 from zdsl.schedule import ModelSpec
@@ -61,13 +61,21 @@ def test_an_unreadable_cache_entry_is_a_miss(tmp_path, cache):
     assert json.loads(entry.read_text())["format"] == sizing_cache.FORMAT     # written again whole
 
 
-def test_zdsl_check_of_a_sized_folder_imports_neither_torch_nor_transformers(tmp_path, cache):
+# The key stamps the compiler's and runtime's files once per process, as it finds them; the tree may be
+# edited between this process's sizing and the command's (another engineer's save, a mutation check),
+# so both take one stamp (that an edit is another key: tests/compiler/test_user_sizing_cache.py).
+STAMP = "one code for both commands"
+PINNED_CODE = f"from zdsl.compile import sizing_cache; sizing_cache._code = {STAMP!r}; "
+
+
+def test_zdsl_check_of_a_sized_folder_imports_neither_torch_nor_transformers(tmp_path, cache, monkeypatch):
     from zdsl.driver import compile_file
+    monkeypatch.setattr(sizing_cache, "_code", STAMP)
     save_tiny("gpt2", tmp_path / "model")
     (tmp_path / "s.zs").write_text('schedule s\nmodel hf("model")\ndata synthetic(vocab=200, context=16)\n'
                                    "train steps=1, batch=2\nranks 2 on cpu\nzero 3\n")
     assert compile_file(str(tmp_path / "s.zs"), {}).ok           # sized here, as zdsl check sizes it
-    probe = ("import sys; from zdsl.cli import main; code = main(['check', 's.zs']); "
+    probe = (PINNED_CODE + "import sys; from zdsl.cli import main; code = main(['check', 's.zs']); "
              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(code)")
     run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
