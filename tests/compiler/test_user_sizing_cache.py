@@ -5,6 +5,7 @@ any file it read sizes it afresh."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -135,11 +136,11 @@ def test_zdsl_check_of_a_sized_user_model_does_not_import_torch(model, cache):
     (model / "s.zs").write_text('schedule s\nmodel "model.py:build"(hidden=8, context=16)\n'
                                 "data synthetic(vocab=64, context=16)\ntrain steps=1, batch=2\n"
                                 "ranks 2 on cpu\nzero 3\n")
-    probe = ("import sys; sys.path.insert(0, {tests!r}); " + PINNED_CODE
-             + "from zdsl.cli import main; code = main(['check', 's.zs']); "
+    # a copy beside the factory: the tests folder's, a source of the sizing, may be edited meanwhile
+    shutil.copy(Path(__file__).resolve().parents[1] / "user_models.py", model)
+    probe = (PINNED_CODE + "import sys; from zdsl.cli import main; code = main(['check', 's.zs']); "
              "print('torch' in sys.modules); sys.exit(code)")
-    tests = str(Path(__file__).resolve().parents[1])
-    runs = [subprocess.run([sys.executable, "-c", probe.format(tests=tests)], cwd=model, capture_output=True,
+    runs = [subprocess.run([sys.executable, "-c", probe], cwd=model, capture_output=True,
                            text=True, timeout=300) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr
     assert "s.zs: ok (4 units" in runs[1].stdout and "estimates" not in runs[0].stderr
