@@ -6,6 +6,7 @@ import pytest
 from zdsl.check.checker import check_text
 
 from zdsl.check.checker import load_schedule
+from zdsl.check.loop import run_refusals
 from zdsl.lang.errors import Diagnostic
 from zdsl.lang.errors import ZsError
 from zdsl.lang.errors import render
@@ -93,7 +94,6 @@ def test_non_utf8_is_positioned(tmp_path):
     ("model gpt(x=" + "(" * 5000 + "\n", "unexpected"),
     ("forward unit u { gather parameters[u+" + "9" * 40 + "] }\n", "below 1000000000"),
     ("\u202e zero 3\n", "U+202E"),
-    ("", "no model"),
 ], ids=lambda v: repr(v)[:24])
 def test_hostile_input_gives_positioned_errors(text, words):
     with pytest.raises(ZsError) as exc:
@@ -102,6 +102,14 @@ def test_hostile_input_gives_positioned_errors(text, words):
     assert d is not None, [d.message for d in exc.value.diagnostics]
     assert d.span is not None and not d.message.startswith("internal error")
     render(d, text)
+
+
+def test_an_empty_file_is_a_loop_schedule_that_zdsl_run_refuses_positioned():
+    schedule, _ = check_text("", "t.zs")             # model and batches come from the user's loop
+    refusals = run_refusals(schedule)
+    assert [d.message.split(":")[0] for d in refusals] == ["zdsl run needs a model statement",
+                                                           "zdsl run needs a data statement"]
+    assert all(d.span is not None and d.span.line == 1 and d.hint for d in refusals)
 
 
 def test_warnings_do_not_fail():
