@@ -1,0 +1,70 @@
+"""Resuming a DeferredEngine before its first engine(x), as DeepSpeed users resume (issue 56).
+
+A schedule without data, with the user's model, is compiled at the first engine(x); its
+``load_checkpoint`` before that call finds and checks the checkpoint at once, returns its
+client_state and its step, and loads the weights and optimizer state when the engine starts.
+Guards: the resumed run's losses and weights are the bits of an uninterrupted run (and of the
+load on an engine compiled from the schedule with data written in); a missing checkpoint is the
+engine's own error, at the load; what needs the engine still says to call engine(x) first.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from api_models import batches, mlp
+from test_loop_schedule import bare, written
+
+import zdsl
+from zdsl.runtime.checkpoint import CheckpointError
+
+
+def steps(engine, first: int, last: int) -> list[float]:
+    """The loop's steps ``first`` to ``last - 1`` (each step's batch is its number's)."""
+    losses = []
+    for step in range(first, last):
+        x, y = batches(0, step, 0, 0, 1, 4)
+        loss = F.cross_entropy(engine(x), y, label_smoothing=0.1)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_a_deferred_load_resumes_the_bits_of_an_uninterrupted_run(tmp_path, one_rank_group):
+    with zdsl.initialize(written(tmp_path), model=mlp()) as engine:
+        ref_losses = steps(engine, 0, 2)
+        ref_lr = engine.lr
+        ref_losses += steps(engine, 2, 4)
+        ref_state = engine.state_dict()
+    with zdsl.initialize(written(tmp_path), model=mlp()) as engine:
+        assert steps(engine, 0, 2) == ref_losses[:2]
+        engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 1})
+    with zdsl.initialize(written(tmp_path), model=mlp(seed=5)) as engine:    # the load on a compiled engine
+        assert engine.load_checkpoint(tmp_path / "ckpt") == {"epoch": 1}
+        written_losses = steps(engine, 2, 4)
+    with zdsl.initialize(bare(tmp_path), model=mlp(seed=5)) as engine:        # other weights: the load must land
+        assert type(engine).__name__ == "DeferredEngine"
+        assert engine.global_step == 0
+        assert engine.load_checkpoint(tmp_path / "ckpt") == {"epoch": 1}
+        assert engine.global_step == 2 and engine.lr == ref_lr
+        with pytest.raises(zdsl.ZdslApiError, match=r"engine\.save_checkpoint: the schedule is compiled at the"):
+            engine.save_checkpoint(tmp_path / "other")
+        losses = steps(engine, engine.global_step, 4)
+        assert engine.global_step == 4
+        state = engine.state_dict()
+    assert losses == ref_losses[2:] == written_losses
+    assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in state)
+
+
+def test_a_missing_checkpoint_is_the_engines_error_at_the_load(tmp_path, one_rank_group):
+    with zdsl.initialize(written(tmp_path), model=mlp()) as engine:
+        with pytest.raises(CheckpointError) as compiled:
+            engine.load_checkpoint(tmp_path / "nothing")
+    with zdsl.initialize(bare(tmp_path), model=mlp()) as engine:
+        with pytest.raises(CheckpointError) as deferred:
+            engine.load_checkpoint(tmp_path / "nothing")
+        assert engine.global_step == 0
+        assert steps(engine, 0, 1)          # nothing pending: the engine starts as without the load
+    assert str(deferred.value) == str(compiled.value)
+    assert "no complete checkpoint to resume from" in str(deferred.value)
