@@ -28,8 +28,8 @@ ACT_KINDS = ("act", "act_inner", "act_grad")
 @dataclass
 class ActRecord:
     """What a unit keeps between its forward and its backward."""
-    input: torch.Tensor | None          # the unit's input (detached; requires grad when floating)
-    output: torch.Tensor | None         # its output (the scaled loss for the last unit)
+    input: torch.Tensor                 # the unit's input (detached; requires grad when floating)
+    output: torch.Tensor                # its output (the scaled loss for the last unit)
     micro: int
     nbytes: int = 0
     rng: tuple | None = None            # a recomputed unit's RNG state before its forward
@@ -71,6 +71,12 @@ class BufferTable:
             raise StateError(f"rank {self.rank}: {buf.name} belongs to no unit, so it has no flat layout")
         return buf.unit
 
+    def unit_of_op(self, op: Op) -> int:
+        """The unit a unit's op (compute, collective, step) names."""
+        if op.unit is None:
+            raise self.error(op, "names no unit, which a unit's op must")
+        return op.unit
+
     def numel(self, buf: Buffer) -> int:
         unit = self.unit_of(buf)
         lay = self.flats[unit].layout
@@ -110,6 +116,20 @@ class BufferTable:
         if not slot.live:
             raise self.error(op, f"reads {name}, which holds no data now (never produced, or freed)")
         return slot
+
+    def read_tensor(self, name: str, op: Op) -> torch.Tensor:
+        """The tensor of a live flat or scalar buffer an op reads."""
+        slot = self.read(name, op)
+        if slot.tensor is None:
+            raise self.error(op, f"reads {name} as a tensor, but it holds an activation record")
+        return slot.tensor
+
+    def read_record(self, name: str, op: Op) -> ActRecord:
+        """The activation record of a live ``act``/``act_inner`` buffer an op reads."""
+        slot = self.read(name, op)
+        if slot.record is None:
+            raise self.error(op, f"reads {name} as an activation record, but it holds a tensor")
+        return slot.record
 
     def write(self, name: str, op: Op) -> torch.Tensor:
         """The tensor an op writes, allocated if the buffer is not live."""

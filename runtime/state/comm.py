@@ -114,36 +114,36 @@ class Collectives:
         if op.kind == "comm.all_reduce":
             return self.all_reduce(op)
         table = self.table
-        src = table.read(next(n for n in op.reads if n != "token"), op)
+        src_name = next(n for n in op.reads if n != "token")
+        src = table.read_tensor(src_name, op)
         writes = [n for n in op.writes if n != "token"]
-        fp, group = table.flats[op.unit], self.group_of(op)
+        fp, group = table.flats[table.unit_of_op(op)], self.group_of(op)
         if op.kind == "comm.all_gather":
             dst = table.write(writes[0], op)
-            if src.buf.kind == "param_sec":      # hpZ: within the node, from the secondary shard
-                return Collective(fp.gather_secondary(op.part, dst, src.tensor, group, async_op=True))
-            work = fp.gather(op.part, dst, src.tensor, group, async_op=True)
+            if table.slot(src_name).buf.kind == "param_sec":  # hpZ: within the node, from the secondary shard
+                return Collective(fp.gather_secondary(op.part, dst, src, group, async_op=True))
+            work = fp.gather(op.part, dst, src, group, async_op=True)
             if len(writes) == 1:
                 return Collective(work)
             sec = table.write(writes[1], op)     # hpZ: keep this rank's node-local slice of the result
             return Collective(work, lambda: fp.keep_secondary(op.part, dst, sec))
         if op.kind == "comm.reduce_scatter":
-            return self.reduce_scatter(op, fp, src.tensor, table.write(writes[0], op), group)
+            return self.reduce_scatter(op, fp, src, table.write(writes[0], op), group)
         raise table.error(op, "not a collective")
 
     def all_reduce(self, op: Op) -> Collective:
         """The norm; a full gradient (stage 0, as DDP); a gradient shard across its replicas."""
         table, group = self.table, self.group_of(op)
         name = op.writes[0] if op.writes else op.reads[0]
-        slot = table.read(name, op)
-        t = slot.tensor
+        slot, t = table.slot(name, op), table.read_tensor(name, op)
         if slot.buf.kind == "norm":
             return Collective(collectives.all_reduce(t, group=group, async_op=True))
         if slot.buf.kind == "grad_shard":
-            c, d = table.flats[op.unit].layout.shard_range(op.part)
+            c, d = table.flats[table.unit_of_op(op)].layout.shard_range(op.part)
             return Collective(collectives.all_reduce(t[c:d], group=group, async_op=True))
         if slot.buf.kind != "grad_full":
             raise table.error(op, f"all-reduce of {name} is not defined")
-        a, b = table.flats[op.unit].layout.full_range(op.part)
+        a, b = table.flats[table.unit_of_op(op)].layout.full_range(op.part)
         if op.id in self.prescale.in_collective:
             t[a:b].mul_(1.0 / self.world)
         return Collective(collectives.all_reduce(t[a:b], group=group, async_op=True))

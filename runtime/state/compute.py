@@ -109,7 +109,7 @@ class Compute:
         self.last_use = {op.micro: op.id for op in graph.ops if op.kind in MICRO_BATCH_OPS}
         self._lock = threading.Lock()
         self._pending_tied: dict[tuple[int, int], torch.Tensor] = {}
-        self.batches: list[Batch] = []
+        self.batches: list[Batch | None] = []    # None: a user loop's micro-batch not fed yet
         self.prepared: set[int] = set()     # micro-batches whose prepare ran this step
         self.losses: list[torch.Tensor] = []
         self._plan: StepPlan | None = None
@@ -125,18 +125,20 @@ class Compute:
         given to the model's ``prepare``; the caller's objects are left as they are). None, in a
         user loop: the micro-batches come one at a time through :meth:`feed`."""
         if batches is None and self.user_loop:
-            batches = [None] * self.accumulate
-        elif batches is None or len(batches) != self.accumulate:
-            raise StateError(f"rank {self.table.rank}: step {step} got {len(batches or ())} micro-batches, "
+            given: list[Batch | None] = [None] * self.accumulate    # feed fills each
+        else:
+            given = list(batches or ())
+        if len(given) != self.accumulate:
+            raise StateError(f"rank {self.table.rank}: step {step} got {len(given)} micro-batches, "
                              f"the graph accumulates {self.accumulate}")
-        wrong = next((type(b).__name__ for b in batches if not isinstance(b, Batch)
+        wrong = next((type(b).__name__ for b in given if not isinstance(b, Batch)
                       and not (b is None and self.user_loop)), None)
         if wrong is not None:
             raise StateError(f"rank {self.table.rank}: step {step} got a {wrong} for a micro-batch; "
                              f"step_begin takes Batch objects (Batch.of(idx, targets) wraps a pair)")
         self.step_index = step
         self.drop_extras()
-        self.batches = [b if b is None else b.to(self.device, non_blocking=True) for b in batches]
+        self.batches = [b if b is None else b.to(self.device, non_blocking=True) for b in given]
         self.losses = []
         self.outputs.clear()
         self.grad_outs.clear()
@@ -144,7 +146,7 @@ class Compute:
         self._pending_tied.clear()
         for slot in self.table.slots.values():
             if slot.buf.kind == "grad_full" and slot.buf.persistent and slot.live:
-                slot.tensor.zero_()
+                self.table.tensor(slot.buf.name).zero_()
                 slot.clean = True
 
     def feed(self, micro: int, batch: Batch) -> None:
@@ -223,7 +225,7 @@ class Compute:
     # -- a micro-batch's extras ------------------------------------------------------------
     def _batch(self, micro: int) -> Batch:
         """Micro-batch ``micro``, given to the model's ``prepare`` the first time a unit runs it."""
-        batch = self.batches[micro]
+        batch = self._fed(micro)
         if micro not in self.prepared:
             self.prepared.add(micro)
             if self.prepare is not None:
@@ -231,17 +233,24 @@ class Compute:
                     self.prepare(batch)
         return batch
 
+    def _fed(self, micro: int) -> Batch:
+        batch = self.batches[micro]
+        if batch is None:
+            raise StateError(f"rank {self.table.rank}: micro-batch {micro} runs before it was fed")
+        return batch
+
     def _meter_extras(self, micro: int) -> None:
-        nbytes = self.batches[micro].extras_bytes()
+        nbytes = self._fed(micro).extras_bytes()
         if nbytes:
             self.table.meter.hold(f"extras[{micro}]", "device", "extras", "working", nbytes)
 
     def drop_extras(self, micro: int | None = None) -> None:
         """Let go of micro-batch ``micro``'s extras (None: every micro-batch's): its units are done."""
         for m in range(len(self.batches)) if micro is None else (micro,):
-            if self.batches[m] is None:         # a user loop's micro-batch not fed yet
+            batch = self.batches[m]
+            if batch is None:
                 continue
-            self.batches[m].extras.clear()
+            batch.extras.clear()
             self.table.meter.release(f"extras[{m}]")
         if micro is None:
             self.prepared.clear()
@@ -249,18 +258,15 @@ class Compute:
     # -- forward, recompute, backward --------------------------------------------------
     def _unit(self, op: Op) -> int:
         """The unit a forward, recompute, backward or step runs."""
-        if op.unit is None:
-            raise self.table.error(op, "names no unit, which a unit's compute op must")
-        return op.unit
+        return self.table.unit_of_op(op)
 
     def _unit_input(self, op: Op) -> torch.Tensor:
         u = self._unit(op)
         if u == 0:
             if op.micro >= len(self.batches):
                 raise self.table.error(op, "no batch for this micro-batch (step_begin not called?)")
-            return self.batches[op.micro].input_ids
-        rec = self.table.read(f"act[{u - 1}]", op).record
-        return rec.output
+            return self._fed(op.micro).input_ids
+        return self.table.read_record(f"act[{u - 1}]", op).output
 
     def _param_storages(self) -> set[int]:
         return {fp.full.untyped_storage().data_ptr() for fp in self.table.flats
@@ -328,7 +334,7 @@ class Compute:
     def _recompute(self, op: Op) -> None:
         table = self.table
         u = self._unit(op)
-        rec = table.read(f"act[{u}]", op).record
+        rec = table.read_record(f"act[{u}]", op)
         x_in = rec.input.detach()
         if x_in.is_floating_point() and self._wants_input_grad(u):
             x_in.requires_grad_(True)
@@ -356,9 +362,10 @@ class Compute:
         for name in op.reads:
             if name != "token" and not name.startswith("grad_full["):
                 table.read(name, op)
-        rec = table.read(f"act_inner[{u}]" if self.graph.units[u].recompute else f"act[{u}]", op).record
+        rec = table.read_record(f"act_inner[{u}]" if self.graph.units[u].recompute else f"act[{u}]", op)
+        grad_out: torch.Tensor | None
         if u < self.last:
-            grad_out = table.read(f"act_grad[{u + 1}]", op).tensor
+            grad_out = table.read_tensor(f"act_grad[{u + 1}]", op)
         elif self.user_loop:
             grad_out = self.grad_outs.pop(op.micro, None)
             if grad_out is None:
@@ -385,13 +392,11 @@ class Compute:
         with torch.no_grad():
             if own_idx:
                 gslot = self._grad_slot(u, op)
-                views = fp.grad_views
                 for i, g in zip(own_idx, own):
                     pending = self._pending_tied.pop((u, i), None)
-                    if g is None and pending is None:
-                        continue
-                    total = pending if g is None else (g if pending is None else pending + g)
-                    views[i].add_(total)
+                    total = g if pending is None else (pending if g is None else pending + g)
+                    if total is not None:
+                        fp.grad_view(i).add_(total)
                 gslot.clean = False
             for (owner, i), g in zip(tied, from_users):
                 if g is None:
@@ -415,7 +420,7 @@ class Compute:
         out = next(n for n in op.writes if n != "token")
         with torch.no_grad():
             if op.unit is not None:
-                (grad,) = (table.read(n, op).tensor for n in reads)
+                (grad,) = (table.read_tensor(n, op) for n in reads)
                 blocks: list[torch.Tensor] = []
                 g = upcast_on_host(table.pool, grad, blocks)
                 table.write(out, op).copy_(torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2)
@@ -424,14 +429,14 @@ class Compute:
                 return
             if not self.norm_reduced and not self.mixed and self.stage == 0:
                 # exactly clip_grad_norm_'s total norm over the parameters' gradients
-                views = [fp.grad_views[i] for fp in table.flats for i in fp.trainable]
+                views = [fp.grad_view(i) for fp in table.flats for i in fp.trainable]
                 value = _total_norm(views)
             else:
-                slots = [table.read(n, op) for n in reads]
-                if all(s.buf.kind == "norm" for s in slots):
-                    sq = [s.tensor for s in slots]
+                parts = [table.read_tensor(n, op) for n in reads]
+                if all(table.slot(n).buf.kind == "norm" for n in reads):
+                    sq = parts
                 else:
-                    sq = [torch.linalg.vector_norm(s.tensor, 2, dtype=torch.float32) ** 2 for s in slots]
+                    sq = [torch.linalg.vector_norm(t, 2, dtype=torch.float32) ** 2 for t in parts]
                 value = torch.stack(sq).sum() if sq else torch.zeros((), dtype=torch.float32)
                 if not self.norm_reduced:
                     value = value.sqrt()
@@ -445,7 +450,8 @@ class Compute:
             plan = StepPlan(inv_scale=1.0 / self.scaler.scale)
             slot = self.table.slots.get("norm")
             if slot is not None and slot.live and (self.clip is not None or self.scaler.enabled):
-                total = slot.tensor.sqrt() if self.norm_reduced else slot.tensor.clone()
+                norm = self.table.tensor("norm")
+                total = norm.sqrt() if self.norm_reduced else norm.clone()
                 plan.overflow = self.scaler.enabled and overflowed(total)
                 total = total / self.scaler.scale if self.scaler.enabled else total
                 plan.grad_norm = float(total)
@@ -468,8 +474,8 @@ class Compute:
         if grad_name is None or optim_name is None or dest_name is None:
             raise table.error(op, "a step reads a gradient and optimizer buffer and writes parameters")
         plan = self._finish_norm()
-        grad = table.read(grad_name, op).tensor
-        optflat = table.read(optim_name, op).tensor
+        grad = table.read_tensor(grad_name, op)
+        optflat = table.read_tensor(optim_name, op)
         dest_slot = table.slot(dest_name, op)
         fresh = not dest_slot.live
         dest = table.write(dest_name, op)
@@ -495,7 +501,7 @@ class Compute:
                         dest[d].copy_(m)
                 return
             blocks: list[torch.Tensor] = []
-            if opt.master:
+            if masters is not None:
                 g32 = [upcast_on_host(table.pool, grad[s], blocks).float() for s in g_parts]
                 params = masters
             else:

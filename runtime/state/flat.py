@@ -114,8 +114,9 @@ class FlatParam:
         for p in self.params:
             self.offsets.append(to_flat(layout, logical, p.numel()))
             logical += p.numel()
-        # The initial values in fp32 (the master copy's start), before any rebinding.
-        self.initial = torch.zeros(layout.padded_numel, dtype=torch.float32)
+        # The initial values in fp32 (the master copy's start), before any rebinding; None once
+        # the rank state has filled its unit's persistent buffers from them.
+        self.initial: torch.Tensor | None = torch.zeros(layout.padded_numel, dtype=torch.float32)
         with torch.no_grad():
             for p, o in zip(self.params, self.offsets):
                 self.initial[o:o + p.numel()].copy_(p.detach().reshape(-1).float().cpu())
@@ -130,6 +131,13 @@ class FlatParam:
                            for i, (p, o) in enumerate(zip(self.params, self.offsets))]
         free_storage(self.full)
         free_storage(self.grad)
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        """Trainable parameter ``i``'s gradient: a view into the flat gradient buffer."""
+        view = self.grad_views[i]
+        if view is None:
+            raise ValueError(f"parameter {i} is frozen, so it has no gradient")
+        return view
 
     @property
     def trainable(self) -> list[int]:

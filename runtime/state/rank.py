@@ -136,11 +136,12 @@ class RankState:
 
     def _fill_initial(self, buf: Buffer, t: torch.Tensor) -> None:
         """Write a persistent buffer's step-0 contents into ``t`` in place (no full-size temporaries)."""
-        u = buf.unit
         if buf.kind in ("norm", "loss") or buf.kind in ("grad_full", "grad_shard"):
             t.zero_()
             return
+        u = self.table.unit_of(buf)
         fp = self.table.flats[u]
+        assert fp.initial is not None       # dropped only after its unit's buffers are filled
         if buf.kind == "param_full":
             t.copy_(fp.initial)
         elif buf.kind == "param_shard":

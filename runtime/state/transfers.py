@@ -72,6 +72,7 @@ class Transfers:
     def load(self, slot: Slot) -> torch.Tensor:
         """A live buffer's contents: its tensor, or a host copy read from NVMe."""
         if slot.buf.tier != "nvme":
+            assert slot.tensor is not None     # a live buffer off NVMe holds its tensor
             return slot.tensor
         t = torch.empty(self.table.numel(slot.buf), dtype=self.table.dtype_of(slot.buf))
         self.swapper_of(slot.buf.name).read_sync(slot.buf.name, t)
@@ -82,6 +83,7 @@ class Transfers:
         if slot.buf.tier == "nvme":
             self.swapper_of(slot.buf.name).write_sync(slot.buf.name, value.cpu())
         else:
+            assert slot.tensor is not None     # a live buffer off NVMe holds its tensor
             slot.tensor.copy_(value)
 
     # -- ops -------------------------------------------------------------------------
@@ -94,7 +96,7 @@ class Transfers:
             self._move_activation(op, src_slot, table.slot(dst_name, op))
             return
         dst = table.write(dst_name, op)
-        src = src_slot.tensor
+        src = table.read_tensor(src_name, op)
         asynchronous = copies_asynchronously(op, src, dst)
         with torch.no_grad():
             if op.accumulate:
@@ -107,8 +109,9 @@ class Transfers:
         so the move is bookkeeping; on an accelerator it is not supported yet."""
         if self.table.device.type != "cpu":
             raise self.table.error(op, "activation offload is not supported on accelerators by this runtime")
-        dst.record, dst.live = src.record, True
-        self.table.meter.hold(dst.buf.name, dst.buf.tier, dst.buf.kind, "working", src.record.nbytes)
+        record = self.table.read_record(src.buf.name, op)
+        dst.record, dst.live = record, True
+        self.table.meter.hold(dst.buf.name, dst.buf.tier, dst.buf.kind, "working", record.nbytes)
 
     def run_nvme(self, op: Op) -> None:
         table = self.table
@@ -119,7 +122,7 @@ class Transfers:
             dst = table.write(dst_name, op)
             self.swapper_of(on_disk.buf.name).read_sync(on_disk.buf.name, dst)
         elif op.kind == "nvme.write":
-            src = table.read(src_name, op).tensor
+            src = table.read_tensor(src_name, op)
             self.swapper_of(dst_name).write_sync(dst_name, src)
             slot = table.slot(dst_name, op)
             slot.live = True

@@ -67,6 +67,8 @@ class StateViews:
                 return master, self.stage > 0
             # a partly frozen unit: the master holds the trainable parts, the parameters the rest
             home = table.home("param_full", u) or table.home("param_shard", u)
+            if home is None:
+                raise StateError(f"rank {self.rank}: no persistent home for unit {u}'s parameters")
             rest = self.transfers.load(home).float().to(self.device)
             if self.stage > 0 and home.buf.kind == "param_full":
                 rest = table.flats[u].shard_of(rest)
