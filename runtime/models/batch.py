@@ -5,7 +5,7 @@ The protocol itself is documented in :mod:`zdsl.runtime.models.protocol`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
@@ -23,17 +23,18 @@ class Batch:
     (1 = real, 0 = padding). ``segments`` None means one sequence per row; else (B, T) ints
     where a row packs several sequences: a token attends only to earlier tokens of its own
     segment (block-diagonal causal attention; ``positions`` then restart at 0 per segment).
+    ``labels`` None: inputs only (``engine(x)`` given no labels; a model's loss needs them).
     ``extras`` is filled once per micro-batch by the model's ``prepare(batch)`` (rotary
     tables, 4-D masks, ...) and read by its units."""
     input_ids: torch.Tensor
-    labels: torch.Tensor
+    labels: torch.Tensor | None
     positions: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     segments: torch.Tensor | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    extras: dict[Hashable, Any] = field(default_factory=dict)     # keys: a name, or a tuple with one
 
     @classmethod
-    def of(cls, idx: torch.Tensor, targets: torch.Tensor) -> "Batch":
+    def of(cls, idx: torch.Tensor, targets: torch.Tensor | None) -> "Batch":
         """From the ``(idx, targets)`` pair a data source gives."""
         return cls(input_ids=idx, labels=targets)
 
@@ -58,6 +59,13 @@ class Batch:
     def extras_bytes(self) -> int:
         """Bytes of the storages ``extras`` holds."""
         return sum(t.untyped_storage().nbytes() for t in self.extra_tensors())
+
+    def loss_labels(self) -> torch.Tensor:
+        """``labels``, for a loss that needs them: refused, naming the fix, when the batch has none."""
+        if self.labels is None:
+            raise ValueError("the model's loss needs labels and this batch has none: "
+                             "give (inputs, labels) or a Batch with labels")
+        return self.labels
 
     @property
     def masked(self) -> bool:

@@ -159,7 +159,7 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch | torch.Tensor) -> torch.Tensor:
         """The loss; ``batch`` is the micro-batch, or its labels alone."""
-        labels = batch.labels if isinstance(batch, Batch) else batch
+        labels = batch.loss_labels() if isinstance(batch, Batch) else batch
         logits = F.linear(self.ln_f(x), self._embedding.wte.weight)
         return causal_lm_loss(logits, labels)
 
@@ -248,7 +248,7 @@ class GPT(LazyUnits, nn.Module):
 
     def forward(self, idx: torch.Tensor | Batch, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of ``(idx, targets)`` or of a :class:`Batch`."""
-        self.refuse_if_lazy()  # type: ignore[operator]  # LazyUnits' method: mypy reads zdsl.runtime's modules as Any
+        self.refuse_if_lazy()
         batch = idx if isinstance(idx, Batch) else Batch.of(idx, targets)
         x = self.embedding(batch.input_ids, batch)
         attention_mask(batch)

@@ -278,7 +278,7 @@ def build_model(model_spec, seed: int = 0, device=None, base_dir=None, lazy: boo
     until then (with ``device`` None); the built-in GPT decides by its size."""
     if model_spec.kind == "gpt":
         try:
-            model = GPT(**model_spec.args, seed=seed, device=device)
+            model: nn.Module = GPT(**model_spec.args, seed=seed, device=device)
         except TypeError as exc:
             raise ModelProtocolError(f"model gpt(...): {exc}") from None
         return model

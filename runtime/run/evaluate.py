@@ -72,7 +72,7 @@ class Evaluator:
                     raise EvalError(f"{exc} (evaluating after step {after_step + 1}, eval batch {i + 1} "
                                     f"of {self.spec.batches})") from exc
                 loss = float(self.state.eval_end())
-                n = counted(b.labels)
+                n = counted(b.loss_labels())
                 if n:
                     total += loss * n
                     count += n

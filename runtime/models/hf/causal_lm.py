@@ -96,7 +96,7 @@ class HeadUnit(nn.Module):
         return F.linear(hidden, self._embedding.get_parameter(self.tied_name))
 
     def forward(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return causal_lm_loss(self.logits(hidden), batch.labels)
+        return causal_lm_loss(self.logits(hidden), batch.loss_labels())
 
 
 class HfCausalLM(LazyUnits, nn.Module):
