@@ -4,7 +4,10 @@ host AdamW kernel): those places call :func:`host_access`, so the CPU stream che
 nothing costs more than a global's test, when no checker is installed."""
 from __future__ import annotations
 
-observer = None     # the installed checker's callable(reads, writes), or None
+from collections.abc import Callable, Iterable
+
+# the installed checker's callable(reads, writes), or None
+observer: Callable[[Iterable, Iterable], None] | None = None
 
 
 def host_access(reads=(), writes=()) -> None:

@@ -232,7 +232,8 @@ def _load_kernel() -> _Kernel | None:
     fn = lib.zdsl_adam
     path = Path(lib._name)
     F = ctypes.c_float
-    args = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [F] * 8 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+    args: list[type[ctypes._SimpleCData]] = \
+        [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [F] * 8 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
     fn.argtypes = args
     fn.restype = None
     mt = None

@@ -348,8 +348,8 @@ class Swapper:
                     stage[n:padded].zero_()
                 block = stage[:padded]
                 if self.verify:
-                    f.crcs[index] = self._checksum(memoryview(block.numpy()))
-                self._pwrite_all(stripe, memoryview(block.numpy()), at, index)
+                    f.crcs[index] = self._checksum(block.numpy().data)
+                self._pwrite_all(stripe, block.numpy().data, at, index)
         except SwapError:
             raise
         except Exception as e:  # noqa: BLE001 - reported with file and block
@@ -383,7 +383,7 @@ class Swapper:
                 self._check(f, stripe, view, index)
                 return
             with self.pool.buffer() as stage:
-                view = memoryview(stage[:padded].numpy())
+                view = stage[:padded].numpy().data
                 self._pread_all(stripe, view, at, index)
                 self._check(f, stripe, view, index)
                 _copy(t.data[off : off + n], stage[:n])
