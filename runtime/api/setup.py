@@ -124,6 +124,7 @@ def start(compiled, given, timeout_s: float, agree=None):
         stack.callback(calls.close)
         loop = Background(f"zdsl-engine-rank{rank}")
         stack.callback(loop.close)
+        assert loop.nursery is not None     # Background() returns once its loop holds one
         flow = StepFlow(run, loop.nursery, timeout_s)
         engine = Engine(run, stack, loop, flow, calls, Compiled.of(schedule), eval_executor)
     except LaunchError as exc:
