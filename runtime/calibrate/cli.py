@@ -412,7 +412,7 @@ def cache_profile(cal: Calibration) -> str:
         # as a plan is used; the reference joins the history (after more as far off, the usual
         # moves and one is cached)
         kept = read_profile(profile_path()) if cal.details.get("off_usual") else None
-        if kept is not None:
+        if kept is not None and reference is not None:     # off the usual: its reference was measured
             add_reference(reference)
             side = "slower" if reference[1] > cal.details["usual_reference_s"] else "faster"
             return (f"not cached: the profile cached {kept[1]} (in {profile_path()}) is kept for zdsl plan, tune "

@@ -363,7 +363,7 @@ def _reference_step_notes(ref: _ReferenceFit, first: dict, s: Settings) -> list[
         notes.append(f"              (no earlier calibration of this machine to compare with: the set measured "
                      f"{len(tries)} times, in fresh ranks after the first, "
                      f"{', '.join(f'{t * 1e3:.1f}' for t in tries)} ms; the median kept)")
-    elif len(tries) > 1:
+    elif usual is not None and len(tries) > 1:
         slower = tries[0] > usual
         notes.append(f"              the first set ran {tries[0] * 1e3:.1f} ms a step, "
                      f"{off_usual_by(tries[0], usual):.0%} {'slower' if slower else 'faster'} "

@@ -221,8 +221,9 @@ def run_one_rank(compiled, args) -> int:
     except LaunchError as exc:
         return fail(rank, str(exc))
     except Exception as exc:  # every failure names the rank; the op when an op failed
-        if stop_requested() is not None:           # what broke while stopping is no error of its own
-            return report_stop(stop_requested())
+        stopped = stop_requested()
+        if stopped is not None:                    # what broke while stopping is no error of its own
+            return report_stop(stopped)
         text = str(exc) if str(exc).startswith(f"rank {rank}") else f"rank {rank}: {type(exc).__name__}: {exc}"
         if env.flag("ZDSL_DEBUG"):
             traceback.print_exc()

@@ -86,6 +86,7 @@ class Reporter:
             # every figure from one step, each beside the time it belongs to (zdsl.observe.overlap: for one
             # rank, lower bound <= critical path <= its step)
             o = shown.overlap
+            assert o is not None        # overlap_step picks a step that has them
             table.add_row(f"overlap (step {shown.step + 1})",
                           f"efficiency {o['overlap_efficiency']:.2f} of a {shown.step_s * 1000:.1f} ms step")
             r0 = o.get("rank0") or {}

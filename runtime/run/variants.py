@@ -144,6 +144,7 @@ def launch_variants(args, base: dict[str, str], variants: list[Variant], parser)
         child += ["--quiet"] if args.quiet else []
         for key, value in base.items():
             child += ["--set", f"{key}={value}"]
+        assert ranks is not None        # set by the first variant's check (a run has one at least)
         # the launcher names a stuck rank's op from the graph: only when every variant has the same one
         return launch_local(child, ranks, timeout_s=args.timeout,
                             graph=next(iter(graphs.values())) if len(graphs) == 1 else None)
