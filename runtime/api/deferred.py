@@ -71,7 +71,7 @@ class DeferredEngine:
         config = self._loaded.schedule.to_config()
         return LrSchedule.of(config["optimizer"], config["train"]["steps"]).at(self._step)
 
-    def load_checkpoint(self, folder) -> dict:
+    def load_checkpoint(self, folder) -> tuple[str, dict]:
         """The engine's ``load_checkpoint``; before the first ``engine(x)``, deferred as the module
         docstring says: the checkpoint is found and checked now, its weights loaded at the start."""
         from zdsl.runtime.api.saving import engine_say
@@ -79,7 +79,7 @@ class DeferredEngine:
             return self._engine.load_checkpoint(folder)
         step_dir, next_step = agreed_checkpoint(folder, self._world, engine_say(self))
         self._pending, self._step = step_dir, next_step
-        return client_state_of(step_dir)
+        return str(step_dir), client_state_of(step_dir)
 
     def train(self, mode: bool = True) -> "DeferredEngine":
         self._training = bool(mode)

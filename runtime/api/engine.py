@@ -150,8 +150,9 @@ class Engine:
         return saving.save_checkpoint(self, folder, client_state)
 
     @engine_call
-    def load_checkpoint(self, folder) -> dict:
-        """Load ``folder``'s newest checkpoint (or a step folder), at any rank count; its ``client_state``."""
+    def load_checkpoint(self, folder) -> tuple[str, dict]:
+        """Load ``folder``'s newest checkpoint (or a step folder), at any rank count; as DeepSpeed's,
+        the step folder loaded and its ``client_state``."""
         return saving.load_checkpoint(self, folder)
 
     @engine_call

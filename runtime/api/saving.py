@@ -91,8 +91,9 @@ def save_checkpoint(engine, folder, client_state: dict | None) -> Path:
     return step_dir
 
 
-def load_checkpoint(engine, folder) -> dict:
-    """Load the newest complete checkpoint under ``folder`` (or the step folder ``folder``)."""
+def load_checkpoint(engine, folder) -> tuple[str, dict]:
+    """Load the newest complete checkpoint under ``folder`` (or the step folder ``folder``); its step
+    folder and ``client_state``, the pair DeepSpeed's ``load_checkpoint`` returns."""
     from zdsl.runtime.checkpoint.checkpointer import resume
     call = "engine.load_checkpoint()"
     engine._agree(call, 0, engine._between_steps(call))
@@ -102,7 +103,7 @@ def load_checkpoint(engine, folder) -> dict:
     direct = Path(folder) / INDEX_NAME
     step_dir = Path(folder) if direct.exists() else checkpoint_path(folder, next_step)
     saved = step_dir / CLIENT_STATE
-    return torch.load(saved, weights_only=False) if saved.exists() else {}
+    return str(step_dir), torch.load(saved, weights_only=False) if saved.exists() else {}
 
 
 def engine_say(engine):

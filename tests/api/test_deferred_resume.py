@@ -42,12 +42,12 @@ def test_a_deferred_load_resumes_the_bits_of_an_uninterrupted_run(tmp_path, one_
         assert steps(engine, 0, 2) == ref_losses[:2]
         engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 1})
     with zdsl.initialize(written(tmp_path), model=mlp(seed=5)) as engine:    # the load on a compiled engine
-        assert engine.load_checkpoint(tmp_path / "ckpt") == {"epoch": 1}
+        assert engine.load_checkpoint(tmp_path / "ckpt") == (str(tmp_path / "ckpt" / "step-000002"), {"epoch": 1})
         written_losses = steps(engine, 2, 4)
     with zdsl.initialize(bare(tmp_path), model=mlp(seed=5)) as engine:        # other weights: the load must land
         assert type(engine).__name__ == "DeferredEngine"
         assert engine.global_step == 0
-        assert engine.load_checkpoint(tmp_path / "ckpt") == {"epoch": 1}
+        assert engine.load_checkpoint(tmp_path / "ckpt") == (str(tmp_path / "ckpt" / "step-000002"), {"epoch": 1})
         assert engine.global_step == 2 and engine.lr == ref_lr
         with pytest.raises(zdsl.ZdslApiError, match=r"engine\.save_checkpoint: the schedule is compiled at the"):
             engine.save_checkpoint(tmp_path / "other")
@@ -81,7 +81,7 @@ def two_ranks(rank: int, world: int, stated, fed, folder) -> tuple:
         steps(engine, 0, 2)
         engine.save_checkpoint(folder / "ckpt", client_state={"epoch": 1})
     with zdsl.initialize(fed, model=mlp(seed=5)) as engine:
-        client = engine.load_checkpoint(folder / "ckpt")
+        _, client = engine.load_checkpoint(folder / "ckpt")
         resumed = steps(engine, engine.global_step, 4), engine.state_dict()
     with zdsl.initialize(fed, model=mlp()) as engine:
         try:
