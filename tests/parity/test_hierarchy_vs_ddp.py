@@ -57,7 +57,9 @@ FOUR_RANKS = {
     "hsdp_zero3_nvme": (3, "node", None, {"parameters": "nvme", "optimizer": "nvme"}, 1, None),
     "hpz_zero3": (3, "all", "node", None, 1, None),
     "hpz_zero3_host_accumulate": (3, "all", "node", {"parameters": "cpu", "optimizer": "cpu"}, 2, None),
+    "mics2_zero1_host": (1, "group(2)", None, {"optimizer": "cpu"}, 1, None),
     "mics2_zero2": (2, "group(2)", None, None, 1, None),
+    "mics2_zero3_nvme": (3, "group(2)", None, {"parameters": "nvme", "optimizer": "nvme"}, 1, None),
     "mics2_zero3_accumulate": (3, "group(2)", None, None, 2, None),
 }
 TWO_RANKS = {
