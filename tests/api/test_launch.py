@@ -4,8 +4,8 @@
 Guards: initialize joins a group of its own when no launcher set one up, trains, and leaves it
 (the script ends with status 0 and its own output); a schedule of more ranks says how to launch it.
 Under `zdsl launch` the script trains to torchrun's losses to the bit; a script that raises on
-one rank ends every rank with that rank and its message named; SIGTERM to the launcher, or the
-launcher killed, ends every rank (their pids checked); a rank stuck in its own code is named with
+one rank ends every rank with that rank and its message named; SIGTERM, SIGHUP or SIGINT (Ctrl-C) to the
+launcher, or the launcher killed, ends every rank (their pids checked); a rank stuck in its own code is named with
 the last call it made, and the one waiting for it with its call; a schedule that cannot run here
 is refused by the pre-flight in every rank, with zdsl run's reason, before any rank trains.
 """
@@ -182,7 +182,10 @@ def test_a_script_that_raises_on_rank_1_ends_every_rank_naming_it(tmp_path):
     assert gone_within(rank_pids(tmp_path), 0) == []
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+STOPPED_SAYS = {"SIGTERM": "stopped by SIGTERM", "SIGHUP": "stopped by SIGHUP", "SIGINT": "interrupted"}
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP", "SIGINT", "SIGKILL"])
 def test_the_launcher_stopped_or_killed_ends_every_rank(tmp_path, how):
     proc = launch("--ranks", "2", str(launched_script(tmp_path)), "wait", str(tmp_path))
     pids: list[int] = []
@@ -191,9 +194,9 @@ def test_the_launcher_stopped_or_killed_ends_every_rank(tmp_path, how):
         pids = rank_pids(tmp_path)
         proc.send_signal(getattr(signal, how))
         code = proc.wait(timeout=60)
-        if how == "SIGTERM":                 # the launcher stops them, and says so
-            assert code == 128 + signal.SIGTERM and gone_within(pids, 0) == []
-            assert "zdsl: stopped by SIGTERM; all ranks stopped" in proc.communicate(timeout=60)[1]
+        if how in STOPPED_SAYS:              # the launcher stops them (Ctrl-C too), and says so
+            assert code == 128 + getattr(signal, how) and gone_within(pids, 0) == []
+            assert f"zdsl: {STOPPED_SAYS[how]}; all ranks stopped" in proc.communicate(timeout=60)[1]
         else:                                # each rank's guard sees its launcher gone
             assert code == -signal.SIGKILL
             assert gone_within(pids, 15) == []
