@@ -30,7 +30,9 @@ def initialize(schedule, model=None, *, overrides: dict | None = None, timeout_s
     ``--set``'s ``{key: value}``. ``timeout_s``: the longest any collective or call of the engine
     waits for the other ranks. Default: ``zdsl launch --timeout``, else 120 s.
     Under ``zdsl launch`` the schedule's fit on this machine is checked before the rank allocates,
-    as ``zdsl run`` checks it (``runtime/run/script_rank.py``)."""
+    as ``zdsl run`` checks it (``runtime/run/script_rank.py``). A group that cannot be joined (the
+    rendezvous times out, MASTER_ADDR does not resolve) raises :class:`ZdslApiError` naming the rank,
+    the address and port, the timeout and the fix, not torch's traceback."""
     from zdsl.runtime.run.script_rank import launch_timeout
     timeout_s = launch_timeout(timeout_s)
     given = as_unit_model(model) if model is not None else None
@@ -160,12 +162,29 @@ def join(graph, stack: contextlib.ExitStack, timeout_s: float):
     joined_before = dist.is_initialized()
     device = prepare_host(graph, rank, world)
     if not joined_before:
-        if found is None:
-            join_alone(device, timeout_s)
-        else:
-            init_group(rank, world, device, timeout_s)
+        try:
+            if found is None:
+                join_alone(device, timeout_s)
+            else:
+                init_group(rank, world, device, timeout_s)
+        except (dist.DistError, ValueError) as exc:     # the environment's, not the script's: no torch traceback
+            raise ZdslApiError(rendezvous_failure(rank, world, timeout_s, exc, launched=found is not None)) from None
         stack.callback(leave_group)
     return rank, world, device
+
+
+def rendezvous_failure(rank: int, world: int, timeout_s: float, exc: BaseException, launched: bool = True) -> str:
+    """Why this rank could not join the group (a rendezvous timed out, MASTER_ADDR does not resolve or
+    answer, a malformed MASTER_PORT): what it tried, torch's reason, and the fix. ``launched``: the
+    launcher's variables named the rendezvous (else the rank tried a loopback port of its own)."""
+    from zdsl import env
+    where = (f"MASTER_ADDR={env.raw('MASTER_ADDR')!r}, MASTER_PORT={env.raw('MASTER_PORT')!r}" if launched
+             else "a free loopback port")
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return (f"rank {rank}: zdsl.initialize(): could not join the group of {world} ranks at {where} within "
+            f"timeout_s={timeout_s:g} s: {reason}; check that MASTER_ADDR names the host of rank 0 and resolves "
+            f"and answers from here, that MASTER_PORT is the port rank 0 listens on, and that all {world} ranks "
+            f"were started (a slow start needs a longer initialize(timeout_s=...) or zdsl launch --timeout)")
 
 
 def forward_only_executor(compiled, run):

@@ -103,6 +103,20 @@ def test_python_train_py_of_a_two_rank_schedule_says_how_to_launch_it(tmp_path):
             "torchrun --nproc-per-node 2") in proc.stderr
 
 
+def test_a_master_addr_that_does_not_resolve_is_one_error_naming_rank_address_and_timeout(tmp_path):
+    script = tmp_path / "joins.py"
+    script.write_text(f"import sys, zdsl\nsys.path.insert(0, {str(HERE)!r})\nfrom api_models import mlp\n"
+                      f"zdsl.initialize({str(schedule(tmp_path, ranks=2))!r}, model=mlp(), timeout_s=1)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                                        MASTER_ADDR="no-such-host.invalid", MASTER_PORT="29999"))
+    assert proc.returncode == 1, proc.stderr
+    assert ("ZdslApiError: rank 1: zdsl.initialize(): could not join the group of 2 ranks at "
+            "MASTER_ADDR='no-such-host.invalid', MASTER_PORT='29999' within timeout_s=1 s: ") in proc.stderr
+    assert "check that MASTER_ADDR names the host of rank 0" in proc.stderr
+    assert "distributed_c10d.py" not in proc.stderr and "During handling" not in proc.stderr   # no torch traceback
+
+
 # -- zdsl launch ---------------------------------------------------------------------------
 
 def launched_script(tmp_path: Path, zs: Path | None = None) -> Path:
