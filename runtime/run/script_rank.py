@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import runpy
 import sys
 import time
@@ -77,9 +78,11 @@ def launch_preflight(compiled, timeout_s: float) -> None:
 
 def launch_refusal(compiled) -> str | None:
     """Why the schedule's ranks cannot run on this machine (its CUDA devices, memory, cores, swap
-    space), in ``zdsl run``'s words; warnings said on stderr. ``zdsl launch --ignore-limits`` makes a
-    misfit a warning. The ranks are running (torch loaded), so no torch floor is added, and all of
-    them are here (so how many would fit is not searched)."""
+    space), in ``zdsl run``'s words, with its fix said as ``zdsl launch`` takes it
+    (:func:`in_launch_words`); warnings said on stderr. ``zdsl launch --ignore-limits`` makes a
+    misfit a warning. The ranks are running (torch loaded), so no torch floor is added; how many
+    would fit is counted at this count's memory per rank (fewer ranks hold larger ZeRO shards, so
+    it is an upper bound, as "at most" says), not searched by compiling the schedule again."""
     from zdsl.planner.machine_fit import TorchFloor, schedule_fit
     from zdsl.runtime.run.preflight import missing_cuda
     ranks = compiled.graph.ranks
@@ -97,7 +100,18 @@ def launch_refusal(compiled) -> str | None:
         for text in fit.refusals:
             print(f"zdsl: warning: {text} (going on anyway: --ignore-limits)", file=sys.stderr)
         return None
-    return "; ".join(fit.refusals) + "; no rank went on to train (zdsl launch --ignore-limits trains anyway)"
+    return (in_launch_words("; ".join(fit.refusals))
+            + "; no rank went on to train (zdsl launch --ignore-limits trains anyway)")
+
+
+SET_RANKS = re.compile(r"\(--set ranks=(\d+)\)")
+
+
+def in_launch_words(refusal: str) -> str:
+    """``zdsl run``'s refusal with its fix ``(--set ranks=K)`` as ``zdsl launch`` takes it: the ranks
+    it starts (``--ranks``) and the schedule's ``ranks`` (launch has no ``--set``)."""
+    return SET_RANKS.sub(lambda m: f"(zdsl launch --ranks {m[1]}, with `ranks {m[1]}` in the schedule or "
+                                   f"initialize(overrides={{'ranks': '{m[1]}'}}))", refusal)
 
 
 def run_script(script: str, rank: int) -> int:

@@ -7,7 +7,9 @@ Under `zdsl launch` the script trains to torchrun's losses to the bit; a script 
 one rank ends every rank with that rank and its message named; SIGTERM, SIGHUP or SIGINT (Ctrl-C) to the
 launcher, or the launcher killed, ends every rank (their pids checked); a rank stuck in its own code is named with
 the last call it made, and the one waiting for it with its call; a schedule that cannot run here
-is refused by the pre-flight in every rank, with zdsl run's reason, before any rank trains.
+is refused by the pre-flight in every rank, with zdsl run's reason, before any rank trains (ranks
+that do not fit memory: with how many would, in launch's words), or trains with --ignore-limits;
+a group initialize cannot join is one error naming rank, address and timeout, not torch's traceback.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from api_models import HERE, schedule
+from api_models import HERE, mlp, schedule
 
 pytestmark = pytest.mark.slow     # a fresh Python with torch: seconds
 
@@ -260,3 +262,44 @@ def test_the_preflight_refuses_a_schedule_this_machine_cannot_run_in_every_rank(
     assert losses(tmp_path) == [[], []]
     assert "zdsl: error: `ranks 2 on cuda` puts 2 ranks on this node, a CUDA device each, but torch sees" in err
     assert "rank 1 (failed after it)" in err and "Traceback" not in err
+
+
+# A two-rank loop on a machine whose available memory, as the pre-flight reads it, is argv[1] bytes.
+SMALL_MACHINE = """\
+import os, sys
+import torch.nn.functional as F
+import zdsl
+import zdsl.planner.machine_fit as machine_fit
+sys.path.insert(0, {here!r})
+from api_models import batches, mlp
+machine_fit.available_memory = lambda *args, **kw: int(sys.argv[1])
+with zdsl.initialize({zs!r}, model=mlp()) as engine:
+    x, y = batches(0, 0, 0, int(os.environ["RANK"]), 2, 4)
+    engine.backward(F.cross_entropy(engine(x), y))
+    engine.step()
+print("trained", engine.global_step)
+"""
+
+
+@pytest.mark.parametrize("ignore_limits", [False, True])
+def test_ranks_that_do_not_fit_memory_are_refused_with_how_many_fit_or_forced(tmp_path, ignore_limits):
+    from zdsl.planner.machine_fit import Machine, TorchFloor, schedule_fit
+    from zdsl.runtime.api.given import as_unit_model
+    from zdsl.runtime.api.setup import compile_for
+    zs = schedule(tmp_path, ranks=2)
+    plenty = Machine(available=1 << 50, cores=64)
+    per_rank = schedule_fit(compile_for(str(zs), None, as_unit_model(mlp())),
+                            floor=TorchFloor(0, 0, "test"), machine=plenty, local_ranks=2).needs.ram_per_rank
+    script = tmp_path / "small.py"
+    script.write_text(SMALL_MACHINE.format(here=str(HERE), zs=str(zs)))
+    forced = ["--ignore-limits"] if ignore_limits else []
+    code, out, err = finish(launch("--ranks", "2", *forced, str(script), str(per_rank * 3 // 2)))   # one rank fits
+    assert "2 ranks do not fit this machine's memory" in err and "Traceback" not in err
+    if ignore_limits:
+        assert code == 0, err
+        assert "(going on anyway: --ignore-limits)" in err and out.count("trained 1") == 2
+    else:
+        assert code == 1 and "trained" not in out
+        assert ("at most 1 ranks fit (zdsl launch --ranks 1, with `ranks 1` in the schedule or "
+                "initialize(overrides={'ranks': '1'})); no rank went on to train "
+                "(zdsl launch --ignore-limits trains anyway)") in err
