@@ -83,8 +83,10 @@ def across(size: int) -> str:
     return f"across:{size}"
 
 
+@functools.lru_cache(maxsize=256)
 def parse_group(group: str) -> tuple[str, int]:
-    """("all", 0), ("within", S) or ("across", S); ValueError for anything else."""
+    """("all", 0), ("within", S) or ("across", S); ValueError for anything else. Cached: a
+    schedule has a few groups and the compiler and planner ask it of every collective."""
     if group == ALL:
         return ALL, 0
     kind, _, size = group.partition(":")
@@ -93,8 +95,9 @@ def parse_group(group: str) -> tuple[str, int]:
     return kind, int(size)
 
 
+@functools.lru_cache(maxsize=256)
 def group_size(group: str, world: int) -> int:
-    """How many ranks ``group`` holds in a run of ``world``."""
+    """How many ranks ``group`` holds in a run of ``world``. Cached as :func:`parse_group`."""
     kind, size = parse_group(group)
     return world if kind == ALL else size if kind == "within" else world // size
 
@@ -290,7 +293,7 @@ class TaskGraph:
         return [op for op in self.ops if op.lane == lane]
 
     def collectives(self) -> list[Op]:
-        return [op for op in self.ops if op.is_collective]
+        return [op for op in self.ops if op.kind in COLLECTIVE_KINDS]
 
     # -- hierarchical sharding (the schedule's shard_over and secondary, in ``config``) ----------
     def shard_group(self) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zdsl.ir import ALL, LANES, OP_LANES, TaskGraph, parse_group
+from zdsl.ir import ALL, COLLECTIVE_KINDS, LANES, OP_LANES, TaskGraph, parse_group
 from zdsl.lang.errors import Diagnostic
 from zdsl.lang.sizes import human_bytes
 from zdsl.schedule import Schedule, Span
@@ -119,7 +119,7 @@ class GraphVerifier:
                 self.error(f"unknown lane {op.lane!r} in {describe(op)}", self.op_span(op),
                            f"lanes are {', '.join(LANES)}")
                 ok = False
-            if op.is_collective and not self.group_fits(op):
+            if op.kind in COLLECTIVE_KINDS and not self.group_fits(op):
                 ok = False
             missing = [d for d in op.deps if d not in ids]
             if missing:
@@ -304,7 +304,7 @@ class GraphVerifier:
         ops = self.graph.ops
         by_group: dict[str, list[int]] = {}
         for i, op in enumerate(ops):
-            if op.is_collective:
+            if op.kind in COLLECTIVE_KINDS:
                 by_group.setdefault(op.group, []).append(i)
         for group, coll in by_group.items():
             for a, b in zip(coll, coll[1:]):

@@ -36,8 +36,8 @@ def slots_of(graph: TaskGraph, machine: MachineProfile) -> int:
     every collective goes through shared memory (:func:`shared_memory_group`): one at a time on
     the pair's worker thread."""
     on_host = machine.name == "cpu"
-    collectives = [op for op in graph.ops if op.is_collective]
-    if collectives and all(shared_memory_group(graph, op.group, on_host) for op in collectives):
+    groups = {op.group for op in graph.collectives()}
+    if groups and all(shared_memory_group(graph, group, on_host) for group in groups):
         return 1
     return max(1, int(machine.collectives.slots))
 

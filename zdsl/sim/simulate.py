@@ -16,7 +16,6 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from zdsl.ir import DTYPE_BYTES, LANES, TaskGraph, crosses_nodes, group_size
 from zdsl.machine_profile import Link, MachineProfile
@@ -394,26 +393,37 @@ def _independent_schedule(graph: TaskGraph, dur, deps, lane_prev, order, slots: 
     return start, end, gate
 
 
-class OpDemand(NamedTuple):
-    """What one op asks of its rank while it runs: the inputs of the core-sharing model."""
-    fixed: float        # seconds of host work first, one thread's (:func:`op_fixed`)
-    work: float         # seconds of its rated work alone (:func:`rated_duration`)
-    work_cores: float   # cores its work keeps busy (:func:`cpu_demand`)
-    under: float        # the share of its rate it keeps while the cores are full; 0: a fair share (:func:`under_load`)
-    first: bool         # a disk transfer that takes its share before the others (:func:`takes_share_first`)
-    wake: float         # seconds it starts after an input made on another lane ended (:func:`wake_after`)
+@dataclass
+class OpDemands:
+    """What each op asks of its rank while it runs, one list per input of the core-sharing
+    model, indexed by graph position (lists: the event loop reads them per op per event)."""
+    fixed: list[float]        # seconds of host work first, one thread's (:func:`op_fixed`)
+    work: list[float]         # seconds of its rated work alone (:func:`rated_duration`)
+    work_cores: list[float]   # cores its work keeps busy (:func:`cpu_demand`)
+    under: list[float]        # its share of its rate while the cores are full; 0: a fair share (:func:`under_load`)
+    first: list[bool]         # a disk transfer that takes its share before the others (:func:`takes_share_first`)
+    wake: list[float]         # seconds it starts after an input made on another lane ended (:func:`wake_after`)
 
 
 def op_demands(graph: TaskGraph, machine: MachineProfile, fixed: list[float], work: list[float],
-               wake: list[float]) -> list[OpDemand]:
-    """Each op's :class:`OpDemand` on ``machine`` (resolved for the graph's shape)."""
+               wake: list[float]) -> OpDemands:
+    """Each op's demands on ``machine`` (resolved for the graph's shape). Ops of one kind on one
+    lane keep as many cores busy (:func:`cpu_demand`), and ops of one kind over one group keep
+    as much of their rate under load (:func:`under_load`): each is worked out once per key."""
     share_first = takes_share_first(machine)
-    return [OpDemand(fixed[i], work[i], cpu_demand(op, machine), under_load(graph, op, machine),
-                     op.kind.startswith("nvme.") and share_first, wake[i])
-            for i, op in enumerate(graph.ops)]
+    ops = graph.ops
+    by_lane = {(op.kind, op.lane): op for op in ops}       # one op of each kind on each lane
+    by_group = {(op.kind, op.group): op for op in ops}     # one op of each kind over each group
+    lane_cores = {key: cpu_demand(op, machine) for key, op in by_lane.items()}
+    group_under = {key: under_load(graph, op, machine) for key, op in by_group.items()}
+    kind_first = {kind: share_first and kind.startswith("nvme.") for kind, _ in by_lane}
+    work_cores = [lane_cores[op.kind, op.lane] for op in ops]
+    under = [group_under[op.kind, op.group] for op in ops]
+    first = [kind_first[op.kind] for op in ops]
+    return OpDemands(fixed, work, work_cores, under, first, wake)
 
 
-def _shared_schedule(graph: TaskGraph, demands: list[OpDemand], deps, cores: float, slots: dict[str, int]):
+def _shared_schedule(graph: TaskGraph, demands: OpDemands, deps, cores: float, slots: dict[str, int]):
     """Start and end per op when running ops share ``cores``: an event loop over op
     completions; between two events every running op progresses at a fixed rate. An op
     first spends its ``fixed`` seconds (one thread of host work), then its ``work`` seconds
@@ -422,7 +432,7 @@ def _shared_schedule(graph: TaskGraph, demands: list[OpDemand], deps, cores: flo
     or ``slots[lane]``, started in lane order; an op starts no sooner than its ``wake`` after an
     input made on another lane ended (waiting, no share). Also returns each op's lane gate (see
     _independent_schedule)."""
-    n = len(demands)
+    n = len(graph.ops)
     ops = graph.ops
     ready_at = [0.0] * n                     # no start before: the latest input from another lane + wake
     lanes: dict[str, list[int]] = {}
@@ -438,7 +448,8 @@ def _shared_schedule(graph: TaskGraph, demands: list[OpDemand], deps, cores: flo
         for d in ds:
             succ[d].append(i)
     start, end, gate = [0.0] * n, [0.0] * n, [-1] * n
-    fixed_left, work_left = [d.fixed for d in demands], [d.work for d in demands]
+    fixed, work, wake_of = demands.fixed, demands.work, demands.wake
+    fixed_left, work_left = list(fixed), list(work)
     fixed_demand = min(1.0, cores)           # a fixed part is one thread's work
     running: dict[int, int] = {}             # op running -> its lane queue
     busy = [0] * len(queues)                 # ops running per lane
@@ -471,11 +482,11 @@ def _shared_schedule(graph: TaskGraph, demands: list[OpDemand], deps, cores: flo
         for i, q in list(running.items()):
             if fixed_left[i] > 0:
                 fixed_left[i] -= dt * rate[i]
-                if fixed_left[i] <= 1e-12 * (1.0 + demands[i].fixed):
+                if fixed_left[i] <= 1e-12 * (1.0 + fixed[i]):
                     fixed_left[i] = 0.0
             else:
                 work_left[i] -= dt * rate[i]
-            if fixed_left[i] == 0.0 and work_left[i] <= 1e-12 * (1.0 + demands[i].work):
+            if fixed_left[i] == 0.0 and work_left[i] <= 1e-12 * (1.0 + work[i]):
                 end[i] = t
                 del running[i]
                 busy[q] -= 1
@@ -483,36 +494,37 @@ def _shared_schedule(graph: TaskGraph, demands: list[OpDemand], deps, cores: flo
                 done += 1
                 for s_ in succ[i]:
                     waiting[s_] -= 1
-                    wake = demands[s_].wake
+                    wake = wake_of[s_]
                     if wake and ops[s_].lane != ops[i].lane and t + wake > ready_at[s_]:
                         ready_at[s_] = t + wake
     return start, end, gate
 
 
-def _share_rates(running: dict[int, int], fixed_left: list[float], demands: list[OpDemand],
+def _share_rates(running: dict[int, int], fixed_left: list[float], demands: OpDemands,
                  cores: float, fixed_demand: float) -> dict[int, float]:
     """Per running op, the share of its rate it moves at until the next event. A fixed part is
     the host's own work (a collective's issue and completion too): it takes one thread's share.
     An op with ``under`` takes no share for its work and moves in what the others leave idle, at
     least at ``under`` of its rate; one with ``first`` takes its share before the others divide
     what is left; the rest share the cores fairly. ``fixed_demand``: a fixed part's demand."""
-    need = {i: (0.0 if (op := demands[i]).under else op.work_cores) if fixed_left[i] == 0.0 else fixed_demand
+    work_cores, under, first = demands.work_cores, demands.under, demands.first
+    need = {i: (0.0 if under[i] else work_cores[i]) if fixed_left[i] == 0.0 else fixed_demand
             for i in running}
     load = sum(need.values())
     # disk transfers past their fixed part take their share first; the others share the rest
-    claiming = {i for i in running if demands[i].first and fixed_left[i] == 0.0}
+    claiming = {i for i in running if first[i] and fixed_left[i] == 0.0}
     claim = sum(need[i] for i in claiming)
     room, rest = max(0.0, cores - claim), load - claim
     slow = room / rest if rest > room else 1.0
     idle = max(0.0, cores - load)
     rate = {}
-    for i, needs in need.items():
+    for i in running:
         if i in claiming:
-            rate[i] = min(1.0, cores / claim) if needs > 0 else 1.0
-        elif needs > 0:
+            rate[i] = min(1.0, cores / claim) if need[i] > 0 else 1.0
+        elif need[i] > 0:
             rate[i] = slow
-        elif demands[i].under:
-            rate[i] = max(demands[i].under, min(1.0, idle / demands[i].work_cores))
+        elif under[i]:
+            rate[i] = max(under[i], min(1.0, idle / work_cores[i]))
         else:
             rate[i] = 1.0
     return rate
