@@ -12,13 +12,14 @@ to that engine; a batch of another row is refused there (``batches.py``), saying
 Before that first ``engine(x)`` only ``rank``, ``world``, ``train``/``eval``, ``close``,
 ``global_step``, ``lr`` and ``load_checkpoint`` answer. ``load_checkpoint`` resumes as DeepSpeed users
 do, before the loop: it finds the checkpoint and checks its index at once (the engine's errors; the
-ranks agree where their group is already joined, else each checks the same files), returns its
+ranks agree, in the group ``initialize`` joined under a launcher, or the script's own), returns its
 ``client_state`` and makes ``global_step`` and ``lr`` the checkpoint's; its weights and optimizer
 state need the engine, so they are loaded from that same step folder at the first ``engine(x)``,
 right after the engine starts and before its step runs (:meth:`DeferredEngine._started`).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 from typing import Callable
@@ -32,11 +33,13 @@ from zdsl.errors import ZdslApiError
 class DeferredEngine:
     """An :class:`~zdsl.runtime.api.engine.Engine` compiled and started at the first ``engine(x)``."""
 
-    def __init__(self, loaded, begin: Callable):
+    def __init__(self, loaded, begin: Callable, group: contextlib.ExitStack | None = None):
         """``loaded``: the checked schedule (``driver.load``'s); ``begin(compiled, agree)``: finish
-        compiling it and start its engine, calling ``agree(rank, world)`` once the ranks joined."""
+        compiling it and start its engine, calling ``agree(rank, world)`` once the ranks joined;
+        ``group``: leaves the group ``initialize`` joined for it (``setup.join_early``), at ``close``."""
         from zdsl.runtime.dist.group import launched_rank
         self._loaded, self._begin = loaded, begin
+        self._group = group or contextlib.ExitStack()
         self._engine = None
         self._training = True
         self._pending: Path | None = None       # the step folder load_checkpoint found, loaded at the start
@@ -106,8 +109,11 @@ class DeferredEngine:
         return getattr(engine, name)
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
+        try:
+            if self._engine is not None:
+                self._engine.close()
+        finally:
+            self._group.close()          # the engine leaves no group it found joined: this one is ours
 
     def __enter__(self) -> "DeferredEngine":
         return self

@@ -40,7 +40,8 @@ def initialize(schedule, model=None, *, overrides: dict | None = None, timeout_s
     if loaded.graph is None:            # the model's row is the first batch's
         from zdsl.runtime.api.deferred import DeferredEngine
         return DeferredEngine(loaded, lambda completed, agree: start(finish_for(completed, given, units_for), given,
-                                                                     timeout_s, agree))
+                                                                     timeout_s, agree),
+                              join_early(loaded.schedule, timeout_s))
     return start(loaded, given, timeout_s)
 
 
@@ -153,12 +154,7 @@ def join(graph, stack: contextlib.ExitStack, timeout_s: float):
     from zdsl.runtime.dist.group import init_group, join_alone, launched_rank, leave_group
     from zdsl.runtime.run.train import prepare_host
     found = launched_rank()
-    rank, world = found if found is not None else (0, 1)
-    if world != graph.ranks:
-        how = (f"start it with torchrun --nproc-per-node {graph.ranks} (or --set ranks={world})" if found is None else
-               f"launch {graph.ranks} ranks, or set `ranks {world}` (overrides={{'ranks': '{world}'}})")
-        raise ZdslApiError(f"the schedule trains on {graph.ranks} ranks (`ranks {graph.ranks}`) but this script runs "
-                           f"as {world}; {how}")
+    rank, world = same_world(graph.ranks, found)
     joined_before = dist.is_initialized()
     device = prepare_host(graph, rank, world)
     if not joined_before:
@@ -171,6 +167,44 @@ def join(graph, stack: contextlib.ExitStack, timeout_s: float):
             raise ZdslApiError(rendezvous_failure(rank, world, timeout_s, exc, launched=found is not None)) from None
         stack.callback(leave_group)
     return rank, world, device
+
+
+def same_world(ranks: int, found: tuple[int, int] | None) -> tuple[int, int]:
+    """(rank, world) of this process (``launched_rank()``'s ``found``, else alone), or
+    :class:`ZdslApiError` saying how to launch it where the world is not the schedule's ``ranks``."""
+    rank, world = found if found is not None else (0, 1)
+    if world != ranks:
+        how = (f"start it with torchrun --nproc-per-node {ranks} (or --set ranks={world})" if found is None else
+               f"launch {ranks} ranks, or set `ranks {world}` (overrides={{'ranks': '{world}'}})")
+        raise ZdslApiError(f"the schedule trains on {ranks} ranks (`ranks {ranks}`) but this script runs "
+                           f"as {world}; {how}")
+    return rank, world
+
+
+def join_early(schedule, timeout_s: float) -> contextlib.ExitStack:
+    """For an engine compiled at the first ``engine(x)`` (``deferred.py``) under a launcher, with no
+    group joined yet: join it now, so that what the ranks check before that call (a deferred
+    ``load_checkpoint``) is agreed by all of them at once, not by each alone while the others wait
+    out the timeout. The stack leaves the group (empty where nothing was joined: a group of the
+    script's, or a plain ``python script.py``, whose one rank has nobody to agree with)."""
+    import torch.distributed as dist
+
+    from zdsl.runtime.dist.group import init_group, launched_rank, leave_group
+    from zdsl.runtime.run.train import LaunchError, pick_device
+    stack = contextlib.ExitStack()
+    found = launched_rank()
+    if found is None or dist.is_initialized():
+        return stack
+    rank, world = same_world(schedule.ranks, found)
+    try:
+        device = pick_device(schedule.device, rank)
+        init_group(rank, world, device, timeout_s)
+    except LaunchError as exc:
+        raise ZdslApiError(f"rank {rank}: {exc}") from None
+    except (dist.DistError, ValueError) as exc:         # as join's: the environment's, no torch traceback
+        raise ZdslApiError(rendezvous_failure(rank, world, timeout_s, exc)) from None
+    stack.callback(leave_group)
+    return stack
 
 
 def rendezvous_failure(rank: int, world: int, timeout_s: float, exc: BaseException, launched: bool = True) -> str:

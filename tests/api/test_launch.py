@@ -10,6 +10,8 @@ the last call it made, and the one waiting for it with its call; a schedule that
 is refused by the pre-flight in every rank, with zdsl run's reason, before any rank trains (ranks
 that do not fit memory: with how many would, in launch's words), or trains with --ignore-limits;
 a group initialize cannot join is one error naming rank, address and timeout, not torch's traceback.
+A deferred engine's load_checkpoint that fails on one rank fails on every rank at once (initialize
+joined the group), not on that rank alone while the others wait out the timeout.
 """
 from __future__ import annotations
 
@@ -303,3 +305,48 @@ def test_ranks_that_do_not_fit_memory_are_refused_with_how_many_fit_or_forced(tm
         assert ("at most 1 ranks fit (zdsl launch --ranks 1, with `ranks 1` in the schedule or "
                 "initialize(overrides={'ranks': '1'})); no rank went on to train "
                 "(zdsl launch --ignore-limits trains anyway)") in err
+
+
+# A rank of a two-rank deferred engine (no data statement) resuming from argv[1], as torchrun starts it.
+DEFERRED_LOAD = """\
+import sys
+import zdsl
+sys.path.insert(0, {here!r})
+from api_models import batches, mlp
+engine = zdsl.initialize({zs!r}, model=mlp(), timeout_s=3)
+engine.load_checkpoint(sys.argv[1])
+x, y = batches(0, 0, 0, engine.rank, 2, 4)
+engine(x)
+"""
+
+
+def test_a_deferred_load_that_fails_on_one_rank_fails_on_every_rank_at_once(tmp_path, one_rank_group):
+    import torch.nn.functional as F
+    from api_models import batches
+    from test_loop_schedule import bare
+
+    import zdsl
+    from zdsl.runtime.dist.spawn import free_port
+    with zdsl.initialize(bare(tmp_path), model=mlp()) as engine:      # a checkpoint for rank 0's load
+        x, y = batches(0, 0, 0, 0, 1, 4)
+        loss = F.cross_entropy(engine(x), y)          # engine(x) first: it compiles the engine
+        engine.backward(loss)
+        engine.step()
+        engine.save_checkpoint(tmp_path / "ckpt")
+    script = tmp_path / "resume.py"
+    script.write_text(DEFERRED_LOAD.format(here=str(HERE), zs=str(bare(tmp_path, ranks=2))))
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, str(script), str(tmp_path / ("ckpt" if r == 0 else "nothing"))],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(2)]
+    try:
+        errs = [proc.communicate(timeout=120)[1] for proc in ranks]
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for rank, (proc, err) in enumerate(zip(ranks, errs)):     # rank 0's own folder is fine: it has rank 1's error
+        assert proc.returncode == 1, (rank, err)
+        assert f"CheckpointError: {tmp_path / 'nothing'}: no complete checkpoint to resume from" in err, (rank, err)
