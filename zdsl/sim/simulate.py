@@ -403,6 +403,10 @@ class OpDemands:
     under: list[float]        # its share of its rate while the cores are full; 0: a fair share (:func:`under_load`)
     first: list[bool]         # a disk transfer that takes its share before the others (:func:`takes_share_first`)
     wake: list[float]         # seconds it starts after an input made on another lane ended (:func:`wake_after`)
+    some_first: bool = field(init=False)   # any op takes its share first (none does on one core)
+
+    def __post_init__(self) -> None:
+        self.some_first = any(self.first)
 
 
 def op_demands(graph: TaskGraph, machine: MachineProfile, fixed: list[float], work: list[float],
@@ -512,8 +516,8 @@ def _share_rates(running: dict[int, int], fixed_left: list[float], demands: OpDe
             for i in running}
     load = sum(need.values())
     # disk transfers past their fixed part take their share first; the others share the rest
-    claiming = {i for i in running if first[i] and fixed_left[i] == 0.0}
-    claim = sum(need[i] for i in claiming)
+    claiming = {i for i in running if first[i] and fixed_left[i] == 0.0} if demands.some_first else ()
+    claim = sum(need[i] for i in claiming) if claiming else 0
     room, rest = max(0.0, cores - claim), load - claim
     slow = room / rest if rest > room else 1.0
     idle = max(0.0, cores - load)
