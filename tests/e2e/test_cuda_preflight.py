@@ -81,12 +81,12 @@ def test_under_torchrun_every_rank_stops_and_the_nodes_first_says_why(tmp_path, 
 # -- the command end to end ------------------------------------------------------------------
 
 def test_run_refuses_before_any_rank_starts(tmp_path, monkeypatch):
-    from zdsl.runtime.run import launch
+    from zdsl.runtime.run import cli
     from zdsl.runtime.run.cli import main
     started = []
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr(launch, "launch_local", lambda child, ranks, **kw: started.append(ranks) or 0)
+    monkeypatch.setattr(cli, "launch_local", lambda child, ranks, **kw: started.append(ranks) or 0)
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         code = main([str(on_cuda(tmp_path))])

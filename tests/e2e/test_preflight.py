@@ -155,11 +155,12 @@ def run_args(*argv):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Replace the launcher's process starting: records each launch instead."""
-    from zdsl.runtime.run import launch
+    """Replace the launcher's process starting where zdsl run calls it: records each launch instead
+    (a stale patch would start the forced run's 1000 ranks for real)."""
+    from zdsl.runtime.run import cli
     calls = []
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(launch, "launch_local", lambda child, ranks, **kw: calls.append(ranks) or 0)
+    monkeypatch.setattr(cli, "launch_local", lambda child, ranks, **kw: calls.append(ranks) or 0)
     return calls
 
 
