@@ -59,6 +59,10 @@ from zdsl.runtime.proc.board import (
 )
 from zdsl.runtime.proc.guard import STOP_SIGNALS
 
+# Ctrl-C handled as the others, as torchrun's agent does: a launcher started where SIGINT is
+# inherited ignored (a job a non-interactive shell put in the background) must still stop on it
+LAUNCHER_SIGNALS = (*STOP_SIGNALS, signal.SIGINT)
+
 GRACE_S = 3.0            # after a rank failed: for the others to fail on their own
 POLL_S = 0.05
 
@@ -194,7 +198,7 @@ def launch_ranks(command: list[str], ranks: int, timeout_s: float = 120.0, graph
     port = free_port()
     errors = Path(tempfile.mkdtemp(prefix="zdsl-run-"))
     procs: list[subprocess.Popen] = []
-    previous = {s: signal.signal(s, raise_launcher_stopped) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, raise_launcher_stopped) for s in LAUNCHER_SIGNALS}
     try:
         boards = [new_board(errors / f"rank{rank}.progress") for rank in range(ranks)]
         for rank in range(ranks):
@@ -211,7 +215,7 @@ def launch_ranks(command: list[str], ranks: int, timeout_s: float = 120.0, graph
         report_failure(errors, codes, watch, graph)
         return failed_status(codes, watch) if first_status else 1
     except (KeyboardInterrupt, LauncherStopped) as exc:
-        for s in STOP_SIGNALS:               # a second signal must not cut the stopping short
+        for s in LAUNCHER_SIGNALS:           # a second signal must not cut the stopping short
             signal.signal(s, signal.SIG_IGN)
         stop(procs)
         signum = exc.signum if isinstance(exc, LauncherStopped) else signal.SIGINT

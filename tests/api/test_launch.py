@@ -131,7 +131,14 @@ def launched_script(tmp_path: Path, zs: Path | None = None) -> Path:
 
 def launch(*args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "zdsl.cli", "launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=clean_env(), **popen)
+                            stderr=subprocess.PIPE, text=True, env=clean_env(),
+                            preexec_fn=sigint_ignored, **popen)
+
+
+def sigint_ignored() -> None:
+    """As a non-interactive shell starts a job in the background (``cmd &``): the launcher must
+    handle Ctrl-C itself, whatever it inherits, as torchrun does."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
